@@ -1,0 +1,111 @@
+"""RL and SFT algorithms as pure tensor functions, and the `ALGORITHMS` registry.
+
+`ALGORITHMS[variant]` (the `[train.train_policy] variant` key) gives an `Algorithm`: its
+advantage function, its loss, its group filter and the paper's default `LossSettings`:
+
+- "grpo": GRPO (Shao et al. 2024), per-sequence mean of token losses as in the paper.
+- "dapo": GRPO + clip-higher, token-mean, no KL, dynamic sampling (Yu et al. 2025).
+- "gspo": sequence-level ratio with tight clip ranges (Zheng et al. 2025).
+- "aipo": truncated off-policy importance weights, no clip (LlamaRL, Wu et al. 2025).
+
+Every loss takes explicit global denominators `num_tokens` and `num_sequences`.
+"""
+
+from __future__ import annotations
+
+from nebula_rl.algorithms.aggregation import LOSS_TYPES, aggregate
+from nebula_rl.algorithms.aipo import aipo_loss, aipo_weight
+from nebula_rl.algorithms.base import (
+    AdvantageFn,
+    Algorithm,
+    LossFn,
+    LossSettings,
+    PolicyBatch,
+)
+from nebula_rl.algorithms.dapo import dynamic_sampling_filter
+from nebula_rl.algorithms.grpo import (
+    clipped_policy_loss,
+    group_advantages,
+    grpo_advantages,
+    grpo_loss,
+    keep_all_groups,
+)
+from nebula_rl.algorithms.gspo import gspo_loss, gspo_sequence_log_ratio, gspo_token_ratio
+from nebula_rl.algorithms.ppo import decoupled_weight, ppo_clip_loss
+from nebula_rl.algorithms.regularizers import finish_loss, k3_kl, token_mean_metric
+from nebula_rl.algorithms.sft import IGNORE_INDEX, sft_loss, sft_loss_from_logprobs, sft_num_tokens
+
+ALGORITHMS: dict[str, Algorithm] = {
+    "grpo": Algorithm(
+        advantages=group_advantages,
+        loss=grpo_loss,
+        keep_groups=keep_all_groups,
+        defaults=LossSettings(loss_type="seq-mean-token-mean"),
+    ),
+    "dapo": Algorithm(
+        advantages=group_advantages,
+        loss=grpo_loss,
+        keep_groups=dynamic_sampling_filter,
+        defaults=LossSettings(epsilon_high=0.28, loss_type="token-mean", kl_beta=0.0),
+    ),
+    "gspo": Algorithm(
+        advantages=group_advantages,
+        loss=gspo_loss,
+        keep_groups=keep_all_groups,
+        defaults=LossSettings(
+            epsilon_low=3e-4,
+            epsilon_high=4e-4,
+            lower_bound_ratio=None,
+            loss_type="seq-mean-token-mean",
+        ),
+    ),
+    "aipo": Algorithm(
+        advantages=group_advantages,
+        loss=aipo_loss,
+        keep_groups=keep_all_groups,
+        defaults=LossSettings(aipo_rho=2.0, loss_type="token-mean"),
+    ),
+}
+"""RL variants by their `[train.train_policy] variant` name."""
+
+
+def get_algorithm(name: str) -> Algorithm:
+    """The `ALGORITHMS` entry for `name`; ValueError naming the valid choices otherwise."""
+    if name not in ALGORITHMS:
+        raise ValueError(
+            f"unknown train.train_policy.variant {name!r}; choose one of {sorted(ALGORITHMS)}"
+        )
+    return ALGORITHMS[name]
+
+
+__all__ = [
+    "ALGORITHMS",
+    "IGNORE_INDEX",
+    "LOSS_TYPES",
+    "AdvantageFn",
+    "Algorithm",
+    "LossFn",
+    "LossSettings",
+    "PolicyBatch",
+    "aggregate",
+    "aipo_loss",
+    "aipo_weight",
+    "clipped_policy_loss",
+    "decoupled_weight",
+    "dynamic_sampling_filter",
+    "finish_loss",
+    "get_algorithm",
+    "group_advantages",
+    "grpo_advantages",
+    "grpo_loss",
+    "gspo_loss",
+    "gspo_sequence_log_ratio",
+    "gspo_token_ratio",
+    "k3_kl",
+    "keep_all_groups",
+    "ppo_clip_loss",
+    "sft_loss",
+    "sft_loss_from_logprobs",
+    "sft_num_tokens",
+    "token_mean_metric",
+]

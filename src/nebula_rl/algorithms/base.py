@@ -1,0 +1,122 @@
+"""Types shared by the RL variants: settings, the batch, and the registry entry.
+
+Each variant turns a `PolicyBatch` into a per-token policy-gradient loss [B, T] and hands it to
+`regularizers.finish_loss`. The settings and the batch are frozen, slotted dataclasses whose
+fields document their shapes and units.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+from nebula_rl.algorithms.aggregation import LOSS_TYPES
+
+
+@dataclass(frozen=True, slots=True)
+class LossSettings:
+    """The knobs of the RL losses, built from `[train.train_policy]`."""
+
+    epsilon_low: float = 0.2
+    """PPO clip: the ratio is clipped below at 1 - epsilon_low."""
+    epsilon_high: float = 0.2
+    """PPO clip: the ratio is clipped above at 1 + epsilon_high (DAPO clip-higher: 0.28)."""
+    lower_bound_ratio: float | None = 3.0
+    """Dual clip: for A < 0 the token loss is at most lower_bound_ratio * |A|; None disables."""
+    loss_type: str = "token-mean"
+    """How per-token losses are averaged; one of `LOSS_TYPES`."""
+    kl_beta: float = 0.0
+    """Coefficient of the k3 KL penalty to the reference policy; 0 needs no reference."""
+    entropy_coef: float = 0.0
+    """Coefficient of the entropy bonus (subtracted from the loss)."""
+    aipo_rho: float | None = None
+    """AIPO: truncation of the off-policy importance weight (variant "aipo" only)."""
+    behaviour_weight_cap: float | None = None
+    """Decoupled PPO: tokens whose weight pi_prox / pi_behaviour exceeds this are dropped."""
+    max_tokens: int | None = None
+    """Dr.GRPO: the constant per-sequence divisor of "seq-mean-token-sum-norm", in tokens."""
+    normalize_std: bool = True
+    """GRPO advantages divide by the group's std; False is Dr.GRPO (centre only)."""
+
+    def __post_init__(self) -> None:
+        if self.epsilon_low < 0 or self.epsilon_high < 0:
+            raise ValueError(
+                "train.train_policy.epsilon_low and epsilon_high must be >= 0, got "
+                f"{self.epsilon_low} and {self.epsilon_high}"
+            )
+        if self.lower_bound_ratio is not None and self.lower_bound_ratio <= 1.0:
+            raise ValueError(
+                f"train.train_policy.lower_bound_ratio must be > 1, got {self.lower_bound_ratio}"
+            )
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(
+                f"train.train_policy.loss_type must be one of {list(LOSS_TYPES)}, "
+                f"got {self.loss_type!r}"
+            )
+        if self.loss_type == "seq-mean-token-sum-norm" and (
+            self.max_tokens is None or self.max_tokens <= 0
+        ):
+            raise ValueError(
+                "train.train_policy.max_tokens must be > 0 with loss_type "
+                f"'seq-mean-token-sum-norm', got {self.max_tokens}"
+            )
+        for name in ("aipo_rho", "behaviour_weight_cap"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"train.train_policy.{name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyBatch:
+    """One micro-batch of scored tokens; B sequences of T positions, already aligned."""
+
+    logprobs: Tensor
+    """[B, T] log pi_theta of each sampled token, from the trainer's forward (carries grad)."""
+    old_logprobs: Tensor
+    """[B, T] log-probs of the proximal policy, recomputed by the trainer at step start."""
+    advantages: Tensor
+    """[B] one advantage per sequence."""
+    mask: Tensor
+    """[B, T] float, 1 on completion tokens, 0 on prompt and padding."""
+    behaviour_logprobs: Tensor | None = None
+    """[B, T] log-probs the rollout engine sampled with; None when on-policy."""
+    ref_logprobs: Tensor | None = None
+    """[B, T] log-probs of the frozen reference policy; needed when kl_beta != 0."""
+    entropy: Tensor | None = None
+    """[B, T] per-token entropy of pi_theta (carries grad); needed when entropy_coef != 0."""
+
+
+class AdvantageFn(Protocol):
+    """rewards [num_groups, group_size] -> advantages [num_groups, group_size]."""
+
+    def __call__(self, rewards: Tensor, settings: LossSettings) -> Tensor: ...
+
+
+class LossFn(Protocol):
+    """A variant's loss: scalar to minimise plus detached scalar metrics."""
+
+    def __call__(
+        self,
+        batch: PolicyBatch,
+        settings: LossSettings,
+        *,
+        num_tokens: float,
+        num_sequences: float,
+    ) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Algorithm:
+    """One entry of `ALGORITHMS`: what a `[train.train_policy] variant` computes."""
+
+    advantages: AdvantageFn
+    """Group rewards to per-sample advantages."""
+    loss: LossFn
+    """The policy loss."""
+    keep_groups: Callable[[Tensor], Tensor]
+    """rewards [num_groups, group_size] -> bool [num_groups]: groups worth training on."""
+    defaults: LossSettings
+    """The paper's settings; the config layer overrides them field by field."""

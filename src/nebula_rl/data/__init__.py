@@ -1,0 +1,228 @@
+"""Datasets: local files and folders, built-in verifiable tasks, chat templating.
+
+Rows are plain dicts. Local sources are read with Hugging Face `datasets` (JSON lines, JSON,
+Parquet, CSV, or a folder written by `Dataset.save_to_disk`); `builtin:<task>` names a
+procedurally generated task from :data:`BUILTIN_TASKS`. Rows a mode cannot use (a missing column,
+an empty prompt) are counted and reported by :func:`validate_rows`, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from nebula_rl.config import DatasetConfig
+
+__all__ = [
+    "BUILTIN_TASKS",
+    "RowReport",
+    "arithmetic_task",
+    "load_rows",
+    "prompt_token_ids",
+    "sft_example",
+    "split_rows",
+    "validate_rows",
+]
+
+log = logging.getLogger(__name__)
+
+BUILTIN_PREFIX = "builtin:"
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def arithmetic_task(
+    *,
+    num_samples: int = 1000,
+    max_operand: int = 9,
+    ops: str = "+",
+    seed: int = 0,
+    **unknown: Any,
+) -> list[dict[str, str]]:
+    """Procedural arithmetic: prompt `"a+b="`, answer the integer result as text.
+
+    With single-digit operands and `+` there are 100 distinct problems; rows repeat them in a
+    seeded random order so an epoch of `num_samples` rows is reproducible.
+    """
+    if unknown:
+        raise ValueError(f"builtin:arithmetic: unknown option(s) {sorted(unknown)}")
+    if num_samples < 1 or max_operand < 1 or not ops or set(ops) - set("+-*"):
+        raise ValueError(
+            "builtin:arithmetic: need num_samples >= 1, max_operand >= 1, ops in '+-*'"
+        )
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_samples):
+        a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(ops)
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        rows.append({"prompt": f"{a}{op}{b}=", "answer": str(value)})
+    return rows
+
+
+BUILTIN_TASKS: dict[str, Callable[..., list[dict[str, str]]]] = {"arithmetic": arithmetic_task}
+
+
+def _local_files(path: Path, splits: Sequence[str]) -> tuple[str, list[str]]:
+    if path.is_file():
+        files = [path]
+    else:
+        files = [
+            f for split in splits for f in sorted(path.glob(f"{split}*")) if f.suffix in _FORMATS
+        ]
+        if not files:
+            raise ValueError(
+                f"dataset.name: {path} holds no {'/'.join(_FORMATS)} file for split(s) {list(splits)}"
+            )
+    kinds = {_FORMATS.get(f.suffix) for f in files}
+    if None in kinds or len(kinds) != 1:
+        raise ValueError(
+            f"dataset.name: cannot read {[str(f) for f in files]}: one of {sorted(_FORMATS)}"
+        )
+    return kinds.pop(), [str(f) for f in files]  # type: ignore[return-value]
+
+
+def load_rows(ds: DatasetConfig, *, seed: int = 0) -> list[dict[str, Any]]:
+    """All rows of the configured splits, in file order."""
+    if ds.name.startswith(BUILTIN_PREFIX):
+        task = ds.name.removeprefix(BUILTIN_PREFIX)
+        if task not in BUILTIN_TASKS:
+            raise ValueError(
+                f"dataset.name: unknown built-in task {task!r}; choose from {sorted(BUILTIN_TASKS)}"
+            )
+        return BUILTIN_TASKS[task](**{"seed": seed, **ds.kwargs})
+    if not ds.name:
+        raise ValueError("dataset.name: empty; give a local file/folder or builtin:<task>")
+    import datasets
+
+    path = Path(ds.name)
+    if not path.exists():
+        raise ValueError(
+            f"dataset.name: {path} does not exist (datasets are read from local files only)"
+        )
+    saved = ("dataset_info.json", "state.json", "dataset_dict.json")
+    if path.is_dir() and any((path / name).exists() for name in saved):
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            return [row for split in ds.split for row in loaded[split]]
+        return list(loaded)
+    kind, files = _local_files(path, ds.split)
+    table = datasets.load_dataset(kind, data_files=files, split="train")
+    return list(table)
+
+
+def split_rows(
+    rows: list[dict[str, Any]], test_size: float | int | None, *, seed: int = 0
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train, held-out) by a seeded shuffle; `test_size` is a fraction or a row count."""
+    if not test_size:
+        return rows, []
+    n_test = round(len(rows) * test_size) if isinstance(test_size, float) else test_size
+    if not 0 < n_test < len(rows):
+        raise ValueError(
+            f"dataset.test_size: {test_size} leaves no train or no test rows of {len(rows)}"
+        )
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    test = {*order[:n_test]}
+    return [r for i, r in enumerate(rows) if i not in test], [rows[i] for i in sorted(test)]
+
+
+@dataclass(frozen=True, slots=True)
+class RowReport:
+    """How many rows were usable, and why the others were not."""
+
+    num_rows: int
+    num_bad: int
+    reasons: dict[str, int]
+
+    def summary(self) -> str:
+        """One line for the log."""
+        if not self.num_bad:
+            return f"{self.num_rows} rows, all usable"
+        why = ", ".join(f"{k}: {v}" for k, v in sorted(self.reasons.items()))
+        return f"{self.num_rows} rows, {self.num_bad} unusable ({why})"
+
+
+def validate_rows(
+    rows: list[dict[str, Any]], *, columns: Sequence[str]
+) -> tuple[list[dict[str, Any]], RowReport]:
+    """Keep rows whose `columns` are present and non-empty; count the rest by reason."""
+    good, reasons = [], {}
+    for row in rows:
+        missing = next((c for c in columns if c not in row or row[c] in (None, "", [])), None)
+        if missing is None:
+            good.append(row)
+        else:
+            key = f"missing or empty '{missing}'"
+            reasons[key] = reasons.get(key, 0) + 1
+    report = RowReport(num_rows=len(rows), num_bad=len(rows) - len(good), reasons=reasons)
+    if report.num_bad:
+        log.warning("dataset: %s", report.summary())
+    return good, report
+
+
+def _messages(prompt: str | list[dict[str, str]], system_prompt: str) -> list[dict[str, str]]:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def prompt_token_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str | list[dict[str, str]],
+    *,
+    system_prompt: str = "",
+) -> list[int]:
+    """Token ids of a prompt ready for generation: chat template with the assistant header when
+    the tokenizer has one, else the raw text."""
+    if tokenizer.chat_template is None:
+        if not isinstance(prompt, str):
+            raise ValueError("chat-message prompts need a tokenizer with a chat template")
+        return tokenizer.encode(system_prompt + prompt, add_special_tokens=True)
+    ids = tokenizer.apply_chat_template(
+        _messages(prompt, system_prompt),
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
+    return list(ids)
+
+
+def sft_example(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    *,
+    system_prompt: str = "",
+    max_length: int | None = None,
+) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of a conversation; the mask is 1 on assistant tokens only.
+
+    Works with any chat template: the template is rendered on growing prefixes of the
+    conversation and each assistant turn owns the tokens its prefix adds after the generation
+    prompt, so it covers the reply and its end-of-turn token.
+    """
+    messages = _messages(messages, system_prompt)
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, msg in enumerate(messages):
+        render = tokenizer.apply_chat_template
+        if msg["role"] == "assistant":
+            head = render(
+                messages[:i], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+            mask += [0] * (len(head) - len(ids))
+            ids = list(head)
+        full = render(messages[: i + 1], tokenize=True, return_dict=True)["input_ids"]
+        if list(full[: len(ids)]) != ids:
+            raise ValueError("chat template is not prefix-stable; cannot mask assistant turns")
+        mask += [int(msg["role"] == "assistant")] * (len(full) - len(ids))
+        ids = list(full)
+    if max_length is not None:
+        ids, mask = ids[:max_length], mask[:max_length]
+    return ids, mask

@@ -1,0 +1,205 @@
+"""Models and tokenizers: any Hugging Face causal LM from a local folder, or a tiny preset.
+
+A preset (`tiny:qwen2`, `tiny:llama`) is a few-million-parameter model of that architecture with
+random initialisation and a character-level tokenizer trained locally with the `tokenizers`
+library, saved as an ordinary Hugging Face folder (config, safetensors, tokenizer, ChatML chat
+template). Presets exist for tests and demos; nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "TINY_PRESETS",
+    "build_char_tokenizer",
+    "build_tiny_model",
+    "count_parameters",
+    "load_model",
+    "load_tokenizer",
+    "resolve_dtype",
+]
+
+PRESET_PREFIX = "tiny:"
+
+# ChatML, as the Qwen family uses it. `{% generation %}` marks the assistant's tokens so that
+# `apply_chat_template(..., return_assistant_tokens_mask=True)` works; nebula-rl's SFT masking
+# does not rely on it (it works with any template), but other tools may.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}"
+    "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+
+# Architecture settings of each preset; vocab_size is filled in from the tokenizer (rounded up).
+TINY_PRESETS: dict[str, dict[str, Any]] = {
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    ),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def build_char_tokenizer(corpus: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """Train a character-level BPE tokenizer (no merges) over printable ASCII plus ChatML tokens.
+
+    The alphabet is fixed, so the result does not depend on `corpus`, which only has to be
+    representative text; the `<unk>` token stands for characters outside printable ASCII.
+    """
+    from tokenizers import Tokenizer, decoders, models, trainers
+
+    alphabet = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(SPECIAL_TOKENS) + len(alphabet),
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus or [string.printable], trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>"],
+        model_max_length=4096,
+        padding_side="left",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def build_tiny_model(
+    preset: str,
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    pad_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> PreTrainedModel:
+    """A randomly initialised model of the named preset (see :data:`TINY_PRESETS`)."""
+    if preset not in TINY_PRESETS:
+        raise ValueError(f"unknown tiny preset {preset!r}; choose from {sorted(TINY_PRESETS)}")
+    settings = dict(TINY_PRESETS[preset])
+    model_type = settings.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=(vocab_size + 63) // 64 * 64,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        **settings,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """`"bfloat16"` -> `torch.bfloat16`, for the dtype names the config allows."""
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"unknown dtype {name!r}; choose from {sorted(dtypes)}")
+    return dtypes[name]
+
+
+def _preset_name(name_or_path: str) -> str | None:
+    return (
+        name_or_path.removeprefix(PRESET_PREFIX) if name_or_path.startswith(PRESET_PREFIX) else None
+    )
+
+
+def _check_local(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if not path.is_dir():
+        raise ValueError(
+            f"policy.model_name_or_path: {name_or_path!r} is not a local folder nor a preset "
+            f"({', '.join(PRESET_PREFIX + p for p in TINY_PRESETS)}); nebula-rl never downloads "
+            "models, so put the Hugging Face folder on disk first"
+        )
+    if not (path / "config.json").is_file():
+        raise ValueError(f"policy.model_name_or_path: {path} has no config.json")
+    return path
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local model folder or a preset; left padding, a pad token set."""
+    if _preset_name(name_or_path) is not None:
+        return build_char_tokenizer()
+    tok = AutoTokenizer.from_pretrained(_check_local(name_or_path), local_files_only=True)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A causal LM from a local Hugging Face folder, or a freshly initialised preset."""
+    preset = _preset_name(name_or_path)
+    if preset is not None:
+        tok = build_char_tokenizer()
+        model = build_tiny_model(
+            preset,
+            vocab_size=len(tok),
+            seed=seed,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            _check_local(name_or_path), dtype=dtype, local_files_only=True
+        )
+    return model.to(device=device, dtype=dtype)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())

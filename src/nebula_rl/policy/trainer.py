@@ -1,0 +1,320 @@
+"""The policy's training step: token log-probs, batch assembly, the RL and SFT updates.
+
+One `PolicyTrainer` owns a model, its optimiser and LR schedule. `grpo_step` takes scored
+rollout groups and performs `mu_iterations` optimiser steps over them; `sft_step` takes tokenised
+conversations and performs one. Both accumulate gradients over micro-batches of `mini_batch`
+sequences with the step's global token and sequence counts as loss denominators (STYLE rule 3),
+so the result does not depend on how the batch is split.
+
+Log-probs are recomputed here: the proximal policy's ("old") log-probs are the trainer's own at
+the start of the step (the rollout engine's log-probs enter only as behaviour-policy weights, for
+decoupled PPO and AIPO). With `mu_iterations = 1` and no behaviour correction the proximal
+log-probs equal the detached current ones, and the extra forward pass is skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from nebula_rl.algorithms import ALGORITHMS, LossSettings, PolicyBatch, sft_loss_from_logprobs
+from nebula_rl.config import Config, GrpoConfig, TrainingConfig
+from nebula_rl.protocol import RolloutGroup
+
+__all__ = [
+    "PolicyTrainer",
+    "TokenBatch",
+    "collate_groups",
+    "loss_settings",
+    "lr_lambda",
+    "token_logprobs",
+]
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-prob of each next token, [B, L-1], and optionally the per-position entropy [B, L-1].
+
+    Position t holds log p(input_ids[:, t + 1] | input_ids[:, :t + 1]) at `temperature`. Logits are
+    upcast to float32 before the softmax.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = F.log_softmax(logits, dim=-1)
+    logprobs = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    return logprobs, entropy
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBatch:
+    """Right-padded sequences with per-target-position tensors (position t predicts t + 1)."""
+
+    input_ids: Tensor
+    """[N, L] prompt + response tokens."""
+    attention_mask: Tensor
+    """[N, L] 1 on real tokens."""
+    target_mask: Tensor
+    """[N, L-1] float, 1 where the target token is a trained token (response / assistant)."""
+    behaviour_logprobs: Tensor
+    """[N, L-1] rollout log-probs aligned with `target_mask` (0 elsewhere)."""
+    advantages: Tensor
+    """[N] per-sequence advantage (0 for SFT)."""
+
+    def rows(self, start: int, stop: int) -> TokenBatch:
+        """Rows [start, stop), trimmed of columns that are padding in all of them."""
+        length = int(self.attention_mask[start:stop].sum(1).max())
+        return TokenBatch(
+            input_ids=self.input_ids[start:stop, :length],
+            attention_mask=self.attention_mask[start:stop, :length],
+            target_mask=self.target_mask[start:stop, : length - 1],
+            behaviour_logprobs=self.behaviour_logprobs[start:stop, : length - 1],
+            advantages=self.advantages[start:stop],
+        )
+
+
+def _pad_batch(
+    sequences: Sequence[tuple[list[int], list[int], list[float]]], advantages: Tensor, pad_id: int
+) -> TokenBatch:
+    """(token ids, trained-token mask, behaviour logprobs per token) -> right-padded TokenBatch."""
+    n, length = len(sequences), max(len(ids) for ids, _, _ in sequences)
+    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, length), dtype=torch.long)
+    mask = torch.zeros((n, length), dtype=torch.float32)
+    behaviour = torch.zeros((n, length), dtype=torch.float32)
+    for i, (ids, m, lp) in enumerate(sequences):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention[i, : len(ids)] = 1
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+        behaviour[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    # Shift to target space: entry t describes input_ids[:, t + 1].
+    return TokenBatch(input_ids, attention, mask[:, 1:], behaviour[:, 1:], advantages)
+
+
+def collate_groups(
+    groups: Sequence[RolloutGroup], advantages: Tensor, *, pad_id: int
+) -> TokenBatch:
+    """Flatten groups to one row per completion: prompt + response, response tokens trained."""
+    sequences = []
+    for group in groups:
+        p = group.prompt_token_ids
+        for c in group.completions:
+            sequences.append(
+                (
+                    p + c.token_ids,
+                    [0] * len(p) + [1] * len(c.token_ids),
+                    [0.0] * len(p) + c.logprobs,
+                )
+            )
+    return _pad_batch(sequences, advantages.flatten().float(), pad_id)
+
+
+def loss_settings(cfg: Config) -> LossSettings:
+    """The algorithm knobs from `[train.train_policy]` (the config is authoritative)."""
+    p = cfg.grpo
+    return LossSettings(
+        epsilon_low=p.epsilon_low,
+        epsilon_high=p.epsilon_high,
+        lower_bound_ratio=p.lower_bound_ratio,
+        loss_type=p.loss_type,
+        kl_beta=p.kl_beta,
+        entropy_coef=p.entropy_coef,
+        aipo_rho=p.aipo_rho,
+        behaviour_weight_cap=p.behaviour_weight_cap,
+        max_tokens=p.unbiased_loss_max_tokens or cfg.rollout.max_response_length,
+        normalize_std=not p.unbiased_advantage,
+    )
+
+
+def lr_lambda(train: TrainingConfig, total_steps: int):
+    """LR multiplier per step: linear warm-up, then the configured decay down to the floor."""
+    warmup = train.optm_warmup_steps
+    warmup = int(warmup * total_steps) if isinstance(warmup, float) and warmup <= 1 else int(warmup)
+    floor, decay = train.optm_min_lr_factor, train.optm_decay_type or "none"
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if decay == "none" or total_steps <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        shape = {
+            "linear": 1.0 - progress,
+            "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
+            "sqrt": 1.0 - math.sqrt(progress),
+        }[decay]
+        return floor + (1.0 - floor) * shape
+
+    return factor
+
+
+def _chunks(n: int, size: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, n, size):
+        yield start, min(n, start + size)
+
+
+class PolicyTrainer:
+    """Model + optimiser + schedule, and the two kinds of update."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: Config,
+        *,
+        total_steps: int,
+        pad_id: int,
+        ref_model: nn.Module | None = None,
+    ) -> None:
+        self.model, self.cfg, self.pad_id, self.ref_model = model, cfg, pad_id, ref_model
+        t = cfg.train
+        opt_cls = torch.optim.AdamW if t.optm_name == "AdamW" else torch.optim.Adam
+        impl = {
+            "fused": {"fused": True},
+            "foreach": {"foreach": True},
+            "for-loop": {"foreach": False},
+        }
+        self.optimizer = opt_cls(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=t.optm_lr,
+            betas=t.optm_betas,
+            eps=t.epsilon,
+            weight_decay=t.optm_weight_decay,
+            **impl[t.optm_impl],
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(t, total_steps)
+        )
+        self.device = next(model.parameters()).device
+
+    def _optimizer_step(self) -> float:
+        clip = self.cfg.train.optm_grad_norm_clip
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    @torch.no_grad()
+    def _logprobs_no_grad(self, model: nn.Module, batch: TokenBatch, temperature: float) -> Tensor:
+        out = torch.zeros_like(batch.target_mask)
+        for start, stop in _chunks(
+            batch.input_ids.shape[0], self.cfg.train.train_policy.mini_batch
+        ):
+            mb = batch.rows(start, stop)
+            lp, _ = token_logprobs(
+                model,
+                mb.input_ids.to(self.device),
+                mb.attention_mask.to(self.device),
+                temperature=temperature,
+            )
+            out[start:stop, : lp.shape[1]] = lp.cpu()
+        return out
+
+    def grpo_step(self, groups: Sequence[RolloutGroup]) -> dict[str, float]:
+        """One training step of the configured RL variant over scored groups."""
+        p: GrpoConfig = self.cfg.grpo
+        algorithm, settings = ALGORITHMS[p.variant], loss_settings(self.cfg)
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        advantages = algorithm.advantages(rewards, settings)
+        batch = collate_groups(groups, advantages, pad_id=self.pad_id)
+        num_tokens = float(batch.target_mask.sum())
+        num_sequences = float(batch.input_ids.shape[0])
+        use_behaviour = p.decoupled_loss or p.variant == "aipo"
+        needs_old = p.mu_iterations > 1 or use_behaviour
+        old = self._logprobs_no_grad(self.model, batch, p.temperature) if needs_old else None
+        ref = (
+            self._logprobs_no_grad(self.ref_model, batch, p.temperature) if p.kl_beta > 0 else None
+        )
+
+        self.model.train()
+        sums: dict[str, float] = {}
+        grad_norm = 0.0
+        for iteration in range(p.mu_iterations):
+            for start, stop in _chunks(batch.input_ids.shape[0], p.mini_batch):
+                mb = batch.rows(start, stop)
+                width = mb.target_mask.shape[1]
+                logprobs, entropy = token_logprobs(
+                    self.model,
+                    mb.input_ids.to(self.device),
+                    mb.attention_mask.to(self.device),
+                    temperature=p.temperature,
+                    with_entropy=True,
+                )
+                if settings.entropy_coef == 0:
+                    entropy = entropy.detach()
+                dev = self.device
+                policy_batch = PolicyBatch(
+                    logprobs=logprobs,
+                    old_logprobs=(
+                        old[start:stop, :width].to(dev) if old is not None else logprobs.detach()
+                    ),
+                    advantages=mb.advantages.to(dev),
+                    mask=mb.target_mask.to(dev),
+                    behaviour_logprobs=mb.behaviour_logprobs.to(dev) if use_behaviour else None,
+                    ref_logprobs=ref[start:stop, :width].to(dev) if ref is not None else None,
+                    entropy=entropy,
+                )
+                loss, metrics = algorithm.loss(
+                    policy_batch, settings, num_tokens=num_tokens, num_sequences=num_sequences
+                )
+                loss.backward()
+                if iteration == 0:
+                    sums["loss"] = sums.get("loss", 0.0) + loss.item()
+                    for key, value in metrics.items():
+                        sums[key] = sums.get(key, 0.0) + float(value)
+            grad_norm = self._optimizer_step()
+        self.scheduler.step()
+        lengths = [len(c.token_ids) for g in groups for c in g.completions]
+        return {
+            **sums,
+            "grad_norm": grad_norm,
+            "lr": self.scheduler.get_last_lr()[0],
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "response_length_mean": sum(lengths) / len(lengths),
+            "num_tokens": num_tokens,
+            "num_sequences": num_sequences,
+        }
+
+    def sft_step(self, examples: Sequence[tuple[list[int], list[int]]]) -> dict[str, float]:
+        """One optimiser step of next-token cross-entropy on the masked (assistant) tokens."""
+        batch = _pad_batch(
+            [(ids, mask, [0.0] * len(ids)) for ids, mask in examples],
+            torch.zeros(len(examples)),
+            self.pad_id,
+        )
+        num_tokens = float(batch.target_mask.sum())
+        self.model.train()
+        total = 0.0
+        for start, stop in _chunks(
+            batch.input_ids.shape[0], self.cfg.train.train_policy.mini_batch
+        ):
+            mb = batch.rows(start, stop)
+            logprobs, _ = token_logprobs(
+                self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
+            )
+            loss = sft_loss_from_logprobs(
+                logprobs, mb.target_mask.to(self.device), num_tokens=num_tokens
+            )
+            loss.backward()
+            total += loss.item()
+        grad_norm = self._optimizer_step()
+        self.scheduler.step()
+        return {
+            "loss": total,
+            "grad_norm": grad_norm,
+            "lr": self.scheduler.get_last_lr()[0],
+            "num_tokens": num_tokens,
+        }

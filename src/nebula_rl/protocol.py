@@ -1,0 +1,108 @@
+"""Wire types: what travels between the controller, rollout replicas and policy replicas.
+
+Frozen, slotted dataclasses that serialise to JSON (:func:`to_json` / :func:`from_json`) so they
+can sit in Redis streams. Token sequences are lists of ints; nothing here holds a tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "Completion",
+    "FinishReason",
+    "Prompt",
+    "RolloutGroup",
+    "from_json",
+    "to_json",
+]
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One dataset row handed out for generation."""
+
+    prompt_id: str
+    """Unique within the job: `"<epoch>:<index>"`."""
+    epoch: int
+    """Epoch this hand-out belongs to (0-based)."""
+    index: int
+    """Row index in the training dataset."""
+    prompt: str | list[dict[str, str]]
+    """Prompt text, or chat messages."""
+    reference: str
+    """Reference answer the reward functions compare against."""
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One sampled response with what training needs of it."""
+
+    token_ids: list[int]
+    """Response tokens, [T]; includes the end-of-sequence token when one was sampled."""
+    logprobs: list[float]
+    """Log-prob of each token under the sampling distribution used (behaviour policy), [T]."""
+    text: str
+    """Decoded response."""
+    finish_reason: FinishReason
+    """`stop` (EOS or stop string), `length` (hit max tokens), `abort`."""
+    version_changes: list[tuple[int, int]]
+    """(token index, policy_version) from which each version generated the tokens; the first
+    entry is (0, version at the first token)."""
+    reward: float = 0.0
+    """Scalar reward, filled in after scoring."""
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest policy version that produced a token of this completion."""
+        return self.version_changes[0][1] if self.version_changes else 0
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutGroup:
+    """The `n_generation` completions of one prompt: the unit GRPO normalises over."""
+
+    prompt: Prompt
+    """The prompt."""
+    prompt_token_ids: list[int]
+    """Tokenised prompt as the engine saw it (chat template applied)."""
+    completions: list[Completion]
+    """`n_generation` completions."""
+    replica: str = ""
+    """Name of the rollout replica that produced the group."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form metadata (e.g. reward components)."""
+
+    @property
+    def rewards(self) -> list[float]:
+        """Reward of each completion."""
+        return [c.reward for c in self.completions]
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest policy version among the group's tokens."""
+        return min(c.policy_version for c in self.completions)
+
+
+def to_json(obj: Prompt | RolloutGroup) -> str:
+    """Serialise a wire object."""
+    return json.dumps(asdict(obj), separators=(",", ":"))
+
+
+def from_json(kind: type[Prompt] | type[RolloutGroup], text: str | bytes) -> Any:
+    """Inverse of :func:`to_json` for the given type."""
+    data = json.loads(text)
+    if kind is Prompt:
+        return Prompt(**data)
+    if kind is RolloutGroup:
+        data["prompt"] = Prompt(**data["prompt"])
+        data["completions"] = [
+            Completion(**{**c, "version_changes": [tuple(v) for v in c["version_changes"]]})
+            for c in data["completions"]
+        ]
+        return RolloutGroup(**data)
+    raise TypeError(f"cannot decode {kind!r}")

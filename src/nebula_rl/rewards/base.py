@@ -1,0 +1,146 @@
+"""The reward registry and weighted combinations of rewards.
+
+A reward is a pure function ``fn(completion, reference) -> float`` of text: ``completion`` is the
+generated response and ``reference`` is the dataset's answer column as a string. Rewards are run
+in a process pool, so they must be picklable, i.e. top-level functions of an importable module;
+``register_reward`` refuses anything else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+RewardFn = Callable[[str, str], float]
+"""``fn(completion, reference) -> float``; positional because every caller passes both."""
+
+REWARDS: dict[str, RewardFn] = {}
+"""Every reward known by name; filled by ``register_reward``."""
+
+_F = TypeVar("_F", bound=RewardFn)
+
+
+def register_reward(name: str) -> Callable[[_F], _F]:
+    """Return a decorator that registers a reward function under ``name`` in ``REWARDS``.
+
+    The function is returned unchanged so it stays picklable by reference. It must be a top-level
+    function of an importable module (no lambda or closure), because rewards are sent
+    to worker processes. Registering a different function under a taken name is an error;
+    re-registering the same function (a module imported twice) is not.
+    """
+    if not name or ":" in name:
+        raise ValueError(f"reward name must be non-empty and contain no ':', got {name!r}")
+
+    def decorator(fn: _F) -> _F:
+        if not callable(fn):
+            raise ValueError(f"reward {name!r} must be callable, got {type(fn).__name__}")
+        # Lambdas and closures ("<lambda>", "f.<locals>.g") cannot be pickled by reference.
+        if "<" in getattr(fn, "__qualname__", ""):
+            raise ValueError(
+                f"reward {name!r} must be a top-level function of an importable module so it can "
+                f"be pickled into worker processes, got {fn!r}"
+            )
+        existing = REWARDS.get(name)
+        if existing is not None and _qualified_name(existing) != _qualified_name(fn):
+            raise ValueError(
+                f"reward {name!r} is already registered to {_qualified_name(existing)}; "
+                f"pick another name for {_qualified_name(fn)}"
+            )
+        REWARDS[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_reward(name: str) -> RewardFn:
+    """Look up a reward by registered name, or load one from a ``"module.path:function"`` string.
+
+    Raises ``ValueError`` naming the known rewards when ``name`` is neither.
+    """
+    if ":" in name:
+        return _import_reward(name)
+    try:
+        return REWARDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}, "
+            "or give a 'module.path:function' import path"
+        ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class CombinedReward:
+    """A weighted sum of rewards: ``sum(weight * fn(completion, reference))``.
+
+    Picklable as long as every term's function is (registered ones are), so it can be sent to a
+    process pool as is.
+    """
+
+    terms: tuple[tuple[str, RewardFn, float], ...]
+    """``(name, fn, weight)`` for each summed reward, in the order given."""
+
+    def __call__(self, completion: str, reference: str) -> float:
+        """Return the weighted sum of every term's reward for one completion."""
+        return sum(weight * fn(completion, reference) for _, fn, weight in self.terms)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names of the summed rewards, e.g. for logging each one separately."""
+        return tuple(name for name, _, _ in self.terms)
+
+
+def combine_rewards(spec: str | Sequence[str] | Mapping[str, float]) -> CombinedReward:
+    """Build the reward a config's ``reward_function`` field describes.
+
+    ``spec`` is one name (``"gsm8k"``), a list of names summed with weight 1.0
+    (``["gsm8k", "format"]``), or a mapping of name to weight (``{"gsm8k": 1.0, "format": 0.1}``).
+    Names are registered names or ``"module.path:function"`` import paths.
+    """
+    if isinstance(spec, str):
+        weights: dict[str, float] = {spec: 1.0}
+    elif isinstance(spec, Mapping):
+        weights = dict(spec)
+    elif isinstance(spec, Sequence):
+        if len(set(spec)) != len(spec):
+            raise ValueError(f"reward_function lists a reward twice: {list(spec)}")
+        weights = dict.fromkeys(spec, 1.0)
+    else:
+        raise TypeError(
+            "reward_function must be a name, a list of names or a {name: weight} mapping, "
+            f"got {type(spec).__name__}"
+        )
+    if not weights:
+        raise ValueError("reward_function must name at least one reward")
+    terms = []
+    for name, weight in weights.items():
+        if not isinstance(name, str):
+            raise TypeError(f"reward names must be strings, got {name!r}")
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise TypeError(f"weight of reward {name!r} must be a number, got {weight!r}")
+        if not math.isfinite(weight):
+            raise ValueError(f"weight of reward {name!r} must be finite, got {weight}")
+        terms.append((name, get_reward(name), float(weight)))
+    return CombinedReward(terms=tuple(terms))
+
+
+def _qualified_name(fn: RewardFn) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _import_reward(path: str) -> RewardFn:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr or ":" in attr:
+        raise ValueError(f"reward import path must look like 'module.path:function', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import module {module_name!r} of reward {path!r}: {e}") from e
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r} (reward {path!r})")
+    if not callable(fn):
+        raise ValueError(f"reward {path!r} is not callable, got {type(fn).__name__}")
+    return fn

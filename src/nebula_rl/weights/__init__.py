@@ -1,0 +1,1 @@
+"""nebula_rl.weights."""

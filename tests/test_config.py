@@ -1,0 +1,125 @@
+from pathlib import Path
+
+import pytest
+
+from nebula_rl.config import ConfigError, GrpoConfig, SftConfig, config_from_dict, load_config
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.toml"))
+
+
+def test_configs_dir_is_not_empty():
+    assert len(CONFIGS) >= 3
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.train.train_batch_per_replica >= 1
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def test_misspelt_key_is_named_with_file(tmp_path):
+    path = _write(tmp_path, "[train]\noptm_lrr = 1e-5\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: train.optm_lrr: unknown key"
+
+
+def test_unknown_key_inside_discriminated_policy_is_dotted(tmp_path):
+    path = _write(tmp_path, '[train.train_policy]\ntype = "grpo"\nepsilon_lo = 0.1\n')
+    with pytest.raises(
+        ConfigError, match=r"job\.toml: train\.train_policy\.epsilon_lo: unknown key"
+    ):
+        load_config(path)
+
+
+def test_bad_value_names_key(tmp_path):
+    path = _write(tmp_path, "[rollout]\nn_generation = 0\n")
+    with pytest.raises(ConfigError, match=r"rollout\.n_generation: Input should be greater"):
+        load_config(path)
+
+
+def test_invalid_toml_names_file(tmp_path):
+    path = _write(tmp_path, "[train\n")
+    with pytest.raises(ConfigError, match=r"job\.toml: invalid TOML"):
+        load_config(path)
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_temperature_mismatch_names_both_keys():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"train": {"train_policy": {"type": "grpo", "temperature": 0.7}}})
+    assert "train.train_policy.temperature" in str(err.value)
+    assert "rollout.sampling_config.temperature" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("gsm8k", {"gsm8k": 1.0}),
+        (["gsm8k", "format"], {"gsm8k": 1.0, "format": 1.0}),
+        ({"a": 0.5}, {"a": 0.5}),
+    ],
+)
+def test_reward_function_forms(spec, expected):
+    cfg = config_from_dict({"train": {"train_policy": {"type": "grpo", "reward_function": spec}}})
+    assert cfg.grpo.reward_function == expected
+
+
+def test_policy_type_inferred_like_cosmos():
+    rl = config_from_dict({"train": {"train_policy": {"epsilon_low": 0.1}}})
+    sft = config_from_dict({"train": {"train_policy": {"conversation_column_name": "msgs"}}})
+    assert isinstance(rl.train.train_policy, GrpoConfig)
+    assert isinstance(sft.train.train_policy, SftConfig)
+
+
+def test_zero_dp_shard_size_rejected():
+    with pytest.raises(ConfigError, match=r"policy\.parallelism\.dp_shard_size"):
+        config_from_dict({"policy": {"parallelism": {"dp_shard_size": 0}}})
+
+
+def test_aipo_requires_rho():
+    with pytest.raises(ConfigError, match="aipo_rho"):
+        config_from_dict({"train": {"train_policy": {"type": "grpo", "variant": "aipo"}}})
+
+
+def test_on_policy_requires_sync_every_step():
+    with pytest.raises(ConfigError, match="sync_weight_interval"):
+        config_from_dict(
+            {
+                "train": {
+                    "sync_weight_interval": 2,
+                    "train_policy": {"type": "grpo", "on_policy": True},
+                }
+            }
+        )
+
+
+def test_every_field_is_documented():
+    from pydantic import BaseModel
+
+    from nebula_rl.config import Config
+
+    seen, todo, undocumented = set(), [Config], []
+    while todo:
+        model = todo.pop()
+        if model in seen:
+            continue
+        seen.add(model)
+        for name, field in model.model_fields.items():
+            if not field.description:
+                undocumented.append(f"{model.__name__}.{name}")
+            for arg in getattr(field.annotation, "__args__", ()) + (field.annotation,):
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    todo.append(arg)
+    assert len(seen) > 10
+    assert undocumented == []

@@ -1,0 +1,134 @@
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nebula_rl.config import DatasetConfig
+from nebula_rl.data import (
+    arithmetic_task,
+    load_rows,
+    prompt_token_ids,
+    sft_example,
+    split_rows,
+    validate_rows,
+)
+from nebula_rl.models import build_char_tokenizer, count_parameters, load_model, load_tokenizer
+
+GSM8K = __import__("pathlib").Path(__file__).parents[2] / "shared" / "datasets" / "gsm8k"
+
+
+def test_char_tokenizer_round_trips_text_and_chat_tokens():
+    tok = build_char_tokenizer()
+    text = "<|im_start|>user\nWhat is 12+30?<|im_end|>"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    assert ids[-1] == tok.eos_token_id
+    assert len(ids) == 1 + len("user\nWhat is 12+30?") + 1  # one token per character
+
+
+def test_non_ascii_maps_to_unk():
+    tok = build_char_tokenizer()
+    assert tok.encode("é") == [tok.unk_token_id]
+
+
+@pytest.mark.parametrize("preset", ["tiny:qwen2", "tiny:llama"])
+def test_presets_are_a_few_million_parameters(preset):
+    model = load_model(preset)
+    assert 1_000_000 < count_parameters(model) < 10_000_000
+    assert model.config.vocab_size >= len(build_char_tokenizer())
+
+
+def test_saved_preset_loads_with_auto_classes(tmp_path):
+    model, tok = load_model("tiny:qwen2", seed=3), build_char_tokenizer()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    tok2 = AutoTokenizer.from_pretrained(tmp_path)
+    x = torch.tensor([tok2.encode("1+2=")])
+    torch.testing.assert_close(again(x).logits, model(x).logits)
+    assert tok2.chat_template == tok.chat_template
+    assert load_tokenizer(str(tmp_path)).padding_side == "left"
+
+
+def test_missing_model_path_error_says_no_download(tmp_path):
+    with pytest.raises(ValueError, match="never downloads"):
+        load_model(str(tmp_path / "Qwen" / "Qwen2.5-0.5B"))
+
+
+def test_arithmetic_rows_are_correct_and_seeded():
+    rows = arithmetic_task(num_samples=50, max_operand=9, ops="+-*", seed=3)
+    assert rows == arithmetic_task(num_samples=50, max_operand=9, ops="+-*", seed=3)
+    assert rows != arithmetic_task(num_samples=50, max_operand=9, ops="+-*", seed=4)
+    for row in rows:
+        assert str(eval(row["prompt"].rstrip("="))) == row["answer"]
+
+
+def test_builtin_unknown_option_is_an_error():
+    with pytest.raises(ValueError, match="unknown option"):
+        load_rows(DatasetConfig(name="builtin:arithmetic", kwargs={"digits": 2}))
+
+
+def test_local_jsonl_parquet_and_saved_folder(tmp_path):
+    import datasets
+
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(5)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert load_rows(DatasetConfig(name=str(tmp_path))) == rows
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "p.parquet"))
+    assert load_rows(DatasetConfig(name=str(tmp_path / "p.parquet"))) == rows
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    assert load_rows(DatasetConfig(name=str(tmp_path / "saved"))) == rows
+
+
+def test_missing_dataset_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_rows(DatasetConfig(name=str(tmp_path / "none")))
+
+
+def test_gsm8k_from_local_files():
+    rows = load_rows(DatasetConfig(name=str(GSM8K), split="test"))
+    assert len(rows) == 1319
+    assert "####" in rows[0]["answer"]
+
+
+def test_prompt_ids_use_chat_template():
+    tok = build_char_tokenizer()
+    ids = prompt_token_ids(tok, "3+5=", system_prompt="Add.")
+    assert (
+        tok.decode(ids)
+        == "<|im_start|>system\nAdd.<|im_end|>\n<|im_start|>user\n3+5=<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_sft_mask_covers_only_assistant_turns():
+    tok = build_char_tokenizer()
+    msgs = [
+        {"role": "user", "content": "1+1="},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "2+2="},
+        {"role": "assistant", "content": "4"},
+    ]
+    ids, mask = sft_example(tok, msgs)
+    assert len(ids) == len(mask)
+    trained = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    assert trained == "2<|im_end|>\n4<|im_end|>\n"
+    assert tok.decode(ids).count("<|im_start|>") == 4
+
+
+def test_validate_rows_counts_bad_rows():
+    rows = [{"p": "a", "a": "1"}, {"p": "", "a": "2"}, {"a": "3"}, {"p": "b", "a": None}]
+    good, report = validate_rows(rows, columns=["p", "a"])
+    assert good == rows[:1]
+    assert report.num_bad == 3
+    assert report.reasons == {"missing or empty 'p'": 2, "missing or empty 'a'": 1}
+
+
+def test_split_rows_is_disjoint_and_complete():
+    rows = [{"i": i} for i in range(100)]
+    train, test = split_rows(rows, 0.2, seed=1)
+    assert len(test) == 20 and len(train) == 80
+    assert sorted(r["i"] for r in train + test) == list(range(100))
+    with pytest.raises(ValueError, match="test_size"):
+        split_rows(rows, 100)
