@@ -28,12 +28,12 @@ test-all: setup
 	$(BIN)/python -m pytest -q -m "not gpu"
 
 lint: setup
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 format: setup
-	$(BIN)/ruff format src tests bench
-	$(BIN)/ruff check --fix src tests bench
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 typecheck: setup
 	$(BIN)/mypy
