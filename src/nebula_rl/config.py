@@ -387,9 +387,7 @@ class RolloutConfig(_Section):
 class LoggingConfig(_Section):
     """Where metrics go."""
 
-    logger: list[Literal["console", "tensorboard", "wandb"]] = Field(
-        default_factory=lambda: ["console"]
-    )
+    logger: list[Literal["console", "tensorboard", "wandb"]] = ["console"]
     """Metric sinks; `metrics.jsonl` in the run folder is always written."""
     project_name: str = "nebula_rl"
     """Weights & Biases project."""

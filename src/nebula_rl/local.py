@@ -43,7 +43,7 @@ def run_dir_for(cfg: Config) -> Path:
 def export_hf(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
     """Write a Hugging Face folder (config, safetensors, tokenizer) that `from_pretrained` loads."""
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    model.save_pretrained(path, safe_serialization=True)  # type: ignore[operator]
     tokenizer.save_pretrained(path)
 
 

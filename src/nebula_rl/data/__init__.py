@@ -152,7 +152,8 @@ def validate_rows(
     rows: list[dict[str, Any]], *, columns: Sequence[str]
 ) -> tuple[list[dict[str, Any]], RowReport]:
     """Keep rows whose `columns` are present and non-empty; count the rest by reason."""
-    good, reasons = [], {}
+    good: list[dict[str, Any]] = []
+    reasons: dict[str, int] = {}
     for row in rows:
         missing = next((c for c in columns if c not in row or row[c] in (None, "", [])), None)
         if missing is None:
@@ -185,13 +186,20 @@ def prompt_token_ids(
         if not isinstance(prompt, str):
             raise ValueError("chat-message prompts need a tokenizer with a chat template")
         return tokenizer.encode(system_prompt + prompt, add_special_tokens=True)
-    ids = tokenizer.apply_chat_template(
-        _messages(prompt, system_prompt),
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-    )["input_ids"]
-    return list(ids)
+    return _render(tokenizer, _messages(prompt, system_prompt), add_generation_prompt=True)
+
+
+def _render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    *,
+    add_generation_prompt: bool = False,
+) -> list[int]:
+    """Token ids of `messages` under the tokenizer's chat template."""
+    out: Any = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+    )
+    return [int(t) for t in out["input_ids"]]
 
 
 def sft_example(
@@ -211,18 +219,15 @@ def sft_example(
     ids: list[int] = []
     mask: list[int] = []
     for i, msg in enumerate(messages):
-        render = tokenizer.apply_chat_template
         if msg["role"] == "assistant":
-            head = render(
-                messages[:i], add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
+            head = _render(tokenizer, messages[:i], add_generation_prompt=True)
             mask += [0] * (len(head) - len(ids))
-            ids = list(head)
-        full = render(messages[: i + 1], tokenize=True, return_dict=True)["input_ids"]
-        if list(full[: len(ids)]) != ids:
+            ids = head
+        full = _render(tokenizer, messages[: i + 1])
+        if full[: len(ids)] != ids:
             raise ValueError("chat template is not prefix-stable; cannot mask assistant turns")
         mask += [int(msg["role"] == "assistant")] * (len(full) - len(ids))
-        ids = list(full)
+        ids = full
     if max_length is not None:
         ids, mask = ids[:max_length], mask[:max_length]
     return ids, mask

@@ -197,7 +197,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             _check_local(name_or_path), dtype=dtype, local_files_only=True
         )
-    return model.to(device=device, dtype=dtype)
+    return model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
 
 
 def count_parameters(model: torch.nn.Module) -> int:

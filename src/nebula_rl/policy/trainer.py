@@ -234,9 +234,11 @@ class PolicyTrainer:
         use_behaviour = p.decoupled_loss or p.variant == "aipo"
         needs_old = p.mu_iterations > 1 or use_behaviour
         old = self._logprobs_no_grad(self.model, batch, p.temperature) if needs_old else None
-        ref = (
-            self._logprobs_no_grad(self.ref_model, batch, p.temperature) if p.kl_beta > 0 else None
-        )
+        ref = None
+        if p.kl_beta > 0:
+            if self.ref_model is None:
+                raise ValueError("train.train_policy.kl_beta > 0 needs a reference model")
+            ref = self._logprobs_no_grad(self.ref_model, batch, p.temperature)
 
         self.model.train()
         sums: dict[str, float] = {}
@@ -252,6 +254,7 @@ class PolicyTrainer:
                     temperature=p.temperature,
                     with_entropy=True,
                 )
+                assert entropy is not None
                 if settings.entropy_coef == 0:
                     entropy = entropy.detach()
                 dev = self.device
@@ -280,7 +283,7 @@ class PolicyTrainer:
         return {
             **sums,
             "grad_norm": grad_norm,
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": float(self.scheduler.get_last_lr()[0]),
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             "response_length_mean": sum(lengths) / len(lengths),
@@ -315,6 +318,6 @@ class PolicyTrainer:
         return {
             "loss": total,
             "grad_norm": grad_norm,
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": float(self.scheduler.get_last_lr()[0]),
             "num_tokens": num_tokens,
         }
