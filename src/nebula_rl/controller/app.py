@@ -1,0 +1,308 @@
+"""The controller's HTTP API: the control plane (register, heartbeat, unregister, meta, status).
+
+Prompts, completions and training batches do not pass through HTTP: replicas read and write the
+Redis streams of :class:`~nebula_rl.controller.state.JobState` directly, with the Redis URL they
+get from `/api/meta`. Every endpoint but `/health` needs `Authorization: Bearer <token>`.
+
+Input is untrusted: the token and the body size are checked before anything is parsed, bodies are
+pydantic models that forbid unknown fields and bound every string and number, so bad input gets a
+4xx answer. A 5xx means a bug in the controller (or, 503, Redis being unreachable).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Annotated, Any, Literal
+
+import redis
+import uvicorn
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from nebula_rl.controller.state import JobState
+
+__all__ = [
+    "MAX_BODY_BYTES",
+    "HeartbeatRequest",
+    "HttpServer",
+    "RegisterRequest",
+    "UnregisterRequest",
+    "create_app",
+    "serve",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1 << 20
+"""Largest request body accepted (413 beyond)."""
+PUBLIC_PATHS = frozenset({"/health"})
+"""Paths served without a token."""
+
+ReplicaName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}$")]
+HostName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:%\[\]-]{1,255}$")]
+StatName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_./:-]{1,64}$")]
+StatValue = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+
+
+class RegisterRequest(_Body):
+    """A replica joins (or rejoins after a restart) the job."""
+
+    name: ReplicaName
+    """Unique replica name; rollout replicas also use it as their Redis consumer name."""
+    role: Literal["policy", "rollout"]
+    """What the replica does."""
+    host: HostName
+    """Host name or address where its rank 0 runs."""
+    world_size: int = Field(ge=1, le=1 << 20)
+    """Processes in the replica's torchrun group."""
+
+
+class HeartbeatRequest(_Body):
+    """A replica is alive."""
+
+    name: ReplicaName
+    """Registered replica name."""
+    policy_version: int = Field(ge=-1, le=1 << 53)
+    """Version of the weights it holds (-1: none yet)."""
+    stats: dict[StatName, StatValue] = Field(default_factory=dict, max_length=64)
+    """Free-form numbers for the dashboard (e.g. `tokens_per_s`)."""
+
+
+class UnregisterRequest(_Body):
+    """A replica leaves the job."""
+
+    name: ReplicaName
+    """Registered replica name."""
+
+
+class _Guard:
+    """ASGI middleware: token check (all but :data:`PUBLIC_PATHS`) and body size cap, both before
+    FastAPI parses anything, so an unauthenticated caller learns nothing from validation errors."""
+
+    def __init__(self, app: ASGIApp, *, token: str, max_body_bytes: int) -> None:
+        self.app = app
+        self.token = token.encode()
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] not in PUBLIC_PATHS and not self._authorized(scope):
+            await _reply(
+                send, 401, "missing or invalid bearer token", [(b"www-authenticate", b"Bearer")]
+            )
+            return
+        body = await self._read_body(receive)
+        if body is None:  # the client left
+            return
+        if len(body) > self.max_body_bytes:
+            await _reply(send, 413, f"request body exceeds {self.max_body_bytes} bytes")
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, credentials = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(
+                    credentials.strip(), self.token
+                )
+        return False
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The body, read no further than one chunk past the cap; None if the client left."""
+        chunks, size, more = [], 0, True
+        while more and size <= self.max_body_bytes:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+
+async def _reply(
+    send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] = ()
+) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def create_app(
+    *,
+    state: JobState,
+    config_json: dict[str, Any],
+    token: str,
+    meta_extra: dict[str, Any] | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
+    """The controller API over `state`; `/api/meta` returns `config_json` and `meta_extra`."""
+    if not token:
+        raise ValueError("the controller needs a non-empty bearer token")
+    meta = {"job": state.job, "config": config_json, **(meta_extra or {})}
+    app = FastAPI(title="nebula-rl controller", docs_url=None, redoc_url=None)
+    app.add_middleware(_Guard, token=token, max_body_bytes=max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # Only loc/msg/type: the default also echoes the input, up to a megabyte of it.
+        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        return JSONResponse({"detail": errors}, status_code=422)
+
+    @app.exception_handler(redis.ConnectionError)
+    async def redis_down(request: Request, exc: redis.ConnectionError) -> JSONResponse:
+        log.error("Redis is unreachable: %s", exc)
+        return JSONResponse({"detail": "state store unavailable"}, status_code=503)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette logs the traceback; the caller gets no internals.
+        return JSONResponse({"detail": "internal server error"}, status_code=500)
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        """Liveness probe; needs no token."""
+        return {"status": "ok"}
+
+    @app.post("/api/replica/register")
+    def register(req: RegisterRequest) -> dict[str, Any]:
+        """Add a replica; returns its id and where the job stands."""
+        if req.role == "rollout":
+            # A rollout that rejoins under its old name has lost the prompts it held.
+            state.requeue_pending(req.name)
+        replica_id = state.register_replica(
+            req.name, role=req.role, host=req.host, world_size=req.world_size
+        )
+        return {
+            "replica_id": replica_id,
+            "policy_version": state.policy_version(),
+            "step": state.step(),
+        }
+
+    @app.post("/api/replica/heartbeat")
+    def heartbeat(req: HeartbeatRequest) -> dict[str, Any]:
+        """Record liveness; 404 tells a replica the controller forgot it and it must re-register."""
+        if not state.heartbeat(req.name, policy_version=req.policy_version, stats=req.stats):
+            raise HTTPException(404, f"replica {req.name} is not registered")
+        return {"policy_version": state.policy_version(), "step": state.step()}
+
+    @app.post("/api/replica/unregister")
+    def unregister(req: UnregisterRequest) -> dict[str, Any]:
+        """Remove a replica; prompts it still held go back to the queue."""
+        state.requeue_pending(req.name)
+        if not state.unregister_replica(req.name):
+            raise HTTPException(404, f"replica {req.name} is not registered")
+        return {"ok": True}
+
+    @app.get("/api/meta")
+    def get_meta() -> dict[str, Any]:
+        """The job's config and what replicas need to join it (e.g. the Redis URL)."""
+        return meta
+
+    @app.get("/api/status")
+    def status() -> dict[str, Any]:
+        """Step, policy version, replicas and the ledger of every epoch."""
+        return {
+            "job": state.job,
+            "step": state.step(),
+            "policy_version": state.policy_version(),
+            "buffer_size": state.buffer_size(),
+            "replicas": state.replicas(),
+            "ledger": {str(e): state.ledger_summary(e) for e in state.epochs()},
+        }
+
+    return app
+
+
+@dataclass
+class HttpServer:
+    """A uvicorn server running in a background thread."""
+
+    server: uvicorn.Server
+    """The server."""
+    thread: threading.Thread
+    """The thread running it."""
+    host: str
+    """Bound interface."""
+    port: int
+    """Bound port."""
+
+    @property
+    def url(self) -> str:
+        """`http://host:port`."""
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the server to exit and wait for its thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise RuntimeError(f"HTTP server did not stop within {timeout:.0f} s")
+
+    def __enter__(self) -> HttpServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def serve(
+    app: FastAPI, *, host: str = "127.0.0.1", port: int = 0, timeout: float = 10.0
+) -> HttpServer:
+    """Start `app` under uvicorn in a daemon thread; returns once it listens (port 0: any free)."""
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, server_header=False
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="controller-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"HTTP server failed to start on {host}:{port} (see the log)")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"HTTP server did not start within {timeout:.0f} s")
+        time.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return HttpServer(server, thread, host, bound)

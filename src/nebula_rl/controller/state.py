@@ -1,0 +1,435 @@
+"""The job's durable state in Redis: prompt ledger, completion buffer, versions, replica registry.
+
+Everything a restarted controller needs lives here, under keys prefixed `nebula:<job>:`; the
+controller process itself keeps nothing it cannot rebuild from Redis.
+
+Life of a prompt in an epoch (the ledger, `ledger:<epoch>`, maps dataset index -> state)::
+
+    enqueue_prompts        -> outstanding   (XADD to the `prompts` stream)
+    claim_prompts          -> a rollout replica holds it (pending in consumer group `rollout`)
+    push_group + ack       -> its RolloutGroup waits in the `groups` stream
+    accept_group           -> completed     (in the buffer)     or, if too stale, requeued
+    requeue_pending        -> requeued      (a dead replica's prompts go back to the stream)
+    next_batch/mark_trained-> trained
+
+Exactly once: a prompt may be generated more than once (a replica that was declared dead but was
+only slow pushes its group anyway), but only the first group of each `prompt_id` is accepted
+(`accepted:<epoch>` set), so it is trained once. Nothing is lost: a prompt leaves the streams only
+when its group is accepted or it is put back as a new stream entry, in one transaction.
+
+Simplifications: one controller consumes the `groups` stream; one training batch is in flight at
+a time; staleness is judged when a group is accepted (the scheduler keeps the buffer short).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import redis
+from redis.client import Pipeline
+from redis.exceptions import ResponseError
+
+from nebula_rl.protocol import Prompt, RolloutGroup, from_json, to_json
+
+__all__ = ["LEDGER_STATES", "JobState"]
+
+log = logging.getLogger(__name__)
+
+LEDGER_STATES = ("outstanding", "requeued", "completed", "trained")
+"""What the ledger records per dataset index: handed out, handed out again after a requeue,
+accepted into the buffer, trained."""
+
+ROLLOUT_GROUP = "rollout"
+"""Consumer group of rollout replicas on the `prompts` stream."""
+CONTROLLER_GROUP = "controller"
+"""Consumer group of the controller on the `groups` stream."""
+
+_JOB_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+class JobState:
+    """All durable controller state of job `job`, kept in Redis.
+
+    `redis` must decode responses to `str` (see :func:`nebula_rl.controller.connect`). `clock`
+    gives heartbeat times in seconds; tests pass a fake one.
+    """
+
+    def __init__(
+        self, redis: redis.Redis, job: str, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        if not _JOB_NAME.fullmatch(job):
+            raise ValueError(f"job name {job!r} must be 1-64 characters of [A-Za-z0-9_.-]")
+        if not redis.get_connection_kwargs().get("decode_responses"):
+            raise ValueError("JobState needs a Redis client with decode_responses=True")
+        self.redis = redis
+        self.job = job
+        self.clock = clock
+        self.prefix = f"nebula:{job}:"
+        for stream, group in (
+            (self.key("prompts"), ROLLOUT_GROUP),
+            (self.key("groups"), CONTROLLER_GROUP),
+        ):
+            try:
+                redis.xgroup_create(stream, group, id="0", mkstream=True)
+            except ResponseError as err:
+                if "BUSYGROUP" not in str(err):
+                    raise
+
+    def key(self, *parts: object) -> str:
+        """`nebula:<job>:<part>:<part>...`."""
+        return self.prefix + ":".join(str(p) for p in parts)
+
+    # -- prompts --------------------------------------------------------------------------------
+
+    def enqueue_prompts(self, prompts: list[Prompt]) -> int:
+        """Hand out prompts the ledger has not seen yet; returns how many were enqueued.
+
+        Idempotent, so a restarted controller can enqueue its epoch again without duplicates.
+        """
+        by_epoch: dict[int, list[Prompt]] = {}
+        for p in prompts:
+            by_epoch.setdefault(p.epoch, []).append(p)
+        ledgers = [self.key("ledger", epoch) for epoch in by_epoch]
+
+        def enqueue(pipe: Pipeline) -> int:
+            new = [
+                p
+                for epoch, group in by_epoch.items()
+                for p, state in zip(
+                    group,
+                    pipe.hmget(self.key("ledger", epoch), [p.index for p in group]),
+                    strict=True,
+                )
+                if state is None
+            ]
+            pipe.multi()
+            for p in new:
+                pipe.xadd(self.key("prompts"), {"prompt": to_json(p)})
+                pipe.hset(self.key("ledger", p.epoch), p.index, "outstanding")
+            if by_epoch:
+                pipe.sadd(self.key("epochs"), *by_epoch)
+            return len(new)
+
+        return self.redis.transaction(enqueue, *ledgers, value_from_callable=True)
+
+    def claim_prompts(
+        self, consumer: str, count: int, block_ms: int = 0
+    ) -> list[tuple[str, Prompt]]:
+        """Take up to `count` prompts for rollout replica `consumer`: (stream id, prompt) pairs.
+
+        Waits up to `block_ms` for one to arrive (0: return at once). The prompts stay pending for
+        `consumer` until :meth:`ack_prompts`, or until :meth:`requeue_pending` gives them back.
+        """
+        reply = self.redis.xreadgroup(
+            ROLLOUT_GROUP, consumer, {self.key("prompts"): ">"}, count=count, block=block_ms or None
+        )
+        return [
+            (msg_id, from_json(Prompt, f["prompt"]))
+            for _, entries in reply
+            for msg_id, f in entries
+        ]
+
+    def ack_prompts(self, msg_ids: list[str]) -> None:
+        """A rollout replica is done with these prompts (their groups are pushed)."""
+        if msg_ids:
+            with self.redis.pipeline() as pipe:
+                pipe.xack(self.key("prompts"), ROLLOUT_GROUP, *msg_ids)
+                pipe.xdel(self.key("prompts"), *msg_ids)
+                pipe.execute()
+
+    def requeue_pending(self, consumer: str) -> int:
+        """Put the prompts `consumer` holds back on the stream, e.g. when it died; returns how many.
+
+        Each one becomes a new stream entry and the old one is acknowledged, in one transaction,
+        so any replica can take it and none is lost. Prompts whose group was already accepted are
+        only acknowledged.
+        """
+        stream, requeued = self.key("prompts"), 0
+        while pending := self.redis.xpending_range(stream, ROLLOUT_GROUP, "-", "+", 1000, consumer):
+            msg_ids = [p["message_id"] for p in pending]
+            with self.redis.pipeline(transaction=False) as pipe:
+                for msg_id in msg_ids:
+                    pipe.xrange(stream, msg_id, msg_id)
+                prompts = [from_json(Prompt, e[0][1]["prompt"]) for e in pipe.execute() if e]
+            states = [self._state(p) for p in prompts]
+            with self.redis.pipeline() as pipe:  # MULTI/EXEC
+                for p, state in zip(prompts, states, strict=True):
+                    if state in ("outstanding", "requeued"):
+                        self._requeue(pipe, p)
+                        requeued += 1
+                pipe.xack(stream, ROLLOUT_GROUP, *msg_ids)
+                pipe.xdel(stream, *msg_ids)
+                pipe.execute()
+        if requeued:
+            log.info("requeued %d prompts held by %s", requeued, consumer)
+        return requeued
+
+    def _state(self, prompt: Prompt) -> str | None:
+        return self.redis.hget(self.key("ledger", prompt.epoch), prompt.index)
+
+    def _requeue(self, pipe: Pipeline, prompt: Prompt) -> None:
+        pipe.xadd(self.key("prompts"), {"prompt": to_json(prompt)})
+        pipe.hset(self.key("ledger", prompt.epoch), prompt.index, "requeued")
+        pipe.hincrby(self.key("counters", prompt.epoch), "requeue_events", 1)
+
+    # -- completions ----------------------------------------------------------------------------
+
+    def push_group(self, group: RolloutGroup) -> str:
+        """A rollout replica hands in one prompt's completions; returns the stream id."""
+        return self.redis.xadd(self.key("groups"), {"group": to_json(group)})
+
+    def poll_groups(
+        self, count: int, block_ms: int = 0, *, consumer: str = "controller"
+    ) -> list[tuple[str, RolloutGroup]]:
+        """Groups for the controller to judge with :meth:`accept_group`: (stream id, group).
+
+        Groups read but not judged before a controller crash come first, so none is skipped.
+        Undecodable entries are logged and dropped.
+        """
+        stream = self.key("groups")
+        reply = self.redis.xreadgroup(CONTROLLER_GROUP, consumer, {stream: "0"}, count=count)
+        if not reply or not reply[0][1]:
+            reply = self.redis.xreadgroup(
+                CONTROLLER_GROUP, consumer, {stream: ">"}, count=count, block=block_ms or None
+            )
+        out = []
+        for _, entries in reply:
+            for msg_id, fields in entries:
+                try:
+                    out.append((msg_id, _decode_group(fields)))
+                except (KeyError, TypeError, ValueError) as err:
+                    log.warning("dropping undecodable group %s: %s", msg_id, err)
+                    self._drop_message(msg_id)
+        return out
+
+    def _drop_message(self, msg_id: str) -> None:
+        with self.redis.pipeline() as pipe:
+            pipe.xack(self.key("groups"), CONTROLLER_GROUP, msg_id)
+            pipe.xdel(self.key("groups"), msg_id)
+            pipe.execute()
+
+    def accept_group(
+        self,
+        group: RolloutGroup,
+        current_version: int,
+        allowed_outdated_steps: int,
+        *,
+        msg_id: str | None = None,
+    ) -> bool:
+        """Put `group` into the buffer unless it is a duplicate or too stale; True if accepted.
+
+        Stale means `group.policy_version < current_version - allowed_outdated_steps`; a stale
+        group is dropped and its prompt requeued. A group whose prompt_id was already accepted
+        this epoch is dropped. `msg_id` (from :meth:`poll_groups`) is acknowledged in the same
+        transaction, so a crash can neither lose the group nor count it twice.
+        """
+        p = group.prompt
+        accepted, counters = self.key("accepted", p.epoch), self.key("counters", p.epoch)
+        stale = group.policy_version < current_version - allowed_outdated_steps
+
+        def decide(pipe: Pipeline) -> bool:
+            duplicate = pipe.sismember(accepted, p.prompt_id)
+            pipe.multi()
+            if duplicate:
+                pipe.hincrby(counters, "duplicates_dropped", 1)
+            elif stale:
+                pipe.hincrby(counters, "stale_dropped", 1)
+                self._requeue(pipe, p)
+            else:
+                pipe.sadd(accepted, p.prompt_id)
+                pipe.rpush(self.key("buffer"), to_json(group))
+                pipe.hset(self.key("ledger", p.epoch), p.index, "completed")
+            if msg_id is not None:
+                pipe.xack(self.key("groups"), CONTROLLER_GROUP, msg_id)
+                pipe.xdel(self.key("groups"), msg_id)
+            return not duplicate and not stale
+
+        return self.redis.transaction(decide, accepted, value_from_callable=True)
+
+    # -- training batches -----------------------------------------------------------------------
+
+    def buffer_size(self) -> int:
+        """Accepted groups waiting for a training batch."""
+        return self.redis.llen(self.key("buffer"))
+
+    def next_batch(self, size: int) -> list[RolloutGroup] | None:
+        """The training batch in flight, else the `size` oldest accepted groups, else None.
+
+        A batch stays in flight (`inflight` list) until :meth:`mark_trained`; asking again
+        returns the same batch, so a restarted controller re-issues it instead of losing it.
+        """
+        if size < 1:
+            raise ValueError(f"batch size must be >= 1, got {size}")
+        buffer, inflight = self.key("buffer"), self.key("inflight")
+
+        def take(pipe: Pipeline) -> list[str] | None:
+            batch = pipe.lrange(inflight, 0, -1)
+            if batch:
+                return batch
+            if pipe.llen(buffer) < size:
+                return None
+            batch = pipe.lrange(buffer, 0, size - 1)
+            pipe.multi()
+            pipe.ltrim(buffer, size, -1)
+            pipe.rpush(inflight, *batch)
+            return batch
+
+        batch = self.redis.transaction(take, buffer, inflight, value_from_callable=True)
+        return None if batch is None else [from_json(RolloutGroup, g) for g in batch]
+
+    def mark_trained(self, prompt_ids: list[str], step: int) -> None:
+        """The in-flight batch (these prompt_ids) was trained by optimiser step `step`."""
+        inflight = self.key("inflight")
+
+        def finish(pipe: Pipeline) -> None:
+            prompts = [from_json(RolloutGroup, g).prompt for g in pipe.lrange(inflight, 0, -1)]
+            if sorted(p.prompt_id for p in prompts) != sorted(prompt_ids):
+                raise ValueError(f"prompt_ids {prompt_ids} are not the batch in flight")
+            pipe.multi()
+            for p in prompts:
+                pipe.hset(self.key("ledger", p.epoch), p.index, "trained")
+                pipe.hincrby(self.key("trained", p.epoch), p.index, 1)
+            pipe.delete(inflight)
+            pipe.set(self.key("step"), step)
+
+        self.redis.transaction(finish, inflight)
+
+    def ledger_summary(self, epoch: int) -> dict[str, int]:
+        """Counts for `epoch`: `total` prompts, how many are in each of :data:`LEDGER_STATES`,
+        `trained_more_than_once` (must stay 0), and the `requeue_events`, `duplicates_dropped`
+        and `stale_dropped` counters."""
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hvals(self.key("ledger", epoch))
+            pipe.hvals(self.key("trained", epoch))
+            pipe.hgetall(self.key("counters", epoch))
+            states, trained, counters = pipe.execute()
+        summary = {"total": len(states)}
+        summary |= {s: states.count(s) for s in LEDGER_STATES}
+        summary["trained_more_than_once"] = sum(int(n) > 1 for n in trained)
+        for name in ("requeue_events", "duplicates_dropped", "stale_dropped"):
+            summary[name] = int(counters.get(name, 0))
+        return summary
+
+    def epochs(self) -> list[int]:
+        """Epochs that have prompts in the ledger."""
+        return sorted(int(e) for e in self.redis.smembers(self.key("epochs")))
+
+    # -- versions -------------------------------------------------------------------------------
+
+    def policy_version(self) -> int:
+        """Version of the newest policy weights (0 before the first update)."""
+        return int(self.redis.get(self.key("policy_version")) or 0)
+
+    def bump_policy_version(self) -> int:
+        """New weights exist; returns the new version."""
+        return self.redis.incr(self.key("policy_version"))
+
+    def step(self) -> int:
+        """Last optimiser step recorded by :meth:`mark_trained` (0 before the first)."""
+        return int(self.redis.get(self.key("step")) or 0)
+
+    # -- replica registry -----------------------------------------------------------------------
+
+    def register_replica(
+        self, name: str, *, role: Literal["policy", "rollout"], host: str, world_size: int
+    ) -> int:
+        """Add (or re-add, after a restart) replica `name`; returns a new, job-unique replica id."""
+        replica_id = self.redis.incr(self.key("replica_seq"))
+        now = self.clock()
+        info = {
+            "replica_id": replica_id,
+            "role": role,
+            "host": host,
+            "world_size": world_size,
+            "registered_at": now,
+            "last_heartbeat": now,
+            "policy_version": -1,
+            "stats": "{}",
+        }
+        with self.redis.pipeline() as pipe:
+            pipe.delete(self.key("replica", name))
+            pipe.hset(self.key("replica", name), mapping=info)
+            pipe.zadd(self.key("replicas"), {name: now})
+            pipe.execute()
+        return replica_id
+
+    def heartbeat(self, name: str, *, policy_version: int, stats: dict[str, float]) -> bool:
+        """Replica `name` is alive, holding weights `policy_version`; False if not registered."""
+        replica = self.key("replica", name)
+
+        def beat(pipe: Pipeline) -> bool:
+            if not pipe.exists(replica):
+                return False
+            now = self.clock()
+            pipe.multi()
+            pipe.hset(
+                replica,
+                mapping={
+                    "last_heartbeat": now,
+                    "policy_version": policy_version,
+                    "stats": json.dumps(stats),
+                },
+            )
+            pipe.zadd(self.key("replicas"), {name: now})
+            return True
+
+        return self.redis.transaction(beat, replica, value_from_callable=True)
+
+    def unregister_replica(self, name: str) -> bool:
+        """Forget replica `name`; False if it was not registered. Its prompts are not requeued
+        here: see :meth:`requeue_pending`."""
+        with self.redis.pipeline() as pipe:
+            pipe.delete(self.key("replica", name))
+            pipe.zrem(self.key("replicas"), name)
+            deleted, _ = pipe.execute()
+        return bool(deleted)
+
+    def replicas(self) -> dict[str, dict[str, Any]]:
+        """Registered replicas: name -> {replica_id, role, host, world_size, registered_at,
+        last_heartbeat, policy_version, stats}."""
+        names = self.redis.zrange(self.key("replicas"), 0, -1)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hgetall(self.key("replica", name))
+            infos = pipe.execute()
+        return {
+            name: _decode_replica(info) for name, info in zip(names, infos, strict=True) if info
+        }
+
+    def dead_replicas(self, timeout: float) -> list[str]:
+        """Replicas whose last heartbeat is more than `timeout` seconds old."""
+        return self.redis.zrangebyscore(self.key("replicas"), "-inf", f"({self.clock() - timeout}")
+
+    def reap_dead_replicas(self, timeout: float) -> list[str]:
+        """Unregister replicas silent for `timeout` seconds and requeue their prompts."""
+        dead = self.dead_replicas(timeout)
+        for name in dead:
+            log.warning("replica %s missed heartbeats for %.0f s: removing it", name, timeout)
+            self.requeue_pending(name)
+            self.unregister_replica(name)
+        return dead
+
+
+def _decode_group(fields: dict[str, str]) -> RolloutGroup:
+    group = from_json(RolloutGroup, fields["group"])
+    if not group.completions:
+        raise ValueError("a group without completions")
+    return group
+
+
+def _decode_replica(info: dict[str, str]) -> dict[str, Any]:
+    return {
+        "replica_id": int(info["replica_id"]),
+        "role": info["role"],
+        "host": info["host"],
+        "world_size": int(info["world_size"]),
+        "registered_at": float(info["registered_at"]),
+        "last_heartbeat": float(info["last_heartbeat"]),
+        "policy_version": int(info["policy_version"]),
+        "stats": json.loads(info["stats"]),
+    }
