@@ -16,6 +16,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Annotated, Any, Literal
@@ -146,7 +147,7 @@ class _Guard:
 
 
 async def _reply(
-    send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] = ()
+    send: Send, status: int, detail: str, headers: Sequence[tuple[bytes, bytes]] = ()
 ) -> None:
     body = json.dumps({"detail": detail}).encode()
     await send(
