@@ -1,1 +1,27 @@
-"""nebula_rl.weights."""
+"""Moving parameters between replicas: process groups between separately started processes
+(`group`) and a bucketed, non-blocking broadcast from the policy to rollouts (`transport`)."""
+
+from nebula_rl.weights.group import Rendezvous, WeightGroup, build_group, free_port
+from nebula_rl.weights.transport import (
+    BucketLayout,
+    LayoutMismatchError,
+    PushHandle,
+    PushStats,
+    Slot,
+    WeightReceiver,
+    WeightSender,
+)
+
+__all__ = [
+    "BucketLayout",
+    "LayoutMismatchError",
+    "PushHandle",
+    "PushStats",
+    "Rendezvous",
+    "Slot",
+    "WeightGroup",
+    "WeightReceiver",
+    "WeightSender",
+    "build_group",
+    "free_port",
+]

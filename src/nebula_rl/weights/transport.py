@@ -1,0 +1,371 @@
+"""Broadcast full weights from the policy (rank 0 of a `WeightGroup`) to rollout replicas.
+
+Both sides derive the same `BucketLayout` from their own named tensors: names sorted, tensors
+grouped by their wire dtype (the `transfer_dtype` for floating tensors when given, else their own),
+packed into flat buckets of about `bucket_bytes`. Nothing but a 4-number header travels besides
+the buckets; the header carries a digest of the layout, so two sides that disagree (a renamed
+parameter, another shape, another `transfer_dtype` or `bucket_bytes`) both raise
+`LayoutMismatchError` instead of exchanging garbage or hanging.
+
+One push, in order:
+  1. `WeightSender.push` (caller's thread) copies every tensor into persistent bucket buffers
+     (`copy_`, with the dtype cast) and returns. The caller may then change its parameters.
+  2. A background thread all-gathers the header (version, layout digest, checksum) and broadcasts
+     the buckets as bytes. `PushHandle.wait()` returns its timings; the next `push` waits for it.
+  3. `WeightReceiver.receive` (rollout side) takes part in both collectives and returns the version
+     and views of its own persistent buffers, valid until its next `receive`.
+Every receiver calls `receive` once per push: the controller tells both sides when a sync happens.
+
+Simplifications, on purpose: full (unsharded) tensors only (mapping shards between parallel
+layouts is a separate step); one sender; buffers are allocated once (a full copy of the weights in
+the wire dtype on each side; reusing them avoids the slow first touch of fresh memory); the
+optional checksum is a sum of the bytes as int32 words, which catches corruption and
+misplacement between buckets, not a permutation inside one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from nebula_rl.weights.group import WeightGroup
+
+__all__ = [
+    "BucketLayout",
+    "LayoutMismatchError",
+    "PushHandle",
+    "PushStats",
+    "Slot",
+    "WeightReceiver",
+    "WeightSender",
+]
+
+NamedTensors = Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]
+"""A state dict or the output of `named_parameters()`; only names, shapes, dtypes define a layout."""
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+_ALIGN_BYTES = 8  # every bucket's size is a multiple of 8 bytes, so it can be viewed as int32
+
+
+class LayoutMismatchError(ValueError):
+    """The members of a weight group derived different bucket layouts."""
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where one named tensor lives in the flat buckets."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    """Wire dtype (the bucket's dtype)."""
+    bucket: int
+    offset: int
+    """In elements of `dtype`, from the start of the bucket."""
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class BucketLayout:
+    """Deterministic packing of named tensors into flat, single-dtype buckets."""
+
+    slots: tuple[Slot, ...]
+    bucket_dtypes: tuple[torch.dtype, ...]
+    bucket_numels: tuple[int, ...]
+    digest: int
+    """63-bit hash of everything above; equal on two sides iff their layouts are equal."""
+
+    @classmethod
+    def build(
+        cls,
+        named_tensors: NamedTensors,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        transfer_dtype: torch.dtype | None = None,
+    ) -> BucketLayout:
+        """Layout of `named_tensors`; a tensor larger than `bucket_bytes` gets a bucket alone."""
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for name, tensor in _items(named_tensors):
+            if name in specs:
+                raise ValueError(f"tensor name {name!r} appears twice")
+            wire = (
+                transfer_dtype
+                if transfer_dtype is not None and tensor.is_floating_point()
+                else tensor.dtype
+            )
+            specs[name] = (tuple(tensor.shape), wire)
+        if not specs:
+            raise ValueError("cannot build a weight layout from zero tensors")
+
+        slots: list[Slot] = []
+        dtypes: list[torch.dtype] = []
+        numels: list[int] = []
+        order = sorted(specs, key=lambda n: (str(specs[n][1]), n))
+        for name in order:
+            shape, dtype = specs[name]
+            numel = _numel(shape)
+            item = dtype.itemsize
+            open_bucket = bool(dtypes) and dtypes[-1] == dtype
+            if not open_bucket or (numels[-1] > 0 and (numels[-1] + numel) * item > bucket_bytes):
+                dtypes.append(dtype)
+                numels.append(0)
+            slots.append(Slot(name, shape, dtype, len(dtypes) - 1, numels[-1], numel))
+            numels[-1] += numel
+        # Pad each bucket to whole 8-byte words (zeros on both sides).
+        numels = [
+            -(-n * d.itemsize // _ALIGN_BYTES) * _ALIGN_BYTES // d.itemsize  # ceil to 8 bytes
+            for n, d in zip(numels, dtypes, strict=True)
+        ]
+        text = repr(([(s.name, s.shape, str(s.dtype), s.bucket, s.offset) for s in slots], numels))
+        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+        return cls(tuple(slots), tuple(dtypes), tuple(numels), digest)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes on the wire per push (padding included)."""
+        return sum(
+            n * d.itemsize for n, d in zip(self.bucket_numels, self.bucket_dtypes, strict=True)
+        )
+
+    def allocate(self, device: torch.device) -> tuple[list[Tensor], dict[str, Tensor]]:
+        """Zeroed bucket buffers on `device` and a view per name into them."""
+        buffers = [
+            torch.zeros(n, dtype=d, device=device)
+            for n, d in zip(self.bucket_numels, self.bucket_dtypes, strict=True)
+        ]
+        views = {
+            s.name: buffers[s.bucket][s.offset : s.offset + s.numel].view(s.shape)
+            for s in self.slots
+        }
+        return buffers, views
+
+
+@dataclass(frozen=True, slots=True)
+class PushStats:
+    """What one push cost, measured on the sender."""
+
+    version: int
+    num_bytes: int
+    snapshot_s: float
+    """Copying into the bucket buffers in the caller's thread, the only part that blocks it
+    (on CUDA: launching the copies)."""
+    transfer_s: float
+    """Header, optional checksum and bucket broadcasts, in the background thread."""
+
+
+class PushHandle:
+    """A push in flight: `wait()` blocks until all receivers got it, and re-raises its error."""
+
+    def __init__(self, version: int, future: Future[PushStats]) -> None:
+        self.version = version
+        self._future = future
+
+    def done(self) -> bool:
+        """Whether the broadcast finished (successfully or not)."""
+        return self._future.done()
+
+    def wait(self) -> PushStats:
+        """Block until the broadcast finished; raise what it raised."""
+        return self._future.result()
+
+
+class WeightSender:
+    """Policy side (rank 0): snapshot weights into buckets, broadcast them in the background.
+
+    `named_tensors` defines the layout (names, shapes, dtypes); it is not kept. With
+    `transfer_dtype` (e.g. `torch.bfloat16`) floating tensors are cast during the snapshot.
+    `checksum`: on which pushes the sender adds a checksum that receivers verify.
+    """
+
+    def __init__(
+        self,
+        group: WeightGroup,
+        named_tensors: NamedTensors,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        transfer_dtype: torch.dtype | None = None,
+        checksum: Literal["first", "always", "never"] = "first",
+    ) -> None:
+        if group.rank != 0:
+            raise ValueError(f"the WeightSender must be rank 0 of its group, got rank {group.rank}")
+        if checksum not in ("first", "always", "never"):
+            raise ValueError(f"checksum must be 'first', 'always' or 'never', got {checksum!r}")
+        self.group = group
+        self.layout = BucketLayout.build(
+            named_tensors, bucket_bytes=bucket_bytes, transfer_dtype=transfer_dtype
+        )
+        self.checksum = checksum
+        self._buffers, self._views = self.layout.allocate(group.device)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="nebula-weight-sender")
+        self._pending: PushHandle | None = None
+        self._last_version: int | None = None
+
+    def push(self, named_tensors: NamedTensors, version: int) -> PushHandle:
+        """Snapshot `named_tensors` as `version` and start broadcasting it; returns at once.
+
+        Waits for the previous push first (and raises its error). Every name of the layout must be
+        given exactly once, with its shape. Versions must increase.
+        """
+        self.wait()
+        if self._last_version is not None and version <= self._last_version:
+            raise ValueError(f"version must increase: got {version} after {self._last_version}")
+        start = time.perf_counter()
+        seen: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in _items(named_tensors):
+                view = self._views.get(name)
+                if view is None:
+                    raise ValueError(f"tensor {name!r} is not in the weight layout")
+                if tensor.shape != view.shape:
+                    raise ValueError(
+                        f"tensor {name!r} has shape {tuple(tensor.shape)}, the layout has "
+                        f"{tuple(view.shape)}"
+                    )
+                view.copy_(tensor)
+                seen.add(name)
+        if len(seen) != len(self._views):
+            missing = sorted(set(self._views) - seen)
+            raise ValueError(f"push is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+        ready = None
+        if self.group.device.type == "cuda":
+            # The background thread's collectives must start after these copies.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.group.device))
+        snapshot_s = time.perf_counter() - start
+        with_checksum = self.checksum == "always" or (
+            self.checksum == "first" and self._last_version is None
+        )
+        self._last_version = version
+        future = self._executor.submit(self._send, version, with_checksum, ready, snapshot_s)
+        self._pending = PushHandle(version, future)
+        return self._pending
+
+    def wait(self) -> PushStats | None:
+        """Block until the last push finished; its stats, or None when nothing was pushed."""
+        return None if self._pending is None else self._pending.wait()
+
+    def close(self) -> None:
+        """Finish the pending push and stop the background thread (the group stays open)."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    def _send(
+        self, version: int, with_checksum: bool, ready: torch.cuda.Event | None, snapshot_s: float
+    ) -> PushStats:
+        start = time.perf_counter()
+        if ready is not None:  # (current_stream takes the device: this thread's may differ)
+            torch.cuda.current_stream(self.group.device).wait_event(ready)
+        check = _checksum(self._buffers) if with_checksum else 0
+        _exchange_header(
+            self.group, self.layout, [version, self.layout.digest, int(with_checksum), check]
+        )
+        _broadcast(self.group, self._buffers)
+        return PushStats(version, self.layout.num_bytes, snapshot_s, time.perf_counter() - start)
+
+
+class WeightReceiver:
+    """Rollout side (rank > 0): receive each push into persistent buffers.
+
+    Build it from the rollout model's own named tensors (e.g. its `state_dict()`, or a meta-device
+    copy) with the sender's `bucket_bytes` and `transfer_dtype`.
+    """
+
+    def __init__(
+        self,
+        group: WeightGroup,
+        named_tensors: NamedTensors,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        transfer_dtype: torch.dtype | None = None,
+    ) -> None:
+        if group.rank == 0:
+            raise ValueError(
+                "rank 0 of a weight group is the sender; a WeightReceiver needs rank > 0"
+            )
+        self.group = group
+        self.layout = BucketLayout.build(
+            named_tensors, bucket_bytes=bucket_bytes, transfer_dtype=transfer_dtype
+        )
+        self._buffers, self._views = self.layout.allocate(group.device)
+
+    def receive(self, *, timeout: timedelta | None = None) -> tuple[int, dict[str, Tensor]]:
+        """Block until the next push; its version and a view per name into this receiver's buffers.
+
+        The views are overwritten by the next `receive`. `timeout` bounds the wait for the push
+        to start (default: the group's timeout); the transfer itself uses the group's timeout.
+        A timeout leaves the group unusable: rebuild it.
+        """
+        header = _exchange_header(self.group, self.layout, [-1, self.layout.digest, 0, 0], timeout)
+        version, _, with_checksum, expected = header
+        _broadcast(self.group, self._buffers)
+        if with_checksum and (got := _checksum(self._buffers)) != expected:
+            raise ValueError(
+                f"weights of version {version} arrived corrupted on rank {self.group.rank}: "
+                f"checksum {got} != sender's {expected}"
+            )
+        return version, dict(self._views)
+
+    def receive_into(self, named_tensors: NamedTensors, *, timeout: timedelta | None = None) -> int:
+        """`receive` and copy every tensor into the same-named one of `named_tensors` (in place)."""
+        version, received = self.receive(timeout=timeout)
+        with torch.no_grad():
+            for name, tensor in _items(named_tensors):
+                tensor.copy_(received[name])
+        return version
+
+
+def _items(named_tensors: NamedTensors) -> Iterable[tuple[str, Tensor]]:
+    return named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel
+
+
+def _checksum(buffers: list[Tensor]) -> int:
+    """Sum of all bytes read as int32 words, exact (int64 accumulation, no overflow per bucket)."""
+    total = sum(int(b.view(torch.int32).sum(dtype=torch.int64)) for b in buffers)
+    return total % (1 << 63)
+
+
+def _exchange_header(
+    group: WeightGroup, layout: BucketLayout, header: list[int], timeout: timedelta | None = None
+) -> list[int]:
+    """All-gather every member's header; raise on any layout disagreement; rank 0's header."""
+    mine = torch.tensor(header, dtype=torch.int64, device=group.device)
+    gathered = [torch.empty_like(mine) for _ in range(group.world_size)]
+    group.pg.allgather(gathered, mine, group.timeout if timeout is None else timeout).wait()
+    rows = [g.tolist() for g in gathered]
+    bad = [rank for rank, row in enumerate(rows) if row[1] != layout.digest]
+    if bad:
+        raise LayoutMismatchError(
+            f"weight group {group.rdzv.name!r}: rank(s) {bad} built a different weight layout "
+            f"than rank {group.rank} (digest {layout.digest:#x}); sender and receivers must use the "
+            "same tensor names, shapes, dtypes, transfer_dtype and bucket_bytes"
+        )
+    return rows[0]
+
+
+def _broadcast(group: WeightGroup, buffers: list[Tensor]) -> None:
+    """Broadcast every bucket from rank 0, as bytes (any dtype), all in flight at once."""
+    works = [group.pg.broadcast(b.view(torch.uint8), 0, group.timeout) for b in buffers]
+    for work in works:
+        work.wait()
+    if group.device.type == "cuda":
+        # NCCL's wait() only orders streams; the sender must know the buffers are free again.
+        torch.cuda.current_stream(group.device).synchronize()

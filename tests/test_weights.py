@@ -1,0 +1,358 @@
+"""Weight transport between separately started processes: 1 sender + 2 receivers over gloo.
+
+The group members are real processes from the 'spawn' context (not torchrun), started once per
+module; they report plain Python data on a queue and leave with `os._exit`.
+"""
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+
+from nebula_rl.weights import (
+    BucketLayout,
+    LayoutMismatchError,
+    Rendezvous,
+    WeightReceiver,
+    WeightSender,
+    build_group,
+    free_port,
+    transport,
+)
+
+TIMEOUT = timedelta(seconds=30)  # a failing test errors out instead of hanging
+BUCKET_BYTES = 4096  # small, so the test state dict spans several buckets per dtype
+
+
+def _state_dict(version: int) -> dict[str, torch.Tensor]:
+    """A small model-like state dict with odd shapes and several dtypes; values depend on version."""
+    g = torch.Generator().manual_seed(1000 + version)
+    return {
+        "embed.weight": torch.randn(37, 13, generator=g),
+        "layers.0.attn.qkv.weight": torch.randn(39, 13, generator=g).bfloat16(),
+        "layers.0.attn.qkv.bias": torch.randn(39, generator=g).bfloat16(),
+        "layers.0.mlp.up.weight": torch.randn(3, 5, 7, generator=g),
+        "layers.0.norm.weight": torch.randn(13, generator=g).half(),
+        "lm_head.weight": torch.randn(2000, generator=g),  # > BUCKET_BYTES: a bucket of its own
+        "rope.inv_freq": torch.randn(1, generator=g),
+        "step": torch.tensor([version, -version], dtype=torch.int64),
+    }
+
+
+class Members:
+    """Three spawned processes that play one member each of successive weight groups.
+
+    Spawning is paid once per module; each scenario builds a new group under a new name on the
+    same TCPStore (hosted by member 0), which is also how a group is rebuilt after a failure.
+    """
+
+    def __init__(self, num_procs: int = 3) -> None:
+        ctx = mp.get_context("spawn")
+        self.port = free_port()
+        self.out = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(num_procs)]
+        self.procs = [
+            ctx.Process(target=_member, args=(rank, inbox, self.out), daemon=True)
+            for rank, inbox in enumerate(self.inboxes)
+        ]
+        for p in self.procs:
+            p.start()
+        self.num_groups = 0
+
+    def run(self, body, world_size: int, *args, ranks=None, timeout_s: float = 60.0) -> dict:
+        """body(rank, rdzv, *args) on each of `ranks` (default: all of the group); rank -> result."""
+        self.num_groups += 1
+        rdzv = Rendezvous("127.0.0.1", self.port, f"group-{self.num_groups}", world_size)
+        ranks = range(world_size) if ranks is None else ranks
+        for rank in ranks:
+            self.inboxes[rank].put((body, rdzv, args))
+        reports = {}
+        deadline = time.monotonic() + timeout_s
+        while len(reports) < len(ranks):
+            try:
+                rank, status, payload = self.out.get(timeout=max(deadline - time.monotonic(), 0.1))
+            except queue.Empty:
+                pytest.fail(f"only ranks {sorted(reports)} reported within {timeout_s}s")
+            if status == "error":
+                pytest.fail(f"rank {rank} failed:\n{payload}")
+            reports[rank] = payload
+        return reports
+
+    def close(self) -> None:
+        for inbox in self.inboxes:
+            inbox.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def members():
+    pool = Members()
+    yield pool
+    pool.close()
+
+
+_KEEP = []  # groups left open on purpose (a member that stays alive without pushing)
+
+
+def _member(rank, inbox, out):
+    """A member process: run each (body, rdzv, args) it is sent, report, leave without teardown."""
+    torch.set_num_threads(1)
+    while (task := inbox.get()) is not None:
+        body, rdzv, args = task
+        try:
+            out.put((rank, "ok", body(rank, rdzv, *args)))
+        except BaseException:
+            out.put((rank, "error", traceback.format_exc()))
+    out.close()
+    out.join_thread()
+    os._exit(0)  # gloo may abort in its destructors at interpreter exit
+
+
+# Bodies live at module level so that 'spawn' can import them by name.
+def _sync_body(rank, rdzv):
+    group = build_group(rdzv, rank=rank, backend="gloo", timeout=TIMEOUT)
+    if rank == 0:
+        sender = WeightSender(group, _state_dict(0), bucket_bytes=BUCKET_BYTES, checksum="always")
+        not_done = []
+        for version in (1, 2, 3):
+            params = _state_dict(version)
+            handle = sender.push(params, version)
+            # The receivers sleep before each receive, so the broadcast cannot be finished yet.
+            not_done.append(not handle.done())
+            for t in params.values():  # the trainer's next step changes its parameters at once
+                t.add_(1000)
+            handle.wait()
+        sender.close()
+        result = not_done
+    else:
+        receiver = WeightReceiver(group, _state_dict(0), bucket_bytes=BUCKET_BYTES)
+        assert len(receiver.layout.bucket_numels) > 3
+        result = []
+        for _ in range(3):
+            time.sleep(0.5)
+            version, received = receiver.receive()
+            expected = _state_dict(version)
+            same = all(
+                received[k].dtype == v.dtype and torch.equal(received[k], v)
+                for k, v in expected.items()
+            )
+            result.append((version, same, sorted(received) == sorted(expected)))
+    group.close()
+    return result
+
+
+def test_three_pushes_arrive_bit_exact_in_order_with_snapshot_semantics(members):
+    reports = members.run(_sync_body, 3)
+    assert reports[0] == [True, True, True], "push must return before the broadcast completes"
+    for rank in (1, 2):
+        assert reports[rank] == [(1, True, True), (2, True, True), (3, True, True)]
+
+
+def _transfer_dtype_body(rank, rdzv):
+    group = build_group(rdzv, rank=rank, timeout=TIMEOUT)
+    if rank == 0:
+        sender = WeightSender(group, _state_dict(0), transfer_dtype=torch.bfloat16)
+        sender.push(_state_dict(5).items(), 5).wait()  # (name, tensor) pairs work as well
+        sender.close()
+        result = None
+    else:
+        # The rollout model keeps float32 weights; it builds its layout from a meta copy.
+        model = {k: torch.zeros_like(v) for k, v in _state_dict(0).items()}
+        meta = {k: v.to("meta") for k, v in model.items()}
+        receiver = WeightReceiver(group, meta, transfer_dtype=torch.bfloat16)
+        version = receiver.receive_into(model)
+        expected = _state_dict(5)
+        result = (version, [k for k, v in expected.items() if not _bf16_equal(model[k], v)])
+    group.close()
+    return result
+
+
+def _bf16_equal(got, want):
+    if not want.is_floating_point():
+        return torch.equal(got, want)
+    return got.dtype == want.dtype and torch.equal(got, want.bfloat16().to(want.dtype))
+
+
+def test_transfer_dtype_and_receive_into(members):
+    reports = members.run(_transfer_dtype_body, 2)
+    assert reports[1] == (5, [])
+
+
+def _mismatch_body(rank, rdzv):
+    group = build_group(rdzv, rank=rank, timeout=TIMEOUT)
+    state = _state_dict(0)
+    if rank == 2:  # this rollout model has one tensor of another shape
+        state["embed.weight"] = torch.zeros(38, 13)
+    try:
+        if rank == 0:
+            WeightSender(group, state, bucket_bytes=BUCKET_BYTES).push(state, 1).wait()
+        else:
+            WeightReceiver(group, state, bucket_bytes=BUCKET_BYTES).receive()
+    except LayoutMismatchError as err:
+        return str(err)
+    finally:
+        group.close()
+    return "no error"
+
+
+def test_layout_mismatch_raises_on_every_rank(members):
+    start = time.monotonic()
+    reports = members.run(_mismatch_body, 3)
+    assert time.monotonic() - start < TIMEOUT.total_seconds()
+    for rank in (0, 1):
+        assert "rank(s) [2] built a different weight layout" in reports[rank]
+    assert "rank(s) [0, 1] built a different weight layout" in reports[2]
+
+
+def _misuse_body(rank, rdzv):
+    group = build_group(rdzv, rank=rank, timeout=TIMEOUT)  # a group of one: the sender alone
+    sender = WeightSender(group, _state_dict(0))
+    errors = []
+    for bad_push in (
+        lambda: sender.push({k: v for k, v in _state_dict(1).items() if k != "step"}, 1),
+        lambda: sender.push({**_state_dict(1), "extra": torch.zeros(1)}, 1),
+        lambda: sender.push({**_state_dict(1), "step": torch.zeros(3, dtype=torch.int64)}, 1),
+    ):
+        try:
+            bad_push()
+        except ValueError as err:
+            errors.append(str(err))
+    sender.push(_state_dict(2), 2).wait()
+    try:
+        sender.push(_state_dict(2), 2)
+    except ValueError as err:
+        errors.append(str(err))
+    try:
+        WeightReceiver(group, _state_dict(0))
+    except ValueError as err:
+        errors.append(str(err))
+    sender.close()
+    group.close()
+    return errors
+
+
+def test_sender_rejects_wrong_pushes(members):
+    errors = members.run(_misuse_body, 1)[0]
+    assert len(errors) == 5
+    assert "push is missing 1 tensor(s), e.g. ['step']" in errors[0]
+    assert "'extra' is not in the weight layout" in errors[1]
+    assert "'step' has shape (3,), the layout has (2,)" in errors[2]
+    assert "version must increase: got 2 after 2" in errors[3]
+    assert "a WeightReceiver needs rank > 0" in errors[4]
+
+
+def _corrupt_body(rank, rdzv):
+    group = build_group(rdzv, rank=rank, timeout=TIMEOUT)
+    if rank == 0:
+        WeightSender(group, _state_dict(0)).push(_state_dict(1), 1).wait()
+        group.close()
+        return None
+    checksum = transport._checksum
+    transport._checksum = lambda buffers: 12345  # as if a byte had flipped on the way
+    try:
+        WeightReceiver(group, _state_dict(0)).receive()
+    except ValueError as err:
+        return str(err)
+    finally:
+        transport._checksum = checksum  # this member process serves later tests too
+        group.close()
+    return "no error"
+
+
+def test_first_push_is_checksummed(members):
+    assert "arrived corrupted on rank 1" in members.run(_corrupt_body, 2)[1]
+
+
+def _absent_body(rank, rdzv, timeout_s):
+    start = time.monotonic()
+    try:
+        build_group(rdzv, rank=rank, timeout=timedelta(seconds=timeout_s))
+    except TimeoutError as err:
+        return str(err), time.monotonic() - start
+    return "joined", time.monotonic() - start
+
+
+def test_receiver_that_never_joins_times_out(members):
+    timeout_s = 2.0
+    reports = members.run(_absent_body, 3, timeout_s, ranks=[0, 1])  # rank 2 never comes
+    for rank in (0, 1):
+        message, elapsed = reports[rank]
+        assert "rank(s) [2] of 3 did not join within 2s" in message
+        assert elapsed < timeout_s + 5
+
+
+def _no_push_body(rank, rdzv, timeout_s):
+    group = build_group(rdzv, rank=rank, timeout=TIMEOUT)
+    _KEEP.append(group)  # the sender stays alive and connected but never pushes
+    if rank == 0:
+        return None
+    receiver = WeightReceiver(group, _state_dict(0))
+    start = time.monotonic()
+    try:
+        receiver.receive(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        return type(err).__name__, time.monotonic() - start
+    return "received", time.monotonic() - start
+
+
+def test_receive_without_push_times_out_and_a_new_group_works(members):
+    timeout_s = 1.0
+    kind, elapsed = members.run(_no_push_body, 2, timeout_s)[1]
+    assert kind != "received"
+    assert elapsed < timeout_s + 5
+    # The members build the next generation of the group on the same store.
+    assert members.run(_transfer_dtype_body, 3)[2] == (5, [])
+
+
+def test_layout_is_deterministic_and_order_independent():
+    state = _state_dict(0)
+    layout = BucketLayout.build(state, bucket_bytes=BUCKET_BYTES)
+    shuffled = BucketLayout.build(list(reversed(state.items())), bucket_bytes=BUCKET_BYTES)
+    assert layout == shuffled
+    assert BucketLayout.build(state, bucket_bytes=2 * BUCKET_BYTES).digest != layout.digest
+    bf16 = BucketLayout.build(state, transfer_dtype=torch.bfloat16)
+    assert set(bf16.bucket_dtypes) == {torch.bfloat16, torch.int64}
+    for numel, dtype in zip(layout.bucket_numels, layout.bucket_dtypes, strict=True):
+        assert (numel * dtype.itemsize) % 8 == 0
+        assert numel * dtype.itemsize <= BUCKET_BYTES or numel == 2000  # lm_head alone
+    buffers, views = layout.allocate(torch.device("cpu"))
+    assert sum(b.numel() for b in buffers) == sum(layout.bucket_numels)
+    assert all(views[k].shape == v.shape and views[k].dtype == v.dtype for k, v in state.items())
+    with pytest.raises(ValueError, match="appears twice"):
+        BucketLayout.build([("a", torch.zeros(1)), ("a", torch.zeros(1))])
+
+
+def _gpu_body(rank, rdzv):
+    torch.cuda.set_device(rank)
+    group = build_group(rdzv, rank=rank, backend="nccl", timeout=TIMEOUT)
+    state = {k: v.cuda() for k, v in _state_dict(7).items()}
+    if rank == 0:
+        sender = WeightSender(group, state, bucket_bytes=BUCKET_BYTES)
+        handle = sender.push(state, 7)
+        for t in state.values():
+            t.add_(1000)
+        handle.wait()
+        sender.close()
+        result = None
+    else:
+        version, received = WeightReceiver(group, state, bucket_bytes=BUCKET_BYTES).receive()
+        result = (version, all(torch.equal(received[k], v) for k, v in state.items()))
+    group.close()
+    return result
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nccl_push_between_processes(members):
+    world_size = min(torch.cuda.device_count(), 2)  # NCCL needs one device per rank
+    reports = members.run(_gpu_body, world_size)
+    if world_size == 2:
+        assert reports[1] == (7, True)
