@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from nebula_rl.algorithms import dynamic_sampling_filter
 from nebula_rl.config import Config, GrpoConfig, SftConfig, load_config
 from nebula_rl.data import load_rows, prompt_token_ids, sft_example, split_rows, validate_rows
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
@@ -206,11 +207,6 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
     trainer = PolicyTrainer(
         model, cfg, total_steps=total, pad_id=tokenizer.pad_token_id, ref_model=ref
     )
-    algorithm_keep = (
-        __import__("nebula_rl.algorithms", fromlist=["ALGORITHMS"])
-        .ALGORITHMS[p.variant]
-        .keep_groups
-    )
     writer = _MetricsWriter(run_dir / "metrics.jsonl")
     prompts = _prompts(rows, p, cfg)
     trained: list[str] = []
@@ -231,7 +227,7 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
             groups = _rollout(model, tokenizer, want, cfg, reward_fn, version=step - 1)
             gen_time += time.perf_counter() - g0
             keep = (
-                algorithm_keep(torch.tensor([g.rewards for g in groups]))
+                dynamic_sampling_filter(torch.tensor([g.rewards for g in groups]))
                 if p.dynamic_sampling_enabled
                 else torch.ones(len(groups), dtype=torch.bool)
             )
