@@ -118,7 +118,7 @@ def test_replica_register_heartbeat_unregister(client: httpx.Client, state: JobS
     assert reply.json() == {"replica_id": 1, "policy_version": 0, "step": 0}
     state.bump_policy_version()
     reply = client.post("/api/replica/heartbeat", json=HEARTBEAT, headers=AUTH)
-    assert reply.json() == {"policy_version": 1, "step": 0}
+    assert reply.json() == {"policy_version": 1, "step": 0, "finished": None}
     replica = client.get("/api/status", headers=AUTH).json()["replicas"]["rollout-0"]
     assert replica["role"] == "rollout" and replica["world_size"] == 2
     assert replica["policy_version"] == 3 and replica["stats"] == {"tokens_per_s": 12.5}
@@ -353,6 +353,7 @@ def test_ledger_trains_every_prompt_exactly_once(state: JobState) -> None:
         "outstanding": 0,
         "requeued": 0,
         "completed": 0,
+        "filtered": 0,
         "trained": 20,
         "trained_more_than_once": 0,
         "requeue_events": 8,

@@ -52,6 +52,20 @@ def test_saved_preset_loads_with_auto_classes(tmp_path):
     assert load_tokenizer(str(tmp_path)).padding_side == "left"
 
 
+def test_saved_tokenizer_encodes_chat_prompts_like_the_preset(tmp_path):
+    # Regression: AutoTokenizer picks Qwen2Tokenizer for a qwen2 config.json, whose byte-level
+    # pre-tokenizer dropped the newlines of the chat template from the character tokenizer.
+    model = load_model("tiny:qwen2")
+    model.save_pretrained(tmp_path)
+    build_char_tokenizer().save_pretrained(tmp_path)
+    preset, saved = load_tokenizer("tiny:qwen2"), load_tokenizer(str(tmp_path))
+    for text in ["3+4=", "line one\nline two"]:
+        expected = prompt_token_ids(preset, text, system_prompt="be brief")
+        assert prompt_token_ids(saved, text, system_prompt="be brief") == expected
+        assert preset.convert_tokens_to_ids("\n") in expected
+    assert saved.pad_token_id == preset.pad_token_id and saved.padding_side == "left"
+
+
 def test_missing_model_path_error_says_no_download(tmp_path):
     with pytest.raises(ValueError, match="never downloads"):
         load_model(str(tmp_path / "Qwen" / "Qwen2.5-0.5B"))

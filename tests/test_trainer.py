@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -72,14 +73,28 @@ def _logp_of(model, tok, prompt, answer):
     return float(lp[0, len(tok.encode(prompt)) - 1 :].sum())
 
 
+@torch.no_grad()
+def _sampled_by(model, group, *, shift=0.0):
+    """`group` with each completion's log-probs as `model` gives them (minus `shift`): what a
+    rollout holding these weights would have recorded."""
+    comps = []
+    for c in group.completions:
+        x = torch.tensor([group.prompt_token_ids + c.token_ids])
+        lp, _ = token_logprobs(model, x, torch.ones_like(x))
+        own = lp[0, len(group.prompt_token_ids) - 1 :].tolist()
+        comps.append(dataclasses.replace(c, logprobs=[v - shift for v in own]))
+    return dataclasses.replace(group, completions=comps)
+
+
 def test_grpo_step_moves_probability_towards_rewarded_answers():
     tok = build_char_tokenizer()
     model = load_model("tiny:qwen2", seed=2)
     trainer = PolicyTrainer(model, _cfg(), total_steps=10, pad_id=tok.pad_token_id)
-    groups = [_group(tok, "7+1=", ["8", "3", "5", "1"], [1.0, 0.0, 0.0, 0.0])]
+    group = _group(tok, "7+1=", ["8", "3", "5", "1"], [1.0, 0.0, 0.0, 0.0])
     good0, bad0 = _logp_of(model, tok, "7+1=", "8"), _logp_of(model, tok, "7+1=", "3")
     for _ in range(3):
-        metrics = trainer.grpo_step(groups)
+        metrics = trainer.grpo_step([_sampled_by(model, group)])
+        assert metrics["clip_frac"] == 0.0  # on-policy: the ratio starts at 1
     assert _logp_of(model, tok, "7+1=", "8") > good0 + 0.5
     assert _logp_of(model, tok, "7+1=", "3") < bad0
     assert metrics["reward_mean"] == 0.25
@@ -166,3 +181,15 @@ def test_lr_schedule_warmup_and_cosine_floor():
     assert f(4) == pytest.approx(1.0)
     assert f(9) == pytest.approx(0.1 + 0.9 * 0.5)
     assert f(14) == pytest.approx(0.1)
+
+
+def test_stale_samples_are_weighed_against_the_policy_that_sampled_them():
+    # Tokens sampled by older weights that gave them less probability: the PPO ratio against
+    # the behaviour policy is e^1 > 1 + epsilon_high, so every positive-advantage token is clipped.
+    tok = build_char_tokenizer()
+    model = load_model("tiny:qwen2", seed=2)
+    trainer = PolicyTrainer(model, _cfg(), total_steps=10, pad_id=tok.pad_token_id)
+    group = _group(tok, "7+1=", ["8", "3"], [1.0, 0.0])
+    metrics = trainer.grpo_step([_sampled_by(model, group, shift=1.0)])
+    assert metrics["ratio_mean"] == pytest.approx(2.718, rel=1e-2)
+    assert metrics["clip_frac"] == pytest.approx(0.5)

@@ -9,6 +9,7 @@ docstring. Every model forbids unknown keys; :func:`load_config` turns validatio
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -372,6 +373,8 @@ class RolloutConfig(_Section):
     """nebula-rl: sequences decoded together (the engine's KV-cache slots)."""
     seed: int | None = None
     """Sampling seed; defaults to `train.seed`."""
+    reward_workers: int = Field(default=1, ge=0)
+    """nebula-rl: processes that score completions (0: score in the rollout process)."""
     include_stop_str_in_output: bool = False
     """Keep a matched stop string in the returned text."""
     gpu_memory_utilization: float = Field(default=0.8, gt=0.0, le=1.0)
@@ -523,14 +526,20 @@ def config_from_dict(data: dict[str, Any], *, source: str = "<dict>") -> Config:
 
 
 def load_config(path: str | Path) -> Config:
-    """Read and validate a TOML config file."""
+    """Read and validate a TOML config file (or a `.json` resolved config)."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as err:
         raise ConfigError(f"{path}: cannot read config: {err.strerror}") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: invalid TOML: {err}") from None
+    if path.suffix == ".json":  # a resolved config, as written into every run folder
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: invalid JSON: {err}") from None
+    else:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: invalid TOML: {err}") from None
     return config_from_dict(data, source=str(path))

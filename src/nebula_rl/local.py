@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import random
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -24,13 +23,24 @@ import torch
 
 from nebula_rl.algorithms import dynamic_sampling_filter
 from nebula_rl.config import Config, GrpoConfig, SftConfig, load_config
-from nebula_rl.data import load_rows, prompt_token_ids, sft_example, split_rows, validate_rows
+from nebula_rl.data import (
+    epoch_order,
+    load_rows,
+    num_train_steps,
+    prompt_token_ids,
+    rl_rows,
+    sft_example,
+    validate_rows,
+)
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
 from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.rewards import combine_rewards, overlong_penalty
+from nebula_rl.rollout.engine import GenerationRequest
+from nebula_rl.rollout.torch_engine import TorchEngine
+from nebula_rl.rollout.worker import sampling_params
 
-__all__ = ["export_hf", "run", "run_dir_for"]
+__all__ = ["ensure_model", "export_hf", "run", "run_dir_for"]
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +58,7 @@ def export_hf(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
-def _ensure_model(cfg: Config) -> None:
+def ensure_model(cfg: Config) -> None:
     """Build the policy's starting model by its warm-start config if it is not on disk yet."""
     path, warm = cfg.policy.model_name_or_path, cfg.policy.warmstart_config
     if warm is None or path.startswith("tiny:") or Path(path).exists():
@@ -70,16 +80,9 @@ class _MetricsWriter:
         self.file.flush()
 
 
-def _epoch_order(n: int, *, epoch: int, shuffle: bool, seed: int) -> list[int]:
-    order = list(range(n))
-    if shuffle:
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    return order
-
-
 def run(cfg: Config) -> Path:
     """Train as configured in this process; returns the run folder."""
-    _ensure_model(cfg)
+    ensure_model(cfg)
     seed = cfg.train.seed or 0
     torch.manual_seed(seed)
     run_dir = run_dir_for(cfg)
@@ -99,21 +102,9 @@ def run(cfg: Config) -> Path:
     return run_dir
 
 
-def _num_steps(cfg: Config, num_items: int) -> int:
-    steps = cfg.train.epoch * (num_items // cfg.train.train_batch_per_replica)
-    if cfg.train.max_num_steps is not None:
-        steps = min(steps, cfg.train.max_num_steps)
-    if steps < 1:
-        raise ValueError(
-            f"train.train_batch_per_replica ({cfg.train.train_batch_per_replica}) exceeds the "
-            f"{num_items} usable dataset rows: no full step"
-        )
-    return steps
-
-
 def _prompts(rows: list[dict[str, Any]], p: GrpoConfig, cfg: Config) -> Iterator[Prompt]:
     for epoch in range(cfg.train.epoch):
-        for i in _epoch_order(
+        for i in epoch_order(
             len(rows), epoch=epoch, shuffle=p.dataloader_shuffle, seed=cfg.train.seed or 0
         ):
             row = rows[i]
@@ -126,86 +117,59 @@ def _prompts(rows: list[dict[str, Any]], p: GrpoConfig, cfg: Config) -> Iterator
             )
 
 
-def _hf_generate(
-    model, tokenizer, prompts: list[list[int]], *, n: int, cfg: Config, greedy: bool = False
-):
-    """Stopgap sampler on `model.generate`: (token ids, logprobs, finish reason) per sample."""
-    s = cfg.rollout.sampling_config
-    pad = tokenizer.pad_token_id
-    width = max(map(len, prompts))
-    rows = [[pad] * (width - len(p)) + p for p in prompts for _ in range(n)]
-    ids = torch.tensor(rows, device=model.device)
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=(ids != pad).long(),
-        do_sample=not greedy,
-        temperature=s.temperature if not greedy else None,
-        top_k=s.top_k if s.top_k > 0 and not greedy else None,
-        top_p=s.top_p if not greedy else None,
-        max_new_tokens=cfg.rollout.max_response_length,
-        output_scores=True,
-        return_dict_in_generate=True,
-        pad_token_id=pad,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    new = out.sequences[:, width:]
-    scores = torch.stack(out.scores, dim=1).float().log_softmax(-1)
-    lps = scores.gather(-1, new.unsqueeze(-1)).squeeze(-1)
-    results = []
-    for row, lp in zip(new.tolist(), lps.tolist(), strict=True):
-        if tokenizer.eos_token_id in row:
-            end = row.index(tokenizer.eos_token_id) + 1
-            results.append((row[:end], lp[:end], "stop"))
-        else:
-            results.append((row, lp, "length"))
-    return results
-
-
 def _rollout(
-    model,
-    tokenizer,
+    engine: TorchEngine,
+    tokenizer: Any,
     prompts: list[Prompt],
     cfg: Config,
     reward_fn: Callable[[str, str], float],
-    version: int,
 ) -> list[RolloutGroup]:
     p = cfg.grpo
-    n = cfg.rollout.n_generation
+    sampling = sampling_params(cfg, tokenizer.eos_token_id)
     prompt_ids = [
         prompt_token_ids(tokenizer, q.prompt, system_prompt=p.system_prompt) for q in prompts
     ]
-    model.eval()
-    with torch.no_grad():
-        samples = _hf_generate(model, tokenizer, prompt_ids, n=n, cfg=cfg)
+    requests = [
+        GenerationRequest(ids, n=cfg.rollout.n_generation, sampling=sampling) for ids in prompt_ids
+    ]
     groups = []
-    for k, (prompt, ids) in enumerate(zip(prompts, prompt_ids, strict=True)):
+    for prompt, ids, output in zip(prompts, prompt_ids, engine.generate(requests), strict=True):
         completions = []
-        for tokens, lps, finish in samples[k * n : (k + 1) * n]:
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
+        for c in output.completions:
+            text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
             reward = reward_fn(text, prompt.reference)
             if p.overlong_reward.enable_overlong_penalty:
                 reward += overlong_penalty(
-                    len(tokens),
+                    len(c.token_ids),
                     max_response_length=cfg.rollout.max_response_length,
                     buffer_length=p.overlong_reward.buffer_length,
                     penalty_factor=p.overlong_reward.penalty_factor,
                 )
-            completions.append(Completion(tokens, lps, text, finish, [(0, version)], reward))
+            versions = [(i, v) for i, v in c.version_changes]
+            completions.append(
+                Completion(
+                    list(c.token_ids), list(c.logprobs), text, c.finish_reason, versions, reward
+                )
+            )
         groups.append(RolloutGroup(prompt, ids, completions, replica="local"))
     return groups
 
 
 def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> None:
-    rows, _ = validate_rows(
-        load_rows(p.dataset, seed=cfg.train.seed or 0),
-        columns=[p.prompt_column_name, p.response_column_name],
-    )
-    rows, _held_out = split_rows(rows, p.dataset.test_size, seed=cfg.train.seed or 0)
-    total = _num_steps(cfg, len(rows))
+    rows = rl_rows(cfg)
+    total = num_train_steps(cfg, len(rows))
     reward_fn = combine_rewards(p.reward_function)
     ref = copy.deepcopy(model).eval().requires_grad_(False) if p.kl_beta > 0 else None
     trainer = PolicyTrainer(
         model, cfg, total_steps=total, pad_id=tokenizer.pad_token_id, ref_model=ref
+    )
+    # The engine decodes its own copy; after each step it takes the new weights in place.
+    engine = TorchEngine(
+        copy.deepcopy(model),
+        max_num_seqs=cfg.rollout.max_num_seqs,
+        max_model_len=cfg.policy.model_max_length,
+        tokenizer=tokenizer,
+        seed=cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed or 0,
     )
     writer = _MetricsWriter(run_dir / "metrics.jsonl")
     prompts = _prompts(rows, p, cfg)
@@ -224,7 +188,7 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
             if not want:
                 break
             g0 = time.perf_counter()
-            groups = _rollout(model, tokenizer, want, cfg, reward_fn, version=step - 1)
+            groups = _rollout(engine, tokenizer, want, cfg, reward_fn)
             gen_time += time.perf_counter() - g0
             keep = (
                 dynamic_sampling_filter(torch.tensor([g.rewards for g in groups]))
@@ -236,6 +200,7 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
         if not batch:
             break
         metrics = trainer.grpo_step(batch)
+        engine.update_weights(model.named_parameters(), policy_version=step)
         trained += [g.prompt.prompt_id for g in batch]
         num_gen_tokens = sum(len(c.token_ids) for g in batch for c in g.completions)
         record = {
@@ -286,13 +251,13 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
                 max_length=cfg.policy.model_max_length,
             )
         )
-    total = _num_steps(cfg, len(examples))
+    total = num_train_steps(cfg, len(examples))
     trainer = PolicyTrainer(model, cfg, total_steps=total, pad_id=tokenizer.pad_token_id)
     writer = _MetricsWriter(run_dir / "metrics.jsonl")
     size = cfg.train.train_batch_per_replica
     step = 0
     for epoch in range(cfg.train.epoch):
-        order = _epoch_order(
+        order = epoch_order(
             len(examples), epoch=epoch, shuffle=p.dataloader_shuffle, seed=cfg.train.seed or 0
         )
         for start in range(0, len(order) - size + 1, size):

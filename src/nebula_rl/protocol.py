@@ -36,6 +36,9 @@ class Prompt:
     """Prompt text, or chat messages."""
     reference: str
     """Reference answer the reward functions compare against."""
+    min_version: int = 0
+    """Generate only with weights of at least this policy version (the controller's staleness
+    bound, set when the prompt is handed out)."""
 
 
 @dataclass(frozen=True, slots=True)

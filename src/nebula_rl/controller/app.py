@@ -16,7 +16,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Annotated, Any, Literal
@@ -171,8 +171,13 @@ def create_app(
     token: str,
     meta_extra: dict[str, Any] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    on_register: Callable[[RegisterRequest], dict[str, Any]] | None = None,
 ) -> FastAPI:
-    """The controller API over `state`; `/api/meta` returns `config_json` and `meta_extra`."""
+    """The controller API over `state`; `/api/meta` returns `config_json` and `meta_extra`.
+
+    `on_register` adds fields to the answer of a registration (e.g. the replica's rank in the
+    weight group); a `ValueError` from it refuses the replica with 409.
+    """
     if not token:
         raise ValueError("the controller needs a non-empty bearer token")
     meta = {"job": state.job, "config": config_json, **(meta_extra or {})}
@@ -203,6 +208,10 @@ def create_app(
     @app.post("/api/replica/register")
     def register(req: RegisterRequest) -> dict[str, Any]:
         """Add a replica; returns its id and where the job stands."""
+        try:
+            extra = on_register(req) if on_register is not None else {}
+        except ValueError as err:
+            raise HTTPException(409, str(err)) from None
         if req.role == "rollout":
             # A rollout that rejoins under its old name has lost the prompts it held.
             state.requeue_pending(req.name)
@@ -213,6 +222,7 @@ def create_app(
             "replica_id": replica_id,
             "policy_version": state.policy_version(),
             "step": state.step(),
+            **extra,
         }
 
     @app.post("/api/replica/heartbeat")
@@ -220,7 +230,11 @@ def create_app(
         """Record liveness; 404 tells a replica the controller forgot it and it must re-register."""
         if not state.heartbeat(req.name, policy_version=req.policy_version, stats=req.stats):
             raise HTTPException(404, f"replica {req.name} is not registered")
-        return {"policy_version": state.policy_version(), "step": state.step()}
+        return {
+            "policy_version": state.policy_version(),
+            "step": state.step(),
+            "finished": state.finished(),
+        }
 
     @app.post("/api/replica/unregister")
     def unregister(req: UnregisterRequest) -> dict[str, Any]:
@@ -243,6 +257,7 @@ def create_app(
             "step": state.step(),
             "policy_version": state.policy_version(),
             "buffer_size": state.buffer_size(),
+            "finished": state.finished(),
             "replicas": state.replicas(),
             "ledger": {str(e): state.ledger_summary(e) for e in state.epochs()},
         }

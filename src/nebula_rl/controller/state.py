@@ -9,6 +9,7 @@ Life of a prompt in an epoch (the ledger, `ledger:<epoch>`, maps dataset index -
     claim_prompts          -> a rollout replica holds it (pending in consumer group `rollout`)
     push_group + ack       -> its RolloutGroup waits in the `groups` stream
     accept_group           -> completed     (in the buffer)     or, if too stale, requeued
+    mark_filtered          -> filtered      (dynamic sampling dropped its all-equal group)
     requeue_pending        -> requeued      (a dead replica's prompts go back to the stream)
     next_batch/mark_trained-> trained
 
@@ -17,8 +18,13 @@ only slow pushes its group anyway), but only the first group of each `prompt_id`
 (`accepted:<epoch>` set), so it is trained once. Nothing is lost: a prompt leaves the streams only
 when its group is accepted or it is put back as a new stream entry, in one transaction.
 
-Simplifications: one controller consumes the `groups` stream; one training batch is in flight at
-a time; staleness is judged when a group is accepted (the scheduler keeps the buffer short).
+Training runs as commands: the controller appends `train` commands to the `commands` stream, the
+policy replica reads them (consumer group `policy`), trains on the in-flight batch and appends a
+result to the `results` stream, which the controller reads (consumer group `controller`).
+
+Simplifications: one controller consumes the `groups` and `results` streams; one training batch
+is in flight at a time; staleness is judged when a group is accepted and again when it is taken
+into a batch.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal
 
 import redis
@@ -40,14 +47,16 @@ __all__ = ["LEDGER_STATES", "JobState"]
 
 log = logging.getLogger(__name__)
 
-LEDGER_STATES = ("outstanding", "requeued", "completed", "trained")
+LEDGER_STATES = ("outstanding", "requeued", "completed", "filtered", "trained")
 """What the ledger records per dataset index: handed out, handed out again after a requeue,
-accepted into the buffer, trained."""
+accepted into the buffer, dropped by dynamic sampling, trained."""
 
 ROLLOUT_GROUP = "rollout"
 """Consumer group of rollout replicas on the `prompts` stream."""
 CONTROLLER_GROUP = "controller"
-"""Consumer group of the controller on the `groups` stream."""
+"""Consumer group of the controller on the `groups` and `results` streams."""
+POLICY_GROUP = "policy"
+"""Consumer group of policy replicas on the `commands` stream."""
 
 _JOB_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -73,6 +82,8 @@ class JobState:
         for stream, group in (
             (self.key("prompts"), ROLLOUT_GROUP),
             (self.key("groups"), CONTROLLER_GROUP),
+            (self.key("commands"), POLICY_GROUP),
+            (self.key("results"), CONTROLLER_GROUP),
         ):
             try:
                 redis.xgroup_create(stream, group, id="0", mkstream=True)
@@ -172,7 +183,16 @@ class JobState:
     def _state(self, prompt: Prompt) -> str | None:
         return self.redis.hget(self.key("ledger", prompt.epoch), prompt.index)
 
-    def _requeue(self, pipe: Pipeline, prompt: Prompt) -> None:
+    def released(self) -> int:
+        """Prompts handed out so far, over all epochs (each dataset row counts once per epoch)."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for epoch in self.epochs():
+                pipe.hlen(self.key("ledger", epoch))
+            return sum(pipe.execute())
+
+    def _requeue(self, pipe: Pipeline, prompt: Prompt, *, min_version: int | None = None) -> None:
+        if min_version is not None:
+            prompt = replace(prompt, min_version=max(prompt.min_version, min_version))
         pipe.xadd(self.key("prompts"), {"prompt": to_json(prompt)})
         pipe.hset(self.key("ledger", prompt.epoch), prompt.index, "requeued")
         pipe.hincrby(self.key("counters", prompt.epoch), "requeue_events", 1)
@@ -239,7 +259,7 @@ class JobState:
                 pipe.hincrby(counters, "duplicates_dropped", 1)
             elif stale:
                 pipe.hincrby(counters, "stale_dropped", 1)
-                self._requeue(pipe, p)
+                self._requeue(pipe, p, min_version=current_version)
             else:
                 pipe.sadd(accepted, p.prompt_id)
                 pipe.rpush(self.key("buffer"), to_json(group))
@@ -251,21 +271,54 @@ class JobState:
 
         return self.redis.transaction(decide, accepted, value_from_callable=True)
 
+    def mark_filtered(self, group: RolloutGroup, *, msg_id: str | None = None) -> bool:
+        """Dynamic sampling dropped `group` (all rewards equal): its prompt is done, untrained.
+
+        False if the prompt's group was already accepted or filtered (a duplicate)."""
+        p = group.prompt
+        accepted, counters = self.key("accepted", p.epoch), self.key("counters", p.epoch)
+
+        def decide(pipe: Pipeline) -> bool:
+            duplicate = pipe.sismember(accepted, p.prompt_id)
+            pipe.multi()
+            if duplicate:
+                pipe.hincrby(counters, "duplicates_dropped", 1)
+            else:
+                pipe.sadd(accepted, p.prompt_id)
+                pipe.hset(self.key("ledger", p.epoch), p.index, "filtered")
+                pipe.incr(self.key("filtered_total"))
+            if msg_id is not None:
+                pipe.xack(self.key("groups"), CONTROLLER_GROUP, msg_id)
+                pipe.xdel(self.key("groups"), msg_id)
+            return not duplicate
+
+        return self.redis.transaction(decide, accepted, value_from_callable=True)
+
+    def filtered_total(self) -> int:
+        """Groups dropped by dynamic sampling, over all epochs."""
+        return int(self.redis.get(self.key("filtered_total")) or 0)
+
     # -- training batches -----------------------------------------------------------------------
 
     def buffer_size(self) -> int:
         """Accepted groups waiting for a training batch."""
         return self.redis.llen(self.key("buffer"))
 
-    def next_batch(self, size: int) -> list[RolloutGroup] | None:
+    def next_batch(
+        self, size: int, *, current_version: int = 0, allowed_outdated_steps: int | None = None
+    ) -> list[RolloutGroup] | None:
         """The training batch in flight, else the `size` oldest accepted groups, else None.
 
         A batch stays in flight (`inflight` list) until :meth:`mark_trained`; asking again
         returns the same batch, so a restarted controller re-issues it instead of losing it.
+        With `allowed_outdated_steps`, buffered groups that became too stale for training at
+        `current_version` are dropped first and their prompts requeued.
         """
         if size < 1:
             raise ValueError(f"batch size must be >= 1, got {size}")
         buffer, inflight = self.key("buffer"), self.key("inflight")
+        if allowed_outdated_steps is not None and not self.redis.exists(inflight):
+            self._drop_stale(current_version, allowed_outdated_steps)
 
         def take(pipe: Pipeline) -> list[str] | None:
             batch = pipe.lrange(inflight, 0, -1)
@@ -281,6 +334,35 @@ class JobState:
 
         batch = self.redis.transaction(take, buffer, inflight, value_from_callable=True)
         return None if batch is None else [from_json(RolloutGroup, g) for g in batch]
+
+    def _drop_stale(self, current_version: int, allowed_outdated_steps: int) -> int:
+        """Requeue the prompts of buffered groups older than the staleness bound."""
+        buffer, oldest = self.key("buffer"), current_version - allowed_outdated_steps
+
+        def drop(pipe: Pipeline) -> int:
+            entries = pipe.lrange(buffer, 0, -1)
+            stale = [
+                (raw, group)
+                for raw in entries
+                if (group := from_json(RolloutGroup, raw)).policy_version < oldest
+            ]
+            pipe.multi()
+            for raw, group in stale:
+                p = group.prompt
+                pipe.lrem(buffer, 1, raw)
+                pipe.srem(self.key("accepted", p.epoch), p.prompt_id)
+                pipe.hincrby(self.key("counters", p.epoch), "stale_dropped", 1)
+                self._requeue(pipe, p, min_version=current_version)
+            return len(stale)
+
+        dropped = self.redis.transaction(drop, buffer, value_from_callable=True)
+        if dropped:
+            log.info("dropped %d buffered groups older than version %d", dropped, oldest)
+        return dropped
+
+    def inflight_batch(self) -> list[RolloutGroup]:
+        """The training batch in flight (empty when none)."""
+        return [from_json(RolloutGroup, g) for g in self.redis.lrange(self.key("inflight"), 0, -1)]
 
     def mark_trained(self, prompt_ids: list[str], step: int) -> None:
         """The in-flight batch (these prompt_ids) was trained by optimiser step `step`."""
@@ -315,9 +397,63 @@ class JobState:
             summary[name] = int(counters.get(name, 0))
         return summary
 
+    def trained_counts(self, epoch: int) -> dict[int, int]:
+        """Dataset index -> how many optimiser steps trained its group in `epoch` (must be 1)."""
+        counts = self.redis.hgetall(self.key("trained", epoch))
+        return {int(index): int(n) for index, n in counts.items()}
+
     def epochs(self) -> list[int]:
         """Epochs that have prompts in the ledger."""
         return sorted(int(e) for e in self.redis.smembers(self.key("epochs")))
+
+    # -- commands to the policy, results back ---------------------------------------------------
+
+    def send_command(self, command: dict[str, Any]) -> str:
+        """Append a command for the policy replica(s); returns its stream id."""
+        return self.redis.xadd(self.key("commands"), {"command": json.dumps(command)})
+
+    def read_commands(
+        self, consumer: str, *, count: int = 1, block_ms: int = 0
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """Commands for policy replica `consumer`: unacknowledged ones it already read first (it
+        restarted mid-command), then new ones, waiting up to `block_ms`."""
+        stream = self.key("commands")
+        reply = self.redis.xreadgroup(POLICY_GROUP, consumer, {stream: "0"}, count=count)
+        if not reply or not reply[0][1]:
+            reply = self.redis.xreadgroup(
+                POLICY_GROUP, consumer, {stream: ">"}, count=count, block=block_ms or None
+            )
+        return [(i, json.loads(f["command"])) for _, entries in reply for i, f in entries]
+
+    def ack_command(self, msg_id: str) -> None:
+        """The policy replica carried the command out."""
+        self.redis.xack(self.key("commands"), POLICY_GROUP, msg_id)
+
+    def push_result(self, result: dict[str, Any]) -> str:
+        """A policy replica reports a finished command (e.g. a step and its metrics)."""
+        return self.redis.xadd(self.key("results"), {"result": json.dumps(result)})
+
+    def poll_results(self, *, block_ms: int = 0) -> list[tuple[str, dict[str, Any]]]:
+        """Results for the controller, unacknowledged ones first (see :meth:`poll_groups`)."""
+        stream = self.key("results")
+        reply = self.redis.xreadgroup(CONTROLLER_GROUP, "controller", {stream: "0"}, count=16)
+        if not reply or not reply[0][1]:
+            reply = self.redis.xreadgroup(
+                CONTROLLER_GROUP, "controller", {stream: ">"}, count=16, block=block_ms or None
+            )
+        return [(i, json.loads(f["result"])) for _, entries in reply for i, f in entries]
+
+    def ack_result(self, msg_id: str) -> None:
+        """The controller recorded the result."""
+        self.redis.xack(self.key("results"), CONTROLLER_GROUP, msg_id)
+
+    def finish(self, outcome: str = "done") -> None:
+        """The job ended (`done` or a failure reason); replicas see it and exit."""
+        self.redis.set(self.key("finished"), outcome)
+
+    def finished(self) -> str | None:
+        """The job's outcome once it ended, else None."""
+        return self.redis.get(self.key("finished"))
 
     # -- versions -------------------------------------------------------------------------------
 
@@ -400,6 +536,24 @@ class JobState:
         return {
             name: _decode_replica(info) for name, info in zip(names, infos, strict=True) if info
         }
+
+    def assign_weight_rank(self, name: str, *, capacity: int) -> int:
+        """Rank of rollout replica `name` in the weight group, 1..`capacity` (0 is the policy);
+        the same on re-registration. Raises ValueError when all ranks are taken."""
+        ranks = self.key("weight_ranks")
+
+        def assign(pipe: Pipeline) -> int:
+            taken = pipe.hgetall(ranks)
+            if name in taken:
+                return int(taken[name])
+            rank = len(taken) + 1
+            if rank > capacity:
+                raise ValueError(f"the weight group is full: {capacity} rollout replica(s)")
+            pipe.multi()
+            pipe.hset(ranks, name, rank)
+            return rank
+
+        return self.redis.transaction(assign, ranks, value_from_callable=True)
 
     def dead_replicas(self, timeout: float) -> list[str]:
         """Replicas whose last heartbeat is more than `timeout` seconds old."""

@@ -17,14 +17,17 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from nebula_rl.config import DatasetConfig
+from nebula_rl.config import Config, DatasetConfig
 
 __all__ = [
     "BUILTIN_TASKS",
     "RowReport",
     "arithmetic_task",
+    "epoch_order",
     "load_rows",
+    "num_train_steps",
     "prompt_token_ids",
+    "rl_rows",
     "sft_example",
     "split_rows",
     "validate_rows",
@@ -231,3 +234,36 @@ def sft_example(
     if max_length is not None:
         ids, mask = ids[:max_length], mask[:max_length]
     return ids, mask
+
+
+def epoch_order(num_rows: int, *, epoch: int, shuffle: bool, seed: int) -> list[int]:
+    """Row indices in the order epoch `epoch` visits them (a seeded shuffle per epoch)."""
+    order = list(range(num_rows))
+    if shuffle:
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+def num_train_steps(cfg: Config, num_items: int) -> int:
+    """Optimiser steps of a run: full batches over all epochs, capped by `train.max_num_steps`."""
+    steps = cfg.train.epoch * (num_items // cfg.train.train_batch_per_replica)
+    if cfg.train.max_num_steps is not None:
+        steps = min(steps, cfg.train.max_num_steps)
+    if steps < 1:
+        raise ValueError(
+            f"train.train_batch_per_replica ({cfg.train.train_batch_per_replica}) exceeds the "
+            f"{num_items} usable dataset rows: no full step"
+        )
+    return steps
+
+
+def rl_rows(cfg: Config) -> list[dict[str, Any]]:
+    """The RL training rows of `cfg`: loaded, checked for the prompt and answer columns, and
+    without the held-out `test_size` split."""
+    p = cfg.grpo
+    seed = cfg.train.seed or 0
+    rows, _ = validate_rows(
+        load_rows(p.dataset, seed=seed), columns=[p.prompt_column_name, p.response_column_name]
+    )
+    train, _held_out = split_rows(rows, p.dataset.test_size, seed=seed)
+    return train

@@ -8,6 +8,7 @@ template). Presets exist for tests and demos; nothing is ever downloaded.
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 from typing import Any
@@ -164,11 +165,25 @@ def _check_local(name_or_path: str) -> Path:
     return path
 
 
+_GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+"""Saved `tokenizer_class` values that mean "exactly the saved tokenizer.json"."""
+
+
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """The tokenizer of a local model folder or a preset; left padding, a pad token set."""
     if _preset_name(name_or_path) is not None:
         return build_char_tokenizer()
-    tok = AutoTokenizer.from_pretrained(_check_local(name_or_path), local_files_only=True)
+    path = _check_local(name_or_path)
+    config_file = path / "tokenizer_config.json"
+    saved = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    saved_class = saved.get("tokenizer_class")
+    if saved_class in _GENERIC_TOKENIZER_CLASSES:
+        # AutoTokenizer would pick the model type's tokenizer class (Qwen2Tokenizer for a qwen2
+        # config), which replaces the saved normalizer and pre-tokenizer: a character tokenizer
+        # would silently lose its newlines. The saved tokenizer.json is the tokenizer.
+        tok = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    else:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"

@@ -260,8 +260,12 @@ class PolicyTrainer:
                 dev = self.device
                 policy_batch = PolicyBatch(
                     logprobs=logprobs,
+                    # Without a recomputed proximal policy, the ratio is taken against the
+                    # policy that sampled the tokens: 1 on-policy, a correction when stale.
                     old_logprobs=(
-                        old[start:stop, :width].to(dev) if old is not None else logprobs.detach()
+                        old[start:stop, :width].to(dev)
+                        if old is not None
+                        else mb.behaviour_logprobs.to(dev)
                     ),
                     advantages=mb.advantages.to(dev),
                     mask=mb.target_mask.to(dev),

@@ -1,1 +1,23 @@
-"""nebula_rl.rollout."""
+"""Rollout generation: the `Engine` interface, its request/result types and the built-in
+`TorchEngine`. Other backends (vLLM) are reached through `engine_class(name)` only, so importing
+this package never imports them."""
+
+from nebula_rl.rollout.engine import (
+    Completion,
+    Engine,
+    GenerationRequest,
+    RequestOutput,
+    SamplingParams,
+    engine_class,
+)
+from nebula_rl.rollout.torch_engine import TorchEngine
+
+__all__ = [
+    "Completion",
+    "Engine",
+    "GenerationRequest",
+    "RequestOutput",
+    "SamplingParams",
+    "TorchEngine",
+    "engine_class",
+]

@@ -1,0 +1,153 @@
+"""The replica side of the control plane: join a job, stay registered, learn when it ends.
+
+A replica knows only the controller's address and the job's token. `ReplicaSession.join`
+registers it, fetches `/api/meta` (the job's config, the Redis URL, the weight rendezvous) and
+starts a heartbeat thread; from then on the replica reads and writes the job's Redis streams
+directly through `session.state`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from nebula_rl.config import Config, config_from_dict
+from nebula_rl.controller.redis_server import connect
+from nebula_rl.controller.state import JobState
+
+__all__ = ["TOKEN_ENV", "ControllerClient", "ReplicaSession", "read_token"]
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "NEBULA_TOKEN"
+"""Environment variable holding the job's bearer token (kept off command lines, which `ps` shows)."""
+
+
+def read_token() -> str:
+    """The job's token from the environment; a clear error when it is missing."""
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        raise ValueError(f"set {TOKEN_ENV} to the job's token (the launcher does this)")
+    return token
+
+
+class ControllerClient:
+    """Token-authenticated calls to the controller's HTTP API."""
+
+    def __init__(self, address: str, token: str, *, timeout: float = 10.0) -> None:
+        base = address if address.startswith("http") else f"http://{address}"
+        self.http = httpx.Client(
+            base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=timeout
+        )
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        response = self.http.request(method, path, json=body)
+        response.raise_for_status()
+        return response.json()
+
+    def meta(self) -> dict[str, Any]:
+        """The job's config and join information."""
+        return self._call("GET", "/api/meta")
+
+    def status(self) -> dict[str, Any]:
+        """Step, policy version, replicas, ledger."""
+        return self._call("GET", "/api/status")
+
+    def register(
+        self, name: str, *, role: Literal["policy", "rollout"], world_size: int = 1
+    ) -> dict[str, Any]:
+        """Join the job as `name`."""
+        body = {"name": name, "role": role, "host": socket.gethostname(), "world_size": world_size}
+        return self._call("POST", "/api/replica/register", body)
+
+    def heartbeat(
+        self, name: str, *, policy_version: int, stats: dict[str, float]
+    ) -> dict[str, Any]:
+        """I am alive; the answer carries the job's step, version and outcome."""
+        body = {"name": name, "policy_version": policy_version, "stats": stats}
+        return self._call("POST", "/api/replica/heartbeat", body)
+
+    def unregister(self, name: str) -> None:
+        """Leave the job."""
+        self._call("POST", "/api/replica/unregister", {"name": name})
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self.http.close()
+
+
+@dataclass
+class ReplicaSession:
+    """A registered replica: its config, the job's Redis state, and a heartbeat thread."""
+
+    name: str
+    """Replica name (also its Redis consumer name)."""
+    role: Literal["policy", "rollout"]
+    """What it does."""
+    client: ControllerClient
+    """The controller's API."""
+    meta: dict[str, Any]
+    """`/api/meta` as fetched at join time."""
+    registration: dict[str, Any]
+    """The controller's answer to the registration (replica id, weight rank, ...)."""
+    cfg: Config
+    """The job's config (the controller's copy)."""
+    state: JobState
+    """The job's durable state, shared with the controller through Redis."""
+    heartbeat_s: float = 2.0
+    """Seconds between heartbeats."""
+    policy_version: Callable[[], int] = lambda: -1
+    """Reports the version of the weights this replica holds."""
+    stats: Callable[[], dict[str, float]] = dict
+    """Reports numbers for the dashboard."""
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    @classmethod
+    def join(
+        cls, address: str, *, name: str, role: Literal["policy", "rollout"], world_size: int = 1
+    ) -> ReplicaSession:
+        """Register with the controller at `address` (HOST:PORT) and connect to the job's Redis."""
+        client = ControllerClient(address, read_token())
+        meta = client.meta()
+        registration = client.register(name, role=role, world_size=world_size)
+        cfg = config_from_dict(meta["config"], source=f"{address}/api/meta")
+        state = JobState(connect(meta["redis_url"]), meta["job"])
+        heartbeat_s = max(0.2, min(2.0, cfg.controller.heartbeat_timeout / 5))
+        session = cls(name, role, client, meta, registration, cfg, state, heartbeat_s)
+        log.info("%s joined job %s as %s", name, meta["job"], role)
+        return session
+
+    def start_heartbeats(self) -> None:
+        """Send heartbeats from a daemon thread until :meth:`leave`."""
+        self._thread = threading.Thread(target=self._beat, name="nebula-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self.client.heartbeat(
+                    self.name, policy_version=self.policy_version(), stats=self.stats()
+                )
+            except httpx.HTTPError as err:  # the next beat retries; the controller reaps laggards
+                log.warning("heartbeat failed: %s", err)
+
+    def finished(self) -> str | None:
+        """The job's outcome once the controller ended it, else None."""
+        return self.state.finished()
+
+    def leave(self) -> None:
+        """Stop heartbeats and unregister (best effort: the controller may be gone already)."""
+        self._stop.set()
+        try:
+            self.client.unregister(self.name)
+        except httpx.HTTPError as err:
+            log.info("unregister of %s failed: %s", self.name, err)
+        self.client.close()

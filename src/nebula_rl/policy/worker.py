@@ -1,0 +1,103 @@
+"""Policy replica: train on the batches the controller schedules, push weights to the rollouts.
+
+The loop reads commands from the job's `commands` stream:
+
+- `train`: take the in-flight batch, run one step of the configured algorithm
+  (:meth:`~nebula_rl.policy.trainer.PolicyTrainer.grpo_step`: advantages, loss, `mu_iterations`
+  passes in `mini_batch` chunks), then, when told to, snapshot the weights into the weight
+  sender's buffers and return at once: the broadcast to the rollouts runs in a background thread
+  while the next step trains. The result (metrics) goes to the `results` stream, then the command
+  is acknowledged.
+- `stop`: wait for the last weight push, export the model as a Hugging Face folder, confirm.
+
+Simplification: one process per policy replica here (data, tensor and pipeline parallelism inside
+a replica come with the parallelism work); the full state is pushed, not shards.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from nebula_rl.controller.client import ReplicaSession
+from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
+from nebula_rl.policy.trainer import PolicyTrainer
+from nebula_rl.weights import Rendezvous, WeightSender, build_group
+
+__all__ = ["run_policy"]
+
+log = logging.getLogger(__name__)
+
+
+def run_policy(session: ReplicaSession, *, device: torch.device) -> None:
+    """Body of a policy replica process."""
+    cfg, state, meta = session.cfg, session.state, session.meta
+    p = cfg.grpo
+    path = cfg.policy.model_name_or_path
+    tokenizer = load_tokenizer(path)
+    model = load_model(
+        path, dtype=resolve_dtype(cfg.train.param_dtype), device=device, seed=cfg.train.seed or 0
+    )
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if p.kl_beta > 0 else None
+    trainer = PolicyTrainer(
+        model, cfg, total_steps=meta["total_steps"], pad_id=tokenizer.pad_token_id, ref_model=ref
+    )
+    version = 0
+    session.policy_version = lambda: version
+    session.start_heartbeats()
+
+    w = meta["weights"]
+    group = build_group(
+        Rendezvous(w["host"], w["port"], w["name"], w["world_size"]),
+        rank=0,
+        backend="nccl" if device.type == "cuda" else "gloo",
+        timeout=timedelta(minutes=10),
+    )
+    transfer = cfg.train.transfer_dtype
+    sender = WeightSender(
+        group,
+        model.named_parameters(),
+        transfer_dtype=resolve_dtype(transfer) if transfer else None,
+    )
+    sender.push(model.named_parameters(), version)  # the rollouts start from exactly these
+    while session.finished() is None:
+        for msg_id, command in state.read_commands(session.name, block_ms=500):
+            if command["type"] == "train":
+                batch = state.inflight_batch()
+                ids = sorted(g.prompt.prompt_id for g in batch)
+                if ids != sorted(command["prompt_ids"]):
+                    raise RuntimeError(f"step {command['step']}: the in-flight batch changed")
+                start = time.perf_counter()
+                metrics = trainer.grpo_step(batch)
+                train_time = time.perf_counter() - start
+                if command["push_weights"]:
+                    handle = sender.push(model.named_parameters(), command["step"])
+                    version = handle.version
+                state.push_result(
+                    {
+                        "type": "train",
+                        "step": command["step"],
+                        "prompt_ids": command["prompt_ids"],
+                        "metrics": metrics,
+                        "train_time": train_time,
+                    }
+                )
+            elif command["type"] == "stop":
+                sender.close()
+                if cfg.train.ckpt.export_safetensors:
+                    export = Path(meta["run_dir"]) / "safetensors" / "final"
+                    export.mkdir(parents=True, exist_ok=True)
+                    model.save_pretrained(export, safe_serialization=True)  # type: ignore[operator]
+                    tokenizer.save_pretrained(export)
+                    log.info("exported the final weights to %s", export)
+                state.push_result({"type": "stopped"})
+                state.ack_command(msg_id)
+                return
+            else:
+                raise ValueError(f"unknown command {command!r}")
+            state.ack_command(msg_id)
