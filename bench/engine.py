@@ -294,7 +294,7 @@ def main() -> None:
         f"mid-generation {times['mid_run'] * 1e3:.2f} ms (includes finishing the token step in "
         f"flight): {ratio:.2f}x load_state_dict (lower is better)"
     )
-    summary.append(("weight_update_mid_generation_latency_vs_load_state_dict", ratio, 2))
+    update_ratio = ratio  # the issue sets no goal for it: reported, not a SUMMARY line
 
     print("\n== log-prob mismatch, engine vs policy recompute (T=0.8, 64 tokens x 16 prompts)")
     mismatch = {}
@@ -331,7 +331,10 @@ def main() -> None:
         "LOGPROB max |engine - policy recompute|: "
         + ", ".join(f"{name} {value:.2e}" for name, value in mismatch.items())
     )
-    # Throughput ratios: higher is better; the weight-update latency ratio: lower is better.
+    print(
+        f"WEIGHT_UPDATE pause->update->resume mid-generation {update_ratio:.2f}x a plain "
+        "load_state_dict (lower is better)"
+    )
     for name, ratio, goal in summary:
         print(f"SUMMARY {name} {ratio:.2f}x goal {goal}x")
 

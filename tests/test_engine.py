@@ -502,6 +502,11 @@ def test_fused_projections_follow_in_place_updates() -> None:
     model.load_state_dict(other.state_dict())
     (output,) = engine.generate([GenerationRequest(prompt, sampling=sampling)])
     assert output.completions[0].token_ids == hf_greedy(other, prompt, 12)
+    # A second engine on the same model reuses the fused tensors: updates reach both.
+    second = TorchEngine(model, max_num_seqs=2, max_model_len=64)
+    second.update_weights(tiny_model("qwen2", seed=0).state_dict(), policy_version=2)
+    (output,) = engine.generate([GenerationRequest(prompt, sampling=sampling)])
+    assert output.completions[0].token_ids == hf_greedy(tiny_model("qwen2", seed=0), prompt, 12)
 
 
 class _WrappedLinear(torch.nn.Module):

@@ -167,7 +167,7 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
     engine = TorchEngine(
         copy.deepcopy(model),
         max_num_seqs=cfg.rollout.max_num_seqs,
-        max_model_len=cfg.policy.model_max_length,
+        max_model_len=min(cfg.policy.model_max_length, model.config.max_position_embeddings),
         tokenizer=tokenizer,
         seed=cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed or 0,
     )

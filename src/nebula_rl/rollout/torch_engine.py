@@ -245,25 +245,40 @@ def _norm(module: torch.nn.Module) -> _Norm:
     return _Norm(module.get_parameter("weight"), cast(float, module.variance_epsilon))
 
 
+def _concat_in_place(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(tensors), whose parts then become views of it (`.data` re-pointed; same tensor
+    objects), so that in-place writes to them reach it. If they already are consecutive parts
+    of one tensor (another engine fused them), that tensor is returned as it is."""
+    first, rows = tensors[0], sum(t.shape[0] for t in tensors)
+    offsets = [first.storage_offset()]
+    for t in tensors[:-1]:
+        offsets.append(offsets[-1] + t.numel())
+    if all(
+        t.is_contiguous()
+        and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and t.storage_offset() == offset
+        for t, offset in zip(tensors, offsets, strict=True)
+    ):
+        return first.as_strided((rows, *first.shape[1:]), first.stride())
+    fused = torch.cat(list(tensors))
+    for tensor, part in zip(tensors, fused.split([t.shape[0] for t in tensors]), strict=True):
+        tensor.data = part
+    return fused
+
+
 def _fuse(modules: Sequence[torch.nn.Module]) -> _Linear:
     """One linear whose output is the concatenation of the outputs of `modules` (nn.Linear).
 
-    Their parameters are re-pointed at slices of the fused tensors (same Parameter objects), so
-    an in-place copy into them, as `update_weights` does, updates the fused weight too; no copy
+    Their parameters become views of the fused tensors (see `_concat_in_place`), so an in-place
+    copy into them, as `update_weights` does, updates the fused weight too, and no second copy
     of the weights is kept. One matmul instead of three (q, k, v) or two (gate, up) per layer
     saves per-op overhead on small batches and lets the BLAS run larger tiles.
     """
     linears = [cast(torch.nn.Linear, m) for m in modules]
-    sizes = [m.out_features for m in linears]
-    weight = torch.cat([m.weight for m in linears])
-    for module, part in zip(linears, weight.split(sizes), strict=True):
-        module.weight.data = part
+    weight = _concat_in_place([m.weight for m in linears])
     if linears[0].bias is None:
         return _Linear(weight, None)
-    bias = torch.cat([m.bias for m in linears])
-    for module, part in zip(linears, bias.split(sizes), strict=True):
-        module.bias.data = part
-    return _Linear(weight, bias)
+    return _Linear(weight, _concat_in_place([m.bias for m in linears]))
 
 
 def _linear(module: torch.nn.Module) -> _Linear:

@@ -109,7 +109,8 @@ class RolloutWorker:
         self.engine: Engine = TorchEngine(
             model,
             max_num_seqs=cfg.rollout.max_num_seqs,
-            max_model_len=cfg.policy.model_max_length,
+            # The cache is allocated up front: no longer than the model's positions go.
+            max_model_len=min(cfg.policy.model_max_length, model.config.max_position_embeddings),
             tokenizer=self.tokenizer,
             seed=self._seed(),
         )
