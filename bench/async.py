@@ -7,7 +7,11 @@ previous weights while the policy trains). The ratio compares the steady state, 
 step 1 to the end of the last step, so the start-up (process launch, model load, the first batch)
 which both modes share does not dilute it; the whole-command times are printed too.
 
-    python bench/async.py [--config configs/demo.toml] [--steps 60]
+    python bench/async.py [--config configs/bench_async.toml] [--steps 30]
+
+The default config is generation-heavy (64-token responses decoded 8 sequences at a time), the
+regime of RL on accelerators where decoding is memory-bound; on `configs/demo.toml` generation is
+only ~12% of a step, so overlapping it can save at most that (see BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -60,8 +64,8 @@ def run_mode(config: str, *, allowed: int, steps: int, out: Path) -> dict[str, f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="configs/demo.toml")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--config", default="configs/bench_async.toml")
+    parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
 
     from nebula_rl.local import ensure_model
