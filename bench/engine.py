@@ -28,6 +28,7 @@ import time
 import torch
 import transformers
 
+from nebula_rl.models import build_tiny_model
 from nebula_rl.rollout.engine import GenerationRequest, SamplingParams
 from nebula_rl.rollout.torch_engine import TorchEngine
 
@@ -36,18 +37,7 @@ PROMPT_LENGTHS = (8, 16, 24, 32)
 
 def tiny_qwen2(dtype: torch.dtype, device: str) -> torch.nn.Module:
     """The tiny Qwen2-architecture model of the tests (random init, ~3M parameters)."""
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    return transformers.AutoModelForCausalLM.from_config(cfg).to(device, dtype).eval()
+    return build_tiny_model("qwen2", vocab_size=128, seed=0).to(device, dtype).eval()
 
 
 def qwen25_05b(dtype: torch.dtype, device: str) -> torch.nn.Module:

@@ -88,8 +88,8 @@ def _torchrun(nproc: int) -> list[str]:
 class _MetricsTail:
     """Prints the steps the controller appends to `metrics.jsonl`."""
 
-    def __init__(self, path: Path, total_hint: str) -> None:
-        self.path, self.offset, self.total_hint = path, 0, total_hint
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, 0
 
     def poll(self) -> None:
         if not self.path.exists():
@@ -102,9 +102,8 @@ class _MetricsTail:
                 self.offset += len(line.encode())
                 m = json.loads(line)
                 log.info(
-                    "step %d%s  reward %.3f  loss %+.4f  staleness %.1f  %.2f s/step  %.0f tok/s",
+                    "step %d  reward %.3f  loss %+.4f  staleness %.1f  %.2f s/step  %.0f tok/s",
                     m["step"],
-                    self.total_hint,
                     m.get("reward_mean", float("nan")),
                     m.get("loss", float("nan")),
                     m.get("staleness_mean", float("nan")),
@@ -192,7 +191,7 @@ def launch(
             name = f"{role}-{i}"
             argv = _torchrun(1) + ["replica", "--role", role, "--controller", address]
             children.append(_start(name, [*argv, "--name", name], env=env, logs=logs))
-        tail = _MetricsTail(run_dir / "metrics.jsonl", "")
+        tail = _MetricsTail(run_dir / "metrics.jsonl")
         outcome = _supervise(controller, children, tail, stop_signal)
     finally:
         for s, handler in previous.items():

@@ -28,6 +28,7 @@ from nebula_rl.data import (
     load_rows,
     num_train_steps,
     prompt_token_ids,
+    rl_prompt,
     rl_rows,
     sft_example,
     validate_rows,
@@ -107,14 +108,7 @@ def _prompts(rows: list[dict[str, Any]], p: GrpoConfig, cfg: Config) -> Iterator
         for i in epoch_order(
             len(rows), epoch=epoch, shuffle=p.dataloader_shuffle, seed=cfg.train.seed or 0
         ):
-            row = rows[i]
-            yield Prompt(
-                prompt_id=f"{epoch}:{i}",
-                epoch=epoch,
-                index=i,
-                prompt=row[p.prompt_column_name],
-                reference=str(row[p.response_column_name]),
-            )
+            yield rl_prompt(cfg, rows, epoch=epoch, index=i)
 
 
 def _rollout(

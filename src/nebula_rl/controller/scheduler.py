@@ -32,7 +32,7 @@ from typing import Any
 from nebula_rl.config import Config
 from nebula_rl.controller.app import RegisterRequest
 from nebula_rl.controller.state import JobState
-from nebula_rl.data import epoch_order
+from nebula_rl.data import epoch_order, rl_prompt
 from nebula_rl.protocol import Prompt, RolloutGroup
 
 __all__ = ["Scheduler"]
@@ -136,15 +136,7 @@ class Scheduler:
                 n, epoch=epoch, shuffle=p.dataloader_shuffle, seed=seed
             )
         index = self._orders[epoch][position]
-        row = self.rows[index]
-        return Prompt(
-            prompt_id=f"{epoch}:{index}",
-            epoch=epoch,
-            index=index,
-            prompt=row[p.prompt_column_name],
-            reference=str(row[p.response_column_name]),
-            min_version=min_version,
-        )
+        return rl_prompt(self.cfg, self.rows, epoch=epoch, index=index, min_version=min_version)
 
     def judge_groups(self, *, block_ms: int) -> None:
         """Accept, filter or drop every group the rollouts pushed."""

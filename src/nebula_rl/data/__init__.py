@@ -18,6 +18,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from nebula_rl.config import Config, DatasetConfig
+from nebula_rl.protocol import Prompt
 
 __all__ = [
     "BUILTIN_TASKS",
@@ -27,6 +28,7 @@ __all__ = [
     "load_rows",
     "num_train_steps",
     "prompt_token_ids",
+    "rl_prompt",
     "rl_rows",
     "sft_example",
     "split_rows",
@@ -255,6 +257,22 @@ def num_train_steps(cfg: Config, num_items: int) -> int:
             f"{num_items} usable dataset rows: no full step"
         )
     return steps
+
+
+def rl_prompt(
+    cfg: Config, rows: list[dict[str, Any]], *, epoch: int, index: int, min_version: int = 0
+) -> Prompt:
+    """The prompt of dataset row `index` handed out in `epoch` (`prompt_id` `"<epoch>:<index>"`)."""
+    p = cfg.grpo
+    row = rows[index]
+    return Prompt(
+        prompt_id=f"{epoch}:{index}",
+        epoch=epoch,
+        index=index,
+        prompt=row[p.prompt_column_name],
+        reference=str(row[p.response_column_name]),
+        min_version=min_version,
+    )
 
 
 def rl_rows(cfg: Config) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from nebula_rl.controller.client import ReplicaSession
+from nebula_rl.local import export_hf
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
 from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.weights import Rendezvous, WeightSender, build_group
@@ -91,9 +92,7 @@ def run_policy(session: ReplicaSession, *, device: torch.device) -> None:
                 sender.close()
                 if cfg.train.ckpt.export_safetensors:
                     export = Path(meta["run_dir"]) / "safetensors" / "final"
-                    export.mkdir(parents=True, exist_ok=True)
-                    model.save_pretrained(export, safe_serialization=True)  # type: ignore[operator]
-                    tokenizer.save_pretrained(export)
+                    export_hf(model, tokenizer, export)
                     log.info("exported the final weights to %s", export)
                 state.push_result({"type": "stopped"})
                 state.ack_command(msg_id)
