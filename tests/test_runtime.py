@@ -66,6 +66,7 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 def _scheduler(cfg: Config, redis_server: RedisServer, tmp_path: Path) -> Scheduler:
     rows = rl_rows(cfg)
     state = JobState(connect(redis_server.url), "job")
+    state.assign_rank("policy_ranks", "policy-0", first=0, capacity=1)  # a policy has joined
     return Scheduler(
         cfg, state, rows=rows, total_steps=len(rows) // BATCH, num_rollout=1, run_dir=tmp_path
     )
@@ -143,9 +144,9 @@ def _run_job(tmp_path: Path, cfg: Config, *extra: str) -> Path:
     return run_dir
 
 
-def _check_job(run_dir: Path, *, allowed: int) -> list[dict]:
+def _check_job(run_dir: Path, *, allowed: int, num_policy: int = 1) -> list[dict]:
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in steps] == list(range(1, NUM_ROWS // BATCH + 1))
+    assert [m["step"] for m in steps] == list(range(1, NUM_ROWS // (BATCH * num_policy) + 1))
     assert [m["policy_version"] for m in steps] == [m["step"] for m in steps]
     for m in steps:
         for key in ("reward_mean", "reward_std", "loss", "entropy", "response_length_mean"):
@@ -159,7 +160,10 @@ def _check_job(run_dir: Path, *, allowed: int) -> list[dict]:
     assert ledger["0"]["summary"]["trained_more_than_once"] == 0
     model = AutoModelForCausalLM.from_pretrained(run_dir / "safetensors" / "final")
     assert model.config.model_type == "qwen2"
-    for name in ("controller", "policy-0", "rollout-0"):
+    for m in steps:  # the step's metrics describe the whole global batch
+        assert m["num_sequences"] == BATCH * num_policy * 4  # n_generation = 4
+    names = ["controller", "rollout-0"] + [f"policy-{r}" for r in range(num_policy)]
+    for name in names:
         assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
     return steps
 
@@ -179,14 +183,10 @@ def test_sync_job_end_to_end(tmp_path):
     _check_job(run_dir, allowed=0)
 
 
-def test_launcher_refuses_several_policy_replicas(tmp_path):
-    config = tmp_path / "job.json"
-    config.write_text(_cfg(tmp_path, allowed=1).model_dump_json())
-    result = subprocess.run(
-        [sys.executable, "-m", "nebula_rl.cli", "train", "--config", str(config), "--policy", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2
-    assert "one policy replica" in result.stdout + result.stderr
+def test_two_policy_replicas_train_one_global_batch(tmp_path):
+    """`--policy 2`: each step trains 2 x train_batch_per_replica groups, split between two
+    data-parallel policy replicas; every prompt is still trained exactly once."""
+    run_dir = _run_job(tmp_path, _cfg(tmp_path, allowed=1), "--policy", "2")
+    _check_job(run_dir, allowed=1, num_policy=2)
+    logs = [(run_dir / "logs" / f"policy-{r}.log").read_text() for r in range(2)]
+    assert sum("exported" in log for log in logs) == 1  # policy rank 0 alone exports

@@ -131,6 +131,7 @@ def _cmd_controller(args: argparse.Namespace) -> int:
             host=args.host or cfg.controller.host,
             port=cfg.controller.port if args.port is None else args.port,
             num_rollout=args.rollout or cfg.rollout.parallelism.n_init_replicas,
+            num_policy=args.policy or cfg.policy.parallelism.n_init_replicas,
         )
     except ValueError as err:
         log.error("%s", err)
@@ -193,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     controller.add_argument("--host", help="interface to serve on (controller.host)")
     controller.add_argument("--port", type=int, help="port (controller.port; 0: any free)")
     controller.add_argument("--rollout", type=int, help="rollout replicas the job waits for")
+    controller.add_argument(
+        "--policy", type=int, help="policy replicas (data parallel) the job waits for"
+    )
     controller.set_defaults(func=_cmd_controller)
 
     replica = sub.add_parser("replica", help="run one replica process (under torchrun)")

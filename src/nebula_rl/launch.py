@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -86,10 +87,12 @@ def _torchrun(nproc: int) -> list[str]:
 
 
 class _MetricsTail:
-    """Prints the steps the controller appends to `metrics.jsonl`."""
+    """Prints the steps the controller appends to `metrics.jsonl`, with the mean reward of the
+    last `window` steps (one step's reward is noisy; the trend is what shows learning)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, window: int = 20) -> None:
         self.path, self.offset = path, 0
+        self.rewards: deque[float] = deque(maxlen=window)
 
     def poll(self) -> None:
         if not self.path.exists():
@@ -101,10 +104,15 @@ class _MetricsTail:
                     break
                 self.offset += len(line.encode())
                 m = json.loads(line)
+                reward = m.get("reward_mean", float("nan"))
+                self.rewards.append(reward)
                 log.info(
-                    "step %d  reward %.3f  loss %+.4f  staleness %.1f  %.2f s/step  %.0f tok/s",
+                    "step %d  reward %.3f (last %d: %.3f)  loss %+.4f  staleness %.1f  "
+                    "%.2f s/step  %.0f tok/s",
                     m["step"],
-                    m.get("reward_mean", float("nan")),
+                    reward,
+                    len(self.rewards),
+                    sum(self.rewards) / len(self.rewards),
                     m.get("loss", float("nan")),
                     m.get("staleness_mean", float("nan")),
                     m.get("step_time", float("nan")),
@@ -124,11 +132,6 @@ def launch(
 
     num_policy = num_policy or cfg.policy.parallelism.n_init_replicas
     num_rollout = num_rollout or cfg.rollout.parallelism.n_init_replicas
-    if num_policy != 1:
-        raise ValueError(
-            f"--policy {num_policy}: the runtime trains with one policy replica for now "
-            "(policy.parallelism.n_init_replicas = 1)"
-        )
     ensure_model(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     logs = run_dir / "logs"
@@ -179,6 +182,8 @@ def launch(
                 str(port),
                 "--rollout",
                 str(num_rollout),
+                "--policy",
+                str(num_policy),
             ],
             env=env,
             logs=logs,

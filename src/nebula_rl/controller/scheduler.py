@@ -6,7 +6,14 @@ The controller never touches a tensor. One pass of `Scheduler.run` does, in orde
 2. `judge_groups`: read the groups rollout replicas pushed; accept them into the buffer, or drop
    them (stale: the prompt is requeued; all rewards equal under dynamic sampling: filtered);
 3. `collect_results`: record a finished training step (ledger, version, `metrics.jsonl`);
-4. `schedule_step`: when a full batch is buffered and no step runs, send a `train` command.
+4. `schedule_step`: when a full batch is buffered and no step runs, send each policy replica a
+   `train` command for its share.
+
+Several policy replicas train as one data-parallel policy: the global batch of a step is
+`train_batch_per_replica` groups per replica; replica `r` (its rank in registration order)
+trains slice `r`, the replicas sum their gradients (:mod:`nebula_rl.policy.replicas`) and take the
+same optimiser step, and rank 0 pushes the new weights to the rollouts. A step is recorded when
+every replica reported it.
 
 Staleness. With `A = allowed_outdated_steps`, the batch of step `s` is trained with policy version
 `s - 1` and must come from weights of version `>= s - 1 - A`. So when version `V` is reached, the
@@ -17,8 +24,9 @@ are dropped when judged or when batched, and their prompts requeued: trained sam
 staler than `A`. Weights reach the rollouts every `sync_weight_interval` steps, so prompts are
 tagged with the last synced version.
 
-Simplifications: one policy replica; one step in flight; a restarted controller continues from
-Redis, but the steps it recorded in `metrics.jsonl` before the restart are not rewritten.
+Simplifications: a fixed set of policy replicas (`--policy N`); one step in flight; a restarted
+controller continues from Redis, but the steps it recorded in `metrics.jsonl` before the restart
+are not rewritten.
 """
 
 from __future__ import annotations
@@ -52,11 +60,14 @@ class Scheduler:
         total_steps: int,
         num_rollout: int,
         run_dir: Path,
+        num_policy: int = 1,
     ) -> None:
         p = cfg.grpo
         self.cfg, self.state, self.rows = cfg, state, rows
         self.total_steps, self.num_rollout, self.run_dir = total_steps, num_rollout, run_dir
-        self.batch_size = cfg.train.train_batch_per_replica
+        self.num_policy = num_policy
+        self.batch_per_replica = cfg.train.train_batch_per_replica
+        self.batch_size = self.batch_per_replica * num_policy
         self.sync_interval = cfg.train.sync_weight_interval
         self.allowed = 0 if p.on_policy else p.allowed_outdated_steps
         if self.sync_interval > 1 and self.allowed < self.sync_interval - 1:
@@ -77,17 +88,16 @@ class Scheduler:
     # -- registration ---------------------------------------------------------------------------
 
     def on_register(self, req: RegisterRequest) -> dict[str, Any]:
-        """Extra answer fields for a joining replica: its rank in the weight group."""
+        """Extra answer fields for a joining replica: its ranks. A policy replica gets its
+        `policy_rank` (0..N-1); rank 0 is also rank 0 of the weight group, the sender. A rollout
+        replica gets its `weight_rank` (1..M)."""
         if req.role == "policy":
-            others = [
-                n
-                for n, r in self.state.replicas().items()
-                if r["role"] == "policy" and n != req.name
-            ]
-            if others:
-                raise ValueError(f"this job runs one policy replica and has {others[0]}")
-            return {"weight_rank": 0}
-        return {"weight_rank": self.state.assign_weight_rank(req.name, capacity=self.num_rollout)}
+            rank = self.state.assign_rank(
+                "policy_ranks", req.name, first=0, capacity=self.num_policy
+            )
+            return {"policy_rank": rank, "weight_rank": 0 if rank == 0 else None}
+        rank = self.state.assign_rank("weight_ranks", req.name, first=1, capacity=self.num_rollout)
+        return {"weight_rank": rank}
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -149,8 +159,12 @@ class Scheduler:
                 self.state.accept_group(group, version, self.allowed, msg_id=msg_id)
 
     def schedule_step(self) -> None:
-        """Send a `train` command when a full batch is buffered and no step is running."""
+        """Send the `train` commands of the next step when a full batch is buffered, every
+        policy replica has joined, and no step is running."""
         if self._step_in_flight is not None or self.state.step() >= self.total_steps:
+            return
+        holders = self.state.rank_holders("policy_ranks")
+        if len(holders) < self.num_policy:
             return
         version = self.state.policy_version()
         batch = self.state.next_batch(
@@ -160,46 +174,58 @@ class Scheduler:
             return
         staleness = [version - g.policy_version for g in batch]
         step = self.state.step() + 1
-        command = {
-            "type": "train",
-            "step": step,
-            "prompt_ids": [g.prompt.prompt_id for g in batch],
-            "push_weights": step % self.sync_interval == 0 and step < self.total_steps,
-        }
         self._step_in_flight = {
             "step": step,
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": max(staleness),
             "sent": time.monotonic(),
             "groups": batch,
+            "results": {},
         }
-        self.state.send_command(command)
+        push = step % self.sync_interval == 0 and step < self.total_steps
+        size = self.batch_per_replica
+        for rank, name in sorted(holders.items()):
+            shard = batch[rank * size : (rank + 1) * size]
+            command = {
+                "type": "train",
+                "step": step,
+                "prompt_ids": [g.prompt.prompt_id for g in shard],
+                "push_weights": push and rank == 0,
+            }
+            self.state.send_command(command, to=name)
 
     def collect_results(self) -> None:
         """Record finished steps: ledger, policy version, one `metrics.jsonl` line each."""
         for msg_id, result in self.state.poll_results():
-            if result.get("type") == "train" and self._step_in_flight is not None:
-                self._record_step(result)
+            inflight = self._step_in_flight
+            if result.get("type") == "train" and inflight is not None:
+                assert result["step"] == inflight["step"], (result, inflight["step"])
+                inflight["results"][result["rank"]] = result
+                if len(inflight["results"]) == self.num_policy:
+                    self._record_step()
             self.state.ack_result(msg_id)
 
-    def _record_step(self, result: dict[str, Any]) -> None:
+    def _record_step(self) -> None:
         inflight = self._step_in_flight
-        assert inflight is not None and result["step"] == inflight["step"], (result, inflight)
-        self.state.mark_trained(result["prompt_ids"], result["step"])
+        assert inflight is not None
+        groups: list[RolloutGroup] = inflight["groups"]
+        step = inflight["step"]
+        self.state.mark_trained([g.prompt.prompt_id for g in groups], step)
         version = self.state.bump_policy_version()
         now = time.monotonic()
-        groups: list[RolloutGroup] = inflight["groups"]
         ledger = self.state.ledger_summary(groups[0].prompt.epoch)
+        results = inflight["results"]
         record = {
-            "step": result["step"],
+            "step": step,
             "policy_version": version,
-            **result["metrics"],
+            # The replicas reduce their metrics over the whole batch; rank 0's stand for all.
+            **results[0]["metrics"],
             "staleness_mean": inflight["staleness_mean"],
             "staleness_max": inflight["staleness_max"],
             "stale_dropped": ledger["stale_dropped"],
             "groups_filtered": ledger["filtered"],
             "step_time": now - self._last_step_end,
-            "train_time": result["train_time"],
+            "train_time": max(r["train_time"] for r in results.values()),
             "wait_for_batch_time": inflight["sent"] - self._last_step_end,
             # Over the whole run: a window per step can be empty when rollouts run ahead.
             "rollout_tokens_per_s": self._tokens_received / max(now - self._start, 1e-9),
@@ -242,20 +268,29 @@ class Scheduler:
         (self.run_dir / "ledger.json").write_text(json.dumps(ledger, indent=1))
 
     def stop_policy(self, *, timeout_s: float = 600.0) -> None:
-        """Let the policy finish its last step, export, and confirm; raises on timeout."""
+        """Let the policy replicas finish their last step, export, and confirm; raises on
+        timeout."""
         deadline = time.monotonic() + timeout_s
         while self._step_in_flight is not None:
             self.collect_results()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the policy did not finish step {self._step_in_flight['step']}")
             time.sleep(0.02)
-        self.state.send_command({"type": "stop"})
+        holders = self.state.rank_holders("policy_ranks")
+        for name in holders.values():
+            self.state.send_command({"type": "stop"}, to=name)
+        stopped: set[int] = set()
         while time.monotonic() < deadline:
             for msg_id, result in self.state.poll_results(block_ms=200):
                 self.state.ack_result(msg_id)
                 if result.get("type") == "stopped":
-                    return
-        raise TimeoutError(f"the policy did not confirm the stop within {timeout_s:.0f} s")
+                    stopped.add(result["rank"])
+            if len(stopped) == len(holders):
+                return
+        raise TimeoutError(
+            f"policy rank(s) {sorted(set(holders) - stopped)} did not confirm the stop within "
+            f"{timeout_s:.0f} s"
+        )
 
 
 def run_controller(
@@ -267,33 +302,42 @@ def run_controller(
     host: str,
     port: int,
     num_rollout: int,
+    num_policy: int = 1,
 ) -> None:
-    """The controller process: serve the API at `host:port` and schedule the job to its end."""
+    """The controller process: serve the API at `host:port` and schedule the job to its end.
+
+    It also serves the TCPStore where the replicas' process groups meet (the weight group of
+    policy rank 0 and the rollouts, and the policy replicas' data-parallel group), so that no
+    replica has to run on the controller's host."""
     import re
 
     from nebula_rl.controller.app import create_app, serve
     from nebula_rl.controller.redis_server import connect
     from nebula_rl.data import num_train_steps, rl_rows
-    from nebula_rl.weights import free_port
+    from nebula_rl.weights import free_port, serve_store
 
     rows = rl_rows(cfg)
     total_steps = num_train_steps(cfg, len(rows))
     job = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:64] or "job"
     state = JobState(connect(redis_url), job)
     scheduler = Scheduler(
-        cfg, state, rows=rows, total_steps=total_steps, num_rollout=num_rollout, run_dir=run_dir
+        cfg,
+        state,
+        rows=rows,
+        total_steps=total_steps,
+        num_rollout=num_rollout,
+        num_policy=num_policy,
+        run_dir=run_dir,
     )
-    weights = {
-        "host": host,
-        "port": free_port(host),
-        "name": f"{job}-weights-0",
-        "world_size": 1 + num_rollout,
-    }
+    store_port = free_port(host)
+    store = serve_store(host, store_port)  # noqa: F841 (kept alive for the job)
+    rendezvous = {"host": host, "port": store_port, "hosted": True}
     meta = {
         "redis_url": redis_url,
         "run_dir": str(run_dir),
         "total_steps": total_steps,
-        "weights": weights,
+        "weights": {**rendezvous, "name": f"{job}-weights-0", "world_size": 1 + num_rollout},
+        "policy_group": {**rendezvous, "name": f"{job}-policy-0", "world_size": num_policy},
     }
     app = create_app(
         state=state,

@@ -18,9 +18,10 @@ only slow pushes its group anyway), but only the first group of each `prompt_id`
 (`accepted:<epoch>` set), so it is trained once. Nothing is lost: a prompt leaves the streams only
 when its group is accepted or it is put back as a new stream entry, in one transaction.
 
-Training runs as commands: the controller appends `train` commands to the `commands` stream, the
-policy replica reads them (consumer group `policy`), trains on the in-flight batch and appends a
-result to the `results` stream, which the controller reads (consumer group `controller`).
+Training runs as commands: the controller appends a `train` command to each policy replica's
+`commands:<replica>` stream, each replica reads its own (consumer group `policy`), trains on its
+share of the in-flight batch and appends a result to the `results` stream, which the controller
+reads (consumer group `controller`).
 
 Simplifications: one controller consumes the `groups` and `results` streams; one training batch
 is in flight at a time; staleness is judged when a group is accepted and again when it is taken
@@ -56,7 +57,7 @@ ROLLOUT_GROUP = "rollout"
 CONTROLLER_GROUP = "controller"
 """Consumer group of the controller on the `groups` and `results` streams."""
 POLICY_GROUP = "policy"
-"""Consumer group of policy replicas on the `commands` stream."""
+"""Consumer group of a policy replica on its `commands:<replica>` stream."""
 
 _JOB_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -79,10 +80,10 @@ class JobState:
         self.job = job
         self.clock = clock
         self.prefix = f"nebula:{job}:"
+        self._groups: set[tuple[str, str]] = set()
         for stream, group in (
             (self.key("prompts"), ROLLOUT_GROUP),
             (self.key("groups"), CONTROLLER_GROUP),
-            (self.key("commands"), POLICY_GROUP),
             (self.key("results"), CONTROLLER_GROUP),
         ):
             try:
@@ -408,16 +409,31 @@ class JobState:
 
     # -- commands to the policy, results back ---------------------------------------------------
 
-    def send_command(self, command: dict[str, Any]) -> str:
-        """Append a command for the policy replica(s); returns its stream id."""
-        return self.redis.xadd(self.key("commands"), {"command": json.dumps(command)})
+    def _ensure_group(self, stream: str, group: str) -> None:
+        if (stream, group) in self._groups:
+            return
+        try:
+            self.redis.xgroup_create(stream, group, id="0", mkstream=True)
+        except ResponseError as err:
+            if "BUSYGROUP" not in str(err):
+                raise
+        self._groups.add((stream, group))
+
+    def send_command(self, command: dict[str, Any], *, to: str) -> str:
+        """Append a command for policy replica `to` (each replica has its own stream, so a
+        command reaches exactly that replica and stays pending until it acknowledges it);
+        returns its stream id."""
+        stream = self.key("commands", to)
+        self._ensure_group(stream, POLICY_GROUP)
+        return self.redis.xadd(stream, {"command": json.dumps(command)})
 
     def read_commands(
         self, consumer: str, *, count: int = 1, block_ms: int = 0
     ) -> list[tuple[str, dict[str, Any]]]:
         """Commands for policy replica `consumer`: unacknowledged ones it already read first (it
         restarted mid-command), then new ones, waiting up to `block_ms`."""
-        stream = self.key("commands")
+        stream = self.key("commands", consumer)
+        self._ensure_group(stream, POLICY_GROUP)
         reply = self.redis.xreadgroup(POLICY_GROUP, consumer, {stream: "0"}, count=count)
         if not reply or not reply[0][1]:
             reply = self.redis.xreadgroup(
@@ -425,9 +441,9 @@ class JobState:
             )
         return [(i, json.loads(f["command"])) for _, entries in reply for i, f in entries]
 
-    def ack_command(self, msg_id: str) -> None:
-        """The policy replica carried the command out."""
-        self.redis.xack(self.key("commands"), POLICY_GROUP, msg_id)
+    def ack_command(self, consumer: str, msg_id: str) -> None:
+        """Policy replica `consumer` carried the command out."""
+        self.redis.xack(self.key("commands", consumer), POLICY_GROUP, msg_id)
 
     def push_result(self, result: dict[str, Any]) -> str:
         """A policy replica reports a finished command (e.g. a step and its metrics)."""
@@ -537,23 +553,28 @@ class JobState:
             name: _decode_replica(info) for name, info in zip(names, infos, strict=True) if info
         }
 
-    def assign_weight_rank(self, name: str, *, capacity: int) -> int:
-        """Rank of rollout replica `name` in the weight group, 1..`capacity` (0 is the policy);
-        the same on re-registration. Raises ValueError when all ranks are taken."""
-        ranks = self.key("weight_ranks")
+    def assign_rank(self, table: str, name: str, *, first: int, capacity: int) -> int:
+        """A rank for `name` in rank table `table` (e.g. "weight_ranks"): the next free one of
+        `first`..`first + capacity - 1`, and the same one again on re-registration. Raises
+        ValueError when all ranks are taken."""
+        ranks = self.key(table)
 
         def assign(pipe: Pipeline) -> int:
             taken = pipe.hgetall(ranks)
             if name in taken:
                 return int(taken[name])
-            rank = len(taken) + 1
-            if rank > capacity:
-                raise ValueError(f"the weight group is full: {capacity} rollout replica(s)")
+            if len(taken) >= capacity:
+                raise ValueError(f"{table}: all {capacity} rank(s) are taken")
+            rank = first + len(taken)
             pipe.multi()
             pipe.hset(ranks, name, rank)
             return rank
 
         return self.redis.transaction(assign, ranks, value_from_callable=True)
+
+    def rank_holders(self, table: str) -> dict[int, str]:
+        """Rank -> replica name of the rank table `table`."""
+        return {int(rank): name for name, rank in self.redis.hgetall(self.key(table)).items()}
 
     def dead_replicas(self, timeout: float) -> list[str]:
         """Replicas whose last heartbeat is more than `timeout` seconds old."""

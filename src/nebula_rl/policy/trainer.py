@@ -4,12 +4,15 @@ One `PolicyTrainer` owns a model, its optimiser and LR schedule. `grpo_step` tak
 rollout groups and performs `mu_iterations` optimiser steps over them; `sft_step` takes tokenised
 conversations and performs one. Both accumulate gradients over micro-batches of `mini_batch`
 sequences with the step's global token and sequence counts as loss denominators (STYLE rule 3),
-so the result does not depend on how the batch is split.
+so the result does not depend on how the batch is split. With a :class:`ReplicaGroup` the step
+spans several policy replicas: counts and gradients are summed over them before the update, and
+the returned metrics describe the union of their batches.
 
-Log-probs are recomputed here: the proximal policy's ("old") log-probs are the trainer's own at
-the start of the step (the rollout engine's log-probs enter only as behaviour-policy weights, for
-decoupled PPO and AIPO). With `mu_iterations = 1` and no behaviour correction the proximal
-log-probs equal the detached current ones, and the extra forward pass is skipped.
+The PPO ratio is taken against the proximal ("old") policy. When the step needs one
+(`mu_iterations > 1`, decoupled PPO, AIPO) its log-probs are recomputed here at the start of the
+step, and the rollout engine's log-probs enter as behaviour-policy weights; otherwise the ratio
+is taken against the rollout's own log-probs: 1 for on-policy samples, a clipped correction for
+stale ones.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import Tensor, nn
 
 from nebula_rl.algorithms import ALGORITHMS, LossSettings, PolicyBatch, sft_loss_from_logprobs
 from nebula_rl.config import Config, GrpoConfig, TrainingConfig
+from nebula_rl.policy.replicas import ReplicaGroup
 from nebula_rl.protocol import RolloutGroup
 
 __all__ = [
@@ -176,8 +180,10 @@ class PolicyTrainer:
         total_steps: int,
         pad_id: int,
         ref_model: nn.Module | None = None,
+        replicas: ReplicaGroup | None = None,
     ) -> None:
         self.model, self.cfg, self.pad_id, self.ref_model = model, cfg, pad_id, ref_model
+        self.replicas = replicas
         t = cfg.train
         opt_cls = torch.optim.AdamW if t.optm_name == "AdamW" else torch.optim.Adam
         impl = {
@@ -198,7 +204,15 @@ class PolicyTrainer:
         )
         self.device = next(model.parameters()).device
 
+    def _global_sums(self, *values: float) -> list[float]:
+        """`values` summed over the policy replicas (as they are with one replica)."""
+        if self.replicas is None:
+            return list(values)
+        return self.replicas.sum_(torch.tensor(values, dtype=torch.float64)).tolist()
+
     def _optimizer_step(self) -> float:
+        if self.replicas is not None:
+            self.replicas.all_reduce_grads(self.model.parameters())
         clip = self.cfg.train.optm_grad_norm_clip
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
@@ -229,8 +243,9 @@ class PolicyTrainer:
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         advantages = algorithm.advantages(rewards, settings)
         batch = collate_groups(groups, advantages, pad_id=self.pad_id)
-        num_tokens = float(batch.target_mask.sum())
-        num_sequences = float(batch.input_ids.shape[0])
+        num_tokens, num_sequences = self._global_sums(
+            float(batch.target_mask.sum()), float(batch.input_ids.shape[0])
+        )
         use_behaviour = p.decoupled_loss or p.variant == "aipo"
         needs_old = p.mu_iterations > 1 or use_behaviour
         old = self._logprobs_no_grad(self.model, batch, p.temperature) if needs_old else None
@@ -284,13 +299,24 @@ class PolicyTrainer:
             grad_norm = self._optimizer_step()
         self.scheduler.step()
         lengths = [len(c.token_ids) for g in groups for c in g.completions]
+        # Token-normalised metrics are already this replica's share of the global mean.
+        keys = sorted(sums)
+        totals = self._global_sums(
+            *(sums[k] for k in keys),
+            float(rewards.sum()),
+            float((rewards**2).sum()),
+            float(rewards.numel()),
+            float(sum(lengths)),
+        )
+        reward_sum, reward_sq, count, length_sum = totals[len(keys) :]
+        variance = (reward_sq - reward_sum**2 / count) / (count - 1) if count > 1 else 0.0
         return {
-            **sums,
+            **dict(zip(keys, totals[: len(keys)], strict=True)),
             "grad_norm": grad_norm,
             "lr": float(self.scheduler.get_last_lr()[0]),
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "response_length_mean": sum(lengths) / len(lengths),
+            "reward_mean": reward_sum / count,
+            "reward_std": math.sqrt(max(variance, 0.0)),
+            "response_length_mean": length_sum / num_sequences,
             "num_tokens": num_tokens,
             "num_sequences": num_sequences,
         }
@@ -302,7 +328,7 @@ class PolicyTrainer:
             torch.zeros(len(examples)),
             self.pad_id,
         )
-        num_tokens = float(batch.target_mask.sum())
+        (num_tokens,) = self._global_sums(float(batch.target_mask.sum()))
         self.model.train()
         total = 0.0
         for start, stop in _chunks(
@@ -319,6 +345,7 @@ class PolicyTrainer:
             total += loss.item()
         grad_norm = self._optimizer_step()
         self.scheduler.step()
+        (total,) = self._global_sums(total)
         return {
             "loss": total,
             "grad_norm": grad_norm,

@@ -10,6 +10,10 @@ The loop reads commands from the job's `commands` stream:
   is acknowledged.
 - `stop`: wait for the last weight push, export the model as a Hugging Face folder, confirm.
 
+Several policy replicas form one data-parallel policy: each trains its share of the step's
+batch, gradients are summed across replicas (:class:`~nebula_rl.policy.replicas.ReplicaGroup`)
+and rank 0 alone pushes weights and exports.
+
 Simplification: one process per policy replica here (data, tensor and pipeline parallelism inside
 a replica come with the parallelism work); the full state is pushed, not shards.
 """
@@ -21,12 +25,14 @@ import logging
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.local import export_hf
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
+from nebula_rl.policy.replicas import ReplicaGroup
 from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.weights import Rendezvous, WeightSender, build_group
 
@@ -40,48 +46,63 @@ def run_policy(session: ReplicaSession, *, device: torch.device) -> None:
     cfg, state, meta = session.cfg, session.state, session.meta
     p = cfg.grpo
     path = cfg.policy.model_name_or_path
+    rank = session.registration["policy_rank"]
+    backend: Literal["gloo", "nccl"] = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(minutes=10)
     tokenizer = load_tokenizer(path)
+    # Every replica loads the same weights with the same seed, so they start identical.
     model = load_model(
         path, dtype=resolve_dtype(cfg.train.param_dtype), device=device, seed=cfg.train.seed or 0
     )
     ref = copy.deepcopy(model).eval().requires_grad_(False) if p.kl_beta > 0 else None
+    replicas = None
+    if meta["policy_group"]["world_size"] > 1:
+        group = build_group(
+            Rendezvous(**meta["policy_group"]), rank=rank, backend=backend, timeout=timeout
+        )
+        replicas = ReplicaGroup(group)
     trainer = PolicyTrainer(
-        model, cfg, total_steps=meta["total_steps"], pad_id=tokenizer.pad_token_id, ref_model=ref
+        model,
+        cfg,
+        total_steps=meta["total_steps"],
+        pad_id=tokenizer.pad_token_id,
+        ref_model=ref,
+        replicas=replicas,
     )
     version = 0
     session.policy_version = lambda: version
     session.start_heartbeats()
 
-    w = meta["weights"]
-    group = build_group(
-        Rendezvous(w["host"], w["port"], w["name"], w["world_size"]),
-        rank=0,
-        backend="nccl" if device.type == "cuda" else "gloo",
-        timeout=timedelta(minutes=10),
-    )
-    transfer = cfg.train.transfer_dtype
-    sender = WeightSender(
-        group,
-        model.named_parameters(),
-        transfer_dtype=resolve_dtype(transfer) if transfer else None,
-    )
-    sender.push(model.named_parameters(), version)  # the rollouts start from exactly these
+    sender = None
+    if rank == 0:  # the weight sender: rank 0 of the weight group
+        weights = build_group(
+            Rendezvous(**meta["weights"]), rank=0, backend=backend, timeout=timeout
+        )
+        transfer = cfg.train.transfer_dtype
+        sender = WeightSender(
+            weights,
+            model.named_parameters(),
+            transfer_dtype=resolve_dtype(transfer) if transfer else None,
+        )
+        sender.push(model.named_parameters(), version)  # the rollouts start from exactly these
     while session.finished() is None:
         for msg_id, command in state.read_commands(session.name, block_ms=500):
             if command["type"] == "train":
-                batch = state.inflight_batch()
-                ids = sorted(g.prompt.prompt_id for g in batch)
-                if ids != sorted(command["prompt_ids"]):
-                    raise RuntimeError(f"step {command['step']}: the in-flight batch changed")
+                by_id = {g.prompt.prompt_id: g for g in state.inflight_batch()}
+                missing = [i for i in command["prompt_ids"] if i not in by_id]
+                if missing:
+                    raise RuntimeError(f"step {command['step']}: {missing} are not in flight")
                 start = time.perf_counter()
-                metrics = trainer.grpo_step(batch)
+                metrics = trainer.grpo_step([by_id[i] for i in command["prompt_ids"]])
                 train_time = time.perf_counter() - start
+                version = command["step"]
                 if command["push_weights"]:
-                    handle = sender.push(model.named_parameters(), command["step"])
-                    version = handle.version
+                    assert sender is not None, "only policy rank 0 pushes weights"
+                    sender.push(model.named_parameters(), command["step"])
                 state.push_result(
                     {
                         "type": "train",
+                        "rank": rank,
                         "step": command["step"],
                         "prompt_ids": command["prompt_ids"],
                         "metrics": metrics,
@@ -89,14 +110,17 @@ def run_policy(session: ReplicaSession, *, device: torch.device) -> None:
                     }
                 )
             elif command["type"] == "stop":
-                sender.close()
-                if cfg.train.ckpt.export_safetensors:
+                if sender is not None:
+                    sender.close()
+                if rank == 0 and cfg.train.ckpt.export_safetensors:
                     export = Path(meta["run_dir"]) / "safetensors" / "final"
                     export_hf(model, tokenizer, export)
                     log.info("exported the final weights to %s", export)
-                state.push_result({"type": "stopped"})
-                state.ack_command(msg_id)
+                if replicas is not None:
+                    replicas.close()
+                state.push_result({"type": "stopped", "rank": rank})
+                state.ack_command(session.name, msg_id)
                 return
             else:
                 raise ValueError(f"unknown command {command!r}")
-            state.ack_command(msg_id)
+            state.ack_command(session.name, msg_id)

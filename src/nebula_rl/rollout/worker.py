@@ -163,8 +163,7 @@ class RolloutWorker:
 
     def start_weight_thread(self) -> None:
         """Join the weight group and apply every push the policy makes, in a daemon thread."""
-        w = self.session.meta["weights"]
-        rdzv = Rendezvous(w["host"], w["port"], w["name"], w["world_size"])
+        rdzv = Rendezvous(**self.session.meta["weights"])
         rank = self.session.registration["weight_rank"]
         backend: Literal["gloo", "nccl"] = "nccl" if self.engine_device.type == "cuda" else "gloo"
         params = list(self._model.named_parameters())

@@ -1,7 +1,7 @@
 """Moving parameters between replicas: process groups between separately started processes
 (`group`) and a bucketed, non-blocking broadcast from the policy to rollouts (`transport`)."""
 
-from nebula_rl.weights.group import Rendezvous, WeightGroup, build_group, free_port
+from nebula_rl.weights.group import Rendezvous, WeightGroup, build_group, free_port, serve_store
 from nebula_rl.weights.transport import (
     BucketLayout,
     LayoutMismatchError,
@@ -24,4 +24,5 @@ __all__ = [
     "WeightSender",
     "build_group",
     "free_port",
+    "serve_store",
 ]

@@ -3,7 +3,9 @@
 A policy replica and the rollout replicas are started on their own (not by one `torchrun`), so
 they cannot share torch.distributed's default world. Instead the controller hands each member a
 `Rendezvous` (the address of a TCPStore, a group name and the group's size) plus its rank, and
-every member calls `build_group`. Rank 0 hosts the TCPStore; the others connect to it.
+every member calls `build_group`. The store is served either by rank 0 or, with
+`Rendezvous.hosted`, by a long-lived third process (the controller, see `serve_store`), so that
+no member has to run on the controller's host and the store outlives any member.
 
 The group is a bare c10d backend (`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on GPU) used
 through its own collective methods (`pg.broadcast(t, 0, timeout).wait()`): it is never registered
@@ -30,12 +32,13 @@ from torch.distributed import (
     DistStoreError,
     PrefixStore,
     ProcessGroupGloo,
+    ReduceOp,
     Store,
     TCPStore,
     Work,
 )
 
-__all__ = ["Collectives", "Rendezvous", "WeightGroup", "build_group", "free_port"]
+__all__ = ["Collectives", "Rendezvous", "WeightGroup", "build_group", "free_port", "serve_store"]
 
 CommBackend = Literal["gloo", "nccl"]
 
@@ -49,13 +52,15 @@ class Rendezvous:
     """Where and under which name the members of one weight group meet."""
 
     host: str
-    """Host of the TCPStore; rank 0 runs it, so this is rank 0's address."""
+    """Host of the TCPStore: rank 0's address, or the store server's when `hosted`."""
     port: int
     """TCP port of the TCPStore."""
     name: str
     """Group name, unique per generation of the group (keys are prefixed with it)."""
     world_size: int
     """Number of members, the sender (rank 0) included."""
+    hosted: bool = False
+    """The store is served by another process (`serve_store`); every member is a client."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -73,6 +78,10 @@ class Collectives(Protocol):
     """
 
     def broadcast(self, tensor: Tensor, root: int, timeout: timedelta | None = None) -> Work: ...
+
+    def allreduce(
+        self, tensor: Tensor, op: ReduceOp.RedOpType, timeout: timedelta | None = None
+    ) -> Work: ...
 
     def allgather(
         self, output_tensors: list[Tensor], input_tensor: Tensor, timeout: timedelta
@@ -115,12 +124,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def serve_store(host: str, port: int) -> TCPStore:
+    """Serve a TCPStore at `host:port` from this process, for groups whose `Rendezvous.hosted`
+    is set; it lives as long as the returned object (or the process)."""
+    store = TCPStore(host, port, None, True, timedelta(minutes=5), wait_for_workers=False)
+    _STORES[(host, port)] = store
+    return store
+
+
 def _store(rdzv: Rendezvous, *, rank: int, timeout: timedelta) -> TCPStore:
     key = (rdzv.host, rdzv.port)
     store = _STORES.get(key)
     if store is None:
         # No wait_for_workers: the join check below waits per group, with its own timeout.
-        store = TCPStore(rdzv.host, rdzv.port, None, rank == 0, timeout, wait_for_workers=False)
+        master = rank == 0 and not rdzv.hosted
+        store = TCPStore(rdzv.host, rdzv.port, None, master, timeout, wait_for_workers=False)
         _STORES[key] = store
     store.set_timeout(timeout)  # this generation's timeout, for gloo's own rendezvous too
     return store
@@ -136,9 +154,9 @@ def _join(store: Store, rdzv: Rendezvous, *, rank: int, timeout: timedelta) -> N
         try:
             missing = str([r for r, k in enumerate(keys) if not store.check([k])])
         except DistNetworkError:  # rank 0 gave up first and took the store with it
-            missing = "unknown (the store host, rank 0, is gone)"
+            missing = "unknown (the store host is gone)"
         raise TimeoutError(
-            f"weight group {rdzv.name!r} at {rdzv.host}:{rdzv.port}: rank(s) {missing} of "
+            f"group {rdzv.name!r} at {rdzv.host}:{rdzv.port}: rank(s) {missing} of "
             f"{rdzv.world_size} did not join within {timeout.total_seconds():g}s"
         ) from err
 
@@ -152,7 +170,7 @@ def build_group(
 ) -> WeightGroup:
     """Join the weight group `rdzv` as `rank`; blocks until all members joined or `timeout`.
 
-    Rank 0 hosts the TCPStore at `rdzv.host:rdzv.port`. Raises `TimeoutError` naming the missing
+    Rank 0 hosts the TCPStore at `rdzv.host:rdzv.port` unless `rdzv.hosted`. Raises `TimeoutError` naming the missing
     ranks when not all members join in time. For NCCL, call `torch.cuda.set_device` first.
     """
     if not 0 <= rank < rdzv.world_size:
