@@ -6,15 +6,20 @@ conversations. It writes `metrics.jsonl` (one object per step) and a Hugging Fac
 the run folder. It is the quickest way to try a config, and the reference the multi-process run
 is compared against. Simplification: rollouts here are always on-policy (generation waits for
 the step), so `allowed_outdated_steps` has no effect in this mode.
+
+With `train.ckpt.enable_checkpoint` it saves a checkpoint every `save_freq` steps and after the
+last; `train.resume` continues from one, and the resumed run takes the same steps, losses and
+samples as an uninterrupted one (on CPU in float32: bit for bit).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,7 @@ from nebula_rl.data import (
     validate_rows,
 )
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
+from nebula_rl.policy.checkpoint import Checkpointer, Restored, is_checkpoint, latest_checkpoint
 from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.rewards import combine_rewards, overlong_penalty
@@ -73,7 +79,18 @@ def ensure_model(cfg: Config) -> None:
 
 
 class _MetricsWriter:
-    def __init__(self, path: Path) -> None:
+    """Appends one JSON line per step, after dropping lines of steps later than `after_step`
+    (left by an earlier attempt of this run that got past its last checkpoint)."""
+
+    def __init__(self, path: Path, *, after_step: int) -> None:
+        kept = []
+        if path.exists():
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if line and json.loads(line)["step"] <= after_step
+            ]
+        path.write_text("".join(line + "\n" for line in kept))
         self.file = path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -84,6 +101,11 @@ class _MetricsWriter:
 def run(cfg: Config) -> Path:
     """Train as configured in this process; returns the run folder."""
     ensure_model(cfg)
+    if cfg.train.resume is True and not cfg.train.timestamp:
+        raise ValueError(
+            "train.resume = true resumes the run folder train.output_dir/train.timestamp: set "
+            "train.timestamp, or set train.resume to a checkpoint folder"
+        )
     seed = cfg.train.seed or 0
     torch.manual_seed(seed)
     run_dir = run_dir_for(cfg)
@@ -103,12 +125,53 @@ def run(cfg: Config) -> Path:
     return run_dir
 
 
-def _prompts(rows: list[dict[str, Any]], p: GrpoConfig, cfg: Config) -> Iterator[Prompt]:
-    for epoch in range(cfg.train.epoch):
-        for i in epoch_order(
-            len(rows), epoch=epoch, shuffle=p.dataloader_shuffle, seed=cfg.train.seed or 0
-        ):
-            yield rl_prompt(cfg, rows, epoch=epoch, index=i)
+def _resume(cfg: Config, run_dir: Path, checkpointer: Checkpointer) -> Restored | None:
+    """Load the checkpoint `train.resume` names, if any."""
+    resume = cfg.train.resume
+    if resume is False:
+        return None
+    if resume is True:
+        path = latest_checkpoint(run_dir)
+        if path is None:
+            log.info("train.resume: no checkpoint under %s yet: starting at step 1", run_dir)
+            return None
+    else:
+        path = Path(resume)
+        if not is_checkpoint(path):
+            raise ValueError(
+                f"train.resume: {path} is not a complete checkpoint folder "
+                "(expected <run>/checkpoints/step_<N> with a manifest.json)"
+            )
+    return checkpointer.load(path)
+
+
+class _PromptStream:
+    """The prompts of all epochs in order; `epoch` and `position` are what a checkpoint saves."""
+
+    def __init__(self, rows: list[dict[str, Any]], cfg: Config) -> None:
+        self.rows, self.cfg = rows, cfg
+        self.epoch, self.position = 0, 0
+
+    def _order(self) -> list[int]:
+        return epoch_order(
+            len(self.rows),
+            epoch=self.epoch,
+            shuffle=self.cfg.grpo.dataloader_shuffle,
+            seed=self.cfg.train.seed or 0,
+        )
+
+    def take(self, n: int) -> list[Prompt]:
+        """Up to `n` next prompts (fewer once the last epoch is exhausted)."""
+        out: list[Prompt] = []
+        order = self._order()
+        while len(out) < n and self.epoch < self.cfg.train.epoch:
+            chunk = order[self.position : self.position + n - len(out)]
+            out += [rl_prompt(self.cfg, self.rows, epoch=self.epoch, index=i) for i in chunk]
+            self.position += len(chunk)
+            if self.position == len(order):
+                self.epoch, self.position = self.epoch + 1, 0
+                order = self._order()
+        return out
 
 
 def _rollout(
@@ -149,10 +212,59 @@ def _rollout(
     return groups
 
 
+def _checkpointer(
+    cfg: Config,
+    run_dir: Path,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    trainer: PolicyTrainer,
+    engine: TorchEngine | None = None,
+) -> Checkpointer:
+    return Checkpointer(
+        cfg.train.ckpt,
+        run_dir,
+        model=model,
+        optimizer=trainer.optimizer,
+        scheduler=trainer.scheduler,
+        engine=engine,
+        export=functools.partial(export_hf, model, tokenizer),
+    )
+
+
+def _collect_batch(
+    engine: TorchEngine,
+    tokenizer: Any,
+    prompts: _PromptStream,
+    cfg: Config,
+    reward_fn: Callable[[str, str], float],
+) -> tuple[list[RolloutGroup], float, int]:
+    """A step's scored groups (refilled while dynamic sampling drops some), the generation
+    time and the number of groups dropped."""
+    size = cfg.train.train_batch_per_replica
+    batch: list[RolloutGroup] = []
+    gen_time, dropped = 0.0, 0
+    while len(batch) < size:
+        want = prompts.take(size - len(batch))
+        if not want:
+            break
+        g0 = time.perf_counter()
+        groups = _rollout(engine, tokenizer, want, cfg, reward_fn)
+        gen_time += time.perf_counter() - g0
+        keep = (
+            dynamic_sampling_filter(torch.tensor([g.rewards for g in groups]))
+            if cfg.grpo.dynamic_sampling_enabled
+            else torch.ones(len(groups), dtype=torch.bool)
+        )
+        batch += [g for g, k in zip(groups, keep.tolist(), strict=True) if k]
+        dropped += int((~keep).sum())
+    return batch, gen_time, dropped
+
+
 def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> None:
     rows = rl_rows(cfg)
     total = num_train_steps(cfg, len(rows))
     reward_fn = combine_rewards(p.reward_function)
+    # The reference is the starting model, also when resuming: copy it before a checkpoint loads.
     ref = copy.deepcopy(model).eval().requires_grad_(False) if p.kl_beta > 0 else None
     trainer = PolicyTrainer(
         model, cfg, total_steps=total, pad_id=tokenizer.pad_token_id, ref_model=ref
@@ -165,58 +277,51 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
         tokenizer=tokenizer,
         seed=cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed or 0,
     )
-    writer = _MetricsWriter(run_dir / "metrics.jsonl")
-    prompts = _prompts(rows, p, cfg)
+    checkpointer = _checkpointer(cfg, run_dir, model, tokenizer, trainer, engine)
+    prompts = _PromptStream(rows, cfg)
     trained: list[str] = []
-    for step in range(1, total + 1):
-        t0 = time.perf_counter()
-        batch: list[RolloutGroup] = []
-        gen_time, dropped = 0.0, 0
-        while len(batch) < cfg.train.train_batch_per_replica:
-            want = [
-                q
-                for _, q in zip(
-                    range(cfg.train.train_batch_per_replica - len(batch)), prompts, strict=False
-                )
-            ]
-            if not want:
+    done = 0
+    restored = _resume(cfg, run_dir, checkpointer)
+    if restored is not None:
+        done, trained = restored.step, restored.data["trained_prompts"]
+        prompts.epoch, prompts.position = restored.data["epoch"], restored.data["position"]
+        engine.update_weights(model.named_parameters(), policy_version=done)
+    writer = _MetricsWriter(run_dir / "metrics.jsonl", after_step=done)
+    try:
+        for step in range(done + 1, total + 1):
+            t0 = time.perf_counter()
+            batch, gen_time, dropped = _collect_batch(engine, tokenizer, prompts, cfg, reward_fn)
+            if not batch:
                 break
-            g0 = time.perf_counter()
-            groups = _rollout(engine, tokenizer, want, cfg, reward_fn)
-            gen_time += time.perf_counter() - g0
-            keep = (
-                dynamic_sampling_filter(torch.tensor([g.rewards for g in groups]))
-                if p.dynamic_sampling_enabled
-                else torch.ones(len(groups), dtype=torch.bool)
+            metrics = trainer.grpo_step(batch)
+            engine.update_weights(model.named_parameters(), policy_version=step)
+            trained = trained + [g.prompt.prompt_id for g in batch]
+            num_gen_tokens = sum(len(c.token_ids) for g in batch for c in g.completions)
+            record = {
+                "step": step,
+                "policy_version": step,
+                **metrics,
+                "staleness_mean": 0.0,
+                "staleness_max": 0,
+                "groups_dropped": dropped,
+                "step_time": time.perf_counter() - t0,
+                "rollout_tokens_per_s": num_gen_tokens / max(gen_time, 1e-9),
+            }
+            writer.write(record)
+            log.info(
+                "step %d/%d reward %.3f loss %.4f len %.1f %.2fs",
+                step,
+                total,
+                record["reward_mean"],
+                record["loss"],
+                record["response_length_mean"],
+                record["step_time"],
             )
-            batch += [g for g, k in zip(groups, keep.tolist(), strict=True) if k]
-            dropped += int((~keep).sum())
-        if not batch:
-            break
-        metrics = trainer.grpo_step(batch)
-        engine.update_weights(model.named_parameters(), policy_version=step)
-        trained += [g.prompt.prompt_id for g in batch]
-        num_gen_tokens = sum(len(c.token_ids) for g in batch for c in g.completions)
-        record = {
-            "step": step,
-            "policy_version": step,
-            **metrics,
-            "staleness_mean": 0.0,
-            "staleness_max": 0,
-            "groups_dropped": dropped,
-            "step_time": time.perf_counter() - t0,
-            "rollout_tokens_per_s": num_gen_tokens / max(gen_time, 1e-9),
-        }
-        writer.write(record)
-        log.info(
-            "step %d/%d reward %.3f loss %.4f len %.1f %.2fs",
-            step,
-            total,
-            record["reward_mean"],
-            record["loss"],
-            record["response_length_mean"],
-            record["step_time"],
-        )
+            if checkpointer.due(step, last=step == total):
+                position = {"epoch": prompts.epoch, "position": prompts.position}
+                checkpointer.save(step, data={**position, "trained_prompts": trained})
+    finally:
+        checkpointer.close()
     (run_dir / "trained_prompts.json").write_text(json.dumps(trained))
 
 
@@ -247,20 +352,31 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
         )
     total = num_train_steps(cfg, len(examples))
     trainer = PolicyTrainer(model, cfg, total_steps=total, pad_id=tokenizer.pad_token_id)
-    writer = _MetricsWriter(run_dir / "metrics.jsonl")
+    checkpointer = _checkpointer(cfg, run_dir, model, tokenizer, trainer)
     size = cfg.train.train_batch_per_replica
-    step = 0
-    for epoch in range(cfg.train.epoch):
-        order = epoch_order(
-            len(examples), epoch=epoch, shuffle=p.dataloader_shuffle, seed=cfg.train.seed or 0
-        )
-        for start in range(0, len(order) - size + 1, size):
-            if step >= total:
-                return
-            step += 1
-            t0 = time.perf_counter()
-            metrics = trainer.sft_step([examples[i] for i in order[start : start + size]])
-            writer.write(
-                {"step": step, "epoch": epoch, **metrics, "step_time": time.perf_counter() - t0}
+    step, first_epoch, first_position = 0, 0, 0
+    restored = _resume(cfg, run_dir, checkpointer)
+    if restored is not None:
+        step = restored.step
+        first_epoch, first_position = restored.data["epoch"], restored.data["position"]
+    writer = _MetricsWriter(run_dir / "metrics.jsonl", after_step=step)
+    try:
+        for epoch in range(first_epoch, cfg.train.epoch):
+            order = epoch_order(
+                len(examples), epoch=epoch, shuffle=p.dataloader_shuffle, seed=cfg.train.seed or 0
             )
-            log.info("sft step %d/%d loss %.4f", step, total, metrics["loss"])
+            first = first_position if epoch == first_epoch else 0
+            for start in range(first, len(order) - size + 1, size):
+                if step >= total:
+                    return
+                step += 1
+                t0 = time.perf_counter()
+                metrics = trainer.sft_step([examples[i] for i in order[start : start + size]])
+                writer.write(
+                    {"step": step, "epoch": epoch, **metrics, "step_time": time.perf_counter() - t0}
+                )
+                log.info("sft step %d/%d loss %.4f", step, total, metrics["loss"])
+                if checkpointer.due(step, last=step == total):
+                    checkpointer.save(step, data={"epoch": epoch, "position": start + size})
+    finally:
+        checkpointer.close()

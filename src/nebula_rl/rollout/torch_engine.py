@@ -698,6 +698,14 @@ class TorchEngine(Engine):
         model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         return cls(model.to(device), **kwargs)
 
+    def rng_state(self) -> torch.Tensor:
+        """State of the sampling generator (used by requests without a seed), for checkpoints."""
+        return self._generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """Restore the sampling generator from :meth:`rng_state`."""
+        self._generator.set_state(state)
+
     # ------------------------------------------------------------------ Engine hooks
     def validate(self, request: GenerationRequest) -> None:
         if len(request.prompt_token_ids) >= self.max_model_len:

@@ -1,0 +1,301 @@
+"""Resumable checkpoints with `torch.distributed.checkpoint` (DCP).
+
+A checkpoint is a DCP folder `<run_dir>/checkpoints/step_<N>/` holding the model and optimiser
+(through `get_state_dict`, so FSDP2/TP-sharded parameters are saved as shards and re-sharded on
+load to whatever layout the loading job has), the LR schedule, the RNG states (Python `random`,
+torch CPU, the current CUDA device, the rollout engine's sampling generator), the data position
+and the controller's ledger. `manifest.json` is written after DCP has finished (by rank 0), so a
+folder without it is a half-written checkpoint and is never picked as the latest. With
+`export_safetensors`, a Hugging Face export is written to `<run_dir>/safetensors/step_<N>/` next
+to each checkpoint and rotated with it.
+
+Non-tensor state (schedule, RNG, data position, ledger) is stored as one pickled leaf per key:
+DCP would flatten a dict into one entry per key, and loading would then need a template with
+exactly those keys. RNG states differ per rank, so they are saved under a per-rank key (DCP keeps
+one copy of a key that every rank writes).
+
+In `async` mode `dcp.async_save` copies the state to CPU memory before it returns (so later
+steps cannot change what is written) and writes it from a background thread; the next save, and
+`close()`, wait for it. With a process group, the background collectives run on a group of their
+own, so they never interleave with the training's collectives.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import random
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from nebula_rl.config import CheckpointConfig
+
+__all__ = [
+    "MANIFEST",
+    "Checkpointer",
+    "Restored",
+    "SamplingRng",
+    "checkpoint_path",
+    "is_checkpoint",
+    "latest_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+_FORMAT_VERSION = 1
+
+
+class SamplingRng(Protocol):
+    """A rollout engine whose sampling generator a checkpoint saves and restores."""
+
+    def rng_state(self) -> torch.Tensor: ...
+
+    def set_rng_state(self, state: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """What a loaded checkpoint hands back; tensors, schedule and RNGs are restored in place."""
+
+    path: Path
+    """The checkpoint folder."""
+    step: int
+    """Optimiser steps completed when it was saved."""
+    data: dict[str, Any]
+    """The data position the training loop saved (its own keys)."""
+    ledger: dict[str, Any]
+    """The controller's ledger, as saved (empty where there is none)."""
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    """`<run_dir>/checkpoints/step_<step>`."""
+    return run_dir / "checkpoints" / f"step_{step}"
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether `path` is a complete checkpoint (its manifest was written)."""
+    return (path / MANIFEST).is_file()
+
+
+def _complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of the complete checkpoints under `run_dir`, oldest first."""
+    found = []
+    for path in (run_dir / "checkpoints").glob("step_*"):
+        step = path.name.removeprefix("step_")
+        if step.isdigit() and is_checkpoint(path):
+            found.append((int(step), path))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The complete checkpoint of the highest step under `run_dir`, or None."""
+    found = _complete_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _rng_states(engine: SamplingRng | None) -> dict[str, Any]:
+    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    if engine is not None:
+        states["engine"] = engine.rng_state()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any], engine: SamplingRng | None) -> None:
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+    if engine is not None:
+        if "engine" not in states:
+            raise ValueError("the checkpoint holds no rollout engine RNG state to restore")
+        engine.set_rng_state(states["engine"])
+
+
+class Checkpointer:
+    """Saves a run's training state under `<run_dir>/checkpoints/` and restores it.
+
+    With a process group every rank constructs it and calls `save`/`load`/`close` together;
+    rank 0 writes the manifest, rotates old checkpoints and (if given) runs `export`.
+
+    Args:
+        cfg: `train.ckpt`.
+        run_dir: the run folder.
+        model: the trained model (plain, or FSDP2/TP-sharded).
+        optimizer: its optimiser.
+        scheduler: its LR schedule.
+        engine: a rollout engine in this process whose sampling RNG is part of the state.
+        export: writes a Hugging Face export of `model` to the folder it is given; called for
+            each checkpoint when `cfg.export_safetensors` (pass None on ranks that do not export).
+    """
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        run_dir: Path,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        engine: SamplingRng | None = None,
+        export: Callable[[Path], None] | None = None,
+    ) -> None:
+        if cfg.enable_checkpoint and cfg.max_keep == 0:
+            raise ValueError("train.ckpt.max_keep must be -1 (keep all) or at least 1")
+        self.cfg, self.run_dir = cfg, run_dir
+        self.model, self.optimizer, self.scheduler, self.engine = (
+            model,
+            optimizer,
+            scheduler,
+            engine,
+        )
+        self.export = export if cfg.export_safetensors else None
+        self.rank = _rank()
+        self._async_group = (
+            dist.new_group(backend="gloo")
+            if dist.is_initialized() and cfg.enable_checkpoint and cfg.save_mode == "async"
+            else None
+        )
+        self._pending: tuple[Future, threading.Event] | None = None
+        self._error: BaseException | None = None
+
+    def due(self, step: int, *, last: bool) -> bool:
+        """Whether to save after `step`: every `save_freq` steps, and after the last one."""
+        return self.cfg.enable_checkpoint and (step % self.cfg.save_freq == 0 or last)
+
+    def save(
+        self, step: int, *, data: dict[str, Any], ledger: dict[str, Any] | None = None
+    ) -> Path:
+        """Checkpoint the state after `step` optimiser steps; `data` is the loop's data position.
+
+        Returns the folder. In `async` mode the write continues in the background; the state it
+        writes is the state at this call.
+        """
+        self.wait()
+        path = checkpoint_path(self.run_dir, step)
+        if self.rank == 0 and path.exists():
+            # A leftover of an interrupted run, or of a run resumed from an earlier step.
+            shutil.rmtree(path)
+        if dist.is_initialized():
+            dist.barrier()
+        if self.export is not None:
+            self.export(self.run_dir / "safetensors" / f"step_{step}")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "scheduler": pickle.dumps(self.scheduler.state_dict()),
+            "train": pickle.dumps({"step": step, "data": data, "ledger": ledger or {}}),
+            f"rng_rank{self.rank}": pickle.dumps(_rng_states(self.engine)),
+        }
+        if self.cfg.save_mode == "sync":
+            dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+            self._finish(step)
+            return path
+        future = dcp.async_save(
+            state,
+            checkpoint_id=path,
+            process_group=self._async_group,
+            no_dist=not dist.is_initialized(),
+        )
+        # The default stager copies synchronously, so this is a plain Future (no staging one).
+        assert isinstance(future, Future)
+        finished = threading.Event()
+
+        def on_done(f: Future) -> None:
+            try:
+                if f.exception() is None:
+                    self._finish(step)
+            except BaseException as err:  # re-raised by wait() in the training thread
+                self._error = err
+            finally:
+                finished.set()
+
+        future.add_done_callback(on_done)
+        self._pending = (future, finished)
+        return path
+
+    def _finish(self, step: int) -> None:
+        """After DCP has written everything: the manifest, then rotation (rank 0)."""
+        if self.rank != 0:
+            return
+        path = checkpoint_path(self.run_dir, step)
+        manifest = {
+            "format_version": _FORMAT_VERSION,
+            "step": step,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "saved_at": time.time(),
+        }
+        tmp = path / f"{MANIFEST}.tmp"
+        tmp.write_text(json.dumps(manifest))
+        os.replace(tmp, path / MANIFEST)
+        log.info("checkpoint saved: %s", path)
+        if self.cfg.max_keep < 0:
+            return
+        for old_step, old in _complete_checkpoints(self.run_dir)[: -self.cfg.max_keep]:
+            (old / MANIFEST).unlink()  # first, so a half-deleted folder is never "complete"
+            shutil.rmtree(old)
+            export = self.run_dir / "safetensors" / f"step_{old_step}"
+            if export.exists():
+                shutil.rmtree(export)
+
+    def wait(self) -> None:
+        """Block until the pending async save is written, its manifest included."""
+        if self._pending is None:
+            return
+        future, finished = self._pending
+        self._pending = None
+        future.result()
+        finished.wait()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def close(self) -> None:
+        """Wait for the pending save; call once training is over."""
+        self.wait()
+
+    def load(self, path: Path) -> Restored:
+        """Restore model, optimiser, schedule and RNGs from the checkpoint at `path` in place."""
+        if not is_checkpoint(path):
+            raise ValueError(f"{path} is not a complete checkpoint (no {MANIFEST})")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        rng_key = f"rng_rank{self.rank}"
+        state: dict[str, Any] = {
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "scheduler": b"",
+            "train": b"",
+            rng_key: b"",
+        }
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+        self.scheduler.load_state_dict(pickle.loads(state["scheduler"]))
+        _set_rng_states(pickle.loads(state[rng_key]), self.engine)
+        train = pickle.loads(state["train"])
+        log.info("resumed from %s (step %d)", path, train["step"])
+        return Restored(path, train["step"], train["data"], train["ledger"])
