@@ -4,6 +4,7 @@ The group members are real processes from the 'spawn' context (not torchrun), st
 module; they report plain Python data on a queue and leave with `os._exit`.
 """
 
+import glob
 import multiprocessing as mp
 import os
 import queue
@@ -117,10 +118,11 @@ def _member(rank, inbox, out):
 
 
 # Bodies live at module level so that 'spawn' can import them by name.
-def _sync_body(rank, rdzv):
+def _sync_body(rank, rdzv, declining_rank):
     group = build_group(rdzv, rank=rank, backend="gloo", timeout=TIMEOUT)
     if rank == 0:
         sender = WeightSender(group, _state_dict(0), bucket_bytes=BUCKET_BYTES, checksum="always")
+        mode = sender.shared_memory
         not_done = []
         for version in (1, 2, 3):
             params = _state_dict(version)
@@ -133,7 +135,13 @@ def _sync_body(rank, rdzv):
         sender.close()
         result = not_done
     else:
-        receiver = WeightReceiver(group, _state_dict(0), bucket_bytes=BUCKET_BYTES)
+        receiver = WeightReceiver(
+            group,
+            _state_dict(0),
+            bucket_bytes=BUCKET_BYTES,
+            shared_memory=rank != declining_rank,
+        )
+        mode = receiver.shared_memory
         assert len(receiver.layout.bucket_numels) > 3
         result = []
         for _ in range(3):
@@ -146,14 +154,19 @@ def _sync_body(rank, rdzv):
             )
             result.append((version, same, sorted(received) == sorted(expected)))
     group.close()
-    return result
+    return mode, result
 
 
-def test_three_pushes_arrive_bit_exact_in_order_with_snapshot_semantics(members):
-    reports = members.run(_sync_body, 3)
-    assert reports[0] == [True, True, True], "push must return before the broadcast completes"
+@pytest.mark.parametrize("declining_rank", [-1, 2], ids=["shared-memory", "broadcast"])
+def test_three_pushes_arrive_bit_exact_in_order_with_snapshot_semantics(members, declining_rank):
+    """On one host the buckets go through shared memory; if any receiver declines it, all
+    members fall back to the broadcast. Either way: bit-exact, in order, snapshots."""
+    reports = members.run(_sync_body, 3, declining_rank)
+    shared = declining_rank == -1
+    assert reports[0] == (shared, [True, True, True]), "push must return before the transfer ends"
     for rank in (1, 2):
-        assert reports[rank] == [(1, True, True), (2, True, True), (3, True, True)]
+        assert reports[rank] == (shared, [(1, True, True), (2, True, True), (3, True, True)])
+    assert not glob.glob("/dev/shm/nebula-weights-*"), "shared-memory files left behind"
 
 
 def _transfer_dtype_body(rank, rdzv):
@@ -291,8 +304,9 @@ def test_receiver_that_never_joins_times_out(members):
 
 def _no_push_body(rank, rdzv, timeout_s):
     group = build_group(rdzv, rank=rank, timeout=TIMEOUT)
-    _KEEP.append(group)  # the sender stays alive and connected but never pushes
-    if rank == 0:
+    _KEEP.append(group)
+    if rank == 0:  # the sender stays alive and connected but never pushes
+        _KEEP.append(WeightSender(group, _state_dict(0)))
         return None
     receiver = WeightReceiver(group, _state_dict(0))
     start = time.monotonic()

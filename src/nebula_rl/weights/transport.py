@@ -16,6 +16,17 @@ One push, in order:
      and views of its own persistent buffers, valid until its next `receive`.
 Every receiver calls `receive` once per push: the controller tells both sides when a sync happens.
 
+Same host, CPU (gloo): the buckets travel through shared memory instead of the broadcast. The
+sender snapshots into one of two persistent shared-memory bucket sets (alternating per push) and
+only the header goes over the group; `receive` returns views straight into that set, so the
+rollout's own copy into its model is the only other copy (two memcpys per push instead of a
+copy, a TCP transfer and a copy). A set is reused two pushes later, and the sender's next push
+waits for every receiver to come back for the previous header, so views stay valid until the
+receiver's next `receive`. Both sides negotiate it when built: the sender offers files in
+`/dev/shm` with a random token, and shared memory is used only if every receiver can read the
+token (another container on the same host cannot); the files are unlinked as soon as all members
+mapped them, so nothing is left behind even if a process dies.
+
 Simplifications, on purpose: full (unsharded) tensors only (mapping shards between parallel
 layouts is a separate step); one sender; buffers are allocated once (a full copy of the weights in
 the wire dtype on each side; reusing them avoids the slow first touch of fresh memory); the
@@ -26,6 +37,8 @@ misplacement between buckets, not a permutation inside one.
 from __future__ import annotations
 
 import hashlib
+import os
+import secrets
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -143,11 +156,24 @@ class BucketLayout:
             torch.zeros(n, dtype=d, device=device)
             for n, d in zip(self.bucket_numels, self.bucket_dtypes, strict=True)
         ]
-        views = {
+        return buffers, self.views(buffers)
+
+    def views(self, buffers: list[Tensor]) -> dict[str, Tensor]:
+        """A view per name into `buffers` (laid out as this layout's buckets)."""
+        return {
             s.name: buffers[s.bucket][s.offset : s.offset + s.numel].view(s.shape)
             for s in self.slots
         }
-        return buffers, views
+
+    def map_shared(self, prefix: str) -> list[Tensor]:
+        """Bucket buffers backed by the shared-memory files `<prefix>-b<i>` (created zeroed when
+        missing), mapped shared: every process that maps them sees the same bytes."""
+        return [
+            torch.from_file(
+                f"{prefix}-b{i}", shared=True, size=n * d.itemsize, dtype=torch.uint8
+            ).view(d)
+            for i, (n, d) in enumerate(zip(self.bucket_numels, self.bucket_dtypes, strict=True))
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +211,8 @@ class WeightSender:
     `named_tensors` defines the layout (names, shapes, dtypes); it is not kept. With
     `transfer_dtype` (e.g. `torch.bfloat16`) floating tensors are cast during the snapshot.
     `checksum`: on which pushes the sender adds a checksum that receivers verify.
+    `shared_memory`: offer shared-memory buckets (used when every receiver can map them; gloo
+    only). Building a sender is a collective with the receivers' constructors.
     """
 
     def __init__(
@@ -195,6 +223,7 @@ class WeightSender:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         transfer_dtype: torch.dtype | None = None,
         checksum: Literal["first", "always", "never"] = "first",
+        shared_memory: bool = True,
     ) -> None:
         if group.rank != 0:
             raise ValueError(f"the WeightSender must be rank 0 of its group, got rank {group.rank}")
@@ -205,7 +234,11 @@ class WeightSender:
             named_tensors, bucket_bytes=bucket_bytes, transfer_dtype=transfer_dtype
         )
         self.checksum = checksum
-        self._buffers, self._views = self.layout.allocate(group.device)
+        # One bucket set per in-flight push; two when shared (see the module docstring).
+        self._sets = _negotiate(group, self.layout, offer=shared_memory)
+        self.shared_memory = len(self._sets) == 2
+        self._set_views = [self.layout.views(buffers) for buffers in self._sets]
+        self._num_pushes = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="nebula-weight-sender")
         self._pending: PushHandle | None = None
         self._last_version: int | None = None
@@ -221,9 +254,11 @@ class WeightSender:
             raise ValueError(f"version must increase: got {version} after {self._last_version}")
         start = time.perf_counter()
         seen: set[str] = set()
+        slot = self._num_pushes % len(self._sets)
+        views = self._set_views[slot]
         with torch.no_grad():
             for name, tensor in _items(named_tensors):
-                view = self._views.get(name)
+                view = views.get(name)
                 if view is None:
                     raise ValueError(f"tensor {name!r} is not in the weight layout")
                 if tensor.shape != view.shape:
@@ -233,8 +268,8 @@ class WeightSender:
                     )
                 view.copy_(tensor)
                 seen.add(name)
-        if len(seen) != len(self._views):
-            missing = sorted(set(self._views) - seen)
+        if len(seen) != len(views):
+            missing = sorted(set(views) - seen)
             raise ValueError(f"push is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
         ready = None
         if self.group.device.type == "cuda":
@@ -246,7 +281,8 @@ class WeightSender:
             self.checksum == "first" and self._last_version is None
         )
         self._last_version = version
-        future = self._executor.submit(self._send, version, with_checksum, ready, snapshot_s)
+        self._num_pushes += 1
+        future = self._executor.submit(self._send, version, slot, with_checksum, ready, snapshot_s)
         self._pending = PushHandle(version, future)
         return self._pending
 
@@ -262,16 +298,23 @@ class WeightSender:
             self._executor.shutdown(wait=True)
 
     def _send(
-        self, version: int, with_checksum: bool, ready: torch.cuda.Event | None, snapshot_s: float
+        self,
+        version: int,
+        slot: int,
+        with_checksum: bool,
+        ready: torch.cuda.Event | None,
+        snapshot_s: float,
     ) -> PushStats:
         start = time.perf_counter()
         if ready is not None:  # (current_stream takes the device: this thread's may differ)
             torch.cuda.current_stream(self.group.device).wait_event(ready)
-        check = _checksum(self._buffers) if with_checksum else 0
+        buffers = self._sets[slot]
+        check = _checksum(buffers) if with_checksum else 0
         _exchange_header(
-            self.group, self.layout, [version, self.layout.digest, int(with_checksum), check]
+            self.group, self.layout, [version, self.layout.digest, int(with_checksum), check, slot]
         )
-        _broadcast(self.group, self._buffers)
+        if not self.shared_memory:
+            _broadcast(self.group, buffers)
         return PushStats(version, self.layout.num_bytes, snapshot_s, time.perf_counter() - start)
 
 
@@ -279,7 +322,8 @@ class WeightReceiver:
     """Rollout side (rank > 0): receive each push into persistent buffers.
 
     Build it from the rollout model's own named tensors (e.g. its `state_dict()`, or a meta-device
-    copy) with the sender's `bucket_bytes` and `transfer_dtype`.
+    copy) with the sender's `bucket_bytes` and `transfer_dtype`; `shared_memory=False` declines
+    the sender's shared-memory buckets (then they are broadcast).
     """
 
     def __init__(
@@ -289,6 +333,7 @@ class WeightReceiver:
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         transfer_dtype: torch.dtype | None = None,
+        shared_memory: bool = True,
     ) -> None:
         if group.rank == 0:
             raise ValueError(
@@ -298,7 +343,9 @@ class WeightReceiver:
         self.layout = BucketLayout.build(
             named_tensors, bucket_bytes=bucket_bytes, transfer_dtype=transfer_dtype
         )
-        self._buffers, self._views = self.layout.allocate(group.device)
+        self._sets = _negotiate(group, self.layout, offer=shared_memory)
+        self.shared_memory = len(self._sets) == 2
+        self._set_views = [self.layout.views(buffers) for buffers in self._sets]
 
     def receive(self, *, timeout: timedelta | None = None) -> tuple[int, dict[str, Tensor]]:
         """Block until the next push; its version and a view per name into this receiver's buffers.
@@ -307,15 +354,19 @@ class WeightReceiver:
         to start (default: the group's timeout); the transfer itself uses the group's timeout.
         A timeout leaves the group unusable: rebuild it.
         """
-        header = _exchange_header(self.group, self.layout, [-1, self.layout.digest, 0, 0], timeout)
-        version, _, with_checksum, expected = header
-        _broadcast(self.group, self._buffers)
-        if with_checksum and (got := _checksum(self._buffers)) != expected:
+        header = _exchange_header(
+            self.group, self.layout, [-1, self.layout.digest, 0, 0, 0], timeout
+        )
+        version, _, with_checksum, expected, slot = header
+        buffers = self._sets[slot]
+        if not self.shared_memory:
+            _broadcast(self.group, buffers)
+        if with_checksum and (got := _checksum(buffers)) != expected:
             raise ValueError(
                 f"weights of version {version} arrived corrupted on rank {self.group.rank}: "
                 f"checksum {got} != sender's {expected}"
             )
-        return version, dict(self._views)
+        return version, dict(self._set_views[slot])
 
     def receive_into(self, named_tensors: NamedTensors, *, timeout: timedelta | None = None) -> int:
         """`receive` and copy every tensor into the same-named one of `named_tensors` (in place)."""
@@ -341,6 +392,63 @@ def _checksum(buffers: list[Tensor]) -> int:
     """Sum of all bytes read as int32 words, exact (int64 accumulation, no overflow per bucket)."""
     total = sum(int(b.view(torch.int32).sum(dtype=torch.int64)) for b in buffers)
     return total % (1 << 63)
+
+
+def _negotiate(group: WeightGroup, layout: BucketLayout, *, offer: bool) -> list[list[Tensor]]:
+    """Every member's bucket sets: two shared-memory sets when all members (gloo, `offer`, the
+    same layout) can map the sender's files, else one private set for the broadcast. A
+    collective: all members of the group call it once, sender and receivers alike."""
+
+    def gather(values: list[int]) -> list[list[int]]:
+        mine = torch.tensor(values, dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(group.world_size)]
+        group.pg.allgather(rows, mine, group.timeout).wait()
+        return [r.tolist() for r in rows]
+
+    if group.backend != "gloo":  # NCCL moves GPU memory itself
+        return [layout.allocate(group.device)[0]]
+    name_id = token = 0
+    sets: list[list[Tensor]] = []
+    paths: list[str] = []
+    try:
+        if group.rank == 0 and offer:
+            # Files named by a random id; a random token in the probe proves a receiver sees them.
+            name_id, token = secrets.randbits(62), secrets.randbits(62)
+            prefix = _shm_prefix(name_id)
+            paths = [f"{prefix}-probe"] + [
+                f"{prefix}-s{i}-b{b}" for i in range(2) for b in range(len(layout.bucket_numels))
+            ]
+            sets = [layout.map_shared(f"{prefix}-s{i}") for i in range(2)]
+            with open(paths[0], "wb") as f:
+                f.write(token.to_bytes(8, "little"))
+        name_id, token, digest = gather([name_id, token, layout.digest])[0]
+        sees = group.rank == 0 or (offer and name_id != 0 and digest == layout.digest)
+        if sees and group.rank != 0:
+            prefix = _shm_prefix(name_id)
+            try:
+                with open(f"{prefix}-probe", "rb") as probe:
+                    sees = int.from_bytes(probe.read(8), "little") == token
+            except OSError:  # another container, or /dev/shm not shared
+                sees = False
+            if sees:  # map only files the sender made: never create one here
+                sees = all(
+                    os.path.exists(f"{prefix}-s{i}-b{b}")
+                    for i in range(2)
+                    for b in range(len(layout.bucket_numels))
+                )
+        shared = name_id != 0 and all(row[0] for row in gather([int(sees)]))
+        if shared and group.rank != 0:
+            sets = [layout.map_shared(f"{_shm_prefix(name_id)}-s{i}") for i in range(2)]
+        gather([1])  # every member mapped the files (or gave up): the names can go
+    finally:
+        for path in paths:  # on success and on failure alike: nothing is left in /dev/shm
+            if os.path.exists(path):
+                os.unlink(path)
+    return sets if shared else [layout.allocate(group.device)[0]]
+
+
+def _shm_prefix(name_id: int) -> str:
+    return f"/dev/shm/nebula-weights-{name_id:x}"
 
 
 def _exchange_header(
