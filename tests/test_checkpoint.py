@@ -28,6 +28,9 @@ from nebula_rl.policy.checkpoint import (
 )
 from nebula_rl.weights import free_port
 
+# DCP notes each save/load without a process group; that is the single-process case tested here.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 # Timing metrics differ between runs; everything else in a metrics line must repeat exactly.
 TIMINGS = ("step_time", "rollout_tokens_per_s")
 
@@ -119,6 +122,9 @@ def test_resumed_run_repeats_the_uninterrupted_run(tmp_path, policy, save_mode, 
     if policy is GRPO:
         assert trained.read_text() == full_trained
     assert is_checkpoint(checkpoint_path(run_dir, 4))
+    assert local.run(cfg) == run_dir  # resuming a finished run trains nothing more
+    assert _records(run_dir) == full
+    _assert_same_weights(_final_weights(run_dir), full_weights)
 
     # Resuming from a path into a new run folder continues the metrics from the next step.
     cfg.train.resume = str(checkpoint_path(run_dir, 2))

@@ -100,12 +100,12 @@ class _MetricsWriter:
 
 def run(cfg: Config) -> Path:
     """Train as configured in this process; returns the run folder."""
-    ensure_model(cfg)
     if cfg.train.resume is True and not cfg.train.timestamp:
         raise ValueError(
             "train.resume = true resumes the run folder train.output_dir/train.timestamp: set "
             "train.timestamp, or set train.resume to a checkpoint folder"
         )
+    ensure_model(cfg)
     seed = cfg.train.seed or 0
     torch.manual_seed(seed)
     run_dir = run_dir_for(cfg)

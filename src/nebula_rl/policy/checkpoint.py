@@ -30,6 +30,7 @@ import random
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -54,6 +55,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# DCP warns on every call without a process group; a single process is a supported use here.
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+)
 
 MANIFEST = "manifest.json"
 _FORMAT_VERSION = 1
@@ -135,7 +141,7 @@ class Checkpointer:
     """Saves a run's training state under `<run_dir>/checkpoints/` and restores it.
 
     With a process group every rank constructs it and calls `save`/`load`/`close` together;
-    rank 0 writes the manifest, rotates old checkpoints and (if given) runs `export`.
+    rank 0 writes the manifest and rotates old checkpoints.
 
     Args:
         cfg: `train.ckpt`.
@@ -144,8 +150,9 @@ class Checkpointer:
         optimizer: its optimiser.
         scheduler: its LR schedule.
         engine: a rollout engine in this process whose sampling RNG is part of the state.
-        export: writes a Hugging Face export of `model` to the folder it is given; called for
-            each checkpoint when `cfg.export_safetensors` (pass None on ranks that do not export).
+        export: writes a Hugging Face export of `model` to the folder it is given
+            (`safetensors/step_<N>`); called before each checkpoint when
+            `cfg.export_safetensors`, on the ranks it is given to.
     """
 
     def __init__(
@@ -162,12 +169,8 @@ class Checkpointer:
         if cfg.enable_checkpoint and cfg.max_keep == 0:
             raise ValueError("train.ckpt.max_keep must be -1 (keep all) or at least 1")
         self.cfg, self.run_dir = cfg, run_dir
-        self.model, self.optimizer, self.scheduler, self.engine = (
-            model,
-            optimizer,
-            scheduler,
-            engine,
-        )
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.engine = engine
         self.export = export if cfg.export_safetensors else None
         self.rank = _rank()
         self._async_group = (
