@@ -44,6 +44,12 @@ def test_bad_value_names_key(tmp_path):
         load_config(path)
 
 
+def test_zero_checkpoints_kept_is_refused(tmp_path):
+    path = _write(tmp_path, "[train.ckpt]\nmax_keep = 0\n")
+    with pytest.raises(ConfigError, match=r"job\.toml: train\.ckpt\.max_keep: must be -1"):
+        load_config(path)
+
+
 def test_invalid_toml_names_file(tmp_path):
     path = _write(tmp_path, "[train\n")
     with pytest.raises(ConfigError, match=r"job\.toml: invalid TOML"):

@@ -213,6 +213,13 @@ class CheckpointConfig(_Section):
     export_safetensors: bool = True
     """Also export HF safetensors (`safetensors/step_N/`, and `safetensors/final/` at the end)."""
 
+    @field_validator("max_keep")
+    @classmethod
+    def _keep_some(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("must be -1 (keep all) or at least 1")
+        return v
+
 
 class TrainingConfig(_Section):
     """The optimiser, the schedule and the run's outputs."""

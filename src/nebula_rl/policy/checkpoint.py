@@ -166,8 +166,6 @@ class Checkpointer:
         engine: SamplingRng | None = None,
         export: Callable[[Path], None] | None = None,
     ) -> None:
-        if cfg.enable_checkpoint and cfg.max_keep == 0:
-            raise ValueError("train.ckpt.max_keep must be -1 (keep all) or at least 1")
         self.cfg, self.run_dir = cfg, run_dir
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.engine = engine
