@@ -275,7 +275,8 @@ class TrainingConfig(_Section):
     deterministic: bool = False
     """Use deterministic kernels (slower)."""
     sequence_packing: bool = False
-    """Pack several sequences into one row (SFT)."""
+    """SFT: pack conversations into rows of up to `policy.model_max_length` tokens (block-diagonal
+    attention, positions restart per conversation); no effect on RL."""
     fsdp_reshard_after_forward: Literal["always", "never", "default"] = "default"
     """FSDP2: free gathered parameters after forward."""
     fsdp_offload: bool = False
@@ -411,16 +412,18 @@ class LoggingConfig(_Section):
 
 
 class ValidationConfig(_Section):
-    """Periodic evaluation on held-out prompts."""
+    """Periodic evaluation on held-out data: rewards of generations (RL) or the loss (SFT)."""
 
     enable: bool = False
-    """Run validation."""
+    """Run validation every `freq` steps and after the last."""
     freq: int = Field(default=20, ge=1)
     """Steps between validations."""
     batch_size: int | None = None
-    """Prompts per validation batch; defaults to `rollout.batch_size`."""
+    """Prompts (RL) or rows per forward (SFT) of a validation batch; defaults to
+    `rollout.batch_size` (RL) or `train.train_policy.mini_batch` (SFT)."""
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
-    """Validation dataset; empty name uses the training dataset's held-out part (`test_size`)."""
+    """Validation dataset, read with the training columns; an empty name uses the training
+    dataset's held-out part (`train.train_policy.dataset.test_size`)."""
     temperature: float = Field(default=0.0, ge=0.0)
     """Sampling temperature; 0 is greedy."""
     top_p: float | None = None
@@ -431,8 +434,9 @@ class ValidationConfig(_Section):
     """Completions per prompt."""
     max_response_length: int | None = None
     """Most tokens per completion; defaults to `rollout.max_response_length`."""
-    max_num_prompts: int | None = None
-    """nebula-rl: evaluate at most this many prompts (None: all)."""
+    max_num_prompts: int | None = Field(default=None, ge=1)
+    """nebula-rl: evaluate at most this many prompts (RL) or conversations (SFT), the first
+    ones of the validation set (None: all)."""
     reward_function: RewardSpec = Field(default_factory=lambda: {"boxed_math": 1.0})
     """Reward function(s), as in `train.train_policy.reward_function`."""
 

@@ -36,6 +36,7 @@ from nebula_rl.data import (
     rl_prompt,
     rl_rows,
     sft_example,
+    split_rows,
     validate_rows,
 )
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
@@ -325,17 +326,13 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
     (run_dir / "trained_prompts.json").write_text(json.dumps(trained))
 
 
-def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None:
-    by_columns = bool(p.prompt_column_name and p.response_column_name)
-    columns = (
-        [p.prompt_column_name, p.response_column_name]
-        if by_columns
-        else [p.conversation_column_name]
-    )
-    rows, _ = validate_rows(load_rows(p.dataset, seed=cfg.train.seed or 0), columns=columns)
+def _sft_examples(
+    cfg: Config, p: SftConfig, tokenizer: Any, rows: list[dict[str, Any]]
+) -> list[tuple[list[int], list[int]]]:
+    """(token ids, assistant mask) of each row's conversation, truncated to the model length."""
     examples = []
     for row in rows:
-        if by_columns:
+        if p.prompt_column_name and p.response_column_name:
             messages = [
                 {"role": "user", "content": row[p.prompt_column_name]},
                 {"role": "assistant", "content": str(row[p.response_column_name])},
@@ -350,10 +347,44 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
                 max_length=cfg.policy.model_max_length,
             )
         )
+    return examples
+
+
+def _sft_rows(cfg: Config, p: SftConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training rows, validation rows) with the configured columns; the validation rows come
+    from `validation.dataset`, else from the training dataset's held-out `test_size` part, and
+    are empty when validation is off."""
+    by_columns = bool(p.prompt_column_name and p.response_column_name)
+    columns = (
+        [p.prompt_column_name, p.response_column_name]
+        if by_columns
+        else [p.conversation_column_name]
+    )
+    seed = cfg.train.seed or 0
+    rows, _ = validate_rows(load_rows(p.dataset, seed=seed), columns=columns)
+    train, held_out = split_rows(rows, p.dataset.test_size, seed=seed)
+    v = cfg.validation
+    if not v.enable:
+        return train, []
+    if v.dataset.name:
+        held_out, _ = validate_rows(load_rows(v.dataset, seed=seed), columns=columns)
+    if not held_out:
+        raise ValueError(
+            "validation.enable: no validation rows; set validation.dataset.name or "
+            "train.train_policy.dataset.test_size"
+        )
+    return train, held_out[: v.max_num_prompts]
+
+
+def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None:
+    train_rows, val_rows = _sft_rows(cfg, p)
+    examples = _sft_examples(cfg, p, tokenizer, train_rows)
+    val_examples = _sft_examples(cfg, p, tokenizer, val_rows)
     total = num_train_steps(cfg, len(examples))
     trainer = PolicyTrainer(model, cfg, total_steps=total, pad_id=tokenizer.pad_token_id)
     checkpointer = _checkpointer(cfg, run_dir, model, tokenizer, trainer)
     size = cfg.train.train_batch_per_replica
+    val_rows_per_forward = cfg.validation.batch_size or p.mini_batch
     step, first_epoch, first_position = 0, 0, 0
     restored = _resume(cfg, run_dir, checkpointer)
     if restored is not None:
@@ -372,10 +403,14 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
                 step += 1
                 t0 = time.perf_counter()
                 metrics = trainer.sft_step([examples[i] for i in order[start : start + size]])
-                writer.write(
-                    {"step": step, "epoch": epoch, **metrics, "step_time": time.perf_counter() - t0}
-                )
+                step_time = time.perf_counter() - t0
                 log.info("sft step %d/%d loss %.4f", step, total, metrics["loss"])
+                if val_examples and (step % cfg.validation.freq == 0 or step == total):
+                    metrics["val_loss"] = trainer.sft_eval(
+                        val_examples, rows_per_forward=val_rows_per_forward
+                    )
+                    log.info("sft step %d/%d val_loss %.4f", step, total, metrics["val_loss"])
+                writer.write({"step": step, "epoch": epoch, **metrics, "step_time": step_time})
                 if checkpointer.due(step, last=step == total):
                     checkpointer.save(step, data={"epoch": epoch, "position": start + size})
     finally:

@@ -6,7 +6,10 @@ conversations and performs one. Both accumulate gradients over micro-batches of 
 sequences with the step's global token and sequence counts as loss denominators (STYLE rule 3),
 so the result does not depend on how the batch is split. With a :class:`ReplicaGroup` the step
 spans several policy replicas: counts and gradients are summed over them before the update, and
-the returned metrics describe the union of their batches.
+the returned metrics describe the union of their batches. With `train.sequence_packing`,
+`sft_step` packs its conversations into rows of up to `policy.model_max_length` tokens with a
+block-diagonal causal mask (:mod:`nebula_rl.data.packing`); a micro-batch is then `mini_batch`
+packed rows, and the loss is the same as unpacked.
 
 The PPO ratio is taken against the proximal ("old") policy. When the step needs one
 (`mu_iterations > 1`, decoupled PPO, AIPO) its log-probs are recomputed here at the start of the
@@ -27,6 +30,7 @@ from torch import Tensor, nn
 
 from nebula_rl.algorithms import ALGORITHMS, LossSettings, PolicyBatch, sft_loss_from_logprobs
 from nebula_rl.config import Config, GrpoConfig, TrainingConfig
+from nebula_rl.data.packing import first_fit, packed_attention_mask, segment_positions
 from nebula_rl.policy.replicas import ReplicaGroup
 from nebula_rl.protocol import RolloutGroup
 
@@ -36,6 +40,7 @@ __all__ = [
     "collate_groups",
     "loss_settings",
     "lr_lambda",
+    "pack_examples",
     "token_logprobs",
 ]
 
@@ -47,13 +52,19 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    position_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-prob of each next token, [B, L-1], and optionally the per-position entropy [B, L-1].
 
     Position t holds log p(input_ids[:, t + 1] | input_ids[:, :t + 1]) at `temperature`. Logits are
-    upcast to float32 before the softmax.
+    upcast to float32 before the softmax. `attention_mask` is [B, L] (1 on real tokens) or, for
+    packed rows, a prepared [B, 1, L, L] mask that comes with their `position_ids` [B, L].
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    logits = (
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        .logits[:, :-1]
+        .float()
+    )
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = F.log_softmax(logits, dim=-1)
@@ -76,6 +87,8 @@ class TokenBatch:
     """[N, L-1] rollout log-probs aligned with `target_mask` (0 elsewhere)."""
     advantages: Tensor
     """[N] per-sequence advantage (0 for SFT)."""
+    segment_ids: Tensor | None = None
+    """[N, L] packed rows only: 1, 2, ... for the examples of a row, 0 on padding."""
 
     def rows(self, start: int, stop: int) -> TokenBatch:
         """Rows [start, stop), trimmed of columns that are padding in all of them."""
@@ -86,6 +99,9 @@ class TokenBatch:
             target_mask=self.target_mask[start:stop, : length - 1],
             behaviour_logprobs=self.behaviour_logprobs[start:stop, : length - 1],
             advantages=self.advantages[start:stop],
+            segment_ids=(
+                None if self.segment_ids is None else self.segment_ids[start:stop, :length]
+            ),
         )
 
 
@@ -105,6 +121,42 @@ def _pad_batch(
         behaviour[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
     # Shift to target space: entry t describes input_ids[:, t + 1].
     return TokenBatch(input_ids, attention, mask[:, 1:], behaviour[:, 1:], advantages)
+
+
+def pack_examples(
+    examples: Sequence[tuple[list[int], list[int]]], *, max_length: int, pad_id: int
+) -> TokenBatch:
+    """(token ids, assistant mask) conversations packed first-fit into rows of at most
+    `max_length` tokens, with their segment ids.
+
+    An example's first token is no target: in its own row nothing before it would predict it, and
+    in a packed row it would be predicted from the previous example.
+    """
+    rows = first_fit([len(ids) for ids, _ in examples], max_length=max_length)
+    sequences, segments = [], []
+    for row in rows:
+        ids: list[int] = []
+        mask: list[int] = []
+        segment: list[int] = []
+        for number, i in enumerate(row, start=1):
+            example_ids, example_mask = examples[i]
+            ids += example_ids
+            mask += [0, *example_mask[1:]]
+            segment += [number] * len(example_ids)
+        sequences.append((ids, mask, [0.0] * len(ids)))
+        segments.append(segment)
+    batch = _pad_batch(sequences, torch.zeros(len(rows)), pad_id)
+    segment_ids = torch.zeros_like(batch.input_ids)
+    for r, segment in enumerate(segments):
+        segment_ids[r, : len(segment)] = torch.tensor(segment)
+    return TokenBatch(
+        batch.input_ids,
+        batch.attention_mask,
+        batch.target_mask,
+        batch.behaviour_logprobs,
+        batch.advantages,
+        segment_ids,
+    )
 
 
 def collate_groups(
@@ -321,28 +373,58 @@ class PolicyTrainer:
             "num_sequences": num_sequences,
         }
 
-    def sft_step(self, examples: Sequence[tuple[list[int], list[int]]]) -> dict[str, float]:
-        """One optimiser step of next-token cross-entropy on the masked (assistant) tokens."""
-        batch = _pad_batch(
+    def _sft_batch(self, examples: Sequence[tuple[list[int], list[int]]]) -> TokenBatch:
+        """Right-padded rows, or packed ones with `train.sequence_packing`."""
+        if self.cfg.train.sequence_packing:
+            return pack_examples(
+                examples, max_length=self.cfg.policy.model_max_length, pad_id=self.pad_id
+            )
+        return _pad_batch(
             [(ids, mask, [0.0] * len(ids)) for ids, mask in examples],
             torch.zeros(len(examples)),
             self.pad_id,
         )
-        (num_tokens,) = self._global_sums(float(batch.target_mask.sum()))
-        self.model.train()
+
+    def _sft_loss_sum(
+        self, batch: TokenBatch, *, num_tokens: float, rows_per_forward: int, backward: bool
+    ) -> float:
+        """Sum over micro-batches of the SFT loss (normalised by `num_tokens`), backpropagated
+        micro-batch by micro-batch when `backward`."""
         total = 0.0
-        for start, stop in _chunks(
-            batch.input_ids.shape[0], self.cfg.train.train_policy.mini_batch
-        ):
+        for start, stop in _chunks(batch.input_ids.shape[0], rows_per_forward):
             mb = batch.rows(start, stop)
+            attention_mask, position_ids = mb.attention_mask.to(self.device), None
+            if mb.segment_ids is not None:
+                segment_ids = mb.segment_ids.to(self.device)
+                attention_mask = packed_attention_mask(segment_ids, self.model.config)
+                position_ids = segment_positions(segment_ids)
             logprobs, _ = token_logprobs(
-                self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
+                self.model, mb.input_ids.to(self.device), attention_mask, position_ids=position_ids
             )
             loss = sft_loss_from_logprobs(
                 logprobs, mb.target_mask.to(self.device), num_tokens=num_tokens
             )
-            loss.backward()
+            if backward:
+                loss.backward()
             total += loss.item()
+        return total
+
+    def sft_step(self, examples: Sequence[tuple[list[int], list[int]]]) -> dict[str, float]:
+        """One optimiser step of next-token cross-entropy on the masked (assistant) tokens.
+
+        Metrics: `loss`, `grad_norm`, `lr`, `num_tokens` (assistant target tokens, the loss
+        denominator) and `num_rows` (rows forwarded: fewer than the examples when packed)."""
+        batch = self._sft_batch(examples)
+        num_tokens, num_rows = self._global_sums(
+            float(batch.target_mask.sum()), float(batch.input_ids.shape[0])
+        )
+        self.model.train()
+        total = self._sft_loss_sum(
+            batch,
+            num_tokens=num_tokens,
+            rows_per_forward=self.cfg.train.train_policy.mini_batch,
+            backward=True,
+        )
         grad_norm = self._optimizer_step()
         self.scheduler.step()
         (total,) = self._global_sums(total)
@@ -351,4 +433,21 @@ class PolicyTrainer:
             "grad_norm": grad_norm,
             "lr": float(self.scheduler.get_last_lr()[0]),
             "num_tokens": num_tokens,
+            "num_rows": num_rows,
         }
+
+    @torch.no_grad()
+    def sft_eval(
+        self, examples: Sequence[tuple[list[int], list[int]]], *, rows_per_forward: int
+    ) -> float:
+        """Mean next-token cross-entropy over the assistant tokens of `examples`, in eval mode and
+        without gradients. With a :class:`ReplicaGroup` every replica passes its share and all
+        get the mean over the union."""
+        batch = self._sft_batch(examples)
+        (num_tokens,) = self._global_sums(float(batch.target_mask.sum()))
+        self.model.eval()
+        total = self._sft_loss_sum(
+            batch, num_tokens=num_tokens, rows_per_forward=rows_per_forward, backward=False
+        )
+        (total,) = self._global_sums(total)
+        return total
