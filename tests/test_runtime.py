@@ -190,3 +190,30 @@ def test_two_policy_replicas_train_one_global_batch(tmp_path):
     _check_job(run_dir, allowed=1, num_policy=2)
     logs = [(run_dir / "logs" / f"policy-{r}.log").read_text() for r in range(2)]
     assert sum("exported" in log for log in logs) == 1  # policy rank 0 alone exports
+
+
+def test_job_resumes_from_its_checkpoint(tmp_path):
+    """A job stopped after step 3 (checkpoints at steps 2 and 3) and run again from the step-2
+    checkpoint continues at step 3: the policy loads its checkpoint and the controller puts the
+    job's Redis state back to step 2 (Redis itself persisted step 3), so step 3's prompts are
+    trained again and the epoch still trains every prompt exactly once."""
+    cfg = _cfg(tmp_path, allowed=0)
+    cfg.train.ckpt.enable_checkpoint, cfg.train.ckpt.save_freq = True, 2
+    cfg.train.max_num_steps = 3
+    run_dir = _run_job(tmp_path, cfg)
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()] == [1, 2, 3]
+    assert (run_dir / "checkpoints" / "controller" / "step_2.json").exists()
+
+    cfg.train.max_num_steps = None
+    cfg.train.resume = str(run_dir / "checkpoints" / "step_2")
+    _run_job(tmp_path, cfg)
+    _check_job(run_dir, allowed=0)  # steps 1..6 once each, each prompt trained once
+    policy_log = (run_dir / "logs" / "policy-0.log").read_text()
+    assert "resumed from" in policy_log and "step_2" in policy_log
+    # (step_3 is the first run's: resuming from an earlier checkpoint deletes nothing)
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == [
+        "step_2",
+        "step_3",
+        "step_4",
+        "step_6",
+    ]

@@ -24,6 +24,13 @@ are dropped when judged or when batched, and their prompts requeued: trained sam
 staler than `A`. Weights reach the rollouts every `sync_weight_interval` steps, so prompts are
 tagged with the last synced version.
 
+Checkpoints. With `train.ckpt.enable_checkpoint`, the `train` command of every `save_freq`-th
+step (and of the last) asks policy rank 0 to checkpoint after the step, and when the controller
+records that step it saves a snapshot of the job's Redis state next to it
+(`checkpoints/controller/step_<N>.json`). `train.resume` restores both: the policy loads its
+checkpoint, the controller its snapshot, so the ledger, the buffer and the policy version are
+those of step N; prompts trained after step N by the interrupted run are trained again, once.
+
 Simplifications: a fixed set of policy replicas (`--policy N`); one step in flight; a restarted
 controller continues from Redis, but the steps it recorded in `metrics.jsonl` before the restart
 are not rewritten.
@@ -84,6 +91,7 @@ class Scheduler:
         self._start = time.monotonic()
         self._last_reap = 0.0
         self.metrics_path = run_dir / "metrics.jsonl"
+        self.snapshots = run_dir / "checkpoints" / "controller"
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -183,6 +191,11 @@ class Scheduler:
             "results": {},
         }
         push = step % self.sync_interval == 0 and step < self.total_steps
+        ckpt = self.cfg.train.ckpt
+        checkpoint = ckpt.enable_checkpoint and (
+            step % ckpt.save_freq == 0 or step == self.total_steps
+        )
+        self._step_in_flight["checkpoint"] = checkpoint
         size = self.batch_per_replica
         for rank, name in sorted(holders.items()):
             shard = batch[rank * size : (rank + 1) * size]
@@ -191,6 +204,7 @@ class Scheduler:
                 "step": step,
                 "prompt_ids": [g.prompt.prompt_id for g in shard],
                 "push_weights": push and rank == 0,
+                "checkpoint": checkpoint and rank == 0,
             }
             self.state.send_command(command, to=name)
 
@@ -198,7 +212,9 @@ class Scheduler:
         """Record finished steps: ledger, policy version, one `metrics.jsonl` line each."""
         for msg_id, result in self.state.poll_results():
             inflight = self._step_in_flight
-            if result.get("type") == "train" and inflight is not None:
+            # (a result recorded before a restart or restore comes back once: it is not new)
+            fresh = result.get("step", 0) > self.state.step()
+            if result.get("type") == "train" and inflight is not None and fresh:
                 assert result["step"] == inflight["step"], (result, inflight["step"])
                 inflight["results"][result["rank"]] = result
                 if len(inflight["results"]) == self.num_policy:
@@ -212,6 +228,8 @@ class Scheduler:
         step = inflight["step"]
         self.state.mark_trained([g.prompt.prompt_id for g in groups], step)
         version = self.state.bump_policy_version()
+        if inflight["checkpoint"]:
+            self._save_snapshot(step)
         now = time.monotonic()
         ledger = self.state.ledger_summary(groups[0].prompt.epoch)
         results = inflight["results"]
@@ -244,6 +262,60 @@ class Scheduler:
             record["staleness_max"],
             record["step_time"],
         )
+
+    def _save_snapshot(self, step: int) -> None:
+        """The job's Redis state after `step`, next to the policy's checkpoint of that step;
+        snapshots older than every complete policy checkpoint are deleted."""
+        from nebula_rl.policy.checkpoint import complete_checkpoints
+
+        self.snapshots.mkdir(parents=True, exist_ok=True)
+        path = self.snapshots / f"step_{step}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"step": step, "keys": self.state.snapshot()}))
+        tmp.replace(path)
+        kept = [s for s, _ in complete_checkpoints(self.run_dir)]
+        for old in self.snapshots.glob("step_*.json"):
+            old_step = int(old.stem.removeprefix("step_"))
+            if kept and old_step < min(kept):
+                old.unlink()
+
+    def restore(self) -> Path | None:
+        """Put the job back at the checkpoint `train.resume` names; returns the policy's
+        checkpoint folder (None: nothing to resume, the job starts at step 1)."""
+        from nebula_rl.policy.checkpoint import complete_checkpoints, is_checkpoint
+
+        resume = self.cfg.train.resume
+        if resume is False:
+            return None
+        if resume is True:
+            found = [
+                (step, path)
+                for step, path in complete_checkpoints(self.run_dir)
+                if (self.snapshots / f"step_{step}.json").exists()
+            ]
+            if not found:
+                log.info(
+                    "train.resume: no checkpoint under %s yet: starting at step 1", self.run_dir
+                )
+                return None
+            step, path = found[-1]
+            snapshot = self.snapshots / f"step_{step}.json"
+        else:
+            path = Path(resume)
+            snapshot = path.parent / "controller" / f"{path.name}.json"
+            if not is_checkpoint(path) or not snapshot.exists():
+                raise ValueError(
+                    f"train.resume: {path} is not a complete checkpoint of a multi-process job "
+                    f"(needs its manifest.json and {snapshot})"
+                )
+        data = json.loads(snapshot.read_text())
+        self.state.restore(data["keys"])
+        if self.metrics_path.exists():  # steps after the checkpoint are trained again
+            lines = self.metrics_path.read_text().splitlines()
+            kept = [line for line in lines if line and json.loads(line)["step"] <= data["step"]]
+            self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        log.info("resumed the job at step %d from %s", data["step"], path)
+        return path
 
     def _exhausted(self) -> bool:
         """No step can be formed any more: every prompt is handed out and resolved, the buffer
@@ -329,6 +401,7 @@ def run_controller(
         num_policy=num_policy,
         run_dir=run_dir,
     )
+    resume_from = scheduler.restore()
     store_port = free_port(host)
     store = serve_store(host, store_port)  # noqa: F841 (kept alive for the job)
     rendezvous = {"host": host, "port": store_port, "hosted": True}
@@ -336,6 +409,7 @@ def run_controller(
         "redis_url": redis_url,
         "run_dir": str(run_dir),
         "total_steps": total_steps,
+        "resume_from": None if resume_from is None else str(resume_from),
         "weights": {**rendezvous, "name": f"{job}-weights-0", "world_size": 1 + num_rollout},
         "policy_group": {**rendezvous, "name": f"{job}-policy-0", "world_size": num_policy},
     }

@@ -50,6 +50,7 @@ __all__ = [
     "Restored",
     "SamplingRng",
     "checkpoint_path",
+    "complete_checkpoints",
     "is_checkpoint",
     "latest_checkpoint",
 ]
@@ -97,7 +98,7 @@ def is_checkpoint(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
-def _complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """(step, folder) of the complete checkpoints under `run_dir`, oldest first."""
     found = []
     for path in (run_dir / "checkpoints").glob("step_*"):
@@ -109,7 +110,7 @@ def _complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The complete checkpoint of the highest step under `run_dir`, or None."""
-    found = _complete_checkpoints(run_dir)
+    found = complete_checkpoints(run_dir)
     return found[-1][1] if found else None
 
 
@@ -252,7 +253,7 @@ class Checkpointer:
         log.info("checkpoint saved: %s", path)
         if self.cfg.max_keep < 0:
             return
-        for old_step, old in _complete_checkpoints(self.run_dir)[: -self.cfg.max_keep]:
+        for old_step, old in complete_checkpoints(self.run_dir)[: -self.cfg.max_keep]:
             (old / MANIFEST).unlink()  # first, so a half-deleted folder is never "complete"
             shutil.rmtree(old)
             export = self.run_dir / "safetensors" / f"step_{old_step}"

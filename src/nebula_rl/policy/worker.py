@@ -8,7 +8,12 @@ The loop reads commands from the job's `commands` stream:
   sender's buffers and return at once: the broadcast to the rollouts runs in a background thread
   while the next step trains. The result (metrics) goes to the `results` stream, then the command
   is acknowledged.
-- `stop`: wait for the last weight push, export the model as a Hugging Face folder, confirm.
+- `stop`: wait for the last weight push and checkpoint, export the model as a Hugging Face
+  folder, confirm.
+
+A `train` command may ask for a checkpoint after its step (policy rank 0 writes it; the
+replicas are identical). With `meta["resume_from"]` every replica loads that checkpoint first and
+acknowledges, without training, the commands of steps it already covers.
 
 Several policy replicas form one data-parallel policy: each trains its share of the step's
 batch, gradients are summed across replicas (:class:`~nebula_rl.policy.replicas.ReplicaGroup`)
@@ -21,6 +26,7 @@ a replica come with the parallelism work); the full state is pushed, not shards.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 from datetime import timedelta
@@ -32,6 +38,7 @@ import torch
 from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.local import export_hf
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
+from nebula_rl.policy.checkpoint import Checkpointer
 from nebula_rl.policy.replicas import ReplicaGroup
 from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.weights import Rendezvous, WeightSender, build_group
@@ -69,7 +76,17 @@ def run_policy(session: ReplicaSession, *, device: torch.device) -> None:
         ref_model=ref,
         replicas=replicas,
     )
+    checkpointer = Checkpointer(
+        cfg.train.ckpt,
+        Path(meta["run_dir"]),
+        model=model,
+        optimizer=trainer.optimizer,
+        scheduler=trainer.scheduler,
+        export=functools.partial(export_hf, model, tokenizer),
+    )
     version = 0
+    if meta["resume_from"] is not None:  # every replica loads it: they stay identical
+        version = checkpointer.load(Path(meta["resume_from"])).step
     session.policy_version = lambda: version
     session.start_heartbeats()
 
@@ -87,7 +104,9 @@ def run_policy(session: ReplicaSession, *, device: torch.device) -> None:
         sender.push(model.named_parameters(), version)  # the rollouts start from exactly these
     while session.finished() is None:
         for msg_id, command in state.read_commands(session.name, block_ms=500):
-            if command["type"] == "train":
+            if command["type"] == "train" and command["step"] <= version:
+                pass  # trained before the checkpoint this replica resumed from
+            elif command["type"] == "train":
                 by_id = {g.prompt.prompt_id: g for g in state.inflight_batch()}
                 missing = [i for i in command["prompt_ids"] if i not in by_id]
                 if missing:
@@ -99,6 +118,8 @@ def run_policy(session: ReplicaSession, *, device: torch.device) -> None:
                 if command["push_weights"]:
                     assert sender is not None, "only policy rank 0 pushes weights"
                     sender.push(model.named_parameters(), command["step"])
+                if command["checkpoint"]:
+                    checkpointer.save(command["step"], data={})
                 state.push_result(
                     {
                         "type": "train",
@@ -110,6 +131,7 @@ def run_policy(session: ReplicaSession, *, device: torch.device) -> None:
                     }
                 )
             elif command["type"] == "stop":
+                checkpointer.close()
                 if sender is not None:
                     sender.close()
                 if rank == 0 and cfg.train.ckpt.export_safetensors:
