@@ -5,13 +5,19 @@ AdamW steps of next-token cross-entropy on fixed random tokens, then report the 
 and every parameter, gathered to full tensors. One process without any parallelism is the
 reference.
 
-Tolerance: the layouts compute the same sums in a different order (sharded matmuls, reduce-scatter
-vs. local accumulation, per-micro-batch backward), so fp32 round-off of ~1e-7 relative per op
-accumulates to ~1e-6 in the loss. AdamW turns a gradient into an update of about `LR` per element
-almost regardless of its size, so parameters may differ by round-off times the step count, far
-below one step's change (LR = 1e-3): `PARAM_ATOL` = 2e-5 would still catch a single wrong update.
+Tolerances: the layouts compute the same sums in another order (sharded matmuls, reduce-scatter
+instead of local accumulation, per-micro-batch backward), so fp32 round-off (~1e-7 relative per
+op) differs. Measured: losses within 2e-7 relative, parameters within 7e-6 absolute (TP, after
+3 steps); `LOSS_RTOL` and `PARAM_ATOL` leave a margin of 10x and 3x. One AdamW step moves an
+element by about `LR` = 1e-3, 50x `PARAM_ATOL`, so one wrong update is caught (by hand: averaging
+instead of summing DP gradients, skipping the tied-embedding gradient sum under PP, or leaving the
+tied head untied under TP each fail). `ADAM_EPS` = 1e-6 instead of 1e-8: Adam scales every
+gradient to a step of about `LR`, including gradients that are round-off (e.g. attention's key
+bias and of one MLP weight here), which would turn noise into 1e-3 differences; an eps far above
+round-off and far below the real gradients (1e-4 to 1e-1 here) damps only those.
 """
 
+import functools
 import multiprocessing as mp
 import os
 import queue
@@ -21,9 +27,10 @@ import traceback
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from nebula_rl.config import ParallelismConfig
-from nebula_rl.models import load_model
+from nebula_rl.models import TINY_PRESETS, load_model
 from nebula_rl.policy.parallelize import ParallelDims
 from nebula_rl.weights import free_port
 
@@ -31,7 +38,8 @@ SEED = 3
 STEPS = 3
 BATCH, LENGTH = 4, 16
 LR = 1e-3
-LOSS_RTOL = 1e-5
+ADAM_EPS = 1e-6
+LOSS_RTOL = 2e-6
 PARAM_ATOL = 2e-5
 
 
@@ -49,22 +57,34 @@ def _loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=False)
+    return torch.optim.AdamW(params, lr=LR, eps=ADAM_EPS, weight_decay=0.1, foreach=False)
 
 
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+def _model(arch: str, device: str = "cpu") -> torch.nn.Module:
+    """tiny:qwen2, or a Qwen3 of the same shape (Qwen3 adds per-head q/k norms) for its TP plan."""
+    if arch == "qwen2":
+        return load_model("tiny:qwen2", seed=SEED, device=device)
+    settings = dict(TINY_PRESETS["qwen2"], model_type=arch, head_dim=64)
+    config = AutoConfig.for_model(settings.pop("model_type"), vocab_size=128, **settings)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)
+
+
+@functools.cache
+def _reference(arch: str, device: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the whole batch, no parallelism."""
-    model = load_model("tiny:qwen2", seed=SEED)
+    model = _model(arch, device)
     optimizer = _optimizer(model.parameters())
     losses = []
     for step in range(STEPS):
-        tokens = _tokens(step)
+        tokens = _tokens(step).to(device)
         loss = _loss_fn(model(input_ids=tokens[:, :-1], use_cache=False).logits, tokens[:, 1:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    params = {n: p.detach().cpu() for n, p in model.named_parameters(remove_duplicate=False)}
     return losses, params
 
 
@@ -76,16 +96,23 @@ def _worker(rank: int, world_size: int, port: int, settings: dict, out) -> None:
 
     try:
         torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-        )
         options = dict(settings)
         ac = options.pop("activation_checkpointing", False)
+        device = options.pop("device", "cpu")
+        arch = options.pop("arch", "qwen2")
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+        )
         cfg = ParallelismConfig(**options)
         dims = ParallelDims.from_config(cfg, world_size=world_size)
-        mesh = dims.build_mesh("cpu")
+        mesh = dims.build_mesh(device)
         model = parallelize_model(
-            load_model("tiny:qwen2", seed=SEED),
+            _model(arch, device),
             dims,
             mesh,
             pp_micro_batch_size=cfg.pp_micro_batch_size,
@@ -95,7 +122,7 @@ def _worker(rank: int, world_size: int, port: int, settings: dict, out) -> None:
         rows = BATCH // dims.dp
         losses = []
         for step in range(STEPS):
-            tokens = _tokens(step)[model.dp_rank * rows : (model.dp_rank + 1) * rows]
+            tokens = _tokens(step)[model.dp_rank * rows : (model.dp_rank + 1) * rows].to(device)
             loss = model.forward_backward(tokens[:, :-1], tokens[:, 1:], _loss_fn)
             model.reduce_tied_grads()
             optimizer.step()
@@ -104,7 +131,9 @@ def _worker(rank: int, world_size: int, port: int, settings: dict, out) -> None:
         params = {}
         for name, p in model.module.named_parameters(remove_duplicate=False):
             full = p.full_tensor() if isinstance(p, DTensor) else p
-            params[name] = full.detach().numpy().copy()  # numpy: plain pickling, no shared memory
+            params[name] = (
+                full.detach().cpu().numpy().copy()
+            )  # numpy: plain pickling, no shared memory
         dist.barrier()
         dist.destroy_process_group()
         out.put((rank, (losses, params)))
@@ -144,27 +173,24 @@ def _spawn(world_size: int, settings: dict) -> dict[int, tuple[list[float], dict
     return reports
 
 
-@pytest.fixture(scope="module")
-def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    return _reference()
-
-
 CASES = {
     "ddp": (2, dict(dp_replicate_size=2, dp_shard_size=1)),
     "fsdp": (2, dict()),
     "hsdp": (4, dict(dp_replicate_size=2, dp_shard_size=2)),
     "tp": (2, dict(tp_size=2, dp_shard_size=1)),
-    "pp": (2, dict(pp_size=2, dp_shard_size=1)),
+    "pp": (2, dict(pp_size=2, dp_shard_size=1)),  # 4 micro-batches: 1F1B
+    "pp_gpipe": (2, dict(pp_size=2, dp_shard_size=1, pp_micro_batch_size=4)),  # 1: GPipe
     "fsdp_ac": (2, dict(activation_checkpointing=True)),
     "fsdp_x_tp": (4, dict(tp_size=2)),
     "pp_x_fsdp": (4, dict(pp_size=2, pp_micro_batch_size=1)),
+    "pp_x_tp": (4, dict(pp_size=2, tp_size=2, dp_shard_size=1)),
+    "tp_qwen3": (2, dict(tp_size=2, dp_shard_size=1, arch="qwen3")),
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_layout_steps_like_one_process(case, reference):
-    world_size, settings = CASES[case]
-    want_losses, want_params = reference
+def _check_against_reference(world_size: int, settings: dict) -> None:
+    arch = settings.get("arch", "qwen2")
+    want_losses, want_params = _reference(arch, settings.get("device", "cpu"))
     reports = _spawn(world_size, settings)
     seen: set[str] = set()
     for rank, (losses, params) in sorted(reports.items()):
@@ -178,6 +204,70 @@ def test_layout_steps_like_one_process(case, reference):
     # Under PP every stage holds part of the model: together they hold all of it.
     assert seen == set(want_params)
     # The steps moved the parameters well beyond the tolerance, so a wrong update would show.
-    initial = {n: p.detach() for n, p in load_model("tiny:qwen2", seed=SEED).named_parameters()}
+    initial = {n: p.detach() for n, p in _model(arch).named_parameters()}
     moved = max(float((want_params[n] - p).abs().max()) for n, p in initial.items())
     assert moved > 50 * PARAM_ATOL
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layout_steps_like_one_process(case):
+    _check_against_reference(*CASES[case])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
+def test_context_parallel_steps_like_one_process():
+    """CP only runs on CUDA: its ring attention replaces the flash / memory-efficient / cuDNN
+    SDPA kernels, and CPU's SDPA kernel has no DTensor sharding rule ("Operator
+    aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+    registered", torch 2.13)."""
+    _check_against_reference(2, dict(cp_size=2, dp_shard_size=1, device="cuda"))
+
+
+def _dims(world_size: int = 8, **sizes) -> ParallelDims:
+    return ParallelDims.from_config(ParallelismConfig(**sizes), world_size=world_size)
+
+
+def test_dp_shard_is_inferred():
+    assert _dims(8, tp_size=2, pp_size=2) == ParallelDims(
+        pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2
+    )
+    assert _dims(8, dp_replicate_size=2, cp_size=2).dp_shard == 2
+
+
+@pytest.mark.parametrize(
+    ("world_size", "sizes", "message"),
+    [
+        (8, dict(tp_size=3), r"tp_size \(3\) must divide the world size \(8\)"),
+        (8, dict(tp_size=2, dp_shard_size=2), r"= 4 must equal the world size \(8\)"),
+        (4, dict(dp_replicate_size=2, dp_shard_size=4), r"dp_shard_size \(4\).* = 8 must equal"),
+    ],
+)
+def test_sizes_must_fill_the_world(world_size, sizes, message):
+    with pytest.raises(ValueError, match=r"policy\.parallelism.*" + message):
+        _dims(world_size, **sizes)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "sizes", "overrides", "message"),
+    [
+        (3, dict(tp_size=3), {}, r"tp_size \(3\) must divide num_attention_heads \(4\)"),
+        (4, dict(tp_size=4), {}, r"tp_size \(4\) must divide num_key_value_heads \(2\)"),
+        (8, dict(pp_size=8), {}, r"pp_size \(8\) must not exceed num_hidden_layers \(4\)"),
+        (2, dict(tp_size=2), {"model_type": "gpt2"}, r"no plan for model_type 'gpt2'"),
+        (4, dict(cp_size=2, pp_size=2), {}, r"cp_size > 1 together with pp_size > 1"),
+    ],
+)
+def test_sizes_must_fit_the_model(world_size, sizes, overrides, message):
+    config = load_model("tiny:qwen2").config
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=r"policy\.parallelism.*" + message):
+        _dims(world_size, **sizes).check_model(config)
+
+
+def test_context_parallel_needs_sdpa():
+    config = load_model("tiny:qwen2").config
+    config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match=r"policy\.parallelism\.cp_size > 1 needs SDPA"):
+        _dims(2, cp_size=2).check_model(config)

@@ -202,10 +202,20 @@ def _decoder_tp_plan() -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyl
     return root, layer
 
 
+def _qwen3_tp_plan() -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
+    """Qwen3 adds an RMSNorm over each head of q and k, [b, l, heads, head_dim]: its input is
+    sharded by heads (dim 2), so each rank's gradient of the shared weight is partial; as a
+    replicated DTensor the weight gets the sum."""
+    root, layer = _decoder_tp_plan()
+    for name in ("self_attn.q_norm", "self_attn.k_norm"):
+        layer[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return root, layer
+
+
 TP_PLANS: dict[str, Callable[[], tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]]] = {
     "llama": _decoder_tp_plan,
     "qwen2": _decoder_tp_plan,
-    "qwen3": _decoder_tp_plan,
+    "qwen3": _qwen3_tp_plan,
 }
 """HF `model_type` -> its TP plan (module names as in Hugging Face's implementation)."""
 
@@ -489,7 +499,9 @@ class ParallelModel:
         first, last = stage == 0, stage == self.dims.pp - 1
         losses: list[Tensor] = []
         args = (input_ids,) if first else ()
-        schedule.step(*args, target=labels if last else None, losses=losses)  # type: ignore[attr-defined]
+        schedule.step(  # type: ignore[attr-defined]
+            *args, target=labels if last else None, losses=losses, return_outputs=False
+        )
         if last:
             return torch.stack(losses).sum()
         return torch.zeros((), device=input_ids.device)
@@ -526,9 +538,16 @@ class ParallelModel:
         if self._tied_group is None:
             return
         stage = self.mesh["pp"].get_local_rank()
-        weight = self.module.model.embed_tokens.weight if stage == 0 else self.module.lm_head.weight  # type: ignore[union-attr]
-        assert weight.grad is not None
-        grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
+        module: Any = self.module
+        weight = module.model.embed_tokens.weight if stage == 0 else module.lm_head.weight
+        grad = weight.grad
+        assert grad is not None
+        if isinstance(grad, DTensor):
+            # Under TP the embedding's gradient comes back replicated while the head's is
+            # sharded like the weight; the copies' local pieces must match to be summed.
+            if grad.placements != weight.placements:
+                grad = weight.grad = grad.redistribute(grad.device_mesh, weight.placements)
+            grad = grad.to_local()
         dist.all_reduce(grad, group=self._tied_group)
 
 
