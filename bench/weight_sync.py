@@ -67,15 +67,20 @@ def _ack(group, device: torch.device) -> None:
     group.pg.broadcast(torch.ones(1, device=device), 1, TIMEOUT).wait()
 
 
-def policy(args: argparse.Namespace, port: int, out) -> None:
-    """Rank 0: memcpy peer, pushes, then training steps without and with a push in flight."""
+def _join(args: argparse.Namespace, port: int, *, rank: int):
+    """This process's device, its member of the two-rank group, and the model."""
     torch.set_num_threads(args.threads)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     group = build_group(
-        Rendezvous("127.0.0.1", port, "bench", 2, hosted=True), rank=0, backend=backend
+        Rendezvous("127.0.0.1", port, "bench", 2, hosted=True), rank=rank, backend=backend
     )
-    model = build_model(args, device)
+    return device, group, build_model(args, device)
+
+
+def policy(args: argparse.Namespace, port: int, out) -> None:
+    """Rank 0: memcpy peer, pushes, then training steps without and with a push in flight."""
+    device, group, model = _join(args, port, rank=0)
     sender = WeightSender(
         group, model.named_parameters(), checksum="never", shared_memory=args.shared_memory
     )
@@ -150,13 +155,7 @@ def policy(args: argparse.Namespace, port: int, out) -> None:
 
 def rollout(args: argparse.Namespace, port: int, out) -> None:
     """Rank 1: receive every push into a model of the same layout, then acknowledge it."""
-    torch.set_num_threads(args.threads)
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    group = build_group(
-        Rendezvous("127.0.0.1", port, "bench", 2, hosted=True), rank=1, backend=backend
-    )
-    model = build_model(args, device)
+    device, group, model = _join(args, port, rank=1)
     receiver = WeightReceiver(group, model.named_parameters(), shared_memory=args.shared_memory)
     params = dict(model.named_parameters())
     for _ in range(args.pushes + 1 + args.steps):
