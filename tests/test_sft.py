@@ -220,3 +220,86 @@ def test_gsm8k_config_trains_two_packed_steps(tmp_path, monkeypatch):
         assert math.isfinite(r["loss"]) and math.isfinite(r["val_loss"])
         assert r["num_tokens"] > 6 * 50  # worked solutions, not empty answers
     assert min(r["num_rows"] for r in records) < 6  # some conversations were packed together
+
+
+def _arithmetic_sft(tmp_path: Path, name: str, **parallelism: int) -> Path:
+    cfg = config_from_dict(
+        {
+            "train": {
+                "output_dir": str(tmp_path),
+                "timestamp": name,
+                "optm_lr": 1e-3,
+                "optm_warmup_steps": 0,
+                "train_batch_per_replica": 8,
+                "max_num_steps": 4,
+                "seed": 5,
+                "train_policy": {
+                    "type": "sft",
+                    "mini_batch": 4,
+                    "prompt_column_name": "prompt",
+                    "response_column_name": "answer",
+                    "dataset": {"name": "builtin:arithmetic", "kwargs": {"num_samples": 64}},
+                },
+            },
+            "policy": {
+                "model_name_or_path": "tiny:qwen2",
+                "model_max_length": 48,
+                "parallelism": parallelism,
+            },
+        }
+    )
+    path = tmp_path / f"{name}.json"
+    path.write_text(cfg.model_dump_json())
+    return path
+
+
+@pytest.mark.parametrize("parallelism", [{"dp_shard_size": 2}, {"dp_replicate_size": 2}])
+def test_sft_on_two_processes_steps_like_one(tmp_path, parallelism):
+    """`torchrun --nproc-per-node 2 ... train` (FSDP2 or DDP): each rank takes half of every
+    batch, and the losses and the exported weights are those of one process with the batch."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, launcher in (
+        ("one", [sys.executable, "-m", "nebula_rl.cli"]),
+        (
+            "two",
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                "-m",
+                "nebula_rl.cli",
+            ],
+        ),
+    ):
+        config = _arithmetic_sft(tmp_path, name, **(parallelism if name == "two" else {}))
+        result = subprocess.run(
+            [*launcher, "train", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    runs = {
+        name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+        for name in ("one", "two")
+    }
+    assert [m["step"] for m in runs["two"]] == [1, 2, 3, 4]
+    for one, two in zip(runs["one"], runs["two"], strict=True):
+        assert two["num_tokens"] == one["num_tokens"]  # the global count, not one rank's
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    weights = {
+        name: load_file(tmp_path / name / "safetensors" / "final" / "model.safetensors")
+        for name in ("one", "two")
+    }
+    assert weights["one"].keys() == weights["two"].keys()
+    for key, want in weights["one"].items():
+        torch.testing.assert_close(weights["two"][key], want, rtol=1e-4, atol=1e-5)

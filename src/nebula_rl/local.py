@@ -18,6 +18,7 @@ import copy
 import functools
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from nebula_rl.algorithms import dynamic_sampling_filter
 from nebula_rl.config import Config, GrpoConfig, SftConfig, load_config
@@ -41,6 +43,7 @@ from nebula_rl.data import (
 )
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
 from nebula_rl.policy.checkpoint import Checkpointer, Restored, is_checkpoint, latest_checkpoint
+from nebula_rl.policy.replicas import DataParallelSums
 from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.rewards import combine_rewards, overlong_penalty
@@ -60,10 +63,27 @@ def run_dir_for(cfg: Config) -> Path:
 
 
 def export_hf(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
-    """Write a Hugging Face folder (config, safetensors, tokenizer) that `from_pretrained` loads."""
+    """Write a Hugging Face folder (config, safetensors, tokenizer) that `from_pretrained` loads.
+
+    Under torch.distributed every rank must call it (sharded parameters are gathered); rank 0
+    writes."""
+    state = None
+    if dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)
+        # Tied weights appear under both names; keep the one save_pretrained keeps by itself.
+        unique = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+        state = {k: v for k, v in state.items() if k in unique}
+        if dist.get_rank() != 0:
+            dist.barrier()
+            return
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)  # type: ignore[operator]
+    model.save_pretrained(path, state_dict=state, safe_serialization=True)  # type: ignore[operator]
     tokenizer.save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def ensure_model(cfg: Config) -> None:
@@ -106,12 +126,21 @@ def run(cfg: Config) -> Path:
             "train.resume = true resumes the run folder train.output_dir/train.timestamp: set "
             "train.timestamp, or set train.resume to a checkpoint folder"
         )
-    ensure_model(cfg)
+    distributed = _init_distributed(cfg)
+    if not distributed or dist.get_rank() == 0:
+        ensure_model(cfg)
     seed = cfg.train.seed or 0
     torch.manual_seed(seed)
     run_dir = run_dir_for(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    if distributed:  # one folder for all ranks: rank 0's start time names it
+        names = [str(run_dir)]
+        dist.broadcast_object_list(names, src=0)
+        run_dir = Path(names[0])
+    if not distributed or dist.get_rank() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    if distributed:
+        dist.barrier()
     dtype = resolve_dtype(cfg.train.param_dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = load_tokenizer(cfg.policy.model_name_or_path)
@@ -123,7 +152,28 @@ def run(cfg: Config) -> Path:
         _run_sft(cfg, policy, model, tokenizer, run_dir)
     if cfg.train.ckpt.export_safetensors:
         export_hf(model, tokenizer, run_dir / "safetensors" / "final")
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
     return run_dir
+
+
+def _init_distributed(cfg: Config) -> bool:
+    """Join the process group torchrun describes (WORLD_SIZE > 1); whether there is one.
+
+    Only SFT runs on several processes here: each rank takes a share of every batch and the
+    model is split by `[policy.parallelism]` (data parallel: FSDP2, HSDP or DDP)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return False
+    if isinstance(cfg.train.train_policy, GrpoConfig):
+        raise ValueError(
+            "train.train_policy.type = grpo runs one process per policy replica here; "
+            "several processes per replica are not wired into RL yet"
+        )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return True
 
 
 def _resume(cfg: Config, run_dir: Path, checkpointer: Checkpointer) -> Restored | None:
@@ -376,12 +426,36 @@ def _sft_rows(cfg: Config, p: SftConfig) -> tuple[list[dict[str, Any]], list[dic
     return train, held_out[: v.max_num_prompts]
 
 
+def _data_parallel(cfg: Config, model: torch.nn.Module) -> tuple[int, int, DataParallelSums | None]:
+    """Split `model` over this process group as `[policy.parallelism]` says (in place); this
+    rank's data-parallel rank and size, and the sums over the data-parallel ranks."""
+    if not dist.is_initialized():
+        return 0, 1, None
+    from nebula_rl.policy.parallelize import ParallelDims, parallelize_model
+
+    dims = ParallelDims.from_config(cfg.policy.parallelism, world_size=dist.get_world_size())
+    if dims.tp > 1 or dims.pp > 1 or dims.cp > 1:
+        raise ValueError(
+            "policy.parallelism: the SFT loop runs data parallel only (dp_replicate_size, "
+            "dp_shard_size); tp_size, pp_size and cp_size must be 1 here for now"
+        )
+    mesh = dims.build_mesh("cuda" if torch.cuda.is_available() else "cpu")
+    parallel = parallelize_model(model, dims, mesh)
+    return parallel.dp_rank, dims.dp, DataParallelSums(mesh["dp"].get_group())
+
+
 def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None:
     train_rows, val_rows = _sft_rows(cfg, p)
     examples = _sft_examples(cfg, p, tokenizer, train_rows)
     val_examples = _sft_examples(cfg, p, tokenizer, val_rows)
     total = num_train_steps(cfg, len(examples))
-    trainer = PolicyTrainer(model, cfg, total_steps=total, pad_id=tokenizer.pad_token_id)
+    dp_rank, dp_size, sums = _data_parallel(cfg, model)
+    # Each data-parallel rank takes every dp_size-th conversation of a batch; the trainer
+    # normalises by the global token count, so the step is that of the whole batch.
+    val_examples = val_examples[dp_rank::dp_size]
+    trainer = PolicyTrainer(
+        model, cfg, total_steps=total, pad_id=tokenizer.pad_token_id, data_parallel=sums
+    )
     checkpointer = _checkpointer(cfg, run_dir, model, tokenizer, trainer)
     size = cfg.train.train_batch_per_replica
     val_rows_per_forward = cfg.validation.batch_size or p.mini_batch
@@ -390,7 +464,7 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
     if restored is not None:
         step = restored.step
         first_epoch, first_position = restored.data["epoch"], restored.data["position"]
-    writer = _MetricsWriter(run_dir / "metrics.jsonl", after_step=step)
+    writer = _MetricsWriter(run_dir / "metrics.jsonl", after_step=step) if dp_rank == 0 else None
     try:
         for epoch in range(first_epoch, cfg.train.epoch):
             order = epoch_order(
@@ -402,7 +476,8 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
                     return
                 step += 1
                 t0 = time.perf_counter()
-                metrics = trainer.sft_step([examples[i] for i in order[start : start + size]])
+                batch = [examples[i] for i in order[start : start + size]]
+                metrics = trainer.sft_step(batch[dp_rank::dp_size])
                 step_time = time.perf_counter() - t0
                 log.info("sft step %d/%d loss %.4f", step, total, metrics["loss"])
                 if val_examples and (step % cfg.validation.freq == 0 or step == total):
@@ -410,7 +485,8 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
                         val_examples, rows_per_forward=val_rows_per_forward
                     )
                     log.info("sft step %d/%d val_loss %.4f", step, total, metrics["val_loss"])
-                writer.write({"step": step, "epoch": epoch, **metrics, "step_time": step_time})
+                if writer is not None:
+                    writer.write({"step": step, "epoch": epoch, **metrics, "step_time": step_time})
                 if checkpointer.due(step, last=step == total):
                     checkpointer.save(step, data={"epoch": epoch, "position": start + size})
     finally:

@@ -19,12 +19,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ReduceOp
 
 from nebula_rl.weights.group import WeightGroup
 
-__all__ = ["ReplicaGroup"]
+__all__ = ["DataParallelSums", "ReplicaGroup"]
 
 # Gradient bucket size: large enough that the per-call cost vanishes, small enough that the
 # flat copy is a small fraction of the model.
@@ -108,3 +109,20 @@ class ReplicaGroup:
     def close(self) -> None:
         """Tear the group down."""
         self.group.close()
+
+
+class DataParallelSums:
+    """Sums over the data-parallel ranks inside one replica (a torch.distributed group of the
+    replica's own world). Only counts and metrics: FSDP2 or DDP already sum the gradients."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def sum_(self, values: Tensor) -> Tensor:
+        """Sum `values` over the group's ranks, in place (staged on the GPU for NCCL)."""
+        if dist.get_backend(self.group) != "nccl":
+            dist.all_reduce(values, group=self.group)
+            return values
+        staged = values.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(staged, group=self.group)
+        return values.copy_(staged)

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from nebula_rl.algorithms import ALGORITHMS, LossSettings, PolicyBatch, sft_loss_from_logprobs
 from nebula_rl.config import Config, GrpoConfig, TrainingConfig
 from nebula_rl.data.packing import first_fit, packed_attention_mask, segment_positions
-from nebula_rl.policy.replicas import ReplicaGroup
+from nebula_rl.policy.replicas import DataParallelSums, ReplicaGroup
 from nebula_rl.protocol import RolloutGroup
 
 __all__ = [
@@ -233,9 +234,10 @@ class PolicyTrainer:
         pad_id: int,
         ref_model: nn.Module | None = None,
         replicas: ReplicaGroup | None = None,
+        data_parallel: DataParallelSums | None = None,
     ) -> None:
         self.model, self.cfg, self.pad_id, self.ref_model = model, cfg, pad_id, ref_model
-        self.replicas = replicas
+        self.replicas, self.data_parallel = replicas, data_parallel
         t = cfg.train
         opt_cls = torch.optim.AdamW if t.optm_name == "AdamW" else torch.optim.Adam
         impl = {
@@ -257,10 +259,13 @@ class PolicyTrainer:
         self.device = next(model.parameters()).device
 
     def _global_sums(self, *values: float) -> list[float]:
-        """`values` summed over the policy replicas (as they are with one replica)."""
-        if self.replicas is None:
-            return list(values)
-        return self.replicas.sum_(torch.tensor(values, dtype=torch.float64)).tolist()
+        """`values` summed over the data-parallel ranks of this replica and over the replicas."""
+        totals = torch.tensor(values, dtype=torch.float64)
+        if self.data_parallel is not None:
+            self.data_parallel.sum_(totals)
+        if self.replicas is not None:
+            self.replicas.sum_(totals)
+        return totals.tolist()
 
     def _optimizer_step(self) -> float:
         if self.replicas is not None:
@@ -268,6 +273,8 @@ class PolicyTrainer:
         clip = self.cfg.train.optm_grad_norm_clip
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if isinstance(norm, DTensor):  # sharded gradients (FSDP2): the norm over all shards
+            norm = norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
