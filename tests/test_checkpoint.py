@@ -137,9 +137,8 @@ def test_resumed_run_repeats_the_uninterrupted_run(tmp_path, policy, save_mode, 
 
 
 def test_resume_errors_name_the_key(tmp_path):
-    cfg = _cfg(tmp_path, SFT, max_num_steps=1, resume=True, timestamp="")
     with pytest.raises(ValueError, match=r"train\.resume = true .*train\.timestamp"):
-        local.run(cfg)
+        _cfg(tmp_path, SFT, max_num_steps=1, resume=True, timestamp="")
     half = checkpoint_path(tmp_path / "old", 3)
     half.mkdir(parents=True)
     cfg = _cfg(tmp_path, SFT, max_num_steps=1, resume=str(half))

@@ -287,6 +287,11 @@ class TrainingConfig(_Section):
         on_policy = isinstance(self.train_policy, GrpoConfig) and self.train_policy.on_policy
         if on_policy and self.sync_weight_interval != 1:
             raise ValueError("sync_weight_interval must be 1 when train_policy.on_policy is true")
+        if self.resume is True and not self.timestamp:
+            raise ValueError(
+                "train.resume = true resumes the run folder train.output_dir/train.timestamp: "
+                "set train.timestamp, or set train.resume to a checkpoint folder"
+            )
         return self
 
 

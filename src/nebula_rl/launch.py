@@ -130,11 +130,6 @@ def launch(
     """Run the RL job `cfg` with its controller and replicas as processes; the exit code."""
     from nebula_rl.local import ensure_model
 
-    if cfg.train.resume is True and not cfg.train.timestamp:
-        raise ValueError(
-            "train.resume = true resumes the run folder train.output_dir/train.timestamp: set "
-            "train.timestamp, or set train.resume to a checkpoint folder"
-        )
     num_policy = num_policy or cfg.policy.parallelism.n_init_replicas
     num_rollout = num_rollout or cfg.rollout.parallelism.n_init_replicas
     ensure_model(cfg)

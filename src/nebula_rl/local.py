@@ -51,7 +51,7 @@ from nebula_rl.rollout.engine import GenerationRequest
 from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.rollout.worker import sampling_params
 
-__all__ = ["ensure_model", "export_hf", "run", "run_dir_for"]
+__all__ = ["drop_steps_after", "ensure_model", "export_hf", "run", "run_dir_for"]
 
 log = logging.getLogger(__name__)
 
@@ -99,19 +99,19 @@ def ensure_model(cfg: Config) -> None:
         )
 
 
+def drop_steps_after(path: Path, step: int) -> None:
+    """Keep only the `metrics.jsonl` lines of steps up to `step` (later ones came from an earlier
+    attempt of this run that got past the checkpoint it resumes from)."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    kept = [line for line in lines if line and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
 class _MetricsWriter:
-    """Appends one JSON line per step, after dropping lines of steps later than `after_step`
-    (left by an earlier attempt of this run that got past its last checkpoint)."""
+    """Appends one JSON line per step, after dropping lines of steps later than `after_step`."""
 
     def __init__(self, path: Path, *, after_step: int) -> None:
-        kept = []
-        if path.exists():
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if line and json.loads(line)["step"] <= after_step
-            ]
-        path.write_text("".join(line + "\n" for line in kept))
+        drop_steps_after(path, after_step)
         self.file = path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -121,13 +121,9 @@ class _MetricsWriter:
 
 def run(cfg: Config) -> Path:
     """Train as configured in this process; returns the run folder."""
-    if cfg.train.resume is True and not cfg.train.timestamp:
-        raise ValueError(
-            "train.resume = true resumes the run folder train.output_dir/train.timestamp: set "
-            "train.timestamp, or set train.resume to a checkpoint folder"
-        )
     distributed = _init_distributed(cfg)
-    if not distributed or dist.get_rank() == 0:
+    lead = not distributed or dist.get_rank() == 0
+    if lead:
         ensure_model(cfg)
     seed = cfg.train.seed or 0
     torch.manual_seed(seed)
@@ -136,7 +132,7 @@ def run(cfg: Config) -> Path:
         names = [str(run_dir)]
         dist.broadcast_object_list(names, src=0)
         run_dir = Path(names[0])
-    if not distributed or dist.get_rank() == 0:
+    if lead:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     if distributed:

@@ -282,6 +282,7 @@ class Scheduler:
     def restore(self) -> Path | None:
         """Put the job back at the checkpoint `train.resume` names; returns the policy's
         checkpoint folder (None: nothing to resume, the job starts at step 1)."""
+        from nebula_rl.local import drop_steps_after
         from nebula_rl.policy.checkpoint import complete_checkpoints, is_checkpoint
 
         resume = self.cfg.train.resume
@@ -310,10 +311,7 @@ class Scheduler:
                 )
         data = json.loads(snapshot.read_text())
         self.state.restore(data["keys"])
-        if self.metrics_path.exists():  # steps after the checkpoint are trained again
-            lines = self.metrics_path.read_text().splitlines()
-            kept = [line for line in lines if line and json.loads(line)["step"] <= data["step"]]
-            self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        drop_steps_after(self.metrics_path, data["step"])  # later steps are trained again
         log.info("resumed the job at step %d from %s", data["step"], path)
         return path
 

@@ -414,28 +414,21 @@ def _negotiate(group: WeightGroup, layout: BucketLayout, *, offer: bool) -> list
         if group.rank == 0 and offer:
             # Files named by a random id; a random token in the probe proves a receiver sees them.
             name_id, token = secrets.randbits(62), secrets.randbits(62)
-            prefix = _shm_prefix(name_id)
-            paths = [f"{prefix}-probe"] + [
-                f"{prefix}-s{i}-b{b}" for i in range(2) for b in range(len(layout.bucket_numels))
-            ]
-            sets = [layout.map_shared(f"{prefix}-s{i}") for i in range(2)]
+            paths = _shm_files(name_id, layout)
+            sets = [layout.map_shared(f"{_shm_prefix(name_id)}-s{i}") for i in range(2)]
             with open(paths[0], "wb") as f:
                 f.write(token.to_bytes(8, "little"))
         name_id, token, digest = gather([name_id, token, layout.digest])[0]
         sees = group.rank == 0 or (offer and name_id != 0 and digest == layout.digest)
         if sees and group.rank != 0:
-            prefix = _shm_prefix(name_id)
+            probe_path, *bucket_paths = _shm_files(name_id, layout)
             try:
-                with open(f"{prefix}-probe", "rb") as probe:
+                with open(probe_path, "rb") as probe:
                     sees = int.from_bytes(probe.read(8), "little") == token
             except OSError:  # another container, or /dev/shm not shared
                 sees = False
-            if sees:  # map only files the sender made: never create one here
-                sees = all(
-                    os.path.exists(f"{prefix}-s{i}-b{b}")
-                    for i in range(2)
-                    for b in range(len(layout.bucket_numels))
-                )
+            # Map only files the sender made: never create one here.
+            sees = sees and all(os.path.exists(path) for path in bucket_paths)
         shared = name_id != 0 and all(row[0] for row in gather([int(sees)]))
         if shared and group.rank != 0:
             sets = [layout.map_shared(f"{_shm_prefix(name_id)}-s{i}") for i in range(2)]
@@ -449,6 +442,14 @@ def _negotiate(group: WeightGroup, layout: BucketLayout, *, offer: bool) -> list
 
 def _shm_prefix(name_id: int) -> str:
     return f"/dev/shm/nebula-weights-{name_id:x}"
+
+
+def _shm_files(name_id: int, layout: BucketLayout) -> list[str]:
+    """The probe file, then every bucket file of both sets (as `BucketLayout.map_shared` names
+    them under `<prefix>-s<set>`)."""
+    prefix = _shm_prefix(name_id)
+    buckets = range(len(layout.bucket_numels))
+    return [f"{prefix}-probe"] + [f"{prefix}-s{i}-b{b}" for i in range(2) for b in buckets]
 
 
 def _exchange_header(
