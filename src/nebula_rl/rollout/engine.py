@@ -28,7 +28,7 @@ import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
@@ -330,12 +330,23 @@ class Engine(ABC):
         Callable from any thread.
         """
         items = weights.items() if isinstance(weights, Mapping) else weights
+
+        def load() -> int:
+            self._load_weights(items)
+            return policy_version
+
+        self.update_weights_with(load)
+
+    def update_weights_with(self, write: Callable[[], int]) -> None:
+        """Run `write` at the next token boundary, generation paused: it writes new weights into
+        the model's own tensors in place (e.g. `ShardedReceiver.receive`, which receives each
+        slice straight into the parameters, with no staging copy) and returns their policy
+        version, which every token sampled afterwards records. Callable from any thread."""
         with self._signal:
             self._num_waiting_updates += 1
         try:
             with self._step_lock, torch.no_grad():
-                self._load_weights(items)
-                self._policy_version = policy_version
+                self._policy_version = write()
                 self._on_version_change()
         finally:
             with self._signal:

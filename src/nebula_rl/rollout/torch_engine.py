@@ -46,7 +46,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, Protocol, cast
 
 import numpy as np
@@ -62,6 +62,8 @@ from nebula_rl.rollout.engine import (
     version_changes_for,
 )
 from nebula_rl.rollout.sampling import BatchSampling, sample
+from nebula_rl.rollout.tensor_parallel import TensorParallel, shard_model
+from nebula_rl.weights.reshard import Box
 
 FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -347,11 +349,19 @@ class _Forward(Protocol):
 class _FusedForward:
     """Llama-family forward over the slotted cache, reading the HF module's parameters."""
 
-    def __init__(self, model: torch.nn.Module, dims: _ModelDims, cache: _KVCache) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        dims: _ModelDims,
+        cache: _KVCache,
+        tp: TensorParallel | None = None,
+    ) -> None:
         """Build from `model`; call under no_grad (not inference_mode: the parameters it
-        re-points must stay ordinary tensors that update_weights can copy into)."""
+        re-points must stay ordinary tensors that update_weights can copy into). With `tp`, the
+        model holds this rank's slices (`shard_model`) and `dims` counts this rank's heads."""
         base, layers = _decoder_layers(model)
         self.cache = cache
+        self.tp = tp
         self.embed = base.get_submodule("embed_tokens").get_parameter("weight")
         self.num_heads = dims.num_heads
         self.num_kv_heads = dims.num_kv_heads
@@ -379,9 +389,17 @@ class _FusedForward:
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return torch.cat([_rms_norm(q, layer.q_norm), _rms_norm(k, layer.k_norm)], dim=1)
 
+    def _row_parallel(self, x: torch.Tensor, linear: _Linear) -> torch.Tensor:
+        """`F.linear` of a layer whose input features are split over the TP ranks: the partial
+        products are summed over the group, then the (whole) bias is added once."""
+        if self.tp is None:
+            return F.linear(x, *linear)
+        out = self.tp.all_reduce(F.linear(x, linear.weight))
+        return out if linear.bias is None else out + linear.bias
+
     def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
         gate, up = F.linear(_rms_norm(x, layer.ln2), *layer.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, *layer.down)
+        return x + self._row_parallel(F.silu(gate) * up, layer.down)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(_rms_norm(x, self.final_norm), *self.lm_head).float()
@@ -420,7 +438,7 @@ class _FusedForward:
             )
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
             attn = torch.bmm(probs, values.reshape(batch * num_kv, kv_len, hd))
-            x = self._mlp(x + F.linear(attn.view(batch, -1), *layer.o), layer)
+            x = self._mlp(x + self._row_parallel(attn.view(batch, -1), layer.o), layer)
         return self._logits(x)
 
     def prefill(
@@ -445,7 +463,7 @@ class _FusedForward:
                 q, k, v, is_causal=True, scale=self.scaling, enable_gqa=num_heads != num_kv
             )
             attn = attn.transpose(1, 2).reshape(num_prompts, length, -1)
-            x = self._mlp(x + F.linear(attn, *layer.o), layer)
+            x = self._mlp(x + self._row_parallel(attn, layer.o), layer)
         return self._logits(x[torch.arange(num_prompts, device=x.device), last])
 
 
@@ -597,6 +615,10 @@ class TorchEngine(Engine):
         seed: seeds the engine's generator (used by requests without a seed).
         policy_version: the version of the weights the model starts with.
         forward: "auto" (compact forward where supported, else HF modules), "fused" or "hf".
+        tensor_parallel: run as one rank of a tensor-parallel replica (see `tensor_parallel.py`):
+            `model` is given whole and cut to this rank's slices here; every rank of the group
+            must be fed the same requests, weight updates and seed, in the same order. Needs the
+            compact forward.
     """
 
     def __init__(
@@ -610,6 +632,7 @@ class TorchEngine(Engine):
         seed: int = 0,
         policy_version: int = 0,
         forward: Literal["auto", "fused", "hf"] = "auto",
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         super().__init__(policy_version=policy_version)
         if max_num_seqs < 1:
@@ -631,8 +654,6 @@ class TorchEngine(Engine):
         self.tokenizer = tokenizer
         self.vocab_size = _lm_head(model).get_parameter("weight").shape[0]
         self.eos_token_ids = _eos_token_ids(model, self.vocab_size)
-        self._params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-        self._params.update(model.named_buffers(remove_duplicate=False))
 
         if forward not in ("auto", "fused", "hf"):
             raise ValueError(f"forward must be 'auto', 'fused' or 'hf', got {forward!r}")
@@ -640,6 +661,23 @@ class TorchEngine(Engine):
         if forward == "fused" and reason is not None:
             raise ValueError(f"forward='fused' is not available for this model: {reason}")
         self.forward_impl = "hf" if forward == "hf" or reason is not None else "fused"
+        self.tensor_parallel = (
+            tensor_parallel if tensor_parallel and tensor_parallel.size > 1 else None
+        )
+        self._tp_boxes: dict[str, tuple[tuple[int, ...], Box]] | None = None
+        if self.tensor_parallel is not None:
+            if self.forward_impl != "fused":
+                raise ValueError(
+                    "tensor parallelism needs the compact forward (Llama-family models, "
+                    f"forward='auto' or 'fused'): {reason or 'forward=hf was asked for'}"
+                )
+            self._tp_boxes = shard_model(model, self.tensor_parallel)
+            size = self.tensor_parallel.size
+            dims = replace(
+                dims, num_heads=dims.num_heads // size, num_kv_heads=dims.num_kv_heads // size
+            )
+        self._params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        self._params.update(model.named_buffers(remove_duplicate=False))
 
         num_slots, max_len, device = max_num_seqs, self.max_model_len, self.device
         self.cache = _KVCache(
@@ -652,8 +690,11 @@ class TorchEngine(Engine):
             device=device,
         )
         with torch.no_grad():
-            forward_cls = _FusedForward if self.forward_impl == "fused" else _HFForward
-            self._forward: _Forward = forward_cls(model, dims, self.cache)
+            self._forward: _Forward = (
+                _FusedForward(model, dims, self.cache, self.tensor_parallel)
+                if self.forward_impl == "fused"
+                else _HFForward(model, dims, self.cache)
+            )
         with torch.inference_mode():
             # Per-slot state, on the device.
             self._slot_ids = torch.arange(num_slots, device=device)
@@ -697,6 +738,16 @@ class TorchEngine(Engine):
 
         model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         return cls(model.to(device), **kwargs)
+
+    def tp_boxes(self) -> dict[str, tuple[tuple[int, ...], Box]]:
+        """Per parameter name: the full tensor's shape and the box of it this rank holds (the
+        whole tensor without tensor parallelism). What `weights.reshard.ShardedReceiver` needs."""
+        if self._tp_boxes is not None:
+            return dict(self._tp_boxes)
+        return {
+            name: (tuple(p.shape), tuple((0, n) for n in p.shape))
+            for name, p in self.model.named_parameters()
+        }
 
     def rng_state(self) -> torch.Tensor:
         """State of the sampling generator (used by requests without a seed), for checkpoints."""

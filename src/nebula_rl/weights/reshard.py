@@ -1,0 +1,581 @@
+"""Weight sync between two parallel layouts: each policy rank sends each rollout rank only the
+slices that rank needs, and nobody gathers the whole model.
+
+The members of one `WeightGroup` are every rank of the policy (group ranks `0..P-1`, the
+senders) and every rank of one rollout replica (`P..P+R-1`, the receivers). Each member describes
+what it holds (policy) or needs (rollout) as one box per tensor: the `(start, stop)` range of the
+full tensor along every dimension. The policy derives its boxes from DTensor placements (FSDP2,
+HSDP, TP, any composition: the same offsets torch.distributed.checkpoint uses), or the full box
+for a plain tensor; the rollout from its engine's tensor-parallel layout (`TorchEngine.tp_boxes`).
+
+Building a `ShardedSender` / `ShardedReceiver` is a collective: the members all-gather their
+boxes (as JSON) and each computes the same plan from them:
+
+1. For every rollout rank and tensor, intersect its box with each distinct policy box. Ranks that
+   hold the same box (data-parallel replicas) take turns by receiving rank, so replicas share
+   the sending. The intersections must tile the needed box exactly, or building fails.
+2. Pieces from one sender to one receiver are packed, in name order, into messages of at most
+   `bucket_bytes` (a larger piece is split by rows). Messages are ordered round-robin over the
+   (sender, receiver) pairs, so all pairs transfer at once.
+3. A push runs that one global order with point-to-point `send`/`recv`, at most `window`
+   messages in flight per member. Every member follows the same order and waits only on its
+   oldest message, so the earliest unfinished message always has both ends posted: no deadlock.
+
+Memory: each member reuses `window` buffers of at most one bucket (plus an 8-byte checksum
+word) for the whole run, and packs/unpacks straight from/into its own tensors; nothing else is
+allocated per push (`peak_buffer_bytes`). A push blocks the policy until its messages are sent,
+since it reads the live parameters; use `WeightSender` (full copy, background send) when memory
+allows and asynchrony matters more.
+
+Trainable parameters only: the first push sends everything; later pushes with
+`trainable_only=True` send only the tensors the policy marked trainable (frozen ones cannot have
+changed). Checksums: with `checksum="first"` (default) every message of the first push carries
+the sum of its bytes, which the receiver verifies; "always" and "never" do what they say.
+
+Other rollout replicas: rank i of the replica that received the weights holds the same shards as
+rank i of every other replica with the same TP size, so it forwards them with `WeightSender`
+over a group of those ranks (a broadcast, or shared memory on one host): see `fan_out`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial
+
+from nebula_rl.weights.group import WeightGroup
+from nebula_rl.weights.transport import LayoutMismatchError
+
+__all__ = [
+    "Box",
+    "ShardedReceiver",
+    "ShardedSender",
+    "chunk_box",
+    "dtensor_box",
+    "full_box",
+]
+
+Box = tuple[tuple[int, int], ...]
+"""A slice of a tensor: `(start, stop)` along every dimension of the full tensor."""
+
+DEFAULT_BUCKET_BYTES = 32 << 20
+_ALIGN = 8  # message payloads are padded to whole 8-byte words (checksummed as int32 pairs)
+
+
+def full_box(shape: Iterable[int]) -> Box:
+    """The box of a whole tensor of `shape`."""
+    return tuple((0, int(size)) for size in shape)
+
+
+def chunk_box(shape: Iterable[int], dim: int, rank: int, size: int) -> Box:
+    """Rank `rank`'s box when dimension `dim` is split in `size` parts like `torch.chunk`
+    (and DTensor's `Shard`): parts of ceil(n / size), the last ones shorter or empty."""
+    box = list(full_box(shape))
+    n = box[dim][1]
+    part = -(-n // size)
+    box[dim] = (min(rank * part, n), min((rank + 1) * part, n))
+    return tuple(box)
+
+
+def dtensor_box(tensor: DTensor) -> Box:
+    """The box of the full tensor that this rank's local shard of `tensor` covers."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(isinstance(p, Partial) for p in tensor.placements):
+        raise ValueError(f"a Partial DTensor holds no slice of its values: {tensor.placements}")
+    shape, offset = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    return tuple((o, o + s) for o, s in zip(offset, shape, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """One tensor slice a member holds (sender) or needs (receiver)."""
+
+    name: str
+    shape: tuple[int, ...]
+    box: Box
+    dtype: str
+    trainable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    """A sub-box of one tensor that moves from one sender to one receiver."""
+
+    name: str
+    src: tuple[slice, ...]
+    """Index into the sender's local tensor."""
+    dst: tuple[slice, ...]
+    """Index into the receiver's local tensor."""
+    shape: tuple[int, ...]
+    numel: int
+    trainable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Message:
+    """Copies packed back to back into one buffer of one wire dtype."""
+
+    index: int
+    src: int
+    dst: int
+    dtype: torch.dtype
+    copies: tuple[_Copy, ...]
+    payload_bytes: int
+    """Bytes of the packed copies, padded to whole 8-byte words."""
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+    return box if all(lo < hi for lo, hi in box) else None
+
+
+def _relative(box: Box, origin: Box) -> tuple[slice, ...]:
+    return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin, strict=True))
+
+
+def _numel(box: Box) -> int:
+    numel = 1
+    for lo, hi in box:
+        numel *= hi - lo
+    return numel
+
+
+def _split_rows(box: Box, max_numel: int) -> list[Box]:
+    """`box` cut along its first dimension into boxes of at most `max_numel` elements (at least
+    one row each: a single row larger than that stays whole)."""
+    if not box or _numel(box) <= max_numel:
+        return [box]
+    (lo, hi), rest = box[0], box[1:]
+    rows = max(1, max_numel // max(1, _numel(rest)))
+    return [((r, min(r + rows, hi)), *rest) for r in range(lo, hi, rows)]
+
+
+def _wire_dtype(dtype: str, transfer_dtype: torch.dtype | None) -> torch.dtype:
+    native = getattr(torch, dtype.removeprefix("torch."))
+    assert isinstance(native, torch.dtype)
+    if transfer_dtype is not None and native.is_floating_point:
+        return transfer_dtype
+    return native
+
+
+def _plan(
+    holdings: list[list[_Piece]],
+    num_senders: int,
+    *,
+    bucket_bytes: int,
+    transfer_dtype: torch.dtype | None,
+    trainable_only: bool,
+) -> list[_Message]:
+    """The messages of one push, in the global order every member runs them in."""
+    held: dict[str, dict[Box, list[int]]] = {}
+    for rank in range(num_senders):
+        for piece in holdings[rank]:
+            held.setdefault(piece.name, {}).setdefault(piece.box, []).append(rank)
+    shapes = {p.name: p for rank in range(num_senders) for p in holdings[rank]}
+    pairs: dict[tuple[int, int, torch.dtype], list[_Copy]] = {}
+    for dst in range(num_senders, len(holdings)):
+        for need in sorted(holdings[dst], key=lambda p: p.name):
+            source = shapes.get(need.name)
+            if source is None:
+                raise LayoutMismatchError(f"the rollout needs {need.name!r}; no policy rank has it")
+            if source.shape != need.shape:
+                raise LayoutMismatchError(
+                    f"{need.name!r} is {list(source.shape)} on the policy and "
+                    f"{list(need.shape)} on the rollout"
+                )
+            if trainable_only and not source.trainable:
+                continue
+            wire = _wire_dtype(source.dtype, transfer_dtype)
+            covered = 0
+            for box, ranks in held[need.name].items():
+                common = _intersect(box, need.box)
+                if common is None:
+                    continue
+                covered += _numel(common)
+                src = ranks[dst % len(ranks)]
+                itemsize = wire.itemsize
+                for part in _split_rows(common, max(1, bucket_bytes // itemsize)):
+                    pairs.setdefault((src, dst, wire), []).append(
+                        _Copy(
+                            need.name,
+                            _relative(part, box),
+                            _relative(part, need.box),
+                            tuple(hi - lo for lo, hi in part),
+                            _numel(part),
+                            source.trainable,
+                        )
+                    )
+            if covered != _numel(need.box):
+                raise LayoutMismatchError(
+                    f"the policy's shards of {need.name!r} cover {covered} of the "
+                    f"{_numel(need.box)} elements rollout rank {dst - num_senders} needs"
+                )
+    # Pack each pair's copies into messages, then interleave the pairs round-robin.
+    per_pair: list[list[tuple[int, int, torch.dtype, list[_Copy]]]] = []
+    for (src, dst, wire), copies in sorted(
+        pairs.items(), key=lambda kv: (*kv[0][:2], str(kv[0][2]))
+    ):
+        messages: list[tuple[int, int, torch.dtype, list[_Copy]]] = []
+        used = 0
+        for copy in copies:
+            size = copy.numel * wire.itemsize
+            if not messages or (used > 0 and used + size > bucket_bytes):
+                messages.append((src, dst, wire, []))
+                used = 0
+            messages[-1][3].append(copy)
+            used += size
+        per_pair.append(messages)
+    ordered: list[_Message] = []
+    for k in range(max((len(m) for m in per_pair), default=0)):
+        for messages in per_pair:
+            if k < len(messages):
+                src, dst, wire, copies = messages[k]
+                nbytes = sum(c.numel for c in copies) * wire.itemsize
+                padded = -(-nbytes // _ALIGN) * _ALIGN
+                ordered.append(_Message(len(ordered), src, dst, wire, tuple(copies), padded))
+    return ordered
+
+
+def _digest(messages: list[_Message]) -> int:
+    text = repr(
+        [(m.src, m.dst, str(m.dtype), [(c.name, c.shape) for c in m.copies]) for m in messages]
+    )
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _allgather_json(group: WeightGroup, value: object) -> list[object]:
+    """Every member's `value`, by rank (JSON over two all-gathers: lengths, then bytes)."""
+    data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=group.device)
+    lengths = [torch.empty_like(length) for _ in range(group.world_size)]
+    group.pg.allgather(lengths, length, group.timeout).wait()
+    longest = max(int(n) for n in lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=group.device)
+    mine[: data.numel()] = data.to(group.device)
+    rows = [torch.empty_like(mine) for _ in range(group.world_size)]
+    group.pg.allgather(rows, mine, group.timeout).wait()
+    return [
+        json.loads(bytes(row[: int(n)].cpu().tolist()).decode())
+        for row, n in zip(rows, lengths, strict=True)
+    ]
+
+
+def _encode(pieces: list[_Piece]) -> list[list[object]]:
+    return [[p.name, list(p.shape), [list(r) for r in p.box], p.dtype, p.trainable] for p in pieces]
+
+
+def _decode(rows: list[list[object]]) -> list[_Piece]:
+    pieces = []
+    for name, shape, box, dtype, trainable in rows:
+        assert isinstance(shape, list) and isinstance(box, list)
+        pieces.append(
+            _Piece(
+                str(name),
+                tuple(int(s) for s in shape),
+                tuple((int(r[0]), int(r[1])) for r in box),
+                str(dtype),
+                bool(trainable),
+            )
+        )
+    return pieces
+
+
+def _checksum(payload: Tensor) -> int:
+    """Sum of the payload's int32 words, as a non-negative int64."""
+    return int(payload.view(torch.int32).sum(dtype=torch.int64)) % (1 << 63)
+
+
+class _Endpoint:
+    """What senders and receivers share: the plan, the buffers, the push loop."""
+
+    def __init__(
+        self,
+        group: WeightGroup,
+        num_senders: int,
+        pieces: list[_Piece],
+        *,
+        bucket_bytes: int,
+        transfer_dtype: torch.dtype | None,
+        window: int,
+        checksum: Literal["first", "always", "never"],
+    ) -> None:
+        if not 0 < num_senders < group.world_size:
+            raise ValueError(
+                f"num_senders must be in [1, {group.world_size - 1}] for a group of "
+                f"{group.world_size}, got {num_senders}"
+            )
+        if bucket_bytes <= 0 or window < 1:
+            raise ValueError(f"need bucket_bytes > 0 and window >= 1, got {bucket_bytes}, {window}")
+        if checksum not in ("first", "always", "never"):
+            raise ValueError(f"checksum must be 'first', 'always' or 'never', got {checksum!r}")
+        self.group = group
+        self.num_senders = num_senders
+        self.checksum = checksum
+        self.window = window
+        rows = _allgather_json(group, _encode(pieces))
+        holdings = [_decode(r) for r in rows]  # type: ignore[arg-type]
+        plan = {
+            mode: _plan(
+                holdings,
+                num_senders,
+                bucket_bytes=bucket_bytes,
+                transfer_dtype=transfer_dtype,
+                trainable_only=mode,
+            )
+            for mode in (False, True)
+        }
+        self._plans = {
+            mode: [m for m in msgs if group.rank in (m.src, m.dst)] for mode, msgs in plan.items()
+        }
+        self._digests = {mode: _digest(msgs) for mode, msgs in plan.items()}
+        largest = max((m.payload_bytes for m in self._plans[False]), default=0)
+        self._buffers = [
+            torch.zeros(largest + 8, dtype=torch.uint8, device=group.device)
+            for _ in range(min(window, max(1, len(self._plans[False]))))
+        ]
+        self._num_pushes = 0
+
+    @property
+    def peak_buffer_bytes(self) -> int:
+        """Bytes of this member's message buffers: all the extra memory a push uses."""
+        return sum(b.numel() for b in self._buffers)
+
+    @property
+    def num_bytes(self) -> int:
+        """Payload bytes this member sends or receives in a full (not trainable-only) push."""
+        return sum(m.payload_bytes for m in self._plans[False])
+
+    def _header(self, version: int, trainable_only: bool, timeout: timedelta | None) -> list[int]:
+        """All-gather every member's (version, mode, checksum?, plan digests); check that the
+        senders agree with rank 0 and that everyone planned the same; rank 0's row."""
+        sender = self.group.rank < self.num_senders
+        with_checksum = self.checksum == "always" or (
+            self.checksum == "first" and self._num_pushes == 0
+        )
+        mine = torch.tensor(
+            [
+                version if sender else -1,
+                int(trainable_only) if sender else -1,
+                int(with_checksum) if sender else -1,
+                self._digests[False],
+                self._digests[True],
+            ],
+            dtype=torch.int64,
+            device=self.group.device,
+        )
+        rows = [torch.empty_like(mine) for _ in range(self.group.world_size)]
+        self.group.pg.allgather(rows, mine, timeout or self.group.timeout).wait()
+        table = [r.tolist() for r in rows]
+        head = table[0]
+        disagree = [r for r in range(self.num_senders) if table[r][:3] != head[:3]]
+        if disagree:
+            raise ValueError(
+                f"policy ranks {disagree} pushed (version, trainable_only, checksum) "
+                f"{[table[r][:3] for r in disagree]}, policy rank 0 pushed {head[:3]}"
+            )
+        bad = [r for r, row in enumerate(table) if row[3:] != head[3:]]
+        if bad:
+            raise LayoutMismatchError(
+                f"weight group {self.group.rdzv.name!r}: rank(s) {bad} planned a different "
+                "resharding than rank 0 (tensor names, shapes, boxes, transfer_dtype or "
+                "bucket_bytes differ)"
+            )
+        self._num_pushes += 1
+        return head
+
+    def _run(
+        self, messages: list[_Message], tensors: Mapping[str, Tensor], with_checksum: bool
+    ) -> None:
+        """Send or receive this member's messages in the global order, `window` in flight."""
+        rank = self.group.rank
+        in_flight: deque[tuple[object, _Message, Tensor]] = deque()
+
+        def finish() -> None:
+            work, message, buffer = in_flight.popleft()
+            work.wait()  # type: ignore[attr-defined]
+            if message.dst == rank:
+                self._unpack(message, buffer, tensors, with_checksum)
+
+        for i, message in enumerate(messages):
+            if len(in_flight) == len(self._buffers):
+                finish()
+            buffer = self._buffers[i % len(self._buffers)][: message.payload_bytes + 8]
+            tag = message.index
+            if message.src == rank:
+                self._pack(message, buffer, tensors, with_checksum)
+                work = self.group.pg.send([buffer], message.dst, tag)  # type: ignore[attr-defined]
+            else:
+                work = self.group.pg.recv([buffer], message.src, tag)  # type: ignore[attr-defined]
+            in_flight.append((work, message, buffer))
+        while in_flight:
+            finish()
+
+    @staticmethod
+    def _pack(
+        message: _Message, buffer: Tensor, tensors: Mapping[str, Tensor], check: bool
+    ) -> None:
+        payload = buffer[: message.payload_bytes]
+        flat = payload.view(message.dtype)
+        offset = 0
+        with torch.no_grad():
+            for copy in message.copies:
+                flat[offset : offset + copy.numel].view(copy.shape).copy_(
+                    tensors[copy.name][copy.src]
+                )
+                offset += copy.numel
+        flat[offset:].zero_()
+        buffer[message.payload_bytes :].view(torch.int64)[0] = _checksum(payload) if check else 0
+
+    @staticmethod
+    def _unpack(
+        message: _Message, buffer: Tensor, tensors: Mapping[str, Tensor], check: bool
+    ) -> None:
+        payload = buffer[: message.payload_bytes]
+        if check:
+            expected = int(buffer[message.payload_bytes :].view(torch.int64)[0])
+            if (got := _checksum(payload)) != expected:
+                raise ValueError(
+                    f"weights from policy rank {message.src} arrived corrupted (message "
+                    f"{message.index}: checksum {got} != {expected})"
+                )
+        flat = payload.view(message.dtype)
+        offset = 0
+        with torch.no_grad():
+            for copy in message.copies:
+                tensors[copy.name][copy.dst].copy_(
+                    flat[offset : offset + copy.numel].view(copy.shape)
+                )
+                offset += copy.numel
+
+
+def _trainable(tensor: Tensor) -> bool:
+    return bool(tensor.requires_grad) or not tensor.is_floating_point()
+
+
+class ShardedSender(_Endpoint):
+    """Policy side: every policy rank builds one (ranks `0..num_senders-1` of `group`).
+
+    `named_tensors`: the policy's parameters as it holds them: DTensors (any placements but
+    Partial) or plain tensors (taken as whole). Which are trainable is read from
+    `requires_grad` now. Building is a collective with the receivers.
+    """
+
+    def __init__(
+        self,
+        group: WeightGroup,
+        named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
+        *,
+        num_senders: int,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        transfer_dtype: torch.dtype | None = None,
+        window: int = 2,
+        checksum: Literal["first", "always", "never"] = "first",
+    ) -> None:
+        if group.rank >= num_senders:
+            raise ValueError(f"rank {group.rank} is a receiver: senders are ranks < {num_senders}")
+        pieces = []
+        for name, tensor in _named(named_tensors):
+            box = dtensor_box(tensor) if isinstance(tensor, DTensor) else full_box(tensor.shape)
+            pieces.append(
+                _Piece(name, tuple(tensor.shape), box, str(tensor.dtype), _trainable(tensor))
+            )
+        super().__init__(
+            group,
+            num_senders,
+            pieces,
+            bucket_bytes=bucket_bytes,
+            transfer_dtype=transfer_dtype,
+            window=window,
+            checksum=checksum,
+        )
+
+    def push(
+        self,
+        named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
+        version: int,
+        *,
+        trainable_only: bool = False,
+        timeout: timedelta | None = None,
+    ) -> None:
+        """Send this rank's slices of `named_tensors` (the same tensors, by name, the sender was
+        built from) as `version`; returns when they are sent. All policy ranks call it together
+        with the same arguments; the first push must not be `trainable_only`."""
+        if trainable_only and self._num_pushes == 0:
+            raise ValueError("the first push must send every tensor (trainable_only=False)")
+        local = {
+            name: t.to_local() if isinstance(t, DTensor) else t for name, t in _named(named_tensors)
+        }
+        head = self._header(version, trainable_only, timeout)
+        self._run(self._plans[trainable_only], local, bool(head[2]))
+
+
+class ShardedReceiver(_Endpoint):
+    """Rollout side: every rank of the receiving rollout replica builds one (ranks
+    `num_senders..` of `group`).
+
+    `named_tensors` are this rank's own tensors (e.g. a TP engine's parameter shards), written in
+    place by `receive`; `boxes` gives, per name, the full tensor's shape and the box this rank
+    holds (`TorchEngine.tp_boxes()`). Building is a collective with the senders.
+    """
+
+    def __init__(
+        self,
+        group: WeightGroup,
+        named_tensors: Mapping[str, Tensor],
+        boxes: Mapping[str, tuple[tuple[int, ...], Box]],
+        *,
+        num_senders: int,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        transfer_dtype: torch.dtype | None = None,
+        window: int = 2,
+    ) -> None:
+        if group.rank < num_senders:
+            raise ValueError(f"rank {group.rank} is a sender: receivers are ranks >= {num_senders}")
+        missing = sorted(set(named_tensors) ^ set(boxes))
+        if missing:
+            raise ValueError(
+                f"named_tensors and boxes must name the same tensors; differ on {missing[:3]}"
+            )
+        pieces = []
+        for name, tensor in named_tensors.items():
+            shape, box = boxes[name]
+            if tuple(hi - lo for lo, hi in box) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{name!r}: box {box} does not match its shape {tuple(tensor.shape)}"
+                )
+            pieces.append(_Piece(name, tuple(shape), tuple(box), str(tensor.dtype), True))
+        super().__init__(
+            group,
+            num_senders,
+            pieces,
+            bucket_bytes=bucket_bytes,
+            transfer_dtype=transfer_dtype,
+            window=window,
+            checksum="never",  # the senders decide; their header says whether to verify
+        )
+        self._tensors = dict(named_tensors)
+
+    def receive(self, *, timeout: timedelta | None = None) -> int:
+        """Wait for the next push, write it into this rank's tensors in place; its version.
+        `timeout` bounds the wait for the push to start."""
+        head = self._header(-1, False, timeout)
+        self._run(self._plans[bool(head[1])], self._tensors, bool(head[2]))
+        return head[0]
+
+
+def _named(
+    named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
+) -> list[tuple[str, Tensor]]:
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    return list(items)

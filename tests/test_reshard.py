@@ -1,0 +1,387 @@
+"""Weight sync between parallel layouts (`weights/reshard.py`) and the tensor-parallel engine.
+
+Real spawned processes: the policy ranks form one torch.distributed world (FSDP2 or TP over
+gloo), the ranks of each rollout replica another (the engine's TP all-reduces), and all of them
+one weight group, as in a job. Each process reports plain data on a queue.
+"""
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nebula_rl.models import load_model
+from nebula_rl.policy.parallelize import ParallelDims, parallelize_model
+from nebula_rl.rollout.engine import GenerationRequest, SamplingParams
+from nebula_rl.rollout.tensor_parallel import TensorParallel, check_divisible
+from nebula_rl.rollout.torch_engine import TorchEngine
+from nebula_rl.weights import (
+    LayoutMismatchError,
+    Rendezvous,
+    WeightReceiver,
+    WeightSender,
+    build_group,
+    free_port,
+    serve_store,
+)
+from nebula_rl.weights.reshard import (
+    ShardedReceiver,
+    ShardedSender,
+    _decode,
+    _encode,
+    _Piece,
+    _plan,
+    chunk_box,
+    full_box,
+)
+
+TIMEOUT = timedelta(seconds=60)
+BUCKET_BYTES = 8192  # small: every pair of ranks exchanges several messages
+WINDOW = 2
+PROMPTS = [[5, 17, 23, 9], [40, 41, 42], [7] * 9]
+
+
+def _policy_model(seed: int) -> torch.nn.Module:
+    """tiny:qwen2 (fp32, tied embeddings), its weights moved away from the init by `seed`."""
+    model = load_model("tiny:qwen2", seed=0)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def _generate(engine: TorchEngine) -> dict[str, tuple[list[int], list[float]]]:
+    """Greedy completions of PROMPTS: request id -> (tokens, log-probs)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    requests = [
+        GenerationRequest(p, sampling=greedy, request_id=f"r{i}") for i, p in enumerate(PROMPTS)
+    ]
+    return {
+        o.request_id: (list(o.completions[0].token_ids), list(o.completions[0].logprobs))
+        for o in engine.generate(requests)
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Member processes
+
+
+def _member(rank, inbox, out):
+    torch.set_num_threads(1)
+    while (task := inbox.get()) is not None:
+        body, args = task
+        try:
+            out.put((rank, "ok", body(rank, *args)))
+        except BaseException:
+            out.put((rank, "error", traceback.format_exc()))
+    out.close()
+    out.join_thread()
+    os._exit(0)  # gloo may abort in its destructors at interpreter exit
+
+
+class Members:
+    """Spawned processes, started once per module, each running the bodies it is sent."""
+
+    def __init__(self, num_procs: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.out = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(num_procs)]
+        self.procs = [
+            ctx.Process(target=_member, args=(rank, inbox, self.out), daemon=True)
+            for rank, inbox in enumerate(self.inboxes)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, body, num: int, *args, timeout_s: float = 120.0) -> dict:
+        """body(member, *args) on members 0..num-1; member -> result."""
+        for member in range(num):
+            self.inboxes[member].put((body, args))
+        reports, errors = {}, {}
+        deadline = time.monotonic() + timeout_s
+        while len(reports) + len(errors) < num:
+            try:
+                member, status, payload = self.out.get(
+                    timeout=max(deadline - time.monotonic(), 0.1)
+                )
+            except queue.Empty:
+                break
+            (errors if status == "error" else reports)[member] = payload
+        if errors:  # all of them: the first to fail is often not the first to report
+            pytest.fail("\n".join(f"member {m} failed:\n{e}" for m, e in sorted(errors.items())))
+        if len(reports) < num:
+            pytest.fail(f"only members {sorted(reports)} reported within {timeout_s}s")
+        return reports
+
+    def close(self) -> None:
+        for inbox in self.inboxes:
+            inbox.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def members():
+    pool = Members(5)
+    yield pool
+    pool.close()
+
+
+def _world(rank: int, size: int, port: int) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size, timeout=TIMEOUT
+    )
+
+
+def _policy(member: int, layout: str, port: int):
+    """This member's policy model, parallelised over a 2-rank world (`layout`: fsdp or tp)."""
+    _world(member, 2, port)
+    model = _policy_model(seed=1)
+    dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=2 if layout == "fsdp" else 1, cp=1,
+                        tp=2 if layout == "tp" else 1)  # fmt: skip
+    parallelize_model(model, dims, dims.build_mesh("cpu"))
+    return model
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole (a collective over the policy's world)."""
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def _rollout_engine(member_rank: int, port: int) -> TorchEngine:
+    """One rank of a TP-2 rollout replica, starting from other weights than the policy's."""
+    _world(member_rank, 2, port)
+    model = load_model("tiny:qwen2", seed=99)
+    return TorchEngine(model, max_num_seqs=4, max_model_len=32, tensor_parallel=TensorParallel.of())
+
+
+def _local(engine: TorchEngine) -> dict[str, torch.Tensor]:
+    return dict(engine.model.named_parameters())
+
+
+FROZEN = "model.embed_tokens.weight"
+
+
+def _layout_body(member, layout, policy_port, rollout_port, weights_port):
+    """Members 0-1: the policy (FSDP2 dp_shard 2, or TP 2); members 2-3: a TP-2 rollout.
+    Push 1 sends everything; then every weight changes, the embedding included (frozen: it
+    would not change in training, so it shows what is not sent), and push 2 is trainable-only."""
+    rdzv = Rendezvous("127.0.0.1", weights_port, f"reshard-{layout}", 4)
+    if member < 2:
+        model = _policy(member, layout, policy_port)
+        model.get_parameter(FROZEN).requires_grad_(False)
+        group = build_group(rdzv, rank=member, timeout=TIMEOUT)
+        sender = ShardedSender(
+            group, model.named_parameters(), num_senders=2, bucket_bytes=BUCKET_BYTES,
+            window=WINDOW,
+        )  # fmt: skip
+        sender.push(model.named_parameters(), version=1)
+        full_v1 = _full(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)
+        sender.push(model.named_parameters(), version=2, trainable_only=True)
+        full_v2 = _full(model)  # a collective: both policy ranks
+        result = (full_v1, full_v2, sender.peak_buffer_bytes) if member == 0 else None
+    else:
+        engine = _rollout_engine(member - 2, rollout_port)
+        group = build_group(rdzv, rank=member, timeout=TIMEOUT)
+        boxes = engine.tp_boxes()
+        receiver = ShardedReceiver(
+            group, _local(engine), boxes, num_senders=2, bucket_bytes=BUCKET_BYTES, window=WINDOW
+        )
+        engine.update_weights_with(receiver.receive)
+        assert engine.policy_version == 1
+        after_v1 = {n: t.clone() for n, t in _local(engine).items()}
+        generated = _generate(engine)
+        engine.update_weights_with(receiver.receive)
+        assert engine.policy_version == 2
+        after_v2 = {n: t.clone() for n, t in _local(engine).items()}
+        result = (boxes, after_v1, after_v2, generated, receiver.peak_buffer_bytes)
+    dist.barrier()
+    dist.destroy_process_group()
+    group.close()
+    return result
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_policy_shards_reach_a_tp2_rollout_bit_exact(members, layout):
+    """Policy FSDP2 dp_shard 2 (or TP 2) -> rollout TP 2: every rollout rank's slices equal the
+    policy's weights bit for bit; a trainable-only push leaves frozen tensors alone; the TP
+    engine then generates what one process with the policy's whole weights generates."""
+    ports = [free_port() for _ in range(3)]
+    reports = members.run(_layout_body, 4, layout, *ports)
+    full_v1, full_v2, policy_peak = reports[0]
+    for member in (2, 3):
+        boxes, after_v1, after_v2, _, peak = reports[member]
+        assert set(after_v1) == set(full_v1)
+        for name, (shape, box) in boxes.items():
+            index = tuple(slice(lo, hi) for lo, hi in box)
+            assert tuple(full_v1[name].shape) == tuple(shape)
+            assert torch.equal(after_v1[name], full_v1[name][index]), name
+            expected_v2 = full_v1[name] if name == FROZEN else full_v2[name]
+            assert torch.equal(after_v2[name], expected_v2[index]), name
+        # Column- and row-parallel weights really are split: rank 1 holds the second half.
+        q_shape, q_box = boxes["model.layers.0.self_attn.q_proj.weight"]
+        o_shape, o_box = boxes["model.layers.0.self_attn.o_proj.weight"]
+        half = member - 2
+        assert q_box[0] == (half * q_shape[0] // 2, (half + 1) * q_shape[0] // 2)
+        assert o_box[1] == (half * o_shape[1] // 2, (half + 1) * o_shape[1] // 2)
+        # Memory: the message buffers are all a push adds: `WINDOW` buckets (+ checksum words).
+        assert 0 < peak <= WINDOW * (BUCKET_BYTES + 8)
+    assert 0 < policy_peak <= WINDOW * (BUCKET_BYTES + 8)
+    # Both TP ranks sampled the same tokens; one process with the whole weights agrees.
+    generated_2, generated_3 = reports[2][3], reports[3][3]
+    assert generated_2 == generated_3
+    model = load_model("tiny:qwen2", seed=99)
+    model.load_state_dict(full_v1, strict=False)
+    reference = _generate(TorchEngine(model, max_num_seqs=4, max_model_len=32))
+    for rid, (tokens, logprobs) in reference.items():
+        assert generated_2[rid][0] == tokens
+        torch.testing.assert_close(
+            torch.tensor(generated_2[rid][1]), torch.tensor(logprobs), atol=1e-5, rtol=0
+        )
+
+
+def _fan_out_body(member, rollout_ports, weights_port):
+    """Member 0: a plain (unsharded) policy; members 1-2: rollout replica A (TP 2), which
+    receives from the policy; members 3-4: replica B (TP 2), which rank i of A forwards to."""
+    push = Rendezvous("127.0.0.1", weights_port, "fan-out-policy", 3, hosted=True)
+    if member == 0:
+        model = _policy_model(seed=2)
+        group = build_group(push, rank=0, timeout=TIMEOUT)
+        sender = ShardedSender(group, model.named_parameters(), num_senders=1,
+                               bucket_bytes=BUCKET_BYTES, checksum="always")  # fmt: skip
+        sender.push(model.named_parameters(), version=1)
+        group.close()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+    replica, tp_rank = divmod(member - 1, 2)
+    engine = _rollout_engine(tp_rank, rollout_ports[replica])
+    local = _local(engine)
+    # Rank i of A and rank i of B: a group per TP rank for the forwarding broadcast.
+    forward_rdzv = Rendezvous("127.0.0.1", weights_port, f"fan-out-tp{tp_rank}", 2, hosted=True)
+    forward = build_group(forward_rdzv, rank=replica, timeout=TIMEOUT)
+    if replica == 0:
+        group = build_group(push, rank=1 + tp_rank, timeout=TIMEOUT)
+        receiver = ShardedReceiver(group, local, engine.tp_boxes(), num_senders=1,
+                                   bucket_bytes=BUCKET_BYTES)  # fmt: skip
+        assert receiver.receive() == 1
+        group.close()
+        sender = WeightSender(forward, local)
+        sender.push(local, version=1).wait()
+        sender.close()
+    else:
+        version = WeightReceiver(forward, local).receive_into(local)
+        assert version == 1
+    result = (engine.tp_boxes(), {n: t.clone() for n, t in local.items()}, _generate(engine))
+    dist.barrier()
+    dist.destroy_process_group()
+    forward.close()
+    return result
+
+
+def test_fan_out_to_a_second_tp_replica(members):
+    """The replica that received the policy's slices forwards them rank by rank to a second
+    replica with the same TP layout: both hold the policy's weights exactly, and generate alike."""
+    ports = [free_port(), free_port()]
+    store_port = free_port()
+    store = serve_store("127.0.0.1", store_port)  # one store for all three groups, as in a job
+    reports = members.run(_fan_out_body, 5, ports, store_port)
+    del store
+    policy = reports[0]
+    for member in (1, 2, 3, 4):
+        boxes, local, _ = reports[member]
+        for name, (_, box) in boxes.items():
+            assert torch.equal(local[name], policy[name][tuple(slice(a, b) for a, b in box)]), name
+    assert reports[1][2] == reports[3][2] == reports[2][2] == reports[4][2]
+
+
+def _mismatch_body(member, policy_port, weights_port):
+    """The rollout needs tensors the policy lacks (Qwen2's q/k/v biases; a Llama policy): every
+    member fails with a clear error instead of exchanging garbage or hanging."""
+    rdzv = Rendezvous("127.0.0.1", weights_port, "reshard-mismatch", 2)
+    group = build_group(rdzv, rank=member, timeout=TIMEOUT)
+    model = load_model("tiny:llama" if member == 0 else "tiny:qwen2", seed=0)
+    try:
+        if member == 0:
+            ShardedSender(group, model.named_parameters(), num_senders=1)
+        else:
+            params = dict(model.named_parameters())
+            boxes = {n: (tuple(p.shape), full_box(p.shape)) for n, p in params.items()}
+            ShardedReceiver(group, params, boxes, num_senders=1)
+    except LayoutMismatchError as err:
+        return str(err)
+    finally:
+        group.close()
+    return None
+
+
+def test_layout_mismatch_is_an_error_on_every_member(members):
+    reports = members.run(_mismatch_body, 2, free_port(), free_port())
+    for message in reports.values():
+        assert message is not None and "no policy rank has it" in message
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan, without processes
+
+
+def _piece(name, shape, box, trainable=True):
+    return _Piece(name, tuple(shape), box, "torch.float32", trainable)
+
+
+def test_plan_spreads_replicated_slices_and_splits_large_ones():
+    """Two data-parallel replicas of 2 FSDP shards each (4 senders) -> 2 TP receivers."""
+    shape = (8, 6)
+    senders = [[_piece("w", shape, chunk_box(shape, 0, r % 2, 2))] for r in range(4)]
+    receivers = [[_piece("w", shape, chunk_box(shape, 1, r, 2))] for r in range(2)]
+    plan = _plan(senders + receivers, 4, bucket_bytes=4 * 6, transfer_dtype=None,
+                 trainable_only=False)  # fmt: skip
+    by_dst: dict[int, set[int]] = {}
+    for m in plan:
+        by_dst.setdefault(m.dst, set()).add(m.src)
+        assert sum(c.numel for c in m.copies) * 4 <= 4 * 6  # at most one bucket per message
+    # Receiver 4 is served by replica 0 (ranks 0, 1), receiver 5 by replica 1 (ranks 2, 3).
+    assert by_dst == {4: {0, 1}, 5: {2, 3}}
+    assert sum(c.numel for m in plan for c in m.copies) == 8 * 6
+    # The order interleaves pairs: the first messages come from different senders.
+    assert len({m.src for m in plan[:4]}) == 4
+
+
+def test_plan_refuses_uncovered_slices_and_skips_frozen_tensors():
+    shape = (4, 4)
+    receiver = [_piece("w", shape, full_box(shape)), _piece("b", (4,), full_box((4,)))]
+    half = [_piece("w", shape, chunk_box(shape, 0, 0, 2)), _piece("b", (4,), full_box((4,)), False)]
+    with pytest.raises(LayoutMismatchError, match="cover 8 of the 16"):
+        _plan([half, receiver], 1, bucket_bytes=1 << 20, transfer_dtype=None, trainable_only=False)
+    whole = [_piece("w", shape, full_box(shape)), _piece("b", (4,), full_box((4,)), False)]
+    plan = _plan([whole, receiver], 1, bucket_bytes=1 << 20, transfer_dtype=torch.bfloat16,
+                 trainable_only=True)  # fmt: skip
+    assert [c.name for m in plan for c in m.copies] == ["w"]
+    assert plan[0].dtype == torch.bfloat16
+    assert _decode(_encode(whole)) == whole
+
+
+def test_chunk_box_follows_torch_chunk():
+    for n, size in [(10, 4), (8, 2), (3, 4)]:
+        parts = torch.arange(n).chunk(size)
+        for rank in range(size):
+            lo, hi = chunk_box((n,), 0, rank, size)[0]
+            expected = parts[rank].tolist() if rank < len(parts) else []
+            assert list(range(lo, hi)) == expected
+
+
+def test_tp_refuses_sizes_that_do_not_divide_the_heads():
+    model = load_model("tiny:qwen2", seed=0)
+    heads = model.config.num_attention_heads
+    with pytest.raises(ValueError, match="tp_size = 3 must divide"):
+        check_divisible(model.config, 3 if heads % 3 else 5)
