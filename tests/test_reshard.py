@@ -385,3 +385,64 @@ def test_tp_refuses_sizes_that_do_not_divide_the_heads():
     heads = model.config.num_attention_heads
     with pytest.raises(ValueError, match="tp_size = 3 must divide"):
         check_divisible(model.config, 3 if heads % 3 else 5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The lock-step TP engine
+
+
+def _nudge(engine: TorchEngine):
+    """A weight update both ranks apply locally: every slice + 0.01, version 7."""
+
+    def write() -> int:
+        for p in engine.model.parameters():
+            p.add_(0.01)
+        return 7
+
+    return write
+
+
+def _lockstep_body(member, port):
+    from nebula_rl.rollout.lockstep import LockstepEngine
+
+    _world(member, 2, port)
+    engine = LockstepEngine(load_model("tiny:qwen2", seed=99), max_num_seqs=4, max_model_len=40,
+                            tensor_parallel=TensorParallel.of(), seed=3)  # fmt: skip
+    if member == 0:
+        sampled = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+        engine.start()
+        futures = [
+            engine.submit(GenerationRequest(p, n=2, sampling=sampled, request_id=f"r{i}"))
+            for i, p in enumerate(PROMPTS)
+        ]
+        while engine._step_count < 5:  # the update lands mid-generation
+            time.sleep(0.005)
+        engine.update_weights_with(_nudge(engine))
+        outputs = [f.result(timeout=60) for f in futures]
+        engine.stop_followers()
+        engine.shutdown()
+    else:
+        outputs = engine.follow(_nudge(engine))
+    dist.barrier()
+    dist.destroy_process_group()
+    return {
+        o.request_id: [(c.token_ids, c.logprobs, c.version_changes) for c in o.completions]
+        for o in outputs
+    }
+
+
+def test_lockstep_tp_ranks_sample_alike_and_update_at_the_same_token(members):
+    """Rank 0 runs the background loop and takes a weight update mid-generation; rank 1 only
+    follows. Both produce the same sampled tokens, and the version changes at the same token."""
+    reports = members.run(_lockstep_body, 2, free_port())
+    leader, follower = reports[0], reports[1]
+    assert sorted(leader) == sorted(follower) == ["r0", "r1", "r2"]
+    changed = 0
+    for rid, completions in leader.items():
+        for (tokens, logprobs, versions), (f_tokens, f_logprobs, f_versions) in zip(
+            completions, follower[rid], strict=True
+        ):
+            assert tokens == f_tokens and versions == f_versions
+            torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(f_logprobs))
+            changed += any(v == 7 for _, v in versions) and versions[0][1] == 0
+    assert changed > 0  # some completion spans the update (started on version 0, ended on 7)

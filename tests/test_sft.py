@@ -253,10 +253,13 @@ def _arithmetic_sft(tmp_path: Path, name: str, **parallelism: int) -> Path:
     return path
 
 
-@pytest.mark.parametrize("parallelism", [{"dp_shard_size": 2}, {"dp_replicate_size": 2}])
+@pytest.mark.parametrize(
+    "parallelism", [{"dp_shard_size": 2}, {"dp_replicate_size": 2}, {"tp_size": 2}]
+)
 def test_sft_on_two_processes_steps_like_one(tmp_path, parallelism):
-    """`torchrun --nproc-per-node 2 ... train` (FSDP2 or DDP): each rank takes half of every
-    batch, and the losses and the exported weights are those of one process with the batch."""
+    """`torchrun --nproc-per-node 2 ... train` (FSDP2, DDP, or TP+SP): under data parallelism
+    each rank takes half of every batch, under TP both take all of it; the losses and the
+    exported weights are those of one process with the batch."""
     import os
     import subprocess
     import sys
@@ -302,4 +305,6 @@ def test_sft_on_two_processes_steps_like_one(tmp_path, parallelism):
     }
     assert weights["one"].keys() == weights["two"].keys()
     for key, want in weights["one"].items():
-        torch.testing.assert_close(weights["two"][key], want, rtol=1e-4, atol=1e-5)
+        # TP sums partial matmuls in another order: after 4 AdamW steps (each moving a weight
+        # by ~1e-3) single elements differ by up to ~1.4e-5 (as in test_parallelize.py).
+        torch.testing.assert_close(weights["two"][key], want, rtol=1e-4, atol=3e-5)

@@ -34,7 +34,8 @@ the sum of its bytes, which the receiver verifies; "always" and "never" do what 
 
 Other rollout replicas: rank i of the replica that received the weights holds the same shards as
 rank i of every other replica with the same TP size, so it forwards them with `WeightSender`
-over a group of those ranks (a broadcast, or shared memory on one host): see `fan_out`.
+over a group of those ranks (a broadcast, or shared memory on one host), as
+`tests/test_reshard.py` does.
 """
 
 from __future__ import annotations

@@ -1,0 +1,113 @@
+"""A tensor-parallel engine whose ranks run in lock step: rank 0 is driven like any engine,
+the other ranks replay what it does.
+
+Every rank of a TP replica must run the same forward calls in the same order (each step
+all-reduces across them), take the same requests, and apply weight updates at the same token
+boundary. Rank 0 is the one the rollout worker talks to (`submit`, `abort`, `update_weights_with`,
+the background loop); before each token step it broadcasts to the other ranks the requests and
+aborts it took in since the last one, and before a weight update an "update" mark, so that the
+others call their own receive (e.g. `ShardedReceiver.receive`) at the same boundary. The other
+ranks sit in `follow()`, which replays those records until rank 0 calls `stop_followers()`.
+Sampling needs no broadcast: the logits are identical on every rank (whole LM head after the
+all-reduced residual stream) and the generators start from the same seed and draw the same
+numbers, so every rank samples the same tokens; only rank 0's outputs are reported.
+
+Cost: one small object broadcast per token step (requests are pickled once, when they join).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from nebula_rl.rollout.engine import GenerationRequest, RequestOutput
+from nebula_rl.rollout.tensor_parallel import TensorParallel
+from nebula_rl.rollout.torch_engine import TorchEngine
+
+__all__ = ["LockstepEngine"]
+
+_Op = tuple[str, Any]
+
+
+class LockstepEngine(TorchEngine):
+    """`TorchEngine` with tensor parallelism, kept in lock step across its ranks (see above).
+
+    Build it on every rank with the same arguments (and seed). On rank 0 use it as any engine;
+    on the others call `follow(receive)`.
+    """
+
+    def __init__(self, model: Any, *, tensor_parallel: TensorParallel, **kwargs: Any) -> None:
+        super().__init__(model, tensor_parallel=tensor_parallel, **kwargs)
+        self.tp = tensor_parallel
+        self._records: list[_Op] = []
+
+    @property
+    def leader(self) -> bool:
+        """Whether this is rank 0 of the replica (the rank the worker drives)."""
+        return self.tp.rank == 0
+
+    def _broadcast(self, message: object | None) -> Any:
+        box = [message]
+        dist.broadcast_object_list(box, group_src=0, group=self.tp.group)
+        return box[0]
+
+    # ------------------------------------------------------------------ rank 0: record and send
+    def _add_request(self, request: GenerationRequest) -> None:
+        if self.leader:
+            self._records.append(("add", request))
+        super()._add_request(request)
+
+    def _abort(self, request_id: str) -> list[RequestOutput]:
+        if self.leader:
+            self._records.append(("abort", request_id))
+        return super()._abort(request_id)
+
+    def _flush(self, kind: str) -> None:
+        records, self._records = self._records, []
+        self._broadcast((kind, records))
+
+    def _step(self) -> list[RequestOutput]:
+        if self.leader:
+            self._flush("step")
+        return super()._step()
+
+    def update_weights_with(self, write: Callable[[], int]) -> None:
+        """Rank 0: tell the other ranks to run their receive at this same boundary, then run
+        `write` (a collective with theirs, such as `ShardedReceiver.receive`)."""
+        if not self.leader:
+            raise RuntimeError("only rank 0 of a tensor-parallel replica takes weight updates")
+
+        def marked() -> int:
+            self._flush("update")
+            return write()
+
+        super().update_weights_with(marked)
+
+    def stop_followers(self) -> None:
+        """Rank 0: release the other ranks from `follow()` (call once, at the end)."""
+        with self._step_lock:
+            self._flush("stop")
+
+    # ------------------------------------------------------------------ ranks > 0: replay
+    def follow(self, receive: Callable[[], int]) -> list[RequestOutput]:
+        """Ranks > 0: replay rank 0's requests, steps and weight updates (calling `receive` for
+        each update) until it calls `stop_followers`; the outputs this rank produced (the same
+        as rank 0's), mostly for tests."""
+        if self.leader:
+            raise RuntimeError("rank 0 drives the engine; only the other ranks follow")
+        outputs: list[RequestOutput] = []
+        while True:
+            kind, records = self._broadcast(None)
+            for op, arg in records:
+                if op == "add":
+                    super()._add_request(arg)
+                else:
+                    outputs.extend(super()._abort(arg))
+            if kind == "stop":
+                return outputs
+            if kind == "update":
+                super().update_weights_with(receive)
+            else:
+                outputs.extend(super()._step())
