@@ -5,6 +5,9 @@
                                                     run a job (RL: controller + replicas)
     nebula-rl controller --config FILE              only the controller (multi-node)
     nebula-rl replica --role R --controller H:P     one replica process (under torchrun)
+    nebula-rl status | replica ls | replica show N  inspect a running job (tables)
+    nebula-rl plot RUN_DIR [--out FILE]             reward and length curves as a PNG
+    nebula-rl config-reference [--write|--check F]  the config reference, from config.py
 
 Heavy modules (torch, transformers) are imported inside the commands that need them, so
 `--help` and `check` stay fast.
@@ -18,6 +21,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from nebula_rl import __version__
 
@@ -98,10 +102,11 @@ def _cmd_controller(args: argparse.Namespace) -> int:
     import secrets
     from pathlib import Path
 
-    from nebula_rl.controller.client import TOKEN_ENV
+    from nebula_rl.controller.client import ADDRESS_FILE, TOKEN_ENV, TOKEN_FILE, write_private
     from nebula_rl.controller.scheduler import run_controller
     from nebula_rl.launch import REDIS_URL_ENV
     from nebula_rl.local import run_dir_for
+    from nebula_rl.weights import free_port
 
     cfg = _load(args.config)
     _setup_torch()
@@ -111,10 +116,14 @@ def _cmd_controller(args: argparse.Namespace) -> int:
     token = os.environ.get(TOKEN_ENV, "")
     if not token:  # started by hand: make a token and leave it where only this user can read it
         token = secrets.token_urlsafe(32)
-        token_file = run_dir / "token"
-        token_file.touch(mode=0o600)
-        token_file.write_text(token)
-        log.info("job token written to %s (give it to replicas as %s)", token_file, TOKEN_ENV)
+        write_private(run_dir / TOKEN_FILE, token)
+        log.info(
+            "job token written to %s (give it to replicas as %s)", run_dir / TOKEN_FILE, TOKEN_ENV
+        )
+    host = args.host or cfg.controller.host
+    port = cfg.controller.port if args.port is None else args.port
+    port = port or free_port(host)  # chosen here so that the address file can name it
+    (run_dir / ADDRESS_FILE).write_text(f"{host}:{port}\n")
     redis = None
     redis_url = os.environ.get(REDIS_URL_ENV) or cfg.redis
     if not redis_url:
@@ -128,8 +137,8 @@ def _cmd_controller(args: argparse.Namespace) -> int:
             run_dir=run_dir,
             redis_url=redis_url,
             token=token,
-            host=args.host or cfg.controller.host,
-            port=cfg.controller.port if args.port is None else args.port,
+            host=host,
+            port=port,
             num_rollout=args.rollout or cfg.rollout.parallelism.n_init_replicas,
             num_policy=args.policy or cfg.policy.parallelism.n_init_replicas,
         )
@@ -143,6 +152,10 @@ def _cmd_controller(args: argparse.Namespace) -> int:
 
 
 def _cmd_replica(args: argparse.Namespace) -> int:
+    if args.replica_command is not None:  # `replica ls` / `replica show NAME`
+        return _inspect(args)
+    if args.role is None or args.controller is None:
+        args.parser.error("starting a replica needs --role and --controller (or use ls / show)")
     import socket
 
     from nebula_rl.replica import exit_now, run_replica
@@ -156,6 +169,134 @@ def _cmd_replica(args: argparse.Namespace) -> int:
         code = 1
     exit_now(code)
     return code
+
+
+def _connection(args: argparse.Namespace) -> tuple[str, str]:
+    """(HOST:PORT, token) of the controller to inspect: flags, then the environment, then the
+    files a job leaves in its run folder (`--run-dir`)."""
+    from pathlib import Path
+
+    from nebula_rl.controller.client import ADDRESS_FILE, CONTROLLER_ENV, TOKEN_ENV, TOKEN_FILE
+
+    run_dir = Path(args.run_dir) if args.run_dir else None
+
+    def from_run_dir(name: str) -> str:
+        path = run_dir / name if run_dir is not None else None
+        return path.read_text().strip() if path is not None and path.is_file() else ""
+
+    address = args.controller or os.environ.get(CONTROLLER_ENV) or from_run_dir(ADDRESS_FILE)
+    token = args.token or os.environ.get(TOKEN_ENV) or from_run_dir(TOKEN_FILE)
+    if not address:
+        raise ValueError(
+            f"name the controller: --controller HOST:PORT, {CONTROLLER_ENV}, or --run-dir RUN"
+        )
+    if not token:
+        raise ValueError(f"give the job's token: {TOKEN_ENV}, --token, or --run-dir RUN")
+    return address, token
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    """`status`, `replica ls` and `replica show NAME`: ask the controller, print tables (or
+    JSON with `--json`)."""
+    import httpx
+    from rich.console import Console
+
+    from nebula_rl import tables
+    from nebula_rl.controller.client import ControllerClient
+
+    try:
+        address, token = _connection(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    client = ControllerClient(address, token)
+    try:
+        if args.command == "status":
+            total_steps = client.meta().get("total_steps")
+            data: Any = {**client.status(), "total_steps": total_steps}
+            data["replicas"] = client.replicas()  # with heartbeat ages
+            views = tables.status_tables(data)
+        elif args.replica_command == "ls":
+            data = client.replicas()
+            views = [tables.replicas_table(data)]
+        else:
+            data = client.replica(args.name)
+            views = [tables.replica_table(data)]
+    except httpx.HTTPStatusError as err:
+        code = err.response.status_code
+        reason = {
+            401: "the controller refused the token",
+            404: f"no replica named {getattr(args, 'name', '')!r} is registered",
+        }.get(code, err.response.text)
+        print(f"error: {address}: {reason} (HTTP {code})", file=sys.stderr)
+        return 1
+    except httpx.HTTPError as err:
+        print(f"error: cannot reach the controller at {address}: {err}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    console = Console()
+    for view in views:
+        console.print(view)
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from nebula_rl.plot import plot_run
+
+    try:
+        out = plot_run(Path(args.run_dir), out=Path(args.out) if args.out else None)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+def _cmd_config_reference(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from nebula_rl import config_reference
+
+    if args.write is None and args.check is None:
+        print(config_reference.render(), end="")
+        return 0
+    path = Path(args.write or args.check)
+    try:
+        current = config_reference.is_current(path)
+        if args.check is not None:
+            if not current:
+                print(
+                    f"error: the config reference in {path} is out of date; regenerate it with "
+                    f"`nebula-rl config-reference --write {path}`",
+                    file=sys.stderr,
+                )
+            return 0 if current else 1
+        if not current:
+            config_reference.write(path)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{path}: config reference {'up to date' if current else 'updated'}")
+    return 0
+
+
+def _add_connection_flags(parser: argparse.ArgumentParser, *, address: bool = True) -> None:
+    """--controller, --token, --run-dir, --json for the inspection commands."""
+    if address:
+        parser.add_argument(
+            "--controller", help="HOST:PORT of the controller (default: $NEBULA_CONTROLLER)"
+        )
+    parser.add_argument("--token", help="the job's token (default: $NEBULA_TOKEN)")
+    parser.add_argument(
+        "--run-dir", help="the job's run folder: read its token and controller address files"
+    )
+    parser.add_argument("--json", action="store_true", help="print the raw JSON instead")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,11 +340,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     controller.set_defaults(func=_cmd_controller)
 
-    replica = sub.add_parser("replica", help="run one replica process (under torchrun)")
-    replica.add_argument("--role", required=True, choices=["policy", "rollout"])
-    replica.add_argument("--controller", required=True, help="the controller's HOST:PORT")
+    replica = sub.add_parser(
+        "replica",
+        help="run one replica process (under torchrun); `replica ls` / `replica show NAME` "
+        "inspect a running job's replicas",
+    )
+    replica.add_argument("--role", choices=["policy", "rollout"], help="start a replica of it")
+    replica.add_argument("--controller", help="the controller's HOST:PORT")
     replica.add_argument("--name", help="unique replica name (default: role-host-pid)")
-    replica.set_defaults(func=_cmd_replica)
+    replica.set_defaults(func=_cmd_replica, parser=replica)
+    inspect = replica.add_subparsers(dest="replica_command", metavar="{ls,show}")
+    ls = inspect.add_parser("ls", help="list the replicas of a running job")
+    show = inspect.add_parser("show", help="one replica's registry entry and heartbeat stats")
+    show.add_argument("name", help="replica name (as `replica ls` lists it)")
+    for p in (ls, show):
+        # `--controller` may come before or after `ls`: default SUPPRESS keeps the earlier one.
+        p.add_argument("--controller", default=argparse.SUPPRESS, help="HOST:PORT")
+        _add_connection_flags(p, address=False)
+
+    status = sub.add_parser("status", help="where a running job stands (step, ledger, replicas)")
+    _add_connection_flags(status)
+    status.set_defaults(func=_inspect, replica_command=None)
+
+    plot = sub.add_parser("plot", help="reward and response-length curves of a run as a PNG")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="run folder holding metrics.jsonl")
+    plot.add_argument("--out", help="PNG file to write (default: RUN_DIR/curves.png)")
+    plot.set_defaults(func=_cmd_plot)
+
+    reference = sub.add_parser(
+        "config-reference", help="the config reference (every key, type, default, meaning)"
+    )
+    target = reference.add_mutually_exclusive_group()
+    target.add_argument("--write", metavar="FILE", help="update it between the markers of FILE")
+    target.add_argument(
+        "--check", metavar="FILE", help="exit 1 if FILE's copy is out of date, change nothing"
+    )
+    reference.set_defaults(func=_cmd_config_reference)
     return parser
 
 

@@ -1,0 +1,236 @@
+"""The controller's web dashboard: `GET /panel` (one self-contained page) and `GET /api/panel`
+(the JSON it polls: the replicas and the per-step metrics of `<run>/metrics.jsonl`).
+
+Signing in. A browser cannot send a bearer header when it navigates, so the page has its own
+session: opening `/panel?token=<the job's token>` sets an HttpOnly, SameSite=Strict cookie and
+redirects to `/panel`, which drops the token from the address bar. The cookie holds an HMAC of
+the token, not the token, and it is only accepted for GET requests of :data:`COOKIE_PATHS`: it
+lets a browser read the dashboard, never register replicas or read `/api/meta` (which holds the
+Redis password). The check lives in the controller's ASGI guard (:mod:`~nebula_rl.controller.app`).
+
+The page (`panel.html`, package data) loads nothing from elsewhere: its one script and one style
+sheet are inline and allowed by their hashes in the Content-Security-Policy, which forbids every
+other source, so the dashboard works on machines without internet access and a replica name can
+never become markup.
+
+Simplification: the metrics are read from the file the scheduler appends to (the controller is
+one process); a step rewritten by `train.resume` shows its newest record.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import math
+import re
+import threading
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Query, Response
+
+from nebula_rl.controller.state import JobState
+
+__all__ = [
+    "COOKIE_PATHS",
+    "DATA_PATH",
+    "PAGE_PATH",
+    "MetricsLog",
+    "add_panel_routes",
+    "content_security_policy",
+    "cookie_name",
+    "login_cookie",
+    "replica_rows",
+    "session_value",
+]
+
+log = logging.getLogger(__name__)
+
+PAGE_PATH = "/panel"
+"""The dashboard page; `?token=...` signs a browser in."""
+DATA_PATH = "/api/panel"
+"""What the page polls."""
+COOKIE_PATHS = frozenset({PAGE_PATH, DATA_PATH})
+"""Paths where the session cookie stands in for the bearer token (GET only)."""
+
+_SESSION_CONTEXT = b"nebula-rl panel session v1"
+
+
+def session_value(token: str) -> str:
+    """The session cookie's value for `token`: an HMAC of it, so a leaked cookie does not reveal
+    the bearer token that the rest of the API accepts."""
+    return hmac.new(token.encode(), _SESSION_CONTEXT, hashlib.sha256).hexdigest()
+
+
+def cookie_name(job: str) -> str:
+    """The session cookie's name; per job, since browsers share cookies across the ports of a
+    host, so two controllers on one machine would otherwise sign each other's browser out."""
+    return f"nebula_panel_{job}"
+
+
+def login_cookie(name: str, value: str) -> str:
+    """A `Set-Cookie` value: a browser-session cookie that scripts cannot read (HttpOnly) and that
+    other sites' requests do not carry (SameSite=Strict). Not `Secure`: the controller serves
+    plain HTTP (put it behind TLS when it leaves a trusted network)."""
+    return f"{name}={value}; Path=/; HttpOnly; SameSite=Strict"
+
+
+@dataclass
+class MetricsLog:
+    """The steps recorded in a `metrics.jsonl`, read incrementally as the scheduler appends.
+
+    Only complete lines are consumed (the writer may be mid-line); a file that was replaced or
+    shrank is read again from the start. Safe to call from several request threads.
+    """
+
+    path: Path | None
+    """The file; None: no metrics (the page shows the replicas only)."""
+    _records: dict[int, dict[str, float | None]] = field(default_factory=dict)
+    _offset: int = 0
+    _inode: int = -1
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def since(self, step: int) -> list[dict[str, float | None]]:
+        """The records of steps after `step`, in step order."""
+        with self._lock:
+            self._read_new()
+            return [self._records[s] for s in sorted(self._records) if s > step]
+
+    def _read_new(self) -> None:
+        if self.path is None:
+            return
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return
+        if stat.st_ino != self._inode or stat.st_size < self._offset:
+            self._records, self._offset, self._inode = {}, 0, stat.st_ino
+        if stat.st_size == self._offset:
+            return
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            chunk = f.read(stat.st_size - self._offset)
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        for line in complete.splitlines():
+            record = _parse(line)
+            step = None if record is None else record.get("step")
+            if record is None or step is None:
+                # e.g. a line a crashed controller left half-written, then appended to
+                if line.strip():
+                    log.warning("%s: skipping a line that is not a step record", self.path)
+                continue
+            self._records[int(step)] = record
+
+
+def _parse(line: bytes) -> dict[str, float | None] | None:
+    """The numeric fields of a metrics line (NaN and infinities become None: they are not
+    JSON); None when the line is not a JSON object."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    return {
+        key: value if math.isfinite(value) else None
+        for key, value in record.items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    }
+
+
+def replica_rows(
+    replicas: dict[str, dict[str, Any]], *, now: float, heartbeat_timeout: float
+) -> list[dict[str, Any]]:
+    """The replica table: one row per replica, policy replicas first, each with its `state`:
+    `alive`, `late` (silent for over a third of the heartbeat timeout) or `lost` (silent past
+    the timeout: the scheduler removes it at its next reap)."""
+    rows = []
+    for name, info in replicas.items():
+        age = max(0.0, now - info["last_heartbeat"])
+        if age > heartbeat_timeout:
+            state = "lost"
+        elif age > heartbeat_timeout / 3:
+            state = "late"
+        else:
+            state = "alive"
+        tokens_per_s = info["stats"].get("tokens_per_s")
+        rows.append(
+            {
+                "name": name,
+                "role": info["role"],
+                "state": state,
+                "host": info["host"],
+                "world_size": info["world_size"],
+                "last_heartbeat": info["last_heartbeat"],
+                "heartbeat_age_s": age,
+                "policy_version": info["policy_version"],
+                "tokens_per_s": tokens_per_s,
+            }
+        )
+    rows.sort(key=lambda r: (r["role"] != "policy", r["name"]))
+    return rows
+
+
+def content_security_policy(html: str) -> str:
+    """The Content-Security-Policy for page `html`: only its inline `<script>` and `<style>`
+    (by hash) and requests to its own origin; nothing is loaded from anywhere else."""
+    hashes = {}
+    for tag in ("script", "style"):
+        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.DOTALL)
+        assert len(blocks) == 1, f"panel.html must have exactly one inline <{tag}>"
+        digest = hashlib.sha256(blocks[0].encode()).digest()
+        hashes[tag] = f"'sha256-{base64.b64encode(digest).decode()}'"
+    return (
+        f"default-src 'none'; script-src {hashes['script']}; style-src {hashes['style']}; "
+        "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
+    )
+
+
+def add_panel_routes(
+    app: FastAPI,
+    *,
+    state: JobState,
+    meta: dict[str, Any],
+    metrics_path: Path | None,
+    heartbeat_timeout: float,
+) -> None:
+    """Serve the dashboard of `state`'s job on `app` (authentication is the guard's job)."""
+    html = resources.files("nebula_rl.controller").joinpath("panel.html").read_text("utf-8")
+    page_headers = {
+        "Content-Security-Policy": content_security_policy(html),
+        "Cache-Control": "no-store",
+        "Referrer-Policy": "no-referrer",
+        "X-Content-Type-Options": "nosniff",
+        "X-Frame-Options": "DENY",
+    }
+    metrics = MetricsLog(metrics_path)
+
+    @app.get(PAGE_PATH, include_in_schema=False)
+    def panel() -> Response:
+        """The dashboard page."""
+        return Response(html, media_type="text/html; charset=utf-8", headers=page_headers)
+
+    @app.get(DATA_PATH)
+    def panel_data(response: Response, since: int = Query(0, ge=0, le=1 << 53)) -> dict[str, Any]:
+        """Where the job stands, its replicas, and the metrics of the steps after `since`."""
+        response.headers["Cache-Control"] = "no-store"
+        return {
+            "job": state.job,
+            "step": state.step(),
+            "total_steps": meta.get("total_steps"),
+            "policy_version": state.policy_version(),
+            "buffer_size": state.buffer_size(),
+            "finished": state.finished(),
+            "heartbeat_timeout": heartbeat_timeout,
+            "replicas": replica_rows(
+                state.replicas(), now=state.clock(), heartbeat_timeout=heartbeat_timeout
+            ),
+            "metrics": metrics.since(since),
+        }

@@ -1,0 +1,77 @@
+"""The README's config reference is generated from the config tree and must be current."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from nebula_rl import config_reference
+from nebula_rl.cli import main
+from nebula_rl.config import Config
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _keys(model: type = Config, path: str = "") -> set[str]:
+    """Every value key of the config tree as `section.key`, found by walking the models."""
+    keys = set()
+    for section in config_reference.sections(model, path):
+        for name, field in section.model.model_fields.items():
+            if not config_reference._model_members(field.annotation):
+                keys.add(f"{section.path}.{name}" if section.path else name)
+    return keys
+
+
+def test_readme_reference_is_current() -> None:
+    assert config_reference.is_current(README), (
+        "README.md's config reference is out of date: run "
+        "`.venv/bin/nebula-rl config-reference --write README.md`"
+    )
+
+
+def test_every_key_is_documented_once_per_table() -> None:
+    text = config_reference.render()
+    tables = re.split(r"^#### ", text, flags=re.MULTILINE)[1:]
+    rendered = set()
+    for table in tables:
+        heading = table.splitlines()[0]
+        match = re.match(r"`\[([\w.]+)\]`", heading)
+        section = match.group(1) if match else ""
+        names = re.findall(r"^\| `(\w+)` \| `[^`]+` \| `[^`]*` \| (.+) \|$", table, re.MULTILINE)
+        for name, meaning in names:
+            assert meaning.strip(), f"{section}.{name} has no docstring in config.py"
+            rendered.add(f"{section}.{name}" if section else name)
+    # The dataset tables repeat one model: documented once, referred to elsewhere.
+    expected = {k for k in _keys() if not k.startswith("validation.dataset.")}
+    assert rendered == expected
+    assert "`logging.wandb_mode`" not in text  # keys appear in their table, not dotted
+    assert '| `wandb_mode` | `"auto" \\| "online" \\| "offline"` | `"auto"` |' in text
+    assert "| `port` | `int, >= 0, <= 65535` | `0` |" in text
+
+
+def test_check_fails_on_a_stale_copy_and_write_fixes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    copy = tmp_path / "README.md"
+    current = config_reference.splice(README.read_text(), config_reference.render())
+    stale = current.replace("Adam betas.", "Adam's betas.")
+    assert stale != current
+    copy.write_text(stale)
+    assert main(["config-reference", "--check", str(copy)]) == 1
+    assert "out of date" in capsys.readouterr().err
+    assert copy.read_text() == stale  # --check changes nothing
+    assert main(["config-reference", "--write", str(copy)]) == 0
+    assert copy.read_text() == current
+    assert main(["config-reference", "--check", str(copy)]) == 0
+
+
+def test_a_file_without_markers_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plain = tmp_path / "plain.md"
+    plain.write_text("# nothing here\n")
+    assert main(["config-reference", "--write", str(plain)]) == 2
+    assert "markers" in capsys.readouterr().err
+    assert plain.read_text() == "# nothing here\n"

@@ -1,0 +1,252 @@
+"""Metric sinks: TensorBoard event files read back with tensorboard's own reader, an offline W&B
+run read back from its run file, the console's lines and progress bar, and the local loop
+feeding them the records of metrics.jsonl."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from nebula_rl import metrics_log
+from nebula_rl.config import Config, ConfigError, config_from_dict
+from nebula_rl.metrics_log import ConsoleLogger, TensorBoardLogger, open_loggers, wandb_mode
+
+RECORDS = [
+    {
+        "step": s,
+        "policy_version": s,
+        "reward_mean": 0.25 * s,
+        "loss": -0.01 * s,
+        "num_tokens": 100 + s,
+        "step_time": 0.5,
+        "rollout_tokens_per_s": 1000.0 * s,
+        "resumed": False,  # a bool and a string are not scalars: left out
+        "note": "text",
+    }
+    for s in (1, 2, 3)
+]
+SCALARS = {
+    "policy_version",
+    "reward_mean",
+    "loss",
+    "num_tokens",
+    "step_time",
+    "rollout_tokens_per_s",
+}
+
+
+def _cfg(tmp_path: Path, **logging_section: Any) -> Config:
+    return config_from_dict(
+        {"train": {"output_dir": str(tmp_path), "timestamp": "run"}, "logging": logging_section}
+    )
+
+
+def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
+
+
+def test_tensorboard_event_files_hold_every_number_logged(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, logger=["tensorboard"])
+    with open_loggers(cfg, tmp_path, total_steps=3) as loggers:
+        assert [type(s) for s in loggers.sinks] == [TensorBoardLogger]
+        for record in RECORDS:
+            loggers.log(record)
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    scalars = _scalars(tmp_path / "tensorboard")
+    assert set(scalars) == SCALARS
+    for key in SCALARS:
+        assert [step for step, _ in scalars[key]] == [1, 2, 3]
+        # TensorBoard stores float32
+        expected = [float(r[key]) for r in RECORDS]
+        assert [v for _, v in scalars[key]] == pytest.approx(expected, rel=1e-6)
+
+
+def test_tensorboard_resume_purges_the_steps_it_retrains(tmp_path: Path) -> None:
+    first = TensorBoardLogger(tmp_path)
+    for step in (1, 2, 3, 4):
+        first.log({"step": step, "loss": float(step)})
+    first.close()
+    resumed = TensorBoardLogger(tmp_path)  # resumed from a checkpoint of step 2
+    for step in (3, 4):
+        resumed.log({"step": step, "loss": 10.0 * step})
+    resumed.close()
+    assert _scalars(tmp_path)["loss"] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def _wandb_records(run_file: Path) -> list[Any]:
+    """The protobuf records of a W&B run file (a LevelDB-style log: 7-byte file header, then
+    32 KiB blocks of chunks, each with a 7-byte header: crc, length, type)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block = run_file.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    records, pending, pos = [], b"", 7
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = pb.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def test_wandb_offline_run_holds_the_config_and_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb"))
+    cfg = _cfg(tmp_path, logger=["wandb"], project_name="proj", experiment_name="exp")
+    run_dir = tmp_path / "run"
+    with open_loggers(cfg, run_dir, total_steps=3) as loggers:
+        for record in RECORDS:
+            loggers.log(record)
+    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    records = _wandb_records(run_file)
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert (run.project, run.display_name) == ("proj", "exp")
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config["logging"]["logger"] == ["wandb"]
+    rows = []
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            rows.append(
+                {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in r.history.item
+                }
+            )
+    assert [row["_step"] for row in rows] == [1, 2, 3]
+    for row, record in zip(rows, RECORDS, strict=True):
+        for key, value in record.items():
+            if key != "step":
+                assert row[key] == value, key
+
+
+def test_wandb_mode_is_offline_without_an_api_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    assert wandb_mode("auto") == "offline"
+    assert wandb_mode("online") == "online"
+    (home / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password k3y\n")
+    (home / ".netrc").chmod(0o600)
+    assert wandb_mode("auto") == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_mode("auto") is None  # wandb reads WANDB_MODE itself
+    assert wandb_mode("offline") == "offline"
+
+
+def test_console_prints_a_line_per_step_and_a_progress_bar(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, force_interactive=True, width=160)
+    sink = ConsoleLogger(total_steps=4, window=2, console=console)
+    with caplog.at_level(logging.INFO, logger="nebula_rl.metrics_log"):
+        for record in RECORDS:
+            sink.log(record)
+    sink.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("step 1/4  reward 0.250 (recent mean 0.250)  loss -0.0100")
+    assert lines[2].startswith("step 3/4  reward 0.750 (recent mean 0.625)")  # last 2 steps
+    assert lines[2].endswith("0.50 s/step  3000 tok/s")
+    screen = out.getvalue()
+    assert "3/4" in screen and "reward 0.625" in screen and "3000 tok/s" in screen
+    assert "ETA" in screen
+
+
+def test_console_without_a_terminal_logs_lines_and_draws_no_bar(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    out = io.StringIO()
+    sink = ConsoleLogger(total_steps=2, console=Console(file=out, force_terminal=False))
+    sft = {"step": 1, "loss": 2.5, "val_loss": 2.75, "num_tokens": 300, "step_time": 0.5}
+    with caplog.at_level(logging.INFO, logger="nebula_rl.metrics_log"):
+        sink.log(sft)
+    sink.close()
+    assert caplog.records[0].getMessage() == (
+        "step 1/2  loss +2.5000  val_loss 2.7500  0.50 s/step  600 tok/s"
+    )
+    assert out.getvalue() == ""
+
+
+def test_open_loggers_takes_only_the_sinks_asked_for(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, logger=["Console", "tensorboard"])
+    assert cfg.logging.logger == ["console", "tensorboard"]
+    with open_loggers(cfg, tmp_path, total_steps=1, only=metrics_log.FILE_LOGGERS) as loggers:
+        assert [type(s) for s in loggers.sinks] == [TensorBoardLogger]
+    with open_loggers(_cfg(tmp_path), tmp_path, total_steps=1, only={"tensorboard"}) as loggers:
+        assert loggers.sinks == []
+
+
+def test_a_missing_package_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(metrics_log._PACKAGES, "wandb", "nebula_rl_no_such_package")
+    with pytest.raises(ValueError, match=r"nebula_rl_no_such_package package is not installed"):
+        open_loggers(_cfg(tmp_path, logger=["wandb"]), tmp_path, total_steps=1)
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_logging_config_errors_name_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"logging\.logger: .*more than once"):
+        _cfg(tmp_path, logger=["console", "console"])
+    with pytest.raises(ConfigError, match=r"logging\.logger\.0: "):
+        _cfg(tmp_path, logger=["mlflow"])
+    with pytest.raises(ConfigError, match=r"logging\.report_mfu: only false"):
+        _cfg(tmp_path, report_mfu=True)
+
+
+def test_local_sft_run_writes_tensorboard_equal_to_metrics_jsonl(tmp_path: Path) -> None:
+    from nebula_rl import local
+
+    cfg = config_from_dict(
+        {
+            "train": {
+                "output_dir": str(tmp_path),
+                "timestamp": "sft",
+                "train_batch_per_replica": 4,
+                "max_num_steps": 3,
+                "train_policy": {
+                    "type": "sft",
+                    "prompt_column_name": "prompt",
+                    "response_column_name": "answer",
+                    "dataset": {"name": "builtin:arithmetic", "kwargs": {"num_samples": 16}},
+                },
+                "ckpt": {"export_safetensors": False},
+            },
+            "policy": {"model_name_or_path": "tiny:qwen2", "model_max_length": 32},
+            "logging": {"logger": ["console", "tensorboard"]},
+        }
+    )
+    run_dir = local.run(cfg)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    scalars = _scalars(run_dir / "tensorboard")
+    assert [step for step, _ in scalars["loss"]] == [1, 2, 3]
+    for key in ("loss", "grad_norm", "lr", "num_tokens"):
+        assert [v for _, v in scalars[key]] == pytest.approx([r[key] for r in records], rel=1e-6)
