@@ -111,3 +111,71 @@ def test_two_replicas_step_like_one():
         for key in METRICS:
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
     assert params == pytest.approx(expected_params, rel=1e-5, abs=1e-5)
+
+
+def _joiner(rank: int, port: int, out) -> None:
+    """Rank 0 trains two steps alone; rank 1 starts from other weights and no optimiser state.
+    Then they form a group, agree on rank 0's state, and take one data-parallel step."""
+    try:
+        torch.set_num_threads(1)
+        trainer = PolicyTrainer(
+            load_model("tiny:qwen2", seed=1 if rank == 0 else 7), _cfg(), total_steps=4, pad_id=0
+        )
+        version = 0
+        if rank == 0:
+            for step in range(STEPS):
+                trainer.grpo_step(_groups(step))
+            version = STEPS
+        group = build_group(Rendezvous("127.0.0.1", port, "join", 2, hosted=True), rank=rank)
+        replicas = ReplicaGroup(group)
+        agreed = replicas.sync_state(
+            trainer.model, trainer.optimizer, trainer.scheduler, version=version, clean=True
+        )
+        trainer.replicas = replicas
+        metrics = trainer.grpo_step(_groups(STEPS)[rank * 2 : (rank + 1) * 2])
+        out.put((rank, (agreed, metrics["lr"], _fingerprint(trainer))))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+    finally:
+        out.close()
+        out.join_thread()
+        os._exit(0)
+
+
+def _fingerprint(trainer: PolicyTrainer) -> list[float]:
+    """Sums of the parameters and of the optimiser's moments."""
+    values = [float(p.detach().double().sum()) for p in trainer.model.parameters()]
+    for state in trainer.optimizer.state.values():
+        values += [float(state["exp_avg"].double().sum()), float(state["exp_avg_sq"].sum())]
+    return values
+
+
+def test_a_joining_replica_takes_the_state_of_a_live_one():
+    """`ReplicaGroup.sync_state`: a replica that joins late receives the weights, optimiser
+    moments and schedule of the one that trained, so their next data-parallel step equals the
+    veteran's third step over the whole batch."""
+    port = free_port()
+    store = serve_store("127.0.0.1", port)  # noqa: F841 (the rendezvous lives while it does)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_joiner, args=(r, port, out), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    single = PolicyTrainer(load_model("tiny:qwen2", seed=1), _cfg(), total_steps=4, pad_id=0)
+    for step in range(STEPS + 1):
+        metrics = single.grpo_step(_groups(step))
+    reports = {}
+    try:
+        while len(reports) < 2:
+            rank, report = out.get(timeout=240)
+            reports[rank] = report
+    except queue.Empty:
+        pytest.fail(f"replica(s) {sorted({0, 1} - set(reports))} did not report")
+    for p in procs:
+        p.join(timeout=30)
+    for rank, report in reports.items():
+        assert not isinstance(report, str), f"replica {rank} failed:\n{report}"
+    assert reports[0] == reports[1]  # identical after the joint step
+    agreed, lr, fingerprint = reports[0]
+    assert agreed == STEPS and lr == pytest.approx(metrics["lr"])
+    assert fingerprint == pytest.approx(_fingerprint(single), rel=1e-5, abs=1e-5)

@@ -66,7 +66,11 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 def _scheduler(cfg: Config, redis_server: RedisServer, tmp_path: Path) -> Scheduler:
     rows = rl_rows(cfg)
     state = JobState(connect(redis_server.url), "job")
-    state.assign_rank("policy_ranks", "policy-0", first=0, capacity=1)  # a policy has joined
+    # A policy replica has joined: its group generation is published and it confirmed it.
+    record = state.publish_group(
+        "policy", ["policy-0"], host="127.0.0.1", port=1, ids={"policy-0": 1}
+    )
+    state.confirm_member("policy", record["generation"], "policy-0", {"version": 0})
     return Scheduler(
         cfg, state, rows=rows, total_steps=len(rows) // BATCH, num_rollout=1, run_dir=tmp_path
     )
@@ -109,7 +113,7 @@ def test_stale_groups_are_requeued_not_trained(tmp_path, redis_server):
     for _ in range(2):  # the policy moves on while the groups wait in the buffer
         state.bump_policy_version()
     scheduler.schedule_step()
-    assert scheduler._step_in_flight is None  # every buffered group is now 2 versions old
+    assert scheduler._plan is None  # every buffered group is now 2 versions old
     assert state.buffer_size() == 0
     summary = state.ledger_summary(0)
     assert summary["stale_dropped"] == 2 * BATCH and summary["requeued"] == 2 * BATCH

@@ -401,19 +401,41 @@ class RolloutConfig(_Section):
 
 
 class LoggingConfig(_Section):
-    """Where metrics go."""
+    """Where each step's metrics go besides `<run>/metrics.jsonl`, which is always written."""
 
     logger: list[Literal["console", "tensorboard", "wandb"]] = ["console"]
-    """Metric sinks; `metrics.jsonl` in the run folder is always written."""
+    """Metric sinks: `console` (a line per step and a progress bar with reward, throughput and
+    ETA), `tensorboard` (event files under `<run>/tensorboard/`), `wandb` (Weights & Biases,
+    run files under `<run>/wandb/`; needs `pip install 'nebula-rl[wandb]'`)."""
     project_name: str = "nebula_rl"
     """Weights & Biases project."""
     experiment_name: str | None = None
     """Display name of the run; defaults to the run folder's name."""
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"
+    """nebula-rl: `auto` logs online when an API key is found (`WANDB_API_KEY` or a `wandb
+    login`), else offline into `<run>/wandb/` (upload later with `wandb sync`); `WANDB_MODE`
+    in the environment overrides `auto`."""
+    report_mfu: bool = False
+    """Accepted for compatibility; only false is supported (no MFU is computed yet)."""
 
     @field_validator("logger", mode="before")
     @classmethod
     def _lower(cls, v: Any) -> Any:
         return [s.lower() for s in v] if isinstance(v, list) else v
+
+    @field_validator("logger")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("names a logger more than once")
+        return v
+
+    @field_validator("report_mfu")
+    @classmethod
+    def _no_mfu(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("only false is supported (nebula-rl computes no MFU yet)")
+        return v
 
 
 class ValidationConfig(_Section):
@@ -460,6 +482,9 @@ class ControllerConfig(_Section):
     """HTTP port; 0 picks a free one."""
     heartbeat_timeout: float = Field(default=30.0, gt=0.0)
     """Seconds without a heartbeat after which a replica is declared dead."""
+    collective_timeout: float = Field(default=300.0, gt=0.0)
+    """Seconds a collective between replicas (joining a group, a gradient sum, a weight push) may
+    take before it counts as failed and the group is rebuilt."""
 
 
 class Config(_Section):

@@ -7,18 +7,24 @@
 3. starts the controller (`nebula-rl controller`), then each replica as its own `torchrun` group
    (`nebula-rl replica`): policy replicas first, then rollout replicas;
 4. supervises: prints each training step as the controller records it, forwards SIGINT/SIGTERM
-   to every child, and stops everything when the controller ends or any process fails.
+   to every child, and stops everything when the controller ends.
+
+Failures: a replica that dies is logged and left out; the controller notices (heartbeats),
+rebuilds the groups among the survivors and re-issues the lost work, so the job goes on while a
+replica of each role lives: one the launcher started, or one started by hand with `nebula-rl
+replica` (which may join at any time). A controller killed by a signal is restarted on the same
+port, token and Redis (up to `max_controller_restarts` times) and continues the job from Redis;
+one that exits with an error ends the job.
 
 It returns 0 only when the controller finished the job. Secrets (the job's token, the Redis URL
 with its password) reach the children through their environment, never their command line.
 Each process logs to `<run>/logs/<name>.log`.
-
-Simplification: a replica that dies ends the job (restarting replicas is the fault-tolerance work).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -27,22 +33,26 @@ import signal
 import subprocess
 import sys
 import time
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import IO
 
 from nebula_rl.config import Config
-from nebula_rl.controller.client import TOKEN_ENV
+from nebula_rl.controller.client import TOKEN_ENV, TOKEN_FILE, ControllerClient, write_private
 from nebula_rl.controller.redis_server import RedisServer, start_redis
+from nebula_rl.metrics_log import MetricsLogger, check_installed, open_loggers
 
-__all__ = ["REDIS_URL_ENV", "launch"]
+__all__ = ["REDIS_URL_ENV", "RESTART_ENV", "check_job", "launch"]
 
 log = logging.getLogger(__name__)
 
 REDIS_URL_ENV = "NEBULA_REDIS_URL"
 """Environment variable the controller reads the Redis URL (with its password) from."""
+RESTART_ENV = "NEBULA_CONTROLLER_RESTART"
+"""Set to "1" for a controller the launcher restarts after it died: it continues the job from
+Redis instead of restoring a checkpoint (`train.resume`)."""
 _STOP_GRACE_S = 15.0
 
 
@@ -51,6 +61,7 @@ class _Child:
     name: str
     process: subprocess.Popen[bytes]
     log_file: IO[bytes]
+    role: str = ""
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.process.poll() is None:
@@ -58,7 +69,9 @@ class _Child:
                 os.killpg(self.process.pid, sig)
 
 
-def _start(name: str, argv: list[str], *, env: dict[str, str], logs: Path) -> _Child:
+def _start(
+    name: str, argv: list[str], *, env: dict[str, str], logs: Path, role: str = ""
+) -> _Child:
     log_file = (logs / f"{name}.log").open("ab")
     # Own session: a Ctrl-C in the terminal reaches the launcher only, which then stops the
     # children in order instead of all of them dying at once.
@@ -71,7 +84,7 @@ def _start(name: str, argv: list[str], *, env: dict[str, str], logs: Path) -> _C
         start_new_session=True,
     )
     log.info("started %s (pid %d), log %s", name, process.pid, logs / f"{name}.log")
-    return _Child(name, process, log_file)
+    return _Child(name, process, log_file, role)
 
 
 def _torchrun(nproc: int) -> list[str]:
@@ -87,12 +100,11 @@ def _torchrun(nproc: int) -> list[str]:
 
 
 class _MetricsTail:
-    """Prints the steps the controller appends to `metrics.jsonl`, with the mean reward of the
-    last `window` steps (one step's reward is noisy; the trend is what shows learning)."""
+    """Hands the steps the controller appends to `metrics.jsonl` to the terminal's sinks (the
+    console: a line per step with the recent mean reward, and a progress bar)."""
 
-    def __init__(self, path: Path, window: int = 20) -> None:
-        self.path, self.offset = path, 0
-        self.rewards: deque[float] = deque(maxlen=window)
+    def __init__(self, path: Path, loggers: MetricsLogger) -> None:
+        self.path, self.offset, self.loggers = path, 0, loggers
 
     def poll(self) -> None:
         if not self.path.exists():
@@ -103,21 +115,7 @@ class _MetricsTail:
                 if not line.endswith("\n"):
                     break
                 self.offset += len(line.encode())
-                m = json.loads(line)
-                reward = m.get("reward_mean", float("nan"))
-                self.rewards.append(reward)
-                log.info(
-                    "step %d  reward %.3f (last %d: %.3f)  loss %+.4f  staleness %.1f  "
-                    "%.2f s/step  %.0f tok/s",
-                    m["step"],
-                    reward,
-                    len(self.rewards),
-                    sum(self.rewards) / len(self.rewards),
-                    m.get("loss", float("nan")),
-                    m.get("staleness_mean", float("nan")),
-                    m.get("step_time", float("nan")),
-                    m.get("rollout_tokens_per_s", float("nan")),
-                )
+                self.loggers.log(json.loads(line))
 
 
 def launch(
@@ -126,13 +124,16 @@ def launch(
     run_dir: Path,
     num_policy: int | None = None,
     num_rollout: int | None = None,
+    max_controller_restarts: int = 3,
 ) -> int:
     """Run the RL job `cfg` with its controller and replicas as processes; the exit code."""
     from nebula_rl.local import ensure_model
 
     num_policy = num_policy or cfg.policy.parallelism.n_init_replicas
     num_rollout = num_rollout or cfg.rollout.parallelism.n_init_replicas
+    check_installed(cfg.logging.logger)  # before anything starts
     ensure_model(cfg)
+    check_job(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
@@ -156,6 +157,8 @@ def launch(
         "PYTHONUNBUFFERED": "1",
     }
     address = f"{host}:{port}"
+    # For `nebula-rl status --run-dir`; the controller writes its address next to it.
+    write_private(run_dir / TOKEN_FILE, env[TOKEN_ENV])
     children: list[_Child] = []
     stop_signal: list[int] = []
 
@@ -165,39 +168,56 @@ def launch(
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     outcome = 1
     try:
-        controller = _start(
+        controller_argv = [
+            sys.executable,
+            "-m",
+            "nebula_rl.cli",
             "controller",
-            [
-                sys.executable,
-                "-m",
-                "nebula_rl.cli",
-                "controller",
-                "--config",
-                str(config_path),
-                "--run-dir",
-                str(run_dir),
-                "--host",
-                host,
-                "--port",
-                str(port),
-                "--rollout",
-                str(num_rollout),
-                "--policy",
-                str(num_policy),
-            ],
-            env=env,
-            logs=logs,
-        )
+            "--config",
+            str(config_path),
+            "--run-dir",
+            str(run_dir),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--rollout",
+            str(num_rollout),
+            "--policy",
+            str(num_policy),
+        ]
+
+        def start_controller(*, restart: bool) -> _Child:
+            extra = {RESTART_ENV: "1"} if restart else {}
+            child = _start("controller", controller_argv, env={**env, **extra}, logs=logs)
+            try:
+                _wait_for_health(child, address)
+            except RuntimeError:
+                child.stop(signal.SIGKILL)
+                child.process.wait()
+                child.log_file.close()
+                raise
+            return child
+
+        controller = start_controller(restart=False)
         children.append(controller)
-        _wait_for_health(controller, address)
         roles = [("policy", i) for i in range(num_policy)]
         roles += [("rollout", i) for i in range(num_rollout)]
         for role, i in roles:
             name = f"{role}-{i}"
             argv = _torchrun(1) + ["replica", "--role", role, "--controller", address]
-            children.append(_start(name, [*argv, "--name", name], env=env, logs=logs))
-        tail = _MetricsTail(run_dir / "metrics.jsonl")
-        outcome = _supervise(controller, children, tail, stop_signal)
+            children.append(_start(name, [*argv, "--name", name], env=env, logs=logs, role=role))
+        total_steps = _total_steps(address, env[TOKEN_ENV])
+        with open_loggers(cfg, run_dir, total_steps=total_steps, only={"console"}) as loggers:
+            tail = _MetricsTail(run_dir / "metrics.jsonl", loggers)
+            outcome = _supervise(
+                children,
+                tail,
+                stop_signal,
+                restart_controller=lambda: start_controller(restart=True),
+                max_restarts=max_controller_restarts,
+                registered=functools.partial(_registered, address, env[TOKEN_ENV]),
+            )
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -207,6 +227,50 @@ def launch(
     if outcome == 0:
         log.info("job finished: %s", run_dir)
     return outcome
+
+
+def check_job(cfg: Config) -> None:
+    """Raise, before any process starts, the errors a replica would otherwise hit only once the
+    job runs: a model path that is neither a local model folder nor a preset, and parallel sizes
+    the runtime cannot give a replica (it runs each replica as one process for now)."""
+    from nebula_rl.models import load_tokenizer
+    from nebula_rl.policy.parallelize import ParallelDims
+
+    load_tokenizer(cfg.policy.model_name_or_path)  # (raises naming the key and the path)
+    try:
+        ParallelDims.from_config(cfg.policy.parallelism, world_size=1)
+    except ValueError as err:
+        raise ValueError(f"{err}: the RL runtime runs each policy replica as one process") from None
+    rollout = cfg.rollout.parallelism
+    if rollout.tp_size * rollout.pp_size != 1:
+        raise ValueError(
+            f"rollout.parallelism: tp_size ({rollout.tp_size}) * pp_size ({rollout.pp_size}) "
+            "must be 1: the RL runtime runs each rollout replica as one process"
+        )
+
+
+def _total_steps(address: str, token: str) -> int:
+    """The job's number of steps, as the controller computed it from the dataset."""
+    client = ControllerClient(address, token)
+    try:
+        return int(client.meta()["total_steps"])
+    finally:
+        client.close()
+
+
+def _registered(address: str, token: str, role: str) -> int:
+    """How many replicas of `role` the controller has registered (also those started by hand);
+    -1 when it cannot be asked (e.g. it is restarting)."""
+    import httpx
+
+    client = ControllerClient(address, token, timeout=5.0)
+    try:
+        replicas = client.status()["replicas"].values()
+    except httpx.HTTPError:
+        return -1
+    finally:
+        client.close()
+    return sum(info["role"] == role for info in replicas)
 
 
 def _wait_for_health(controller: _Child, address: str, timeout_s: float = 120.0) -> None:
@@ -229,31 +293,66 @@ def _wait_for_health(controller: _Child, address: str, timeout_s: float = 120.0)
 
 
 def _supervise(
-    controller: _Child, children: list[_Child], tail: _MetricsTail, stop_signal: list[int]
+    children: list[_Child],
+    tail: _MetricsTail,
+    stop_signal: list[int],
+    *,
+    restart_controller: Callable[[], _Child],
+    max_restarts: int,
+    registered: Callable[[str], int],
 ) -> int:
-    """Wait for the controller to end; returns the job's exit code."""
+    """Wait for the controller (`children[0]`) to end; returns the job's exit code.
+
+    A controller killed by a signal is restarted (it replaces `children[0]`); a replica that
+    fails is logged and left out. When every replica of a role that the launcher started has
+    failed, the job goes on only while the controller still has one of that role registered
+    (`registered(role)`: e.g. started by hand).
+    """
+    failed: set[str] = set()
+    restarts = 0
+    roles = {child.role for child in children[1:]}
+    next_ask = 0.0
     while True:
         tail.poll()
         if stop_signal:
             log.warning("signal %d: stopping the job", stop_signal[0])
             return 128 + stop_signal[0]
+        controller = children[0]
         code = controller.process.poll()
+        if code is not None and code < 0 and restarts < max_restarts:
+            restarts += 1
+            log.warning(
+                "the controller was killed by signal %d: restarting it (%d of at most %d)",
+                -code,
+                restarts,
+                max_restarts,
+            )
+            controller.log_file.close()
+            children[0] = restart_controller()
+            continue
         if code is not None:
             tail.poll()
             if code != 0:
                 log.error("the controller failed (exit %d); see %s", code, controller.log_file.name)
             return code
-        for child in children:
+        for child in children[1:]:
             code = child.process.poll()
             # A replica leaves with 0 only once the job ended; the controller's exit follows.
-            if child is not controller and code:
-                log.error(
-                    "%s exited with %d before the job ended; see %s",
+            if code and child.name not in failed:
+                failed.add(child.name)
+                log.warning(
+                    "%s exited with %d; the job goes on without it (see %s)",
                     child.name,
                     code,
                     child.log_file.name,
                 )
-                return 1
+        gone = [r for r in roles if all(c.name in failed for c in children[1:] if c.role == r)]
+        if gone and time.monotonic() >= next_ask:
+            next_ask = time.monotonic() + 1.0
+            for role in gone:
+                if registered(role) == 0:
+                    log.error("no %s replica is left: ending the job", role)
+                    return 1
         time.sleep(0.2)
 
 

@@ -41,6 +41,7 @@ from nebula_rl.data import (
     split_rows,
     validate_rows,
 )
+from nebula_rl.metrics_log import open_loggers
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
 from nebula_rl.policy.checkpoint import Checkpointer, Restored, is_checkpoint, latest_checkpoint
 from nebula_rl.policy.replicas import DataParallelSums
@@ -108,15 +109,24 @@ def drop_steps_after(path: Path, step: int) -> None:
 
 
 class _MetricsWriter:
-    """Appends one JSON line per step, after dropping lines of steps later than `after_step`."""
+    """Appends one JSON line per step to `metrics.jsonl` (after dropping lines of steps later
+    than `after_step`) and hands the record to the `[logging]` sinks (console, TensorBoard,
+    W&B)."""
 
-    def __init__(self, path: Path, *, after_step: int) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, *, after_step: int, total_steps: int) -> None:
+        path = run_dir / "metrics.jsonl"
         drop_steps_after(path, after_step)
+        self.loggers = open_loggers(cfg, run_dir, total_steps=total_steps)
         self.file = path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        self.loggers.log(record)
+
+    def close(self) -> None:
+        self.file.close()
+        self.loggers.close()
 
 
 def run(cfg: Config) -> Path:
@@ -333,7 +343,7 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
         done, trained = restored.step, restored.data["trained_prompts"]
         prompts.epoch, prompts.position = restored.data["epoch"], restored.data["position"]
         engine.update_weights(model.named_parameters(), policy_version=done)
-    writer = _MetricsWriter(run_dir / "metrics.jsonl", after_step=done)
+    writer = _MetricsWriter(cfg, run_dir, after_step=done, total_steps=total)
     try:
         for step in range(done + 1, total + 1):
             t0 = time.perf_counter()
@@ -355,20 +365,12 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
                 "rollout_tokens_per_s": num_gen_tokens / max(gen_time, 1e-9),
             }
             writer.write(record)
-            log.info(
-                "step %d/%d reward %.3f loss %.4f len %.1f %.2fs",
-                step,
-                total,
-                record["reward_mean"],
-                record["loss"],
-                record["response_length_mean"],
-                record["step_time"],
-            )
             if checkpointer.due(step, last=step == total):
                 position = {"epoch": prompts.epoch, "position": prompts.position}
                 checkpointer.save(step, data={**position, "trained_prompts": trained})
     finally:
         checkpointer.close()
+        writer.close()
     (run_dir / "trained_prompts.json").write_text(json.dumps(trained))
 
 
@@ -430,10 +432,10 @@ def _data_parallel(cfg: Config, model: torch.nn.Module) -> tuple[int, int, DataP
     from nebula_rl.policy.parallelize import ParallelDims, parallelize_model
 
     dims = ParallelDims.from_config(cfg.policy.parallelism, world_size=dist.get_world_size())
-    if dims.tp > 1 or dims.pp > 1 or dims.cp > 1:
+    if dims.pp > 1 or dims.cp > 1:
         raise ValueError(
-            "policy.parallelism: the SFT loop runs data parallel only (dp_replicate_size, "
-            "dp_shard_size); tp_size, pp_size and cp_size must be 1 here for now"
+            "policy.parallelism: the SFT loop runs data and tensor parallel (dp_replicate_size, "
+            "dp_shard_size, tp_size); pp_size and cp_size must be 1 here for now"
         )
     mesh = dims.build_mesh("cuda" if torch.cuda.is_available() else "cpu")
     parallel = parallelize_model(model, dims, mesh)
@@ -460,7 +462,11 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
     if restored is not None:
         step = restored.step
         first_epoch, first_position = restored.data["epoch"], restored.data["position"]
-    writer = _MetricsWriter(run_dir / "metrics.jsonl", after_step=step) if dp_rank == 0 else None
+    writer = (
+        _MetricsWriter(cfg, run_dir, after_step=step, total_steps=total)
+        if not dist.is_initialized() or dist.get_rank() == 0  # (TP ranks share dp_rank 0)
+        else None
+    )
     try:
         for epoch in range(first_epoch, cfg.train.epoch):
             order = epoch_order(
@@ -475,15 +481,15 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
                 batch = [examples[i] for i in order[start : start + size]]
                 metrics = trainer.sft_step(batch[dp_rank::dp_size])
                 step_time = time.perf_counter() - t0
-                log.info("sft step %d/%d loss %.4f", step, total, metrics["loss"])
                 if val_examples and (step % cfg.validation.freq == 0 or step == total):
                     metrics["val_loss"] = trainer.sft_eval(
                         val_examples, rows_per_forward=val_rows_per_forward
                     )
-                    log.info("sft step %d/%d val_loss %.4f", step, total, metrics["val_loss"])
                 if writer is not None:
                     writer.write({"step": step, "epoch": epoch, **metrics, "step_time": step_time})
                 if checkpointer.due(step, last=step == total):
                     checkpointer.save(step, data={"epoch": epoch, "position": start + size})
     finally:
         checkpointer.close()
+        if writer is not None:
+            writer.close()

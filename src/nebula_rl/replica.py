@@ -31,6 +31,9 @@ def run_replica(role: Literal["policy", "rollout"], *, controller: str, name: st
     else:
         device = torch.device("cpu")
     session = ReplicaSession.join(controller, name=name, role=role, world_size=world_size)
+    # At once, not after loading the model: a load slower than the heartbeat timeout must not
+    # get the replica reaped before it starts.
+    session.start_heartbeats()
     try:
         if role == "policy":
             from nebula_rl.policy.worker import run_policy

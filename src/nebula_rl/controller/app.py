@@ -1,8 +1,11 @@
-"""The controller's HTTP API: the control plane (register, heartbeat, unregister, meta, status).
+"""The controller's HTTP API: the control plane (register, heartbeat, unregister, meta, status,
+replicas).
 
 Prompts, completions and training batches do not pass through HTTP: replicas read and write the
 Redis streams of :class:`~nebula_rl.controller.state.JobState` directly, with the Redis URL they
-get from `/api/meta`. Every endpoint but `/health` needs `Authorization: Bearer <token>`.
+get from `/api/meta`. Every endpoint but `/health` needs `Authorization: Bearer <token>`; the
+web dashboard (`/panel`, :mod:`~nebula_rl.controller.panel`) also takes the session cookie a
+browser gets by opening `/panel?token=<token>` once.
 
 Input is untrusted: the token and the body size are checked before anything is parsed, bodies are
 pydantic models that forbid unknown fields and bound every string and number, so bad input gets a
@@ -18,17 +21,21 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Annotated, Any, Literal
+from urllib.parse import parse_qs
 
 import redis
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from nebula_rl.controller import panel
 from nebula_rl.controller.state import JobState
 
 __all__ = [
@@ -48,7 +55,9 @@ MAX_BODY_BYTES = 1 << 20
 PUBLIC_PATHS = frozenset({"/health"})
 """Paths served without a token."""
 
-ReplicaName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}$")]
+REPLICA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}$"
+"""What a replica name may be."""
+ReplicaName = Annotated[str, StringConstraints(pattern=REPLICA_NAME_PATTERN)]
 HostName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:%\[\]-]{1,255}$")]
 StatName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_./:-]{1,64}$")]
 StatValue = Annotated[float, Field(allow_inf_nan=False)]
@@ -91,21 +100,34 @@ class UnregisterRequest(_Body):
 
 class _Guard:
     """ASGI middleware: token check (all but :data:`PUBLIC_PATHS`) and body size cap, both before
-    FastAPI parses anything, so an unauthenticated caller learns nothing from validation errors."""
+    FastAPI parses anything, so an unauthenticated caller learns nothing from validation errors.
 
-    def __init__(self, app: ASGIApp, *, token: str, max_body_bytes: int) -> None:
+    The dashboard's sign-in is handled here too: `GET /panel?token=<token>` answers with the
+    session cookie and a redirect to `/panel`; the cookie then authorizes GET requests of
+    :data:`~nebula_rl.controller.panel.COOKIE_PATHS` only. Tokens are compared in constant time
+    and never logged.
+    """
+
+    def __init__(self, app: ASGIApp, *, token: str, max_body_bytes: int, cookie: str) -> None:
         self.app = app
         self.token = token.encode()
         self.max_body_bytes = max_body_bytes
+        self.cookie = cookie.encode()
+        self.session = panel.session_value(token).encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        login = self._login_token(scope)
+        if login is not None:
+            await self._sign_in(send, login)
+            return
         if scope["path"] not in PUBLIC_PATHS and not self._authorized(scope):
-            await _reply(
-                send, 401, "missing or invalid bearer token", [(b"www-authenticate", b"Bearer")]
-            )
+            detail = "missing or invalid bearer token"
+            if scope["path"] in panel.COOKIE_PATHS:
+                detail += f"; sign a browser in by opening {panel.PAGE_PATH}?token=<job token>"
+            await _reply(send, 401, detail, [(b"www-authenticate", b"Bearer")])
             return
         body = await self._read_body(receive)
         if body is None:  # the client left
@@ -131,7 +153,52 @@ class _Guard:
                 return scheme.lower() == b"bearer" and hmac.compare_digest(
                     credentials.strip(), self.token
                 )
+        if scope["method"] == "GET" and scope["path"] in panel.COOKIE_PATHS:
+            return self._has_session(scope)
         return False
+
+    def _has_session(self, scope: Scope) -> bool:
+        """Whether the request carries the dashboard's session cookie."""
+        for name, value in scope["headers"]:
+            if name != b"cookie":
+                continue
+            for pair in value.split(b";"):
+                key, _, cookie = pair.strip().partition(b"=")
+                if key == self.cookie and hmac.compare_digest(cookie, self.session):
+                    return True
+        return False
+
+    @staticmethod
+    def _login_token(scope: Scope) -> bytes | None:
+        """The `token` query parameter of `GET /panel?token=...`, else None."""
+        if scope["method"] != "GET" or scope["path"] != panel.PAGE_PATH:
+            return None
+        query = parse_qs(scope["query_string"].decode("latin-1"), keep_blank_values=True)
+        if "token" not in query:
+            return None
+        values = query["token"]
+        return values[0].encode() if len(values) == 1 else b""
+
+    async def _sign_in(self, send: Send, token: bytes) -> None:
+        """Trade a valid token for the session cookie and send the browser to the bare page."""
+        if not hmac.compare_digest(token, self.token):
+            await _reply(send, 401, "invalid token", [(b"www-authenticate", b"Bearer")])
+            return
+        cookie = panel.login_cookie(self.cookie.decode(), self.session.decode())
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 303,
+                "headers": [
+                    (b"location", panel.PAGE_PATH.encode()),
+                    (b"set-cookie", cookie.encode()),
+                    (b"cache-control", b"no-store"),
+                    (b"referrer-policy", b"no-referrer"),
+                    (b"content-length", b"0"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": b""})
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         """The body, read no further than one chunk past the cap; None if the client left."""
@@ -172,17 +239,23 @@ def create_app(
     meta_extra: dict[str, Any] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     on_register: Callable[[RegisterRequest], dict[str, Any]] | None = None,
+    metrics_path: Path | None = None,
+    heartbeat_timeout: float = 30.0,
 ) -> FastAPI:
     """The controller API over `state`; `/api/meta` returns `config_json` and `meta_extra`.
 
     `on_register` adds fields to the answer of a registration (e.g. the replica's rank in the
-    weight group); a `ValueError` from it refuses the replica with 409.
+    weight group); a `ValueError` from it refuses the replica with 409. The dashboard plots the
+    steps of `metrics_path` (the scheduler's `metrics.jsonl`) and calls a replica late or lost
+    by `heartbeat_timeout` (seconds).
     """
     if not token:
         raise ValueError("the controller needs a non-empty bearer token")
     meta = {"job": state.job, "config": config_json, **(meta_extra or {})}
     app = FastAPI(title="nebula-rl controller", docs_url=None, redoc_url=None)
-    app.add_middleware(_Guard, token=token, max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        _Guard, token=token, max_body_bytes=max_body_bytes, cookie=panel.cookie_name(state.job)
+    )
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -262,7 +335,42 @@ def create_app(
             "ledger": {str(e): state.ledger_summary(e) for e in state.epochs()},
         }
 
+    @app.get("/api/replicas")
+    def list_replicas() -> dict[str, Any]:
+        """Every registered replica (policy replicas first), as `/api/replicas/{name}` shows it."""
+        now, replicas = state.clock(), state.replicas()
+        names = sorted(replicas, key=lambda n: (replicas[n]["role"] != "policy", n))
+        return {"replicas": [_replica_view(n, replicas[n], now=now) for n in names]}
+
+    @app.get("/api/replicas/{name}")
+    def get_replica(
+        name: Annotated[str, PathParam(pattern=REPLICA_NAME_PATTERN)],
+    ) -> dict[str, Any]:
+        """One replica's registry entry; 404 if no replica of that name is registered."""
+        info = state.replicas().get(name)
+        if info is None:
+            raise HTTPException(404, f"replica {name} is not registered")
+        return _replica_view(name, info, now=state.clock())
+
+    panel.add_panel_routes(
+        app,
+        state=state,
+        meta=meta,
+        metrics_path=metrics_path,
+        heartbeat_timeout=heartbeat_timeout,
+    )
     return app
+
+
+def _replica_view(name: str, info: dict[str, Any], *, now: float) -> dict[str, Any]:
+    """A registry entry as the API shows it: with its name and the seconds since it registered
+    and since its last heartbeat (measured on the controller's clock, not the caller's)."""
+    return {
+        "name": name,
+        **info,
+        "age_s": max(0.0, now - info["registered_at"]),
+        "heartbeat_age_s": max(0.0, now - info["last_heartbeat"]),
+    }
 
 
 @dataclass

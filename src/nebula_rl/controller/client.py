@@ -14,7 +14,9 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote
 
 import httpx
 
@@ -22,12 +24,36 @@ from nebula_rl.config import Config, config_from_dict
 from nebula_rl.controller.redis_server import connect
 from nebula_rl.controller.state import JobState
 
-__all__ = ["TOKEN_ENV", "ControllerClient", "ReplicaSession", "read_token"]
+__all__ = [
+    "ADDRESS_FILE",
+    "CONTROLLER_ENV",
+    "TOKEN_ENV",
+    "TOKEN_FILE",
+    "ControllerClient",
+    "ReplicaSession",
+    "read_token",
+    "write_private",
+]
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "NEBULA_TOKEN"
 """Environment variable holding the job's bearer token (kept off command lines, which `ps` shows)."""
+
+CONTROLLER_ENV = "NEBULA_CONTROLLER"
+"""Environment variable the inspection commands (`nebula-rl status`, ...) read HOST:PORT from."""
+TOKEN_FILE = "token"
+"""File in the run folder that holds the job's token (mode 0600), for the inspection commands."""
+ADDRESS_FILE = "controller"
+"""File in the run folder that holds the controller's HOST:PORT."""
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable and writable by this user only (also if it existed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)
+        f.write(text)
 
 
 def read_token() -> str:
@@ -59,6 +85,14 @@ class ControllerClient:
     def status(self) -> dict[str, Any]:
         """Step, policy version, replicas, ledger."""
         return self._call("GET", "/api/status")
+
+    def replicas(self) -> list[dict[str, Any]]:
+        """Every registered replica's registry entry."""
+        return self._call("GET", "/api/replicas")["replicas"]
+
+    def replica(self, name: str) -> dict[str, Any]:
+        """One replica's registry entry (`httpx.HTTPStatusError` 404 if it is not registered)."""
+        return self._call("GET", f"/api/replicas/{quote(name, safe='')}")
 
     def register(
         self, name: str, *, role: Literal["policy", "rollout"], world_size: int = 1
@@ -107,8 +141,12 @@ class ReplicaSession:
     """Reports the version of the weights this replica holds."""
     stats: Callable[[], dict[str, float]] = dict
     """Reports numbers for the dashboard."""
+    world_size: int = 1
+    """Processes in the replica's torchrun group."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _ready: bool = False
+    _unreachable: bool = False
 
     @classmethod
     def join(
@@ -121,14 +159,25 @@ class ReplicaSession:
         cfg = config_from_dict(meta["config"], source=f"{address}/api/meta")
         state = JobState(connect(meta["redis_url"]), meta["job"])
         heartbeat_s = max(0.2, min(2.0, cfg.controller.heartbeat_timeout / 5))
-        session = cls(name, role, client, meta, registration, cfg, state, heartbeat_s)
+        session = cls(
+            name, role, client, meta, registration, cfg, state, heartbeat_s, world_size=world_size
+        )
         log.info("%s joined job %s as %s", name, meta["job"], role)
         return session
 
     def start_heartbeats(self) -> None:
-        """Send heartbeats from a daemon thread until :meth:`leave`."""
+        """Send heartbeats from a daemon thread until :meth:`leave` (once: later calls do
+        nothing)."""
+        if self._thread is not None:
+            return
         self._thread = threading.Thread(target=self._beat, name="nebula-heartbeat", daemon=True)
         self._thread.start()
+
+    def mark_ready(self) -> None:
+        """The replica's model is loaded: the controller may put it into groups and give it work
+        that needs them (weights, data parallelism)."""
+        self._ready = True
+        self.state.set_ready(self.name)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
@@ -136,8 +185,35 @@ class ReplicaSession:
                 self.client.heartbeat(
                     self.name, policy_version=self.policy_version(), stats=self.stats()
                 )
+            except httpx.HTTPStatusError as err:
+                if err.response.status_code != 404:
+                    log.warning("heartbeat refused: %s", err)
+                    continue
+                self._rejoin()
             except httpx.HTTPError as err:  # the next beat retries; the controller reaps laggards
-                log.warning("heartbeat failed: %s", err)
+                if not self._unreachable:  # once per outage (e.g. the controller restarts)
+                    log.warning("heartbeat failed: %s; retrying", err)
+                self._unreachable = True
+            else:
+                if self._unreachable:
+                    log.info("the controller answers heartbeats again")
+                self._unreachable = False
+
+    def _rejoin(self) -> None:
+        """The controller forgot this replica (it judged it dead while it was only slow): register
+        again; the controller then treats it as a replica that joins."""
+        if self._stop.is_set():
+            return
+        log.warning("%s was removed from the job while alive: registering again", self.name)
+        try:
+            self.registration = self.client.register(
+                self.name, role=self.role, world_size=self.world_size
+            )
+        except httpx.HTTPError as err:
+            log.warning("registering again failed: %s", err)
+            return
+        if self._ready:
+            self.state.set_ready(self.name)
 
     def finished(self) -> str | None:
         """The job's outcome once the controller ended it, else None."""

@@ -2,18 +2,44 @@
 
 The controller never touches a tensor. One pass of `Scheduler.run` does, in order:
 
-1. `release_prompts`: hand out prompts up to the staleness bound (below);
-2. `judge_groups`: read the groups rollout replicas pushed; accept them into the buffer, or drop
+1. `reap` and `sync_groups`: remove replicas that stopped heartbeating (their prompts go back to
+   the queue) and publish a new generation of a group whose membership changed (below);
+2. `release_prompts`: hand out prompts up to the staleness bound (below);
+3. `judge_groups`: read the groups rollout replicas pushed; accept them into the buffer, or drop
    them (stale: the prompt is requeued; all rewards equal under dynamic sampling: filtered);
-3. `collect_results`: record a finished training step (ledger, version, `metrics.jsonl`);
-4. `schedule_step`: when a full batch is buffered and no step runs, send each policy replica a
+4. `collect_results`: record a finished training step (ledger, version, `metrics.jsonl`), or
+   react to a regroup or a failure the policy replicas report;
+5. `schedule_step`: when a full batch is buffered and no step runs, send each policy replica a
    `train` command for its share.
 
 Several policy replicas train as one data-parallel policy: the global batch of a step is
-`train_batch_per_replica` groups per replica; replica `r` (its rank in registration order)
-trains slice `r`, the replicas sum their gradients (:mod:`nebula_rl.policy.replicas`) and take the
-same optimiser step, and rank 0 pushes the new weights to the rollouts. A step is recorded when
-every replica reported it.
+`train_batch_per_replica` groups per initial replica (`num_policy`), split between the replicas
+of the policy group's current generation; the replicas sum their gradients
+(:mod:`nebula_rl.policy.replicas`) and take the same optimiser step, and rank 0 pushes the new
+weights to the rollouts. A step is recorded when every member reported it.
+
+Elasticity. Replicas join (`nebula-rl replica ...` at any time) and leave (they exit, or miss
+heartbeats for `controller.heartbeat_timeout` seconds) while the job runs. Two groups follow the
+membership, each as numbered generations in Redis (`JobState.publish_group`):
+
+- the policy group (policy replicas, data parallel): on a change each member gets a `regroup`
+  command; the members build the new group and agree on one training state (a joining replica
+  receives the weights and optimiser state of a live one). Once all confirmed, the step in flight
+  is recorded if the survivors completed it, else sent again, split among the new members;
+- the weight group (policy rank 0, then the ready rollout replicas): the sender rebuilds it and
+  pushes the current weights, so a joining rollout starts from them.
+
+A member whose collective fails reports it; the group is rebuilt among the live members once the
+heartbeats have had time to tell who died. Lost work is re-issued: a dead rollout's prompts go back
+to the queue, a dead policy replica's share of the step goes to the survivors, and redelivered
+groups and results are deduplicated by prompt id and step.
+
+Restarts. Everything the loop needs is in Redis: the ledger, the buffer, the group generations,
+the step in flight (`step_plan`) and each recorded step's metrics (appended with the ledger update
+in one transaction, then written to `metrics.jsonl`). A controller restarted on the same Redis
+(the launcher restarts one that was killed) continues the job: it sends the step in flight again
+(replicas answer a step they already trained with the same result) and writes the steps the file
+lacks; replicas keep working while it is down and reach it again on their next heartbeat.
 
 Staleness. With `A = allowed_outdated_steps`, the batch of step `s` is trained with policy version
 `s - 1` and must come from weights of version `>= s - 1 - A`. So when version `V` is reached, the
@@ -31,15 +57,17 @@ records that step it saves a snapshot of the job's Redis state next to it
 checkpoint, the controller its snapshot, so the ledger, the buffer and the policy version are
 those of step N; prompts trained after step N by the interrupted run are trained again, once.
 
-Simplifications: a fixed set of policy replicas (`--policy N`); one step in flight; a restarted
-controller continues from Redis, but the steps it recorded in `metrics.jsonl` before the restart
-are not rewritten.
+Simplifications: one step in flight; the global batch stays that of the initial `num_policy`
+replicas whatever their number later; a restarted controller serves a new rendezvous store (groups
+built before keep working, later generations meet at the new one).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +76,8 @@ from nebula_rl.config import Config
 from nebula_rl.controller.app import RegisterRequest
 from nebula_rl.controller.state import JobState
 from nebula_rl.data import epoch_order, rl_prompt
-from nebula_rl.protocol import Prompt, RolloutGroup
+from nebula_rl.metrics_log import FILE_LOGGERS, open_loggers
+from nebula_rl.protocol import Prompt
 
 __all__ = ["Scheduler"]
 
@@ -85,27 +114,168 @@ class Scheduler:
             )
         self.num_prompts = cfg.train.epoch * len(rows)
         self._orders: dict[int, list[int]] = {}
-        self._step_in_flight: dict[str, Any] | None = None
+        self.heartbeat_timeout = cfg.controller.heartbeat_timeout
+        self.store: tuple[str, int] | None = None
+        """(host, port) of the TCPStore where the groups' members meet (run_controller's)."""
+        self._due: dict[str, float] = {}
+        self._last_sync = 0.0
+        self._first_ready: float | None = None
+        self._plan = state.step_plan()  # a restarted controller finds its step in flight
+        self._sent: float | None = None
+        self._lines_written: int | None = None
         self._last_step_end = time.monotonic()
         self._tokens_received = 0
         self._start = time.monotonic()
         self._last_reap = 0.0
         self.metrics_path = run_dir / "metrics.jsonl"
         self.snapshots = run_dir / "checkpoints" / "controller"
+        # The file sinks of `[logging] logger`; the launcher, which owns the terminal, the console.
+        self.loggers = open_loggers(cfg, run_dir, total_steps=total_steps, only=FILE_LOGGERS)
 
     # -- registration ---------------------------------------------------------------------------
 
     def on_register(self, req: RegisterRequest) -> dict[str, Any]:
-        """Extra answer fields for a joining replica: its ranks. A policy replica gets its
-        `policy_rank` (0..N-1); rank 0 is also rank 0 of the weight group, the sender. A rollout
-        replica gets its `weight_rank` (1..M)."""
-        if req.role == "policy":
-            rank = self.state.assign_rank(
-                "policy_ranks", req.name, first=0, capacity=self.num_policy
-            )
-            return {"policy_rank": rank, "weight_rank": 0 if rank == 0 else None}
-        rank = self.state.assign_rank("weight_ranks", req.name, first=1, capacity=self.num_rollout)
-        return {"weight_rank": rank}
+        """Extra answer fields for a joining replica: none. Ranks come with the generations of
+        the groups (see :meth:`sync_groups`), once the replica reports itself ready."""
+        return {}
+
+    # -- membership -----------------------------------------------------------------------------
+
+    def _ready(self, role: str) -> dict[str, int]:
+        """Registered replicas of `role` that loaded their model -> their replica ids, oldest
+        registration first."""
+        ready = sorted(
+            (info["replica_id"], name)
+            for name, info in self.state.replicas().items()
+            if info["role"] == role and info["ready"]
+        )
+        return {name: replica_id for replica_id, name in ready}
+
+    @staticmethod
+    def _wanted(record: dict[str, Any], ready: dict[str, int]) -> list[str]:
+        """The members a group should have: the current ones that are still the same processes
+        (a replica restarted under its name has a new id: it joins again), then newcomers."""
+        members = [m for m in record["members"] if ready.get(m) == record["ids"].get(m)]
+        return members + [n for n in ready if n not in members]
+
+    @staticmethod
+    def _changed(record: dict[str, Any], members: list[str], ids: dict[str, int]) -> bool:
+        """Whether `members` (with replica ids `ids`) differ from the group's generation."""
+        return members != record["members"] or any(record["ids"].get(m) != ids[m] for m in members)
+
+    def _regroup_due(self, kind: str, generation: int) -> bool:
+        """Whether a member asked to rebuild generation `generation` of `kind` long enough ago
+        that the heartbeats have told who is dead (so the new generation leaves them out)."""
+        if self.state.regroup_requested(kind) < generation:
+            self._due.pop(kind, None)
+            return False
+        due = self._due.setdefault(kind, time.monotonic() + self.heartbeat_timeout + 1.0)
+        return time.monotonic() >= due
+
+    def _publish(self, kind: str, members: list[str], ids: dict[str, int]) -> dict[str, Any]:
+        assert self.store is not None, "run_controller sets the rendezvous store"
+        host, port = self.store
+        record = self.state.publish_group(kind, members, host=host, port=port, ids=ids)
+        self._due.pop(kind, None)
+        log.info("%s group generation %d: %s", kind, record["generation"], ", ".join(members))
+        return record
+
+    def sync_groups(self, every_s: float = 0.25) -> None:
+        """Publish a new generation of a group whose membership changed: replicas that joined
+        (and are ready), left or were reaped, or a member that found the group broken. The
+        policy replicas' group first waits for the `num_policy` initial replicas (or, after a
+        heartbeat timeout, for those still registered: one may have died starting), then takes
+        every ready one (up to the global batch size, one group per replica); the weight group
+        is policy rank 0 (the sender) and every ready rollout replica."""
+        now = time.monotonic()
+        if now - self._last_sync < every_s:
+            return
+        self._last_sync = now
+        self._sync_policy_group()
+        self._sync_weight_group()
+
+    def _initial_policy_members(self, ready: dict[str, int]) -> list[str] | None:
+        """Who forms the first policy group, None while it should wait for more."""
+        if not ready:
+            return None
+        if len(ready) >= self.num_policy:
+            return list(ready)
+        if self._first_ready is None:
+            self._first_ready = time.monotonic()
+        registered = [i for i in self.state.replicas().values() if i["role"] == "policy"]
+        waited = time.monotonic() - self._first_ready > self.heartbeat_timeout
+        return list(ready) if waited and len(registered) == len(ready) else None
+
+    def _sync_policy_group(self) -> None:
+        record = self.state.group_record("policy")
+        ready = self._ready("policy")
+        if record is None:
+            initial = self._initial_policy_members(ready)
+            if initial is not None:
+                if len(initial) < self.num_policy:
+                    log.warning(
+                        "%d of %d policy replicas are up: starting without the others",
+                        len(initial),
+                        self.num_policy,
+                    )
+                self._publish_policy(initial[: self.batch_size], ready)
+            return
+        wanted = self._wanted(record, ready)[: self.batch_size]
+        if not wanted:
+            return  # no policy replica left: wait for one to join
+        if self._changed(record, wanted, ready) or self._regroup_due(
+            "policy", record["generation"]
+        ):
+            self._publish_policy(wanted, ready)
+
+    def _publish_policy(self, members: list[str], ids: dict[str, int]) -> None:
+        record = self._publish("policy", members, ids)
+        for name in members:
+            self.state.send_command({"type": "regroup", "group": record}, to=name)
+
+    def _sync_weight_group(self) -> None:
+        policy = self.state.group_record("policy")
+        if policy is None:
+            return
+        sender = policy["members"][0]
+        ready = {sender: policy["ids"][sender], **self._ready("rollout")}
+        record = self.state.group_record("weights")
+        if record is None:
+            members = list(ready)
+        else:
+            # (the sender stays first: `_wanted` keeps the order of those already in)
+            members = [sender, *(m for m in self._wanted(record, ready) if m != sender)]
+        if (
+            record is None
+            or self._changed(record, members, ready)
+            or self._regroup_due("weights", record["generation"])
+        ):
+            self._publish("weights", members, ready)
+
+    def _formed_policy_group(self) -> dict[str, Any] | None:
+        """The policy group's record once every member joined it and agreed on the state."""
+        record = self.state.group_record("policy")
+        if record is None or set(record["confirmed"]) != set(record["members"]):
+            return None
+        return record
+
+    def resume_in_flight(self) -> None:
+        """After a restart: send again what the previous controller may not have finished
+        sending (replicas answer a command they already carried out with the same result)."""
+        record = self.state.group_record("policy")
+        if record is None:
+            return
+        missing = [m for m in record["members"] if m not in record["confirmed"]]
+        for name in missing:
+            self.state.send_command({"type": "regroup", "group": record}, to=name)
+        plan = self._plan
+        if plan is None or missing:
+            return  # (the last confirmation will handle the plan)
+        if plan["generation"] == record["generation"]:
+            log.info("sending step %d again after the restart", plan["step"])
+            self._send_step(plan, record)
+        else:  # the group was re-formed but the plan not yet handled when the controller died
+            self._policy_group_formed(record)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -114,6 +284,7 @@ class Scheduler:
         policy replica, which exports the final weights, and mark the job finished."""
         while self.state.step() < self.total_steps:
             self.reap()
+            self.sync_groups()
             self.release_prompts()
             self.judge_groups(block_ms=poll_ms)
             self.collect_results()
@@ -124,6 +295,7 @@ class Scheduler:
         self.stop_policy()
         self.write_ledger()
         self.state.finish("done")
+        self.loggers.close()
         log.info("job finished at step %d", self.state.step())
 
     def reap(self, every_s: float = 1.0) -> None:
@@ -167,12 +339,12 @@ class Scheduler:
                 self.state.accept_group(group, version, self.allowed, msg_id=msg_id)
 
     def schedule_step(self) -> None:
-        """Send the `train` commands of the next step when a full batch is buffered, every
-        policy replica has joined, and no step is running."""
-        if self._step_in_flight is not None or self.state.step() >= self.total_steps:
+        """Send the `train` commands of the next step when a full batch is buffered, the policy
+        replicas' group is formed, and no step is running."""
+        if self._plan is not None or self.state.step() >= self.total_steps:
             return
-        holders = self.state.rank_holders("policy_ranks")
-        if len(holders) < self.num_policy:
+        group = self._formed_policy_group()
+        if group is None:
             return
         version = self.state.policy_version()
         batch = self.state.next_batch(
@@ -182,76 +354,138 @@ class Scheduler:
             return
         staleness = [version - g.policy_version for g in batch]
         step = self.state.step() + 1
-        self._step_in_flight = {
+        ckpt = self.cfg.train.ckpt
+        plan = {
             "step": step,
+            "prompt_ids": [g.prompt.prompt_id for g in batch],
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": max(staleness),
-            "sent": time.monotonic(),
-            "groups": batch,
-            "results": {},
+            "push": step % self.sync_interval == 0 and step < self.total_steps,
+            "checkpoint": ckpt.enable_checkpoint
+            and (step % ckpt.save_freq == 0 or step == self.total_steps),
         }
-        push = step % self.sync_interval == 0 and step < self.total_steps
-        ckpt = self.cfg.train.ckpt
-        checkpoint = ckpt.enable_checkpoint and (
-            step % ckpt.save_freq == 0 or step == self.total_steps
-        )
-        self._step_in_flight["checkpoint"] = checkpoint
-        size = self.batch_per_replica
-        for rank, name in sorted(holders.items()):
-            shard = batch[rank * size : (rank + 1) * size]
+        self._sent = time.monotonic()
+        self._send_step(plan, group)
+
+    def _send_step(self, plan: dict[str, Any], group: dict[str, Any]) -> None:
+        """Send step `plan` to the members of policy group generation `group`: rank `r` trains
+        the `r`-th of as many near-equal slices of the batch as there are members (the step does
+        not depend on the split: the loss takes the global counts)."""
+        members = group["members"]
+        plan = {**plan, "generation": group["generation"], "members": members, "results": {}}
+        self._plan = plan
+        self.state.save_step_plan(plan)  # before the commands: a restart finds and resends them
+        ids = plan["prompt_ids"]
+        bounds = [round(r * len(ids) / len(members)) for r in range(len(members) + 1)]
+        for rank, name in enumerate(members):
             command = {
                 "type": "train",
-                "step": step,
-                "prompt_ids": [g.prompt.prompt_id for g in shard],
-                "push_weights": push and rank == 0,
-                "checkpoint": checkpoint and rank == 0,
+                "generation": group["generation"],
+                "step": plan["step"],
+                "prompt_ids": ids[bounds[rank] : bounds[rank + 1]],
+                "push_weights": plan["push"] and rank == 0,
+                "checkpoint": plan["checkpoint"] and rank == 0,
             }
             self.state.send_command(command, to=name)
 
     def collect_results(self) -> None:
-        """Record finished steps: ledger, policy version, one `metrics.jsonl` line each."""
+        """Handle what the policy replicas report: a finished share of the step (the step is
+        recorded once every member reported), a finished regroup (the step in flight is then
+        recorded, if it was completed, or sent again), or a failure (the group is rebuilt)."""
         for msg_id, result in self.state.poll_results():
-            inflight = self._step_in_flight
-            # (a result recorded before a restart or restore comes back once: it is not new)
-            fresh = result.get("step", 0) > self.state.step()
-            if result.get("type") == "train" and inflight is not None and fresh:
-                assert result["step"] == inflight["step"], (result, inflight["step"])
-                inflight["results"][result["rank"]] = result
-                if len(inflight["results"]) == self.num_policy:
-                    self._record_step()
+            self._on_result(result)
             self.state.ack_result(msg_id)
 
-    def _record_step(self) -> None:
-        inflight = self._step_in_flight
-        assert inflight is not None
-        groups: list[RolloutGroup] = inflight["groups"]
-        step = inflight["step"]
-        self.state.mark_trained([g.prompt.prompt_id for g in groups], step)
-        version = self.state.bump_policy_version()
-        if inflight["checkpoint"]:
-            self._save_snapshot(step)
+    def _on_result(self, result: dict[str, Any]) -> None:
+        kind = result.get("type")
+        record = self.state.group_record("policy")
+        current = record is not None and result.get("generation") == record["generation"]
+        if kind == "regrouped" and current:
+            assert record is not None
+            info = {"version": result["version"], "last_result": result["last_result"]}
+            record = self.state.confirm_member("policy", record["generation"], result["name"], info)
+            if record is not None and set(record["confirmed"]) == set(record["members"]):
+                self._policy_group_formed(record)
+        elif kind in ("train_failed", "regroup_failed") and current:
+            assert record is not None
+            log.warning(
+                "policy replica %s: %s in group generation %d: %s",
+                result["name"],
+                kind.replace("_", " "),
+                record["generation"],
+                result["error"],
+            )
+            self.state.request_regroup("policy", record["generation"])
+        elif kind == "train":
+            plan = self._plan
+            # (a result recorded before a restart comes back once: it is not new)
+            fresh = result["step"] > self.state.step()
+            if plan is None or not fresh or result["generation"] != plan["generation"]:
+                return
+            assert result["step"] == plan["step"], (result, plan["step"])
+            plan["results"][result["name"]] = result
+            self.state.save_step_plan(plan)
+            if set(plan["results"]) >= set(plan["members"]):
+                self._record_step(list(plan["results"].values()))
+
+    def _policy_group_formed(self, record: dict[str, Any]) -> None:
+        """Every member of a new policy group generation joined and agreed on the state of
+        `version`: the step in flight was completed (record it) or not (send it again)."""
+        confirmed = record["confirmed"].values()
+        version = max(c["version"] for c in confirmed)
+        log.info("policy group generation %d formed at version %d", record["generation"], version)
+        if version < self.state.step():
+            self.state.finish(f"failed: the policy state of step {self.state.step()} is lost")
+            raise RuntimeError(
+                f"every policy replica holding the weights of step {self.state.step()} is gone "
+                f"(the live ones hold version {version}); resume the job from a checkpoint"
+            )
+        plan = self._plan
+        if plan is None:
+            return
+        if version >= plan["step"]:
+            results = [c["last_result"] for c in confirmed if c["last_result"] is not None]
+            self._record_step(results[:1])
+        else:
+            log.info("sending step %d again to %d replica(s)", plan["step"], len(record["members"]))
+            self._send_step(plan, record)
+
+    def _record_step(self, results: list[dict[str, Any]]) -> None:
+        """Record the step in flight, trained with these `results` (empty when the replicas
+        completed the step but its metric sums failed: the metrics are lost)."""
+        plan = self._plan
+        assert plan is not None
+        step = plan["step"]
         now = time.monotonic()
-        ledger = self.state.ledger_summary(groups[0].prompt.epoch)
-        results = inflight["results"]
+        sent = self._sent if self._sent is not None else now
+        # The replicas reduce their metrics over the whole batch; any one's stand for all.
+        metrics = min(results, key=lambda r: r["rank"])["metrics"] if results else {}
         record = {
             "step": step,
-            "policy_version": version,
-            # The replicas reduce their metrics over the whole batch; rank 0's stand for all.
-            **results[0]["metrics"],
-            "staleness_mean": inflight["staleness_mean"],
-            "staleness_max": inflight["staleness_max"],
-            "stale_dropped": ledger["stale_dropped"],
-            "groups_filtered": ledger["filtered"],
+            "policy_version": step,
+            **metrics,
+            "staleness_mean": plan["staleness_mean"],
+            "staleness_max": plan["staleness_max"],
             "step_time": now - self._last_step_end,
-            "train_time": max(r["train_time"] for r in results.values()),
-            "wait_for_batch_time": inflight["sent"] - self._last_step_end,
+            "train_time": max((r["train_time"] for r in results), default=0.0),
+            "wait_for_batch_time": max(sent - self._last_step_end, 0.0),
             # Over the whole run: a window per step can be empty when rollouts run ahead.
             "rollout_tokens_per_s": self._tokens_received / max(now - self._start, 1e-9),
+            "num_policy_replicas": len(plan["members"]),
         }
+        if not results:
+            record["metrics_lost"] = True
+        epoch = int(plan["prompt_ids"][0].split(":")[0])
+        ledger = self.state.ledger_summary(epoch)
+        record["stale_dropped"] = ledger["stale_dropped"]
+        record["groups_filtered"] = ledger["filtered"]
+        self.state.mark_trained(plan["prompt_ids"], step, policy_version=step, record=record)
+        self._plan, self._sent = None, None
         self._last_step_end = now
-        self._step_in_flight = None
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        if plan["checkpoint"]:
+            self._save_snapshot(step)
+        self._flush_metrics()
+        self.loggers.log(record)
         log.info(
             "step %d/%d reward %.3f loss %.4f staleness %.1f/%d %.2fs",
             record["step"],
@@ -262,6 +496,24 @@ class Scheduler:
             record["staleness_max"],
             record["step_time"],
         )
+
+    def _flush_metrics(self) -> None:
+        """Append to `metrics.jsonl` the recorded steps it lacks: each step is recorded in Redis
+        first (with the ledger), so a controller that died in between writes it after its
+        restart, and a line cut short by the crash is rewritten."""
+        if self._lines_written is None:
+            lines = (
+                self.metrics_path.read_text().splitlines(True) if self.metrics_path.exists() else []
+            )
+            complete = [line for line in lines if line.endswith("\n")]
+            if len(complete) != len(lines):
+                self.metrics_path.write_text("".join(complete))
+            self._lines_written = len(complete)
+        records = self.state.step_records(self._lines_written)
+        if records:
+            with self.metrics_path.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+            self._lines_written += len(records)
 
     def _save_snapshot(self, step: int) -> None:
         """The job's Redis state after `step`, next to the policy's checkpoint of that step;
@@ -318,7 +570,7 @@ class Scheduler:
     def _exhausted(self) -> bool:
         """No step can be formed any more: every prompt is handed out and resolved, the buffer
         holds less than a batch, and no step runs."""
-        if self._step_in_flight is not None or self.state.released() < self.num_prompts:
+        if self._plan is not None or self.state.released() < self.num_prompts:
             return False
         open_prompts = sum(
             s["outstanding"] + s["requeued"]
@@ -338,27 +590,32 @@ class Scheduler:
         (self.run_dir / "ledger.json").write_text(json.dumps(ledger, indent=1))
 
     def stop_policy(self, *, timeout_s: float = 600.0) -> None:
-        """Let the policy replicas finish their last step, export, and confirm; raises on
-        timeout."""
+        """Let the policy replicas finish their last step (rebuilding their group if one fails),
+        export, and confirm; raises on timeout."""
         deadline = time.monotonic() + timeout_s
-        while self._step_in_flight is not None:
+        while self._plan is not None:
+            self.reap()
+            self.sync_groups()
             self.collect_results()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the policy did not finish step {self._step_in_flight['step']}")
+                raise TimeoutError(f"the policy did not finish step {self._plan['step']}")
             time.sleep(0.02)
-        holders = self.state.rank_holders("policy_ranks")
-        for name in holders.values():
+        record = self.state.group_record("policy")
+        members = [] if record is None else list(record["members"])
+        for name in members:
             self.state.send_command({"type": "stop"}, to=name)
-        stopped: set[int] = set()
+        stopped: set[str] = set()
         while time.monotonic() < deadline:
             for msg_id, result in self.state.poll_results(block_ms=200):
                 self.state.ack_result(msg_id)
                 if result.get("type") == "stopped":
-                    stopped.add(result["rank"])
-            if len(stopped) == len(holders):
+                    stopped.add(result["name"])
+            self.reap()
+            live = set(self.state.replicas())
+            if all(name in stopped or name not in live for name in members):
                 return
         raise TimeoutError(
-            f"policy rank(s) {sorted(set(holders) - stopped)} did not confirm the stop within "
+            f"policy replica(s) {sorted(set(members) - stopped)} did not confirm the stop within "
             f"{timeout_s:.0f} s"
         )
 
@@ -383,10 +640,13 @@ def run_controller(
 
     from nebula_rl.controller.app import create_app, serve
     from nebula_rl.controller.redis_server import connect
-    from nebula_rl.data import num_train_steps, rl_rows
+    from nebula_rl.data import num_train_steps, rl_dataset
+    from nebula_rl.launch import RESTART_ENV
     from nebula_rl.weights import free_port, serve_store
 
-    rows = rl_rows(cfg)
+    rows, report = rl_dataset(cfg)
+    # Unusable rows are left out, counted, and reported here and in the log, not fatal.
+    (run_dir / "dataset.json").write_text(json.dumps(dataclasses.asdict(report), indent=1))
     total_steps = num_train_steps(cfg, len(rows))
     job = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:64] or "job"
     state = JobState(connect(redis_url), job)
@@ -399,17 +659,24 @@ def run_controller(
         num_policy=num_policy,
         run_dir=run_dir,
     )
-    resume_from = scheduler.restore()
+    restarted = os.environ.get(RESTART_ENV) == "1"
+    # A restart continues from Redis, which is newer than any checkpoint.
+    resume_from = None if restarted else scheduler.restore()
+    if restarted:
+        log.info("controller restarted: continuing job %s from Redis at step %d", job, state.step())
+    # Replicas could not reach a dead controller: they get a full heartbeat timeout from now.
+    state.refresh_heartbeats()
     store_port = free_port(host)
     store = serve_store(host, store_port)  # noqa: F841 (kept alive for the job)
-    rendezvous = {"host": host, "port": store_port, "hosted": True}
+    scheduler.store = (
+        host,
+        store_port,
+    )  # (a new one per controller process: groups built later meet there)
     meta = {
         "redis_url": redis_url,
         "run_dir": str(run_dir),
         "total_steps": total_steps,
         "resume_from": None if resume_from is None else str(resume_from),
-        "weights": {**rendezvous, "name": f"{job}-weights-0", "world_size": 1 + num_rollout},
-        "policy_group": {**rendezvous, "name": f"{job}-policy-0", "world_size": num_policy},
     }
     app = create_app(
         state=state,
@@ -417,9 +684,12 @@ def run_controller(
         token=token,
         meta_extra=meta,
         on_register=scheduler.on_register,
+        metrics_path=scheduler.metrics_path,
+        heartbeat_timeout=cfg.controller.heartbeat_timeout,
     )
     with serve(app, host=host, port=port) as server:
         log.info("controller of job %s at %s: %d steps", job, server.url, total_steps)
+        scheduler.resume_in_flight()
         scheduler.run()
         _wait_for_replicas(state, timeout_s=30.0)
 

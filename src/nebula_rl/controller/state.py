@@ -23,6 +23,12 @@ Training runs as commands: the controller appends a `train` command to each poli
 share of the in-flight batch and appends a result to the `results` stream, which the controller
 reads (consumer group `controller`).
 
+Elastic groups: the controller publishes each generation of the policy replicas' data-parallel
+group and of the weight group (`group:<kind>`, see :meth:`JobState.publish_group`); members build
+the group of the current generation, and a membership change publishes a new one. The step in
+flight (`step_plan`) and every recorded step's metrics (`metrics`) live here too, so a restarted
+controller re-sends what was in flight and rewrites no step twice.
+
 Simplifications: one controller consumes the `groups` and `results` streams; one training batch
 is in flight at a time; staleness is judged when a group is accepted and again when it is taken
 into a batch.
@@ -61,6 +67,7 @@ POLICY_GROUP = "policy"
 """Consumer group of a policy replica on its `commands:<replica>` stream."""
 
 _JOB_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_KINDS = ("policy", "weights")
 
 
 class JobState:
@@ -146,6 +153,8 @@ class JobState:
             self.requeue_pending(consumer["name"])
         for name in self.replicas():
             self.unregister_replica(name)
+        # Their groups went with them (generation numbers keep growing: the counters stay).
+        self.redis.delete(*(self.key(k, kind) for k in ("group", "regroup") for kind in _KINDS))
 
     # -- prompts --------------------------------------------------------------------------------
 
@@ -416,8 +425,20 @@ class JobState:
         """The training batch in flight (empty when none)."""
         return [from_json(RolloutGroup, g) for g in self.redis.lrange(self.key("inflight"), 0, -1)]
 
-    def mark_trained(self, prompt_ids: list[str], step: int) -> None:
-        """The in-flight batch (these prompt_ids) was trained by optimiser step `step`."""
+    def mark_trained(
+        self,
+        prompt_ids: list[str],
+        step: int,
+        *,
+        policy_version: int | None = None,
+        record: dict[str, Any] | None = None,
+    ) -> None:
+        """The in-flight batch (these prompt_ids) was trained by optimiser step `step`.
+
+        In the same transaction: the step plan is cleared, the policy version set to
+        `policy_version` and the step's metrics `record` appended (see :meth:`step_records`), so a
+        controller that dies at any point records the step exactly once.
+        """
         inflight = self.key("inflight")
 
         def finish(pipe: Pipeline) -> None:
@@ -428,10 +449,27 @@ class JobState:
             for p in prompts:
                 pipe.hset(self.key("ledger", p.epoch), p.index, "trained")
                 pipe.hincrby(self.key("trained", p.epoch), p.index, 1)
-            pipe.delete(inflight)
+            pipe.delete(inflight, self.key("step_plan"))
             pipe.set(self.key("step"), step)
+            if policy_version is not None:
+                pipe.set(self.key("policy_version"), policy_version)
+            if record is not None:
+                pipe.rpush(self.key("metrics"), json.dumps(record))
 
         self.redis.transaction(finish, inflight)
+
+    def step_records(self, start: int = 0) -> list[dict[str, Any]]:
+        """The metrics of the recorded steps, in order, from the `start`-th on."""
+        return [json.loads(r) for r in self.redis.lrange(self.key("metrics"), start, -1)]
+
+    def save_step_plan(self, plan: dict[str, Any]) -> None:
+        """What the controller needs to finish the step in flight after a restart (JSON-able)."""
+        self.redis.set(self.key("step_plan"), json.dumps(plan))
+
+    def step_plan(self) -> dict[str, Any] | None:
+        """The step in flight as saved by :meth:`save_step_plan`; None when none runs."""
+        raw = self.redis.get(self.key("step_plan"))
+        return None if raw is None else json.loads(raw)
 
     def ledger_summary(self, epoch: int) -> dict[str, int]:
         """Counts for `epoch`: `total` prompts, how many are in each of :data:`LEDGER_STATES`,
@@ -583,6 +621,30 @@ class JobState:
 
         return self.redis.transaction(beat, replica, value_from_callable=True)
 
+    def set_ready(self, name: str) -> bool:
+        """Replica `name` has loaded its model and can join groups now; False if unregistered."""
+        replica = self.key("replica", name)
+
+        def mark(pipe: Pipeline) -> bool:
+            if not pipe.exists(replica):
+                return False
+            pipe.multi()
+            pipe.hset(replica, "ready", 1)
+            return True
+
+        return self.redis.transaction(mark, replica, value_from_callable=True)
+
+    def refresh_heartbeats(self) -> None:
+        """Count every registered replica as having just beaten: a restarted controller gives
+        them a full timeout to reach it before judging them dead."""
+        now = self.clock()
+        names: list[str] = self.redis.zrange(self.key("replicas"), 0, -1)
+        with self.redis.pipeline() as pipe:
+            for name in names:
+                pipe.zadd(self.key("replicas"), {name: now}, xx=True)
+                pipe.hset(self.key("replica", name), "last_heartbeat", now)
+            pipe.execute()
+
     def unregister_replica(self, name: str) -> bool:
         """Forget replica `name`; False if it was not registered. Its prompts are not requeued
         here: see :meth:`requeue_pending`."""
@@ -594,7 +656,7 @@ class JobState:
 
     def replicas(self) -> dict[str, dict[str, Any]]:
         """Registered replicas: name -> {replica_id, role, host, world_size, registered_at,
-        last_heartbeat, policy_version, stats}."""
+        last_heartbeat, policy_version, stats, ready}."""
         names = self.redis.zrange(self.key("replicas"), 0, -1)
         with self.redis.pipeline(transaction=False) as pipe:
             for name in names:
@@ -604,28 +666,79 @@ class JobState:
             name: _decode_replica(info) for name, info in zip(names, infos, strict=True) if info
         }
 
-    def assign_rank(self, table: str, name: str, *, first: int, capacity: int) -> int:
-        """A rank for `name` in rank table `table` (e.g. "weight_ranks"): the next free one of
-        `first`..`first + capacity - 1`, and the same one again on re-registration. Raises
-        ValueError when all ranks are taken."""
-        ranks = self.key(table)
+    # -- elastic groups -------------------------------------------------------------------------
 
-        def assign(pipe: Pipeline) -> int:
-            taken = pipe.hgetall(ranks)
-            if name in taken:
-                return int(taken[name])
-            if len(taken) >= capacity:
-                raise ValueError(f"{table}: all {capacity} rank(s) are taken")
-            rank = first + len(taken)
+    def group_record(self, kind: str) -> dict[str, Any] | None:
+        """The current generation of group `kind` ("policy" or "weights"): {kind, generation,
+        members (rank order), ids (their replica ids), host, port (the rendezvous store), job,
+        confirmed (member -> what it reported on joining)}; None before the first."""
+        raw = self.redis.get(self.key("group", kind))
+        return None if raw is None else json.loads(raw)
+
+    def publish_group(
+        self, kind: str, members: list[str], *, host: str, port: int, ids: dict[str, int]
+    ) -> dict[str, Any]:
+        """Start a new generation of group `kind` with `members` (in rank order; `ids`: their
+        replica ids, which tell a member from a new process under the same name); returns its
+        record. Generation numbers only grow (also across controller restarts)."""
+        if kind not in _KINDS:
+            raise ValueError(f"group kind must be one of {_KINDS}, got {kind!r}")
+        record = {
+            "kind": kind,
+            "generation": self.redis.incr(self.key("group_seq", kind)),
+            "members": members,
+            "ids": {name: ids[name] for name in members},
+            "host": host,
+            "port": port,
+            "job": self.job,
+            "confirmed": {},
+        }
+        self.redis.set(self.key("group", kind), json.dumps(record))
+        return record
+
+    def confirm_member(
+        self, kind: str, generation: int, name: str, info: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Member `name` joined generation `generation` of `kind` and reports `info`; returns the
+        updated record, or None when that generation is no longer current."""
+        group = self.key("group", kind)
+
+        def confirm(pipe: Pipeline) -> dict[str, Any] | None:
+            raw = pipe.get(group)
+            record = None if raw is None else json.loads(raw)
+            if record is None or record["generation"] != generation:
+                return None
+            record["confirmed"][name] = info
             pipe.multi()
-            pipe.hset(ranks, name, rank)
-            return rank
+            pipe.set(group, json.dumps(record))
+            return record
 
-        return self.redis.transaction(assign, ranks, value_from_callable=True)
+        return self.redis.transaction(confirm, group, value_from_callable=True)
 
-    def rank_holders(self, table: str) -> dict[int, str]:
-        """Rank -> replica name of the rank table `table`."""
-        return {int(rank): name for name, rank in self.redis.hgetall(self.key(table)).items()}
+    def request_regroup(self, kind: str, generation: int) -> None:
+        """A member found generation `generation` of `kind` broken (a collective failed or
+        timed out); the controller rebuilds the group among the live members."""
+        self.redis.eval(
+            "local old = tonumber(redis.call('GET', KEYS[1]) or '-1') "
+            "if tonumber(ARGV[1]) > old then redis.call('SET', KEYS[1], ARGV[1]) end",
+            1,
+            self.key("regroup", kind),
+            generation,
+        )
+
+    def regroup_requested(self, kind: str) -> int:
+        """The newest generation of `kind` a member asked to replace (-1: none)."""
+        return int(self.redis.get(self.key("regroup", kind)) or -1)
+
+    def announce_push(self, generation: int) -> int:
+        """The weight sender is about to push in weight-group generation `generation`; returns
+        how many pushes that generation has seen, this one included. Receivers take part in
+        exactly that many (:meth:`num_pushes`)."""
+        return self.redis.incr(self.key("pushes", generation))
+
+    def num_pushes(self, generation: int) -> int:
+        """Pushes announced so far in weight-group generation `generation`."""
+        return int(self.redis.get(self.key("pushes", generation)) or 0)
 
     def dead_replicas(self, timeout: float) -> list[str]:
         """Replicas whose last heartbeat is more than `timeout` seconds old."""
@@ -658,4 +771,5 @@ def _decode_replica(info: dict[str, str]) -> dict[str, Any]:
         "last_heartbeat": float(info["last_heartbeat"]),
         "policy_version": int(info["policy_version"]),
         "stats": json.loads(info["stats"]),
+        "ready": info.get("ready") == "1",
     }

@@ -1,13 +1,16 @@
 """Datasets: local files and folders, built-in verifiable tasks, chat templating.
 
-Rows are plain dicts. Local sources are read with Hugging Face `datasets` (JSON lines, JSON,
-Parquet, CSV, or a folder written by `Dataset.save_to_disk`); `builtin:<task>` names a
-procedurally generated task from :data:`BUILTIN_TASKS`. Rows a mode cannot use (a missing column,
-an empty prompt) are counted and reported by :func:`validate_rows`, never silently dropped.
+Rows are plain dicts. JSON lines files are read line by line here; other local sources with
+Hugging Face `datasets` (JSON, Parquet, CSV, or a folder written by `Dataset.save_to_disk`);
+`builtin:<task>` names a procedurally generated task from :data:`BUILTIN_TASKS`. Rows a mode cannot
+use (a line that is not a JSON object, a missing column, an empty prompt, a prompt that is neither
+text nor chat messages) are counted and reported by :func:`validate_rows` (the log, and
+`RowReport`), never silently dropped and never fatal.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from collections.abc import Callable, Sequence
@@ -22,12 +25,14 @@ from nebula_rl.protocol import Prompt
 
 __all__ = [
     "BUILTIN_TASKS",
+    "MALFORMED",
     "RowReport",
     "arithmetic_task",
     "epoch_order",
     "load_rows",
     "num_train_steps",
     "prompt_token_ids",
+    "rl_dataset",
     "rl_prompt",
     "rl_rows",
     "sft_example",
@@ -37,6 +42,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+MALFORMED = "__malformed__"
+"""Key of the placeholder row `load_rows` gives for a line it could not read (the value says why),
+so that :func:`validate_rows` counts it with the other unusable rows."""
 BUILTIN_PREFIX = "builtin:"
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -116,8 +124,30 @@ def load_rows(ds: DatasetConfig, *, seed: int = 0) -> list[dict[str, Any]]:
             return [row for split in ds.split for row in loaded[split]]
         return list(loaded)
     kind, files = _local_files(path, ds.split)
+    if all(f.endswith(".jsonl") for f in files):
+        return [row for f in files for row in _json_lines(Path(f))]
     table = datasets.load_dataset(kind, data_files=files, split="train")
     return list(table)
+
+
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON lines file; a line that is not a JSON object becomes a
+    :data:`MALFORMED` placeholder (blank lines are skipped)."""
+    rows: list[dict[str, Any]] = []
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                rows.append({MALFORMED: "not valid JSON"})
+                continue
+            if not isinstance(row, dict):
+                rows.append({MALFORMED: "not a JSON object"})
+                continue
+            rows.append(row)
+    return rows
 
 
 def split_rows(
@@ -153,19 +183,42 @@ class RowReport:
         return f"{self.num_rows} rows, {self.num_bad} unusable ({why})"
 
 
+def _is_prompt(value: Any) -> bool:
+    """Text, or chat messages (a list of {"role": str, "content": str})."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in value
+    )
+
+
+def _problem(row: dict[str, Any], columns: Sequence[str], prompts: Sequence[str]) -> str | None:
+    """Why `row` is unusable, None if it is usable."""
+    if MALFORMED in row:
+        return f"malformed line ({row[MALFORMED]})"
+    missing = next((c for c in columns if c not in row or row[c] in (None, "", [])), None)
+    if missing is not None:
+        return f"missing or empty '{missing}'"
+    wrong = next((c for c in prompts if not _is_prompt(row[c])), None)
+    if wrong is not None:
+        return f"'{wrong}' is neither text nor chat messages"
+    return None
+
+
 def validate_rows(
-    rows: list[dict[str, Any]], *, columns: Sequence[str]
+    rows: list[dict[str, Any]], *, columns: Sequence[str], prompts: Sequence[str] = ()
 ) -> tuple[list[dict[str, Any]], RowReport]:
-    """Keep rows whose `columns` are present and non-empty; count the rest by reason."""
+    """Keep rows whose `columns` are present and non-empty (and whose `prompts` columns hold
+    text or chat messages); count the rest by reason, malformed lines included."""
     good: list[dict[str, Any]] = []
     reasons: dict[str, int] = {}
     for row in rows:
-        missing = next((c for c in columns if c not in row or row[c] in (None, "", [])), None)
-        if missing is None:
+        problem = _problem(row, columns, prompts)
+        if problem is None:
             good.append(row)
         else:
-            key = f"missing or empty '{missing}'"
-            reasons[key] = reasons.get(key, 0) + 1
+            reasons[problem] = reasons.get(problem, 0) + 1
     report = RowReport(num_rows=len(rows), num_bad=len(rows) - len(good), reasons=reasons)
     if report.num_bad:
         log.warning("dataset: %s", report.summary())
@@ -275,13 +328,22 @@ def rl_prompt(
     )
 
 
-def rl_rows(cfg: Config) -> list[dict[str, Any]]:
-    """The RL training rows of `cfg`: loaded, checked for the prompt and answer columns, and
-    without the held-out `test_size` split."""
+def rl_dataset(cfg: Config) -> tuple[list[dict[str, Any]], RowReport]:
+    """The RL training rows of `cfg` (loaded, checked for the prompt and answer columns, without
+    the held-out `test_size` split) and the report on the rows that could not be used."""
     p = cfg.grpo
     seed = cfg.train.seed or 0
-    rows, _ = validate_rows(
-        load_rows(p.dataset, seed=seed), columns=[p.prompt_column_name, p.response_column_name]
+    rows, report = validate_rows(
+        load_rows(p.dataset, seed=seed),
+        columns=[p.prompt_column_name, p.response_column_name],
+        prompts=[p.prompt_column_name],
     )
+    if not rows:
+        raise ValueError(f"dataset.name: {p.dataset.name} has no usable row: {report.summary()}")
     train, _held_out = split_rows(rows, p.dataset.test_size, seed=seed)
-    return train
+    return train, report
+
+
+def rl_rows(cfg: Config) -> list[dict[str, Any]]:
+    """The RL training rows of `cfg` (see :func:`rl_dataset`)."""
+    return rl_dataset(cfg)[0]

@@ -12,11 +12,20 @@ DDP/FSDP world. They are joined instead by a group built from a controller-serve
 With the global normaliser and summed gradients, N replicas with batches b_1..b_N step exactly as
 one replica with the concatenated batch would (up to floating-point summation order); the test
 `test_two_replicas_step_like_one` checks it.
+
+Membership changes. The group is rebuilt among the live replicas whenever one leaves or joins (a
+new generation, see :class:`~nebula_rl.weights.group.Generation`). The members of a new group
+first agree on one state with :meth:`ReplicaGroup.sync_state`: the replica with the newest clean
+state (weights, optimiser and schedule, and the policy version) sends it to the others, so a
+joining replica starts from the live ones' state and survivors of a step that failed half-way
+agree again. A collective that fails raises :class:`CollectiveError`.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,11 +34,15 @@ from torch.distributed import ReduceOp
 
 from nebula_rl.weights.group import WeightGroup
 
-__all__ = ["DataParallelSums", "ReplicaGroup"]
+__all__ = ["CollectiveError", "DataParallelSums", "ReplicaGroup"]
 
 # Gradient bucket size: large enough that the per-call cost vanishes, small enough that the
 # flat copy is a small fraction of the model.
 BUCKET_BYTES = 32 * 2**20
+
+
+class CollectiveError(RuntimeError):
+    """A collective between policy replicas failed or timed out (a replica died or hangs)."""
 
 
 class ReplicaGroup:
@@ -50,7 +63,91 @@ class ReplicaGroup:
         return self.group.rank
 
     def _allreduce(self, tensor: Tensor) -> None:
-        self.group.pg.allreduce(tensor, ReduceOp.SUM, self.group.timeout).wait()
+        try:
+            self.group.pg.allreduce(tensor, ReduceOp.SUM, self.group.timeout).wait()
+        except RuntimeError as err:
+            raise CollectiveError(f"policy replica group {self.group.rdzv.name}: {err}") from err
+
+    def _broadcast(self, tensor: Tensor, source: int) -> None:
+        try:
+            self.group.pg.broadcast(tensor, source, self.group.timeout).wait()
+        except RuntimeError as err:
+            raise CollectiveError(f"policy replica group {self.group.rdzv.name}: {err}") from err
+
+    def gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every replica's `values` (same length everywhere), by rank."""
+        mine = torch.tensor(values, dtype=torch.int64, device=self.group.device)
+        rows = [torch.empty_like(mine) for _ in range(self.size)]
+        try:
+            self.group.pg.allgather(rows, mine, self.group.timeout).wait()
+        except RuntimeError as err:
+            raise CollectiveError(f"policy replica group {self.group.rdzv.name}: {err}") from err
+        return [r.tolist() for r in rows]
+
+    def broadcast_tensors(self, tensors: Iterable[Tensor], source: int) -> None:
+        """Overwrite `tensors` (in the same order on every replica) with rank `source`'s."""
+        for tensor in tensors:
+            staged = tensor.detach().to(self.group.device)
+            self._broadcast(staged, source)
+            if staged is not tensor:
+                with torch.no_grad():
+                    tensor.copy_(staged)
+
+    def broadcast_object(self, obj: Any, source: int) -> Any:
+        """Rank `source`'s `obj` (tensors, numbers, strings, lists and dicts of them), on every
+        replica; the others' `obj` is ignored."""
+        payload = torch.empty(0, dtype=torch.uint8)
+        if self.rank == source:
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.group.device)
+        self._broadcast(size, source)
+        if self.rank != source:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        staged = payload.to(self.group.device)
+        self._broadcast(staged, source)
+        if self.rank == source:
+            return obj
+        return torch.load(io.BytesIO(staged.cpu().numpy().tobytes()), weights_only=True)
+
+    def sync_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        *,
+        version: int,
+        clean: bool,
+    ) -> int:
+        """Make every replica's training state that of the newest clean one; returns its version.
+
+        `version` is the last step this replica's state includes; `clean` is False when a step
+        failed half-way through its optimiser updates. When all replicas report the same version
+        and are clean, nothing moves (they are identical by construction); otherwise the
+        lowest-ranked clean replica of the highest version sends its weights, optimiser state
+        and schedule. Raises `CollectiveError` if no replica is clean.
+        """
+        reports = self.gather_ints([version, int(clean)])
+        clean_versions = [(v, -r) for r, (v, ok) in enumerate(reports) if ok]
+        if not clean_versions:
+            raise CollectiveError(
+                "no policy replica holds a consistent training state (every one failed in the "
+                "middle of a step's optimiser updates); resume the job from a checkpoint"
+            )
+        best, neg_rank = max(clean_versions)
+        if all(ok and v == best for v, ok in reports):
+            return best
+        source = -neg_rank
+        self.broadcast_tensors([*model.parameters(), *model.buffers()], source)
+        state = self.broadcast_object(
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, source
+        )
+        if self.rank != source:
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+        optimizer.zero_grad(set_to_none=True)
+        return best
 
     def sum_(self, values: Tensor) -> Tensor:
         """Sum `values` over the replicas, in place (moved to the group's device and back)."""

@@ -1,23 +1,35 @@
 """Policy replica: train on the batches the controller schedules, push weights to the rollouts.
 
-The loop reads commands from the job's `commands` stream:
+The loop reads commands from the replica's `commands:<name>` stream:
 
+- `regroup`: join the policy replicas' data-parallel group of a new generation (the controller
+  sends it when a policy replica joins or leaves, and first of all when the job starts): leave
+  the old group, build the new one, and agree on one training state with the other members
+  (:meth:`~nebula_rl.policy.replicas.ReplicaGroup.sync_state`: a joining replica receives the
+  weights and optimiser state of a live one). The answer (`regrouped`) carries the version this
+  state includes, so the controller knows whether the step in flight was completed.
 - `train`: take the in-flight batch, run one step of the configured algorithm
   (:meth:`~nebula_rl.policy.trainer.PolicyTrainer.grpo_step`: advantages, loss, `mu_iterations`
   passes in `mini_batch` chunks), then, when told to, snapshot the weights into the weight
   sender's buffers and return at once: the broadcast to the rollouts runs in a background thread
   while the next step trains. The result (metrics) goes to the `results` stream, then the command
-  is acknowledged.
+  is acknowledged. A train command of a superseded generation is skipped; one of a step this
+  replica already trained is answered with the cached result (a restarted controller resends).
 - `stop`: wait for the last weight push and checkpoint, export the model as a Hugging Face
   folder, confirm.
 
-A `train` command may ask for a checkpoint after its step (policy rank 0 writes it; the
-replicas are identical). With `meta["resume_from"]` every replica loads that checkpoint first and
-acknowledges, without training, the commands of steps it already covers.
+When a collective with the other replicas fails (one died: gloo notices at once; or one hangs:
+the collective times out), the replica reports `train_failed`, leaves the group and waits for the
+controller's next `regroup`. Its state is still usable if the step failed before its first or
+after its last optimiser update (the common case: the last collectives are the gradient sums and
+the metric sums); otherwise it is marked unclean and takes the state of a clean replica.
 
-Several policy replicas form one data-parallel policy: each trains its share of the step's
-batch, gradients are summed across replicas (:class:`~nebula_rl.policy.replicas.ReplicaGroup`)
-and rank 0 alone pushes weights and exports.
+Between commands, every policy replica follows the weight group's generations
+(:class:`~nebula_rl.weights.elastic.ElasticSender`): the one the controller names as sender
+(policy rank 0) builds the group with the rollout replicas and pushes the current weights.
+
+A `train` command may ask for a checkpoint after its step (policy rank 0 writes it; the
+replicas are identical). With `meta["resume_from"]` every replica loads that checkpoint first.
 
 Simplification: one process per policy replica here (data, tensor and pipeline parallelism inside
 a replica come with the parallelism work); the full state is pushed, not shards.
@@ -27,11 +39,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import logging
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -39,110 +52,295 @@ from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.local import export_hf
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
 from nebula_rl.policy.checkpoint import Checkpointer
-from nebula_rl.policy.replicas import ReplicaGroup
+from nebula_rl.policy.replicas import CollectiveError, ReplicaGroup
 from nebula_rl.policy.trainer import PolicyTrainer
-from nebula_rl.weights import Rendezvous, WeightSender, build_group
+from nebula_rl.weights import WeightSender, build_group
+from nebula_rl.weights.elastic import ElasticSender, current_generation
+from nebula_rl.weights.group import Generation, GroupCancelled, WeightGroup, leave_group
 
-__all__ = ["run_policy"]
+__all__ = ["PolicyWorker", "run_policy"]
 
 log = logging.getLogger(__name__)
+
+POLICY_GROUP = "policy"
+"""Kind of the policy replicas' data-parallel group in the job's state."""
+
+
+class PolicyWorker:
+    """One policy replica: its model and trainer, and the loop over its commands."""
+
+    def __init__(self, session: ReplicaSession, *, device: torch.device) -> None:
+        self.session = session
+        cfg, meta = self.cfg, self.meta = session.cfg, session.meta
+        p = cfg.grpo
+        path = cfg.policy.model_name_or_path
+        self.backend: Literal["gloo", "nccl"] = "nccl" if device.type == "cuda" else "gloo"
+        self.timeout = timedelta(seconds=cfg.controller.collective_timeout)
+        self.tokenizer = load_tokenizer(path)
+        # Every replica loads the same weights with the same seed, so they start identical.
+        self.model = load_model(
+            path,
+            dtype=resolve_dtype(cfg.train.param_dtype),
+            device=device,
+            seed=cfg.train.seed or 0,
+        )
+        ref = copy.deepcopy(self.model).eval().requires_grad_(False) if p.kl_beta > 0 else None
+        self.trainer = PolicyTrainer(
+            self.model,
+            cfg,
+            total_steps=meta["total_steps"],
+            pad_id=self.tokenizer.pad_token_id,
+            ref_model=ref,
+        )
+        self.checkpointer = Checkpointer(
+            cfg.train.ckpt,
+            Path(meta["run_dir"]),
+            model=self.model,
+            optimizer=self.trainer.optimizer,
+            scheduler=self.trainer.scheduler,
+            export=functools.partial(export_hf, self.model, self.tokenizer),
+        )
+        self.version = 0
+        """The last step the training state includes (its policy version)."""
+        if meta["resume_from"] is not None:  # every replica loads it: they stay identical
+            self.version = self.checkpointer.load(Path(meta["resume_from"])).step
+        self.clean = True
+        """False after a step failed between two of its optimiser updates."""
+        self.optimizer_steps = 0
+        self.trainer.optimizer.register_step_post_hook(self._count_step)
+        self.generation: Generation | None = None
+        """The policy group generation this replica last joined (or tried to)."""
+        self.in_sync = False
+        """Whether it is a working member of `generation` (joined, state agreed)."""
+        self.group: WeightGroup | None = None
+        self.last_result: dict[str, Any] | None = None
+        self.weights = ElasticSender(
+            session.state,
+            session.name,
+            make_sender=self._make_sender,
+            backend=self.backend,
+            timeout=self.timeout,
+        )
+
+    def _count_step(self, *args: Any) -> None:
+        self.optimizer_steps += 1
+
+    def _make_sender(self, group: WeightGroup) -> WeightSender:
+        transfer = self.cfg.train.transfer_dtype
+        return WeightSender(
+            group,
+            self.model.named_parameters(),
+            transfer_dtype=resolve_dtype(transfer) if transfer else None,
+        )
+
+    @property
+    def rank(self) -> int | None:
+        """This replica's rank in the policy group it is a member of."""
+        return None if self.generation is None else self.generation.rank_of(self.session.name)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Carry out commands until `stop` or the end of the job."""
+        session, state = self.session, self.session.state
+        session.policy_version = lambda: self.version
+        session.start_heartbeats()
+        session.mark_ready()
+        while session.finished() is None:
+            if self.in_sync and self.clean:
+                self.weights.refresh(self.model.named_parameters, self.version)
+            for msg_id, command in state.read_commands(session.name, block_ms=500):
+                stopped = self.handle(command)
+                state.ack_command(session.name, msg_id)
+                if stopped:
+                    return
+
+    def handle(self, command: dict[str, Any]) -> bool:
+        """Carry out one command; True once stopped."""
+        kind = command["type"]
+        if kind == "regroup":
+            self.regroup(Generation.from_record(command["group"]))
+        elif kind == "train":
+            self.train(command)
+        elif kind == "stop":
+            self.stop()
+            return True
+        else:
+            raise ValueError(f"unknown command {command!r}")
+        return False
+
+    # -- membership -----------------------------------------------------------------------------
+
+    def _leave_group(self) -> None:
+        self.trainer.replicas = None
+        group, self.group = self.group, None
+        leave_group(group)
+        del group
+        gc.collect()
+
+    def _superseded(self, generation: Generation) -> bool:
+        current = current_generation(self.session.state, POLICY_GROUP)
+        return current is not None and current.number > generation.number
+
+    def regroup(self, generation: Generation) -> None:
+        """Join `generation` of the policy group and agree on the training state; report."""
+        name = self.session.name
+        if self._superseded(generation):
+            return  # a newer regroup command follows
+        if self.generation is not None and generation.number == self.generation.number:
+            if self.in_sync:  # a restarted controller asks again
+                self._report(self._regrouped())
+            return
+        rank = generation.rank_of(name)
+        assert rank is not None, f"{name} is not in policy group generation {generation.number}"
+        self._leave_group()
+        self.generation, self.in_sync = generation, False
+        try:
+            if generation.world_size > 1:
+                self.group = build_group(
+                    generation.rendezvous(),
+                    rank=rank,
+                    backend=self.backend,
+                    timeout=self.timeout,
+                    cancelled=lambda: self._superseded(generation),
+                )
+                replicas = ReplicaGroup(self.group)
+                self.version = replicas.sync_state(
+                    self.model,
+                    self.trainer.optimizer,
+                    self.trainer.scheduler,
+                    version=self.version,
+                    clean=self.clean,
+                )
+                self.trainer.replicas = replicas
+            elif not self.clean:
+                raise CollectiveError(
+                    "the only policy replica left failed in the middle of a step's optimiser "
+                    "updates; resume the job from a checkpoint"
+                )
+        except GroupCancelled:
+            self._leave_group()
+            return
+        except (CollectiveError, TimeoutError) as err:
+            log.warning("joining policy group generation %d failed: %s", generation.number, err)
+            self._leave_group()
+            self._report(
+                {
+                    "type": "regroup_failed",
+                    "generation": generation.number,
+                    "rank": rank,
+                    "error": str(err),
+                }
+            )
+            return
+        self.clean, self.in_sync = True, True
+        log.info(
+            "policy group generation %d: rank %d of %d at version %d",
+            generation.number,
+            rank,
+            generation.world_size,
+            self.version,
+        )
+        self._report(self._regrouped())
+        # The state may have moved on (a sync, or a step whose push failed): the rollouts get it.
+        self.weights.refresh(self.model.named_parameters, self.version)
+        self.weights.push(self.model.named_parameters(), self.version)
+
+    def _report(self, result: dict[str, Any]) -> None:
+        """Hand `result` to the controller, signed with this replica's name."""
+        self.session.state.push_result({**result, "name": self.session.name})
+
+    def _regrouped(self) -> dict[str, Any]:
+        assert self.generation is not None
+        last = self.last_result
+        return {
+            "type": "regrouped",
+            "generation": self.generation.number,
+            "rank": self.rank,
+            "version": self.version,
+            # The completed step's result, if this state is that step's.
+            "last_result": last if last is not None and last["step"] == self.version else None,
+        }
+
+    # -- training -------------------------------------------------------------------------------
+
+    def train(self, command: dict[str, Any]) -> None:
+        """Train this replica's share of the step in flight; report the result or the failure."""
+        state = self.session.state
+        current = self.generation is not None and command["generation"] == self.generation.number
+        if not (current and self.in_sync):
+            return  # a superseded generation's: the controller re-issues the step after a regroup
+        step = command["step"]
+        if step <= self.version:  # trained already: the command was sent again
+            if self.last_result is not None and self.last_result["step"] == step:
+                self._report({**self.last_result, "generation": command["generation"]})
+            return
+        by_id = {g.prompt.prompt_id: g for g in state.inflight_batch()}
+        missing = [i for i in command["prompt_ids"] if i not in by_id]
+        if missing:
+            raise RuntimeError(f"step {step}: {missing} are not in flight")
+        before = self.optimizer_steps
+        start = time.perf_counter()
+        try:
+            metrics = self.trainer.grpo_step([by_id[i] for i in command["prompt_ids"]])
+        except CollectiveError as err:
+            self._step_failed(command, self.optimizer_steps - before, err)
+            return
+        train_time = time.perf_counter() - start
+        self.version = step
+        if command["push_weights"]:
+            self.weights.push(self.model.named_parameters(), step)
+        if command["checkpoint"]:
+            self.checkpointer.save(step, data={})
+        self.last_result = {
+            "type": "train",
+            "generation": command["generation"],
+            "rank": self.rank,
+            "step": step,
+            "prompt_ids": command["prompt_ids"],
+            "metrics": metrics,
+            "train_time": train_time,
+        }
+        self._report(self.last_result)
+
+    def _step_failed(self, command: dict[str, Any], updates: int, err: CollectiveError) -> None:
+        """A collective of step `command["step"]` failed after `updates` optimiser updates."""
+        step = command["step"]
+        self.trainer.optimizer.zero_grad(set_to_none=True)
+        if updates == self.cfg.grpo.mu_iterations:  # only the metric sums failed
+            self.version = step
+        elif updates > 0:
+            self.clean = False
+        log.warning(
+            "step %d failed after %d optimiser update(s): %s; waiting for a regroup",
+            step,
+            updates,
+            err,
+        )
+        self.in_sync = False
+        self._leave_group()
+        self._report(
+            {
+                "type": "train_failed",
+                "generation": command["generation"],
+                "rank": self.rank,
+                "step": step,
+                "error": str(err),
+            }
+        )
+
+    def stop(self) -> None:
+        """Finish pushes and checkpoints, export (policy rank 0), confirm."""
+        self.checkpointer.close()
+        self.weights.close()
+        if self.rank == 0 and self.cfg.train.ckpt.export_safetensors:
+            export = Path(self.meta["run_dir"]) / "safetensors" / "final"
+            export_hf(self.model, self.tokenizer, export)
+            log.info("exported the final weights to %s", export)
+        self._leave_group()
+        self._report({"type": "stopped", "rank": self.rank})
 
 
 def run_policy(session: ReplicaSession, *, device: torch.device) -> None:
     """Body of a policy replica process."""
-    cfg, state, meta = session.cfg, session.state, session.meta
-    p = cfg.grpo
-    path = cfg.policy.model_name_or_path
-    rank = session.registration["policy_rank"]
-    backend: Literal["gloo", "nccl"] = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(minutes=10)
-    tokenizer = load_tokenizer(path)
-    # Every replica loads the same weights with the same seed, so they start identical.
-    model = load_model(
-        path, dtype=resolve_dtype(cfg.train.param_dtype), device=device, seed=cfg.train.seed or 0
-    )
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if p.kl_beta > 0 else None
-    replicas = None
-    if meta["policy_group"]["world_size"] > 1:
-        group = build_group(
-            Rendezvous(**meta["policy_group"]), rank=rank, backend=backend, timeout=timeout
-        )
-        replicas = ReplicaGroup(group)
-    trainer = PolicyTrainer(
-        model,
-        cfg,
-        total_steps=meta["total_steps"],
-        pad_id=tokenizer.pad_token_id,
-        ref_model=ref,
-        replicas=replicas,
-    )
-    checkpointer = Checkpointer(
-        cfg.train.ckpt,
-        Path(meta["run_dir"]),
-        model=model,
-        optimizer=trainer.optimizer,
-        scheduler=trainer.scheduler,
-        export=functools.partial(export_hf, model, tokenizer),
-    )
-    version = 0
-    if meta["resume_from"] is not None:  # every replica loads it: they stay identical
-        version = checkpointer.load(Path(meta["resume_from"])).step
-    session.policy_version = lambda: version
-    session.start_heartbeats()
-
-    sender = None
-    if rank == 0:  # the weight sender: rank 0 of the weight group
-        weights = build_group(
-            Rendezvous(**meta["weights"]), rank=0, backend=backend, timeout=timeout
-        )
-        transfer = cfg.train.transfer_dtype
-        sender = WeightSender(
-            weights,
-            model.named_parameters(),
-            transfer_dtype=resolve_dtype(transfer) if transfer else None,
-        )
-        sender.push(model.named_parameters(), version)  # the rollouts start from exactly these
-    while session.finished() is None:
-        for msg_id, command in state.read_commands(session.name, block_ms=500):
-            if command["type"] == "train" and command["step"] <= version:
-                pass  # trained before the checkpoint this replica resumed from
-            elif command["type"] == "train":
-                by_id = {g.prompt.prompt_id: g for g in state.inflight_batch()}
-                missing = [i for i in command["prompt_ids"] if i not in by_id]
-                if missing:
-                    raise RuntimeError(f"step {command['step']}: {missing} are not in flight")
-                start = time.perf_counter()
-                metrics = trainer.grpo_step([by_id[i] for i in command["prompt_ids"]])
-                train_time = time.perf_counter() - start
-                version = command["step"]
-                if command["push_weights"]:
-                    assert sender is not None, "only policy rank 0 pushes weights"
-                    sender.push(model.named_parameters(), command["step"])
-                if command["checkpoint"]:
-                    checkpointer.save(command["step"], data={})
-                state.push_result(
-                    {
-                        "type": "train",
-                        "rank": rank,
-                        "step": command["step"],
-                        "prompt_ids": command["prompt_ids"],
-                        "metrics": metrics,
-                        "train_time": train_time,
-                    }
-                )
-            elif command["type"] == "stop":
-                checkpointer.close()
-                if sender is not None:
-                    sender.close()
-                if rank == 0 and cfg.train.ckpt.export_safetensors:
-                    export = Path(meta["run_dir"]) / "safetensors" / "final"
-                    export_hf(model, tokenizer, export)
-                    log.info("exported the final weights to %s", export)
-                if replicas is not None:
-                    replicas.close()
-                state.push_result({"type": "stopped", "rank": rank})
-                state.ack_command(session.name, msg_id)
-                return
-            else:
-                raise ValueError(f"unknown command {command!r}")
-            state.ack_command(session.name, msg_id)
+    PolicyWorker(session, device=device).run()

@@ -4,9 +4,10 @@ Three things run at once in a rollout process:
 
 - the engine's step loop (a thread inside :class:`~nebula_rl.rollout.engine.Engine`), which batches
   every request it holds into one forward pass per token;
-- a weight thread that waits for the policy's next push and hands it to `engine.update_weights`,
-  which applies it at the next token boundary (requests in flight continue with the new weights
-  and record where their version changed);
+- a weight thread that follows the weight group's generations (it joins the group again when
+  replicas come or go) and hands each push of the policy to `engine.update_weights`, which
+  applies it at the next token boundary (requests in flight continue with the new weights and
+  record where their version changed);
 - this module's loop: claim prompts from the job's `prompts` stream, submit each as one request of
   `n_generation` samples (once the engine holds the prompt's `min_version`), score finished
   requests in a process pool, and push each group before acknowledging its prompt.
@@ -37,7 +38,8 @@ from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.rewards import combine_rewards, overlong_penalty
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
 from nebula_rl.rollout.torch_engine import TorchEngine
-from nebula_rl.weights import Rendezvous, WeightReceiver, build_group
+from nebula_rl.weights import WeightReceiver
+from nebula_rl.weights.elastic import ElasticReceiver
 
 __all__ = ["RolloutWorker", "run_rollout", "sampling_params", "score_texts"]
 
@@ -143,13 +145,14 @@ class RolloutWorker:
         self.num_groups = 0
         self.start_time = time.monotonic()
         self._weight_error: BaseException | None = None
+        self._closing = False
         session.policy_version = lambda: self.engine.policy_version
         session.stats = self.stats
 
     def _seed(self) -> int:
         """Sampling seed: `rollout.seed` (else `train.seed`), distinct per replica."""
         base = self.cfg.rollout.seed if self.cfg.rollout.seed is not None else self.cfg.train.seed
-        return (base or 0) + 1000 * self.session.registration["weight_rank"]
+        return (base or 0) + 1000 * self.session.registration["replica_id"]
 
     def stats(self) -> dict[str, float]:
         """Heartbeat numbers."""
@@ -162,22 +165,32 @@ class RolloutWorker:
     # -- weights --------------------------------------------------------------------------------
 
     def start_weight_thread(self) -> None:
-        """Join the weight group and apply every push the policy makes, in a daemon thread."""
-        rdzv = Rendezvous(**self.session.meta["weights"])
-        rank = self.session.registration["weight_rank"]
+        """Follow the weight group's generations and apply every push the policy makes, in a
+        daemon thread (:class:`~nebula_rl.weights.elastic.ElasticReceiver`: a push that fails
+        makes the group be rebuilt, not the replica fail)."""
         backend: Literal["gloo", "nccl"] = "nccl" if self.engine_device.type == "cuda" else "gloo"
         params = list(self._model.named_parameters())
         transfer = self.cfg.train.transfer_dtype
         transfer_dtype = resolve_dtype(transfer) if transfer else None
 
+        def apply(version: int, tensors: dict[str, torch.Tensor]) -> None:
+            self.engine.update_weights(tensors, policy_version=version)
+            log.info("weights of version %d in place", version)
+
+        receiver = ElasticReceiver(
+            self.session.state,
+            self.session.name,
+            make_receiver=lambda group: WeightReceiver(
+                group, params, transfer_dtype=transfer_dtype
+            ),
+            apply=apply,
+            backend=backend,
+            timeout=timedelta(seconds=self.cfg.controller.collective_timeout),
+        )
+
         def receive_forever() -> None:
             try:
-                group = build_group(rdzv, rank=rank, backend=backend, timeout=timedelta(minutes=10))
-                receiver = WeightReceiver(group, params, transfer_dtype=transfer_dtype)
-                while True:
-                    version, tensors = receiver.receive(timeout=timedelta(days=1))
-                    self.engine.update_weights(tensors, policy_version=version)
-                    log.info("weights of version %d in place", version)
+                receiver.run(stopped=lambda: self._closing or self.session.finished() is not None)
             except BaseException as err:  # supervised: the main loop re-raises it
                 self._weight_error = err
 
@@ -278,7 +291,8 @@ class RolloutWorker:
         self.num_groups += 1
 
     def close(self) -> None:
-        """Stop the engine loop and the reward processes."""
+        """Stop the weight thread, the engine loop and the reward processes."""
+        self._closing = True
         self.engine.shutdown()
         self.scorer.shutdown(wait=False, cancel_futures=True)
 
@@ -288,6 +302,7 @@ def run_rollout(session: ReplicaSession, *, device: torch.device) -> None:
     worker = RolloutWorker(session, device=device)
     worker.start_weight_thread()
     session.start_heartbeats()
+    session.mark_ready()  # the controller adds it to the weight group now
     try:
         worker.run()
     finally:

@@ -16,14 +16,25 @@ not come), and every collective is given the same timeout. After a member dies t
 a new group under a new `name` (e.g. `"weights-g2"`): keys live under a per-name prefix of the
 store, and a process reuses the store it already holds for the same address, so rank 0 keeps
 serving the rendezvous across generations.
+
+Elastic groups: the controller describes each generation of a group with a :class:`Generation`
+(its number, its members in rank order, the store's address); every member builds the group of
+that generation with :meth:`Generation.rendezvous`, and `build_group(cancelled=...)` gives up as
+soon as a newer generation supersedes the one being joined. A group is left with
+:func:`leave_group`: gloo closes its connections only when the backend object is destroyed, and
+only then do peers blocked in a collective with this member fail at once instead of at their
+timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -38,7 +49,17 @@ from torch.distributed import (
     Work,
 )
 
-__all__ = ["Collectives", "Rendezvous", "WeightGroup", "build_group", "free_port", "serve_store"]
+__all__ = [
+    "Collectives",
+    "Generation",
+    "GroupCancelled",
+    "Rendezvous",
+    "WeightGroup",
+    "build_group",
+    "free_port",
+    "leave_group",
+    "serve_store",
+]
 
 CommBackend = Literal["gloo", "nccl"]
 
@@ -69,6 +90,56 @@ class Rendezvous:
             raise ValueError(f"Rendezvous.port must be in 1..65535, got {self.port}")
         if not self.name:
             raise ValueError("Rendezvous.name must not be empty")
+
+
+class GroupCancelled(RuntimeError):
+    """Joining a group was abandoned because a newer generation replaced it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One generation of an elastic group, as the controller publishes it: who is in it (rank =
+    position in `members`) and where its members meet. A membership change makes a new one."""
+
+    kind: str
+    """Which group: "policy" (data parallel between policy replicas) or "weights"."""
+    number: int
+    """Generation number, increasing over the job (never reused, also across controller restarts)."""
+    members: tuple[str, ...]
+    """Replica names in rank order; for "weights" the sender comes first."""
+    host: str
+    """Host of the TCPStore the members meet at (served by the controller)."""
+    port: int
+    """Its port."""
+    job: str
+    """Job name, part of the group name so that two jobs never share keys."""
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Generation:
+        """A generation from the controller's JSON record (see `JobState.group_record`)."""
+        return cls(
+            kind=str(record["kind"]),
+            number=int(record["generation"]),
+            members=tuple(record["members"]),
+            host=str(record["host"]),
+            port=int(record["port"]),
+            job=str(record["job"]),
+        )
+
+    @property
+    def world_size(self) -> int:
+        """Number of members."""
+        return len(self.members)
+
+    def rank_of(self, name: str) -> int | None:
+        """`name`'s rank in this generation, None if it is not a member."""
+        return self.members.index(name) if name in self.members else None
+
+    def rendezvous(self) -> Rendezvous:
+        """Where this generation's members build their group (a fresh key prefix per generation)."""
+        return Rendezvous(
+            self.host, self.port, f"{self.job}-{self.kind}-g{self.number}", self.world_size, True
+        )
 
 
 class Collectives(Protocol):
@@ -113,8 +184,21 @@ class WeightGroup:
         return self.rdzv.world_size
 
     def close(self) -> None:
-        """Tear the backend down; the group is unusable afterwards."""
+        """Tear the backend down; the group is unusable afterwards (see :func:`leave_group` to
+        also close the connections)."""
         self.pg.shutdown()
+
+
+def leave_group(group: WeightGroup | None) -> None:
+    """Shut `group` down, ignoring errors of a group that is already broken.
+
+    Drop every reference to it afterwards (then `gc.collect()` for reference cycles): gloo closes
+    its connections only when the backend object is destroyed, and only then do peers blocked in
+    a collective with this member fail at once instead of at their timeout.
+    """
+    if group is not None:
+        with contextlib.suppress(RuntimeError):
+            group.close()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -124,10 +208,41 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def _listen(host: str, port: int) -> int:
+    """A socket listening on `host:port` only, as a file descriptor the TCPStore takes over.
+
+    (TCPStore's own server listens on every interface whatever host it is given, which would put
+    an unauthenticated store on the network of a job that was told to stay on loopback.)
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(512)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
+
+
+def _serve(host: str, port: int, timeout: timedelta) -> TCPStore:
+    return TCPStore(
+        host,
+        port,
+        None,
+        True,
+        timeout,
+        wait_for_workers=False,
+        master_listen_fd=_listen(host, port),
+        use_libuv=True,
+    )
+
+
 def serve_store(host: str, port: int) -> TCPStore:
-    """Serve a TCPStore at `host:port` from this process, for groups whose `Rendezvous.hosted`
-    is set; it lives as long as the returned object (or the process)."""
-    store = TCPStore(host, port, None, True, timedelta(minutes=5), wait_for_workers=False)
+    """Serve a TCPStore at `host:port` (listening on `host` only) from this process, for groups
+    whose `Rendezvous.hosted` is set; it lives as long as the returned object (or the process)."""
+    store = _serve(host, port, timedelta(minutes=5))
     _STORES[(host, port)] = store
     return store
 
@@ -137,19 +252,51 @@ def _store(rdzv: Rendezvous, *, rank: int, timeout: timedelta) -> TCPStore:
     store = _STORES.get(key)
     if store is None:
         # No wait_for_workers: the join check below waits per group, with its own timeout.
-        master = rank == 0 and not rdzv.hosted
-        store = TCPStore(rdzv.host, rdzv.port, None, master, timeout, wait_for_workers=False)
+        if rank == 0 and not rdzv.hosted:
+            store = _serve(rdzv.host, rdzv.port, timeout)
+        else:
+            store = TCPStore(rdzv.host, rdzv.port, None, False, timeout, wait_for_workers=False)
         _STORES[key] = store
     store.set_timeout(timeout)  # this generation's timeout, for gloo's own rendezvous too
     return store
 
 
-def _join(store: Store, rdzv: Rendezvous, *, rank: int, timeout: timedelta) -> None:
-    """Every rank announces itself and waits for all others, so a missing one can be named."""
+_CANCEL_POLL_S = 0.05
+
+
+def _join(
+    store: Store,
+    rdzv: Rendezvous,
+    *,
+    rank: int,
+    timeout: timedelta,
+    cancelled: Callable[[], bool] | None = None,
+) -> None:
+    """Every rank announces itself and waits for all others, so a missing one can be named.
+
+    With `cancelled`, the wait polls the store and is abandoned (`GroupCancelled`) once
+    `cancelled()` is true (asked twice a second).
+    """
     keys = [f"joined/{r}" for r in range(rdzv.world_size)]
     store.set(keys[rank], "1")
+    deadline = time.monotonic() + timeout.total_seconds()
+    next_ask = time.monotonic() + 0.5
     try:
-        store.wait(keys, timeout)
+        if cancelled is None:
+            store.wait(keys, timeout)
+            return
+        # (polled: a store wait that times out logs a warning per slice)
+        while not store.check(keys):
+            now = time.monotonic()
+            if now >= deadline:
+                raise DistStoreError("timed out")
+            if now >= next_ask:
+                next_ask = now + 0.5
+                if cancelled():
+                    raise GroupCancelled(
+                        f"group {rdzv.name!r}: a newer generation replaced it while joining"
+                    )
+            time.sleep(_CANCEL_POLL_S)
     except DistStoreError as err:  # the wait timed out
         try:
             missing = str([r for r, k in enumerate(keys) if not store.check([k])])
@@ -167,18 +314,21 @@ def build_group(
     rank: int,
     backend: CommBackend = "gloo",
     timeout: timedelta = timedelta(minutes=5),
+    cancelled: Callable[[], bool] | None = None,
 ) -> WeightGroup:
     """Join the weight group `rdzv` as `rank`; blocks until all members joined or `timeout`.
 
-    Rank 0 hosts the TCPStore at `rdzv.host:rdzv.port` unless `rdzv.hosted`. Raises `TimeoutError` naming the missing
-    ranks when not all members join in time. For NCCL, call `torch.cuda.set_device` first.
+    Rank 0 hosts the TCPStore at `rdzv.host:rdzv.port` unless `rdzv.hosted`. Raises `TimeoutError`
+    naming the missing ranks when not all members join in time, and `GroupCancelled` when
+    `cancelled()` turns true while waiting (it is asked twice a second). For NCCL, call
+    `torch.cuda.set_device` first.
     """
     if not 0 <= rank < rdzv.world_size:
         raise ValueError(f"rank must be in [0, {rdzv.world_size}), got {rank}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     store = PrefixStore(f"nebula_rl/weights/{rdzv.name}", _store(rdzv, rank=rank, timeout=timeout))
-    _join(store, rdzv, rank=rank, timeout=timeout)
+    _join(store, rdzv, rank=rank, timeout=timeout, cancelled=cancelled)
     pg: torch._C._distributed_c10d.Backend
     if backend == "gloo":
         device = torch.device("cpu")
