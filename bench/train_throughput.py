@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from transformers import PreTrainedTokenizerBase
 
 from nebula_rl.config import Config, load_config
 from nebula_rl.controller import JobState, connect, start_redis
@@ -69,7 +70,9 @@ class PlainBatch:
     """[G, n] one reward per completion."""
 
 
-def make_groups(cfg: Config, model: torch.nn.Module, tokenizer, *, seed: int) -> list[RolloutGroup]:
+def make_groups(
+    cfg: Config, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, *, seed: int
+) -> list[RolloutGroup]:
     """One training batch of scored groups shaped like `cfg`'s job.
 
     Prompts are the arithmetic task's under the chat template; response tokens are random; the
@@ -241,7 +244,6 @@ def measure(config: str, *, rounds: int, redis_dir: Path) -> dict[str, float]:
         **{name: statistics.median(t) for name, t in times.items()},
         **{f"{name}_ratio": ratio for name, ratio in ratios.items()},
         "tokens": float(batch.attention_mask.sum()),
-        "padded": float(batch.attention_mask.numel()),
         "sequences": float(batch.input_ids.shape[0]),
         "same_step": same_step,
         "moved": moved,

@@ -106,8 +106,20 @@ def run_trl(cfg: Config, *, steps: int, threads: int, out: Path) -> dict[str, An
     # TRL 1.16 sets `gradient_checkpointing`, which transformers 5 renamed: not ours to fix.
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     p, t, s = cfg.grpo, cfg.train, cfg.rollout.sampling_config
-    if p.system_prompt or p.kl_beta or p.mu_iterations != 1 or p.loss_type != "token-mean":
-        raise SystemExit("the TRL mapping here covers token-mean GRPO without system prompt or KL")
+    unmapped = (
+        p.variant != "grpo"
+        or p.loss_type != "token-mean"
+        or p.system_prompt
+        or p.kl_beta
+        or p.mu_iterations != 1
+        or p.dynamic_sampling_enabled
+        or p.overlong_reward.enable_overlong_penalty
+    )
+    if unmapped:
+        raise SystemExit(
+            "the TRL mapping here covers variant grpo with token-mean loss, no system prompt, KL, "
+            "extra iterations, dynamic sampling or overlong penalty"
+        )
     path = cfg.policy.model_name_or_path
     tokenizer, model = load_tokenizer(path), load_model(path, seed=t.seed or 0)
     rows = rl_rows(cfg)
