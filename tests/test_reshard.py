@@ -5,17 +5,14 @@ gloo), the ranks of each rollout replica another (the engine's TP all-reduces), 
 one weight group, as in a job. Each process reports plain data on a queue.
 """
 
-import multiprocessing as mp
-import os
-import queue
 import time
-import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from member_pool import MemberPool
 from nebula_rl.models import load_model
 from nebula_rl.policy.parallelize import ParallelDims, parallelize_model
 from nebula_rl.rollout.engine import GenerationRequest, SamplingParams
@@ -73,60 +70,10 @@ def _generate(engine: TorchEngine) -> dict[str, tuple[list[int], list[float]]]:
 # Member processes
 
 
-def _member(rank, inbox, out):
-    torch.set_num_threads(1)
-    while (task := inbox.get()) is not None:
-        body, args = task
-        try:
-            out.put((rank, "ok", body(rank, *args)))
-        except BaseException:
-            out.put((rank, "error", traceback.format_exc()))
-    out.close()
-    out.join_thread()
-    os._exit(0)  # gloo may abort in its destructors at interpreter exit
-
-
-class Members:
-    """Spawned processes, started once per module, each running the bodies it is sent."""
-
-    def __init__(self, num_procs: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.out = ctx.Queue()
-        self.inboxes = [ctx.Queue() for _ in range(num_procs)]
-        self.procs = [
-            ctx.Process(target=_member, args=(rank, inbox, self.out), daemon=True)
-            for rank, inbox in enumerate(self.inboxes)
-        ]
-        for p in self.procs:
-            p.start()
-
+class Members(MemberPool):
     def run(self, body, num: int, *args, timeout_s: float = 120.0) -> dict:
         """body(member, *args) on members 0..num-1; member -> result."""
-        for member in range(num):
-            self.inboxes[member].put((body, args))
-        reports, errors = {}, {}
-        deadline = time.monotonic() + timeout_s
-        while len(reports) + len(errors) < num:
-            try:
-                member, status, payload = self.out.get(
-                    timeout=max(deadline - time.monotonic(), 0.1)
-                )
-            except queue.Empty:
-                break
-            (errors if status == "error" else reports)[member] = payload
-        if errors:  # all of them: the first to fail is often not the first to report
-            pytest.fail("\n".join(f"member {m} failed:\n{e}" for m, e in sorted(errors.items())))
-        if len(reports) < num:
-            pytest.fail(f"only members {sorted(reports)} reported within {timeout_s}s")
-        return reports
-
-    def close(self) -> None:
-        for inbox in self.inboxes:
-            inbox.put(None)
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        return self.run_on(range(num), body, *args, timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,13 @@ module; they report plain Python data on a queue and leave with `os._exit`.
 """
 
 import glob
-import multiprocessing as mp
-import os
-import queue
 import time
-import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 
+from member_pool import MemberPool
 from nebula_rl.weights import (
     BucketLayout,
     LayoutMismatchError,
@@ -45,24 +42,16 @@ def _state_dict(version: int) -> dict[str, torch.Tensor]:
     }
 
 
-class Members:
-    """Three spawned processes that play one member each of successive weight groups.
+class Members(MemberPool):
+    """Three member processes that play one member each of successive weight groups.
 
-    Spawning is paid once per module; each scenario builds a new group under a new name on the
-    same TCPStore (hosted by member 0), which is also how a group is rebuilt after a failure.
+    Each scenario builds a new group under a new name on the same TCPStore (hosted by member 0),
+    which is also how a group is rebuilt after a failure.
     """
 
     def __init__(self, num_procs: int = 3) -> None:
-        ctx = mp.get_context("spawn")
+        super().__init__(num_procs)
         self.port = free_port()
-        self.out = ctx.Queue()
-        self.inboxes = [ctx.Queue() for _ in range(num_procs)]
-        self.procs = [
-            ctx.Process(target=_member, args=(rank, inbox, self.out), daemon=True)
-            for rank, inbox in enumerate(self.inboxes)
-        ]
-        for p in self.procs:
-            p.start()
         self.num_groups = 0
 
     def run(self, body, world_size: int, *args, ranks=None, timeout_s: float = 60.0) -> dict:
@@ -70,27 +59,7 @@ class Members:
         self.num_groups += 1
         rdzv = Rendezvous("127.0.0.1", self.port, f"group-{self.num_groups}", world_size)
         ranks = range(world_size) if ranks is None else ranks
-        for rank in ranks:
-            self.inboxes[rank].put((body, rdzv, args))
-        reports = {}
-        deadline = time.monotonic() + timeout_s
-        while len(reports) < len(ranks):
-            try:
-                rank, status, payload = self.out.get(timeout=max(deadline - time.monotonic(), 0.1))
-            except queue.Empty:
-                pytest.fail(f"only ranks {sorted(reports)} reported within {timeout_s}s")
-            if status == "error":
-                pytest.fail(f"rank {rank} failed:\n{payload}")
-            reports[rank] = payload
-        return reports
-
-    def close(self) -> None:
-        for inbox in self.inboxes:
-            inbox.put(None)
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        return self.run_on(ranks, body, rdzv, *args, timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -101,20 +70,6 @@ def members():
 
 
 _KEEP = []  # groups left open on purpose (a member that stays alive without pushing)
-
-
-def _member(rank, inbox, out):
-    """A member process: run each (body, rdzv, args) it is sent, report, leave without teardown."""
-    torch.set_num_threads(1)
-    while (task := inbox.get()) is not None:
-        body, rdzv, args = task
-        try:
-            out.put((rank, "ok", body(rank, rdzv, *args)))
-        except BaseException:
-            out.put((rank, "error", traceback.format_exc()))
-    out.close()
-    out.join_thread()
-    os._exit(0)  # gloo may abort in its destructors at interpreter exit
 
 
 # Bodies live at module level so that 'spawn' can import them by name.

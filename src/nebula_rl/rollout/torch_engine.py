@@ -63,7 +63,7 @@ from nebula_rl.rollout.engine import (
 )
 from nebula_rl.rollout.sampling import BatchSampling, sample
 from nebula_rl.rollout.tensor_parallel import TensorParallel, shard_model
-from nebula_rl.weights.reshard import Box
+from nebula_rl.weights.reshard import Box, full_box
 
 FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -745,8 +745,7 @@ class TorchEngine(Engine):
         if self._tp_boxes is not None:
             return dict(self._tp_boxes)
         return {
-            name: (tuple(p.shape), tuple((0, n) for n in p.shape))
-            for name, p in self.model.named_parameters()
+            name: (tuple(p.shape), full_box(p.shape)) for name, p in self.model.named_parameters()
         }
 
     def rng_state(self) -> torch.Tensor:

@@ -53,7 +53,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial
 
 from nebula_rl.weights.group import WeightGroup
-from nebula_rl.weights.transport import LayoutMismatchError
+from nebula_rl.weights.transport import LayoutMismatchError, NamedTensors, _items
 
 __all__ = [
     "Box",
@@ -352,11 +352,6 @@ class _Endpoint:
         """Bytes of this member's message buffers: all the extra memory a push uses."""
         return sum(b.numel() for b in self._buffers)
 
-    @property
-    def num_bytes(self) -> int:
-        """Payload bytes this member sends or receives in a full (not trainable-only) push."""
-        return sum(m.payload_bytes for m in self._plans[False])
-
     def _header(self, version: int, trainable_only: bool, timeout: timedelta | None) -> list[int]:
         """All-gather every member's (version, mode, checksum?, plan digests); check that the
         senders agree with rank 0 and that everyone planned the same; rank 0's row."""
@@ -475,7 +470,7 @@ class ShardedSender(_Endpoint):
     def __init__(
         self,
         group: WeightGroup,
-        named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
+        named_tensors: NamedTensors,
         *,
         num_senders: int,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -486,7 +481,7 @@ class ShardedSender(_Endpoint):
         if group.rank >= num_senders:
             raise ValueError(f"rank {group.rank} is a receiver: senders are ranks < {num_senders}")
         pieces = []
-        for name, tensor in _named(named_tensors):
+        for name, tensor in _items(named_tensors):
             box = dtensor_box(tensor) if isinstance(tensor, DTensor) else full_box(tensor.shape)
             pieces.append(
                 _Piece(name, tuple(tensor.shape), box, str(tensor.dtype), _trainable(tensor))
@@ -503,7 +498,7 @@ class ShardedSender(_Endpoint):
 
     def push(
         self,
-        named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
+        named_tensors: NamedTensors,
         version: int,
         *,
         trainable_only: bool = False,
@@ -515,7 +510,7 @@ class ShardedSender(_Endpoint):
         if trainable_only and self._num_pushes == 0:
             raise ValueError("the first push must send every tensor (trainable_only=False)")
         local = {
-            name: t.to_local() if isinstance(t, DTensor) else t for name, t in _named(named_tensors)
+            name: t.to_local() if isinstance(t, DTensor) else t for name, t in _items(named_tensors)
         }
         head = self._header(version, trainable_only, timeout)
         self._run(self._plans[trainable_only], local, bool(head[2]))
@@ -573,10 +568,3 @@ class ShardedReceiver(_Endpoint):
         head = self._header(-1, False, timeout)
         self._run(self._plans[bool(head[1])], self._tensors, bool(head[2]))
         return head[0]
-
-
-def _named(
-    named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
-) -> list[tuple[str, Tensor]]:
-    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    return list(items)
