@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
 
-    from nebula_rl.local import ensure_model
+    from nebula_rl.launch import ensure_model
 
     ensure_model(load_config(args.config))  # the warm start, if any, is built outside the timing
     with tempfile.TemporaryDirectory(prefix="nebula-bench-async-") as tmp:

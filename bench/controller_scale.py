@@ -52,8 +52,7 @@ import httpx
 
 from nebula_rl.config import config_from_dict
 from nebula_rl.controller import JobState, connect, start_redis
-from nebula_rl.controller.client import TOKEN_ENV, ControllerClient, ReplicaSession
-from nebula_rl.launch import REDIS_URL_ENV
+from nebula_rl.controller.client import REDIS_URL_ENV, TOKEN_ENV, ControllerClient, ReplicaSession
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup, to_json
 from nebula_rl.weights import free_port
 

@@ -235,7 +235,7 @@ def main() -> None:
         )
         raise SystemExit(2)
 
-    from nebula_rl.local import ensure_model
+    from nebula_rl.launch import ensure_model
 
     cfg = load_config(args.config)
     ensure_model(cfg)  # the SFT warm start, built once outside the timing

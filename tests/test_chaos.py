@@ -38,7 +38,7 @@ def _cfg(tmp_path: Path, redis_url: str, *, num_rows: int, max_response_length: 
                 "output_dir": str(tmp_path / "out"),
                 "timestamp": "chaos",
                 "optm_lr": 1e-4,
-                "train_batch_per_replica": BATCH,
+                "train_batch_per_replica": BATCH * N_GENERATION,
                 "seed": 3,
                 "train_policy": {
                     "type": "grpo",
@@ -55,6 +55,7 @@ def _cfg(tmp_path: Path, redis_url: str, *, num_rows: int, max_response_length: 
             },
             "policy": {"model_name_or_path": "tiny:qwen2", "model_max_length": 48},
             "rollout": {
+                "backend": "torch",
                 "n_generation": N_GENERATION,
                 "batch_size": 4,
                 "max_response_length": max_response_length,

@@ -49,14 +49,14 @@ def _cfg(tmp_path: Path, policy: dict, **train):
             "optm_lr": 1e-3,
             "optm_warmup_steps": 2,
             "optm_decay_type": "cosine",
-            "train_batch_per_replica": 4,
+            "train_batch_per_replica": 16 if policy["type"] == "grpo" else 4,
             **train,
             "train_policy": policy,
         },
         "policy": {"model_name_or_path": "tiny:qwen2"},
     }
     if policy["type"] == "grpo":
-        data["rollout"] = {"n_generation": 4, "max_response_length": 3}
+        data["rollout"] = {"backend": "torch", "n_generation": 4, "max_response_length": 3}
     return config_from_dict(data)
 
 
@@ -136,9 +136,23 @@ def test_resumed_run_repeats_the_uninterrupted_run(tmp_path, policy, save_mode, 
         assert (other / "trained_prompts.json").read_text() == full_trained
 
 
+def test_resume_true_without_a_timestamp_takes_the_newest_resumable_run(tmp_path):
+    from nebula_rl.runs import resolve_run_dir
+
+    cfg = _cfg(tmp_path, SFT, max_num_steps=1, resume=True, timestamp="")
+    fresh = resolve_run_dir(cfg)
+    assert fresh.parent == tmp_path and not fresh.exists()  # nothing to resume: a new folder
+    for run, complete in (("20260101000000", True), ("20260102000000", True), ("20260103", False)):
+        folder = checkpoint_path(tmp_path / run, 1)
+        folder.mkdir(parents=True)
+        if complete:
+            (folder / MANIFEST).write_text("{}")
+    cfg = _cfg(tmp_path, SFT, max_num_steps=1, resume=True, timestamp="")
+    assert resolve_run_dir(cfg) == tmp_path / "20260102000000"  # (the newest one is half-written)
+    assert cfg.train.timestamp == "20260102000000"
+
+
 def test_resume_errors_name_the_key(tmp_path):
-    with pytest.raises(ValueError, match=r"train\.resume = true .*train\.timestamp"):
-        _cfg(tmp_path, SFT, max_num_steps=1, resume=True, timestamp="")
     half = checkpoint_path(tmp_path / "old", 3)
     half.mkdir(parents=True)
     cfg = _cfg(tmp_path, SFT, max_num_steps=1, resume=str(half))

@@ -23,7 +23,7 @@ from nebula_rl.controller.client import ControllerClient
 
 CONFIG = """
 [train]
-train_batch_per_replica = 4
+train_batch_per_replica = 16
 max_num_steps = 5
 [train.train_policy]
 type = "grpo"
@@ -34,6 +34,9 @@ name = "builtin:arithmetic"
 kwargs = { num_samples = 40 }
 [policy]
 model_name_or_path = "tiny:qwen2"
+[rollout]
+backend = "torch"
+n_generation = 4
 """
 
 

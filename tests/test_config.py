@@ -27,7 +27,7 @@ def test_misspelt_key_is_named_with_file(tmp_path):
     path = _write(tmp_path, "[train]\noptm_lrr = 1e-5\n")
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    assert str(err.value) == f"{path}: train.optm_lrr: unknown key"
+    assert str(err.value) == f'{path}: train.optm_lrr: unknown key; did you mean "optm_lr"?'
 
 
 def test_unknown_key_inside_discriminated_policy_is_dotted(tmp_path):
@@ -61,9 +61,23 @@ def test_missing_file_is_a_config_error(tmp_path):
         load_config(tmp_path / "nope.toml")
 
 
-def test_temperature_mismatch_names_both_keys():
+def test_temperature_mismatch_recomputes_the_proximal_logprobs():
+    # cosmos-rl's shipped configs often take log-probs at 0.9 and sample at 1.0: the rollout's
+    # log-probs are then no proximal policy, so the policy recomputes its own.
+    cfg = config_from_dict({"train": {"train_policy": {"type": "grpo", "temperature": 0.7}}})
+    assert cfg.grpo.use_rollout_logprobs_for_loss is False
     with pytest.raises(ConfigError) as err:
-        config_from_dict({"train": {"train_policy": {"type": "grpo", "temperature": 0.7}}})
+        config_from_dict(
+            {
+                "train": {
+                    "train_policy": {
+                        "type": "grpo",
+                        "temperature": 0.7,
+                        "use_rollout_logprobs_for_loss": True,
+                    }
+                }
+            }
+        )
     assert "train.train_policy.temperature" in str(err.value)
     assert "rollout.sampling_config.temperature" in str(err.value)
 
@@ -93,12 +107,25 @@ def test_zero_dp_shard_size_rejected():
         config_from_dict({"policy": {"parallelism": {"dp_shard_size": 0}}})
 
 
-def test_aipo_requires_rho():
+def test_aipo_rho_defaults_to_the_variants_value_and_none_is_refused():
+    cfg = config_from_dict({"train": {"train_policy": {"type": "grpo", "variant": "aipo"}}})
+    assert cfg.grpo.aipo_rho == 2.0
     with pytest.raises(ConfigError, match="aipo_rho"):
-        config_from_dict({"train": {"train_policy": {"type": "grpo", "variant": "aipo"}}})
+        config_from_dict(
+            {"train": {"train_policy": {"type": "grpo", "variant": "aipo", "aipo_rho": None}}}
+        )
 
 
-def test_on_policy_requires_sync_every_step():
+def test_on_policy_requires_sync_every_step_and_sets_zero_staleness():
+    cfg = config_from_dict(
+        {
+            "train": {
+                "train_policy": {"type": "grpo", "on_policy": True, "allowed_outdated_steps": 3}
+            }
+        }
+    )
+    assert cfg.grpo.allowed_outdated_steps == 0
+    assert any("allowed_outdated_steps = 0" in w for w in cfg.warnings)
     with pytest.raises(ConfigError, match="sync_weight_interval"):
         config_from_dict(
             {

@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from nebula_rl import local
 from nebula_rl.config import config_from_dict
+from nebula_rl.launch import ensure_model
 
 
 def _rl_cfg(tmp_path, model, **train):
@@ -16,7 +17,7 @@ def _rl_cfg(tmp_path, model, **train):
                 "output_dir": str(tmp_path),
                 "timestamp": "rl",
                 "optm_lr": 1e-4,
-                "train_batch_per_replica": 4,
+                "train_batch_per_replica": 16,
                 "max_num_steps": 3,
                 **train,
                 "train_policy": {
@@ -30,7 +31,7 @@ def _rl_cfg(tmp_path, model, **train):
                 },
             },
             "policy": {"model_name_or_path": model},
-            "rollout": {"n_generation": 4, "max_response_length": 3},
+            "rollout": {"backend": "torch", "n_generation": 4, "max_response_length": 3},
         }
     )
 
@@ -60,6 +61,7 @@ model_name_or_path = "tiny:qwen2"
     cfg = _rl_cfg(tmp_path, str(warm))
     cfg.policy.warmstart_config = str(sft)
     cfg.grpo.dynamic_sampling = False
+    ensure_model(cfg)  # the warm start runs as its own `nebula-rl train` process
     run_dir = local.run(cfg)
 
     assert len((tmp_path / "warm" / "metrics.jsonl").read_text().splitlines()) == 2

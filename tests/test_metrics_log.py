@@ -217,7 +217,7 @@ def test_logging_config_errors_name_the_key(tmp_path: Path) -> None:
         _cfg(tmp_path, logger=["console", "console"])
     with pytest.raises(ConfigError, match=r"logging\.logger\.0: "):
         _cfg(tmp_path, logger=["mlflow"])
-    with pytest.raises(ConfigError, match=r"logging\.report_mfu: only false"):
+    with pytest.raises(ConfigError, match=r"logging\.report_mfu = true: nebula-rl computes no MFU"):
         _cfg(tmp_path, report_mfu=True)
 
 

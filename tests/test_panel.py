@@ -56,7 +56,7 @@ def _cfg(tmp_path: Path) -> Config:
             "train": {
                 "output_dir": str(tmp_path / "out"),
                 "timestamp": "panel",
-                "train_batch_per_replica": BATCH,
+                "train_batch_per_replica": BATCH * 2,
                 "seed": 3,
                 "train_policy": {
                     "type": "grpo",
@@ -69,7 +69,12 @@ def _cfg(tmp_path: Path) -> Config:
                 },
             },
             "policy": {"model_name_or_path": "tiny:qwen2", "model_max_length": 48},
-            "rollout": {"n_generation": 2, "batch_size": 4, "max_response_length": 3},
+            "rollout": {
+                "backend": "torch",
+                "n_generation": 2,
+                "batch_size": 4,
+                "max_response_length": 3,
+            },
             # Heartbeats every second (a fifth of the timeout), so the table fills quickly.
             "controller": {"heartbeat_timeout": 5.0},
         },
@@ -121,9 +126,7 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Job]:
             sessions.append(session)
         # The policy group forms as the scheduler's sync_groups and the joining worker make it
         # (done by hand here, as in test_runtime.py: the test drives the scheduler step by step).
-        record = state.publish_group(
-            "policy", ["policy-0"], host="127.0.0.1", port=1, ids={"policy-0": 1}
-        )
+        record = state.publish_group("policy", ["policy-0"], ids={"policy-0": 1})
         state.confirm_member("policy", record["generation"], "policy-0", {"version": 0})
         yield _Job(server.url, scheduler, *sessions)
 

@@ -108,7 +108,7 @@ def _worker(rank: int, world_size: int, port: int, settings: dict, out) -> None:
             rank=rank,
             world_size=world_size,
         )
-        cfg = ParallelismConfig(**options)
+        cfg = ParallelismConfig(**{"dp_shard_size": -1, **options})
         dims = ParallelDims.from_config(cfg, world_size=world_size)
         mesh = dims.build_mesh(device)
         model = parallelize_model(
@@ -225,6 +225,7 @@ def test_context_parallel_steps_like_one_process():
 
 
 def _dims(world_size: int = 8, **sizes) -> ParallelDims:
+    sizes = {"dp_shard_size": -1, **sizes}  # (inferred unless given)
     return ParallelDims.from_config(ParallelismConfig(**sizes), world_size=world_size)
 
 

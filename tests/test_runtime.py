@@ -28,7 +28,7 @@ def _cfg(tmp_path: Path, *, allowed: int, **grpo: object) -> Config:
                 "output_dir": str(tmp_path / "out"),
                 "timestamp": f"run-{allowed}",
                 "optm_lr": 1e-4,
-                "train_batch_per_replica": BATCH,
+                "train_batch_per_replica": BATCH * 4,
                 "seed": 3,
                 "train_policy": {
                     "type": "grpo",
@@ -46,6 +46,7 @@ def _cfg(tmp_path: Path, *, allowed: int, **grpo: object) -> Config:
             },
             "policy": {"model_name_or_path": "tiny:qwen2", "model_max_length": 48},
             "rollout": {
+                "backend": "torch",
                 "n_generation": 4,
                 "batch_size": 4,
                 "max_response_length": 3,
@@ -67,9 +68,7 @@ def _scheduler(cfg: Config, redis_server: RedisServer, tmp_path: Path) -> Schedu
     rows = rl_rows(cfg)
     state = JobState(connect(redis_server.url), "job")
     # A policy replica has joined: its group generation is published and it confirmed it.
-    record = state.publish_group(
-        "policy", ["policy-0"], host="127.0.0.1", port=1, ids={"policy-0": 1}
-    )
+    record = state.publish_group("policy", ["policy-0"], ids={"policy-0": 1})
     state.confirm_member("policy", record["generation"], "policy-0", {"version": 0})
     return Scheduler(
         cfg, state, rows=rows, total_steps=len(rows) // BATCH, num_rollout=1, run_dir=tmp_path

@@ -80,7 +80,7 @@ def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Controller]
         {
             "train": {
                 "output_dir": str(tmp / "out"),
-                "train_batch_per_replica": 4,
+                "train_batch_per_replica": 16,
                 "train_policy": {
                     "type": "grpo",
                     "prompt_column_name": "prompt",
@@ -90,6 +90,7 @@ def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Controller]
                 },
             },
             "policy": {"model_name_or_path": "tiny:qwen2"},
+            "rollout": {"backend": "torch", "n_generation": 4},
             "controller": {"port": port},
         },
         source="test",
@@ -216,8 +217,9 @@ def test_everything_listens_on_loopback_and_secrets_stay_secret(controller: Cont
                 inode = int(target[len("socket:[") : -1])
                 if inode in listening:
                     addresses.append(listening[inode])
-    # HTTP API, rendezvous store, Redis: three listeners, all on 127.0.0.1 (hex, little-endian).
-    assert len(addresses) >= 3, addresses
+    # HTTP API and Redis (the replicas' groups meet in Redis): two listeners, both on 127.0.0.1
+    # (hex, little-endian).
+    assert len(addresses) == 2, addresses
     loopback = ("0100007F:", "0000000000000000FFFF00000100007F:")
     assert all(a.startswith(loopback) for a in addresses), addresses
 
@@ -282,7 +284,9 @@ def test_malformed_rows_are_counted_and_reported_not_fatal(controller: Controlle
         "reasons": BAD_REASONS,
     }
     meta = httpx.get(f"{controller.url}/api/meta", headers=controller.auth).json()
-    assert meta["total_steps"] == GOOD_ROWS // 4  # train_batch_per_replica = 4
+    assert (
+        meta["total_steps"] == GOOD_ROWS // 4
+    )  # 4 prompts per step (train_batch_per_replica 16 / n_generation 4)
     log = controller.log.read_text()
     assert f"{len(BAD_LINES)} unusable" in log
 
@@ -326,6 +330,7 @@ def test_invalid_model_path_and_impossible_parallel_sizes_fail_at_start(tmp_path
             },
         },
         "policy": {"model_name_or_path": str(tmp_path / "missing")},
+        "rollout": {"backend": "torch"},
     }
     config = tmp_path / "job.json"
     config.write_text(json.dumps(base))
@@ -342,12 +347,16 @@ def test_invalid_model_path_and_impossible_parallel_sizes_fail_at_start(tmp_path
     assert not (tmp_path / "out").exists()  # nothing started: no run folder, no logs
 
     cases = [
-        ({"policy": {"parallelism": {"tp_size": 3}}}, r"tp_size \(3\) must divide the world"),
+        ({"policy": {"parallelism": {"tp_size": 3}}}, r"tp_size \(3\) = 3 must equal the world"),
         (
             {"policy": {"parallelism": {"dp_shard_size": 2}}},
             r"policy.parallelism: .* = 2 must equal the world size \(1\): the RL runtime",
         ),
-        ({"rollout": {"parallelism": {"tp_size": 2}}}, r"rollout.parallelism: tp_size \(2\)"),
+        (
+            {"rollout": {"backend": "torch", "parallelism": {"tp_size": 2}}},
+            r"rollout.parallelism: tp_size \(2\)",
+        ),
+        ({"rollout": {"backend": "vllm"}}, r'rollout.backend = "vllm" .*needs the vllm package'),
     ]
     for change, message in cases:
         cfg = config_from_dict({**base, "policy": {"model_name_or_path": "tiny:qwen2"}, **change})

@@ -223,6 +223,9 @@ def test_gsm8k_config_trains_two_packed_steps(tmp_path, monkeypatch):
 
 
 def _arithmetic_sft(tmp_path: Path, name: str, **parallelism: int) -> Path:
+    # train_batch_per_replica counts conversations per data-parallel rank (as in cosmos-rl):
+    # 8 per step in all, however many ranks share them.
+    dp = parallelism.get("dp_shard_size", 1) * parallelism.get("dp_replicate_size", 1)
     cfg = config_from_dict(
         {
             "train": {
@@ -230,7 +233,7 @@ def _arithmetic_sft(tmp_path: Path, name: str, **parallelism: int) -> Path:
                 "timestamp": name,
                 "optm_lr": 1e-3,
                 "optm_warmup_steps": 0,
-                "train_batch_per_replica": 8,
+                "train_batch_per_replica": 8 // dp,
                 "max_num_steps": 4,
                 "seed": 5,
                 "train_policy": {
@@ -258,8 +261,8 @@ def _arithmetic_sft(tmp_path: Path, name: str, **parallelism: int) -> Path:
 )
 def test_sft_on_two_processes_steps_like_one(tmp_path, parallelism):
     """`torchrun --nproc-per-node 2 ... train` (FSDP2, DDP, or TP+SP): under data parallelism
-    each rank takes half of every batch, under TP both take all of it; the losses and the
-    exported weights are those of one process with the batch."""
+    each rank takes its half of every batch, under TP both take all of it; the losses and the
+    exported weights are those of one process with the whole batch."""
     import os
     import subprocess
     import sys

@@ -135,7 +135,7 @@ def test_mu_iterations_and_kl_run_and_report():
     tok = build_char_tokenizer()
     model = load_model("tiny:qwen2", seed=2)
     ref = copy.deepcopy(model).requires_grad_(False)
-    cfg = _cfg(mu_iterations=3, kl_beta=0.1, entropy_coef=0.01)
+    cfg = _cfg(mu_iterations=3, kl_beta=0.1, entropy_coeff=0.01)
     trainer = PolicyTrainer(model, cfg, total_steps=10, pad_id=tok.pad_token_id, ref_model=ref)
     m = trainer.grpo_step([_group(tok, "5+5=", ["10", "11"], [1.0, 0.0])])
     assert m["kl"] == pytest.approx(0.0, abs=1e-6)  # first pass: policy == reference

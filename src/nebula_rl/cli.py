@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from nebula_rl import __version__
@@ -68,6 +69,38 @@ def _setup_torch() -> None:
         torch.set_num_threads(threads)
 
 
+class _RunLogHandler(logging.FileHandler):
+    """A file log in the run folder, created (with the folder) by the first record only: a job
+    refused before it starts leaves no run folder behind."""
+
+    def _open(self):  # type: ignore[no-untyped-def]
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
+def _file_log(path: Path) -> tuple[logging.Logger, logging.Handler]:
+    """Send every log record (and the tracebacks the returned logger takes) to `path` too; the
+    console keeps its short lines. Returns that logger and the file's handler."""
+    handler = _RunLogHandler(path, delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    trace = logging.getLogger("nebula_rl.traceback")
+    trace.propagate = False
+    trace.addHandler(handler)
+    return trace, handler
+
+
+def _wait_for_model(path: str, timeout_s: float = 3600.0) -> None:
+    """Ranks other than 0 wait for rank 0's warm start (`ensure_model`) to have written `path`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not Path(path).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"policy.model_name_or_path {path} did not appear")
+        time.sleep(1.0)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
     if args.output_dir:
@@ -75,43 +108,65 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.max_num_steps:
         cfg.train.max_num_steps = args.max_num_steps
     _setup_torch()
-    from nebula_rl import local
     from nebula_rl.config import GrpoConfig
+    from nebula_rl.launch import ensure_model
+    from nebula_rl.runs import resolve_run_dir
 
     log = logging.getLogger("nebula_rl")
     distributed = isinstance(cfg.train.train_policy, GrpoConfig) and not args.local
+    rank = int(os.environ.get("RANK", "0"))
+    run_dir = resolve_run_dir(cfg)
+    trace, file_log = _file_log(
+        run_dir / "logs" / (f"train-rank{rank}.log" if rank else "train.log")
+    )
     try:
+        if rank == 0:
+            ensure_model(cfg)
+        elif cfg.policy.warmstart_config is not None:
+            _wait_for_model(cfg.policy.model_name_or_path)
         if not distributed:
+            from nebula_rl import local
+
             run_dir = local.run(cfg)
             log.info("run finished: %s", run_dir)
             return 0
         from nebula_rl.launch import launch
 
-        return launch(
-            cfg, run_dir=local.run_dir_for(cfg), num_policy=args.policy, num_rollout=args.rollout
-        )
-    except ValueError as err:
-        log.error("%s", err)
-        return 2
-    except RuntimeError as err:  # a process of the job failed to start; its log is named
-        log.error("%s", err)
-        return 1
+        return launch(cfg, run_dir=run_dir, num_policy=args.policy, num_rollout=args.rollout)
+    except Exception as err:
+        code = 2 if isinstance(err, ValueError) else 1
+        if not run_dir.exists():  # refused before anything started: no run folder, no log file
+            logging.getLogger().removeHandler(file_log)
+            if code == 2:  # what the user got wrong; the message names the key
+                log.error("%s", err)
+            else:
+                log.exception("nebula-rl train failed before the job started")
+            return code
+        # The whole traceback goes to the run's log; the console gets one line that says where.
+        trace.exception("nebula-rl train failed")
+        where = run_dir / "logs" / (f"train-rank{rank}.log" if rank else "train.log")
+        log.error("%s: %s (traceback in %s)", type(err).__name__, err, where)
+        return code
 
 
 def _cmd_controller(args: argparse.Namespace) -> int:
     import secrets
-    from pathlib import Path
 
-    from nebula_rl.controller.client import ADDRESS_FILE, TOKEN_ENV, TOKEN_FILE, write_private
+    from nebula_rl.controller.client import (
+        ADDRESS_FILE,
+        REDIS_URL_ENV,
+        TOKEN_ENV,
+        TOKEN_FILE,
+        write_private,
+    )
     from nebula_rl.controller.scheduler import run_controller
-    from nebula_rl.launch import REDIS_URL_ENV
-    from nebula_rl.local import run_dir_for
-    from nebula_rl.weights import free_port
+    from nebula_rl.net import free_port
+    from nebula_rl.runs import resolve_run_dir
 
     cfg = _load(args.config)
     _setup_torch()
     log = logging.getLogger("nebula_rl")
-    run_dir = Path(args.run_dir) if args.run_dir else run_dir_for(cfg)
+    run_dir = Path(args.run_dir) if args.run_dir else resolve_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     token = os.environ.get(TOKEN_ENV, "")
     if not token:  # started by hand: make a token and leave it where only this user can read it
@@ -174,7 +229,6 @@ def _cmd_replica(args: argparse.Namespace) -> int:
 def _connection(args: argparse.Namespace) -> tuple[str, str]:
     """(HOST:PORT, token) of the controller to inspect: flags, then the environment, then the
     files a job leaves in its run folder (`--run-dir`)."""
-    from pathlib import Path
 
     from nebula_rl.controller.client import ADDRESS_FILE, CONTROLLER_ENV, TOKEN_ENV, TOKEN_FILE
 
@@ -245,7 +299,6 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from nebula_rl.plot import plot_run
 
@@ -259,7 +312,6 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_reference(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from nebula_rl import config_reference
 

@@ -1,32 +1,58 @@
 """One typed configuration tree, loaded from TOML and validated at load.
 
-Section and key names follow cosmos-rl's documented configuration (``[train]``,
-``[train.train_policy]``, ``[policy.parallelism]``, ``[rollout.sampling_config]``, ...) so that a
-user of that system can bring a config. Keys nebula-rl adds are marked "nebula-rl" in their
-docstring. Every model forbids unknown keys; :func:`load_config` turns validation failures into a
-:class:`ConfigError` naming the file and the dotted key.
+The tree is cosmos-rl's (NVIDIA's RL framework, whose configs nebula-rl runs): every section and
+key of its schema exists here with its meaning, so a cosmos-rl config loads as it is. Keys that
+nebula-rl adds say "nebula-rl" in their docstring. Loading does, in order:
+
+1. `_prepare`: read cosmos-rl's stale keys (keys its own shipped configs carry but no cosmos-rl
+   code reads) out of the raw tables with a warning, refuse a `--wfm-mode` world-model config by
+   name, infer `train.train_policy.type` as cosmos-rl does;
+2. `Config.model_validate`: types, ranges, and cosmos-rl's side effects between keys
+   (`Config._cosmos_side_effects`, e.g. `on_policy = true` sets `allowed_outdated_steps = 0`) and
+   each RL variant's documented defaults for the keys the user did not set;
+3. `refusals`: a key whose feature nebula-rl does not have yet is accepted at its default value
+   and refused, naming the key, the value and why, at any other value the user set.
+
+Unknown keys are errors ("did you mean ..."); errors name the file and the dotted key. Nothing is
+parsed and ignored: `tests/test_config_usage.py` fails for a field no code reads.
 """
 
 from __future__ import annotations
 
+import copy
+import difflib
 import json
+import logging
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
+    "STALE_KEYS",
+    "VARIANT_DEFAULTS",
     "CheckpointConfig",
     "Config",
     "ConfigError",
     "ControllerConfig",
     "DatasetConfig",
+    "DistillationConfig",
     "GrpoConfig",
     "LoggingConfig",
+    "LoraConfig",
     "OverlongRewardConfig",
     "ParallelismConfig",
     "PolicyConfig",
+    "ProfilerConfig",
     "RolloutConfig",
     "RolloutParallelismConfig",
     "SamplingConfig",
@@ -35,11 +61,20 @@ __all__ = [
     "ValidationConfig",
     "config_from_dict",
     "load_config",
+    "refusals",
 ]
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
     """A config file that cannot be used; the message names the file and the dotted key."""
+
+
+def refused(reason: str) -> Any:
+    """Field metadata: the feature behind this key is not built yet; any value but the default
+    is refused with `reason` (see :func:`refusals`)."""
+    return {"refused": reason}
 
 
 class _Section(BaseModel):
@@ -48,33 +83,50 @@ class _Section(BaseModel):
     )
 
 
+# Reasons shared by several keys.
+_NEEDS_CUDA = "needs CUDA and is not supported yet"
+_LORA = "LoRA (policy.lora) is not supported yet"
+_DISTILL = "on-policy distillation ([distillation]) is not supported yet"
+_MULTI_TURN = "multi-turn rollouts (rollout.multi_turn_config) are not supported yet"
+_REMOTE = "remote rewards (use_remote_reward, the reward service) are not supported yet"
+_WORLD = "world-model (diffusers) training is not supported yet"
+_VLA = "vision-language-action (robot policy) training is not supported yet"
+_FP8 = "FP8 training (train.fp8) is not supported yet"
+_LOAD_BALANCE = "load-balanced SFT batching is not supported yet"
+_UPLOAD = "uploading checkpoints is not supported yet; copy `safetensors/` yourself"
+
+
 RewardSpec = str | list[str] | dict[str, float]
 
 
-def _normalize_reward_spec(value: RewardSpec) -> dict[str, float]:
+def _reward_dict(value: RewardSpec) -> dict[str, float]:
+    """cosmos-rl's forms: a name, a list of names (weight 1 each), or a table of name = weight."""
     if isinstance(value, str):
-        value = {value: 1.0}
-    elif isinstance(value, list):
-        value = dict.fromkeys(value, 1.0)
-    if not value:
-        raise ValueError("needs at least one reward function")
+        return {value: 1.0}
+    if isinstance(value, list):
+        return dict.fromkeys(value, 1.0)
     return value
 
 
 class DatasetConfig(_Section):
-    """Where a dataset comes from: a local file or folder, or a built-in task."""
+    """Where a dataset comes from: a Hugging Face Hub dataset, a local file or folder, or a
+    built-in task."""
 
     name: str = ""
-    """Local path to a JSONL/JSON/Parquet/CSV file, a folder of such files or a saved HF `datasets`
-    folder; or `builtin:<task>` for a procedurally generated task (e.g. `builtin:arithmetic`)."""
+    """A Hub dataset id (`openai/gsm8k`, fetched with `datasets` into the usual cache), a local
+    JSONL/JSON/Parquet/CSV file, a folder of such files or a saved `datasets` folder, or
+    `builtin:<task>` for a procedurally generated task (e.g. `builtin:arithmetic`)."""
     subset: str = ""
-    """Dataset subset (configuration name), where the source has several."""
+    """Hub dataset configuration name (e.g. `main` for openai/gsm8k); "" for the default."""
     revision: str = ""
-    """Dataset revision; accepted for compatibility, unused for local files."""
+    """Hub dataset revision: a branch, tag or commit hash; "" for the default branch."""
     split: str | list[str] = "train"
-    """Split(s) to train on: for a folder, files named `<split>.jsonl` / `<split>.parquet` / ..."""
+    """Split(s) to read, concatenated in order: Hub splits, or for a local folder the files named
+    `<split>*.jsonl` / `.parquet` / ...."""
     test_size: float | int | None = None
     """Held-out part for validation: a fraction in (0, 1) or a number of rows; None keeps all."""
+    local_dir: str = ""
+    """A local folder to read the dataset from instead of the Hub (`name` then only names it)."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """nebula-rl: options passed to a built-in task generator (e.g. `max_operand`, `num_samples`)."""
 
@@ -96,19 +148,111 @@ class OverlongRewardConfig(_Section):
     """Largest penalty (subtracted from the reward) at and beyond the maximum length."""
 
 
+class RewardFunctionConfig(_Section):
+    """One reward of a remote reward service (cosmos-rl's `remote_reward.reward_fns` entry)."""
+
+    name: str = "dance_grpo"
+    """Reward function name on the service."""
+    weight: float = 1.0
+    """Weight in the total reward."""
+    score_key: str | None = None
+    """Key of the score in the service's answer (`a+b` sums keys); defaults to `name`."""
+    clip_min: float = -5.0
+    """Lower clip of this reward."""
+    clip_max: float = 5.0
+    """Upper clip of this reward."""
+
+
+def _default_reward_fns() -> list[RewardFunctionConfig]:
+    return [RewardFunctionConfig(name="dance_grpo", weight=1.0, score_key="overall_reward")]
+
+
+class RemoteRewardConfig(_Section):
+    """Rewards computed by a separate reward service (cosmos-rl's `remote_reward`)."""
+
+    scale: float = 1.0
+    """Scale of the total reward."""
+    reward_fns: list[RewardFunctionConfig] = Field(default_factory=_default_reward_fns)
+    """The service's reward functions."""
+    reward_clip_min: float = -5.0
+    """Lower clip of the total reward."""
+    reward_clip_max: float = 5.0
+    """Upper clip of the total reward."""
+    batch_size: int = 1
+    """Completions per request to the service."""
+
+
+# Each RL variant's documented settings, applied to the keys of `[train.train_policy]` that the
+# config does not set (the algorithms' papers; `nebula_rl.algorithms` builds its registry from
+# this table). "grpo" keeps cosmos-rl's field defaults.
+VARIANT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "grpo": {},
+    "dapo": {"epsilon_high": 0.28, "loss_type": "token-mean", "kl_beta": 0.0},
+    "gspo": {
+        "epsilon_low": 3e-4,
+        "epsilon_high": 4e-4,
+        "lower_bound_ratio": None,
+        "loss_type": "seq-mean-token-mean",
+    },
+    "aipo": {"aipo_rho": 2.0, "loss_type": "token-mean"},
+}
+
+
 class GrpoConfig(_Section):
     """Reinforcement learning from verifiable rewards: GRPO and its variants."""
 
     type: Literal["grpo"] = "grpo"
     """Selects this training mode."""
+    trainer_type: str = Field(
+        default="grpo",
+        json_schema_extra=refused(
+            "nebula-rl has one RL trainer (grpo, with the `variant`s); cosmos-rl's other "
+            "trainers (grpo_vla, grpo_pi05, diffusion_nft, user-registered ones) are not supported"
+        ),
+    )
+    """Trainer: `grpo` (cosmos-rl also registers VLA, pi0.5, DiffusionNFT and custom trainers)."""
     variant: Literal["grpo", "dapo", "gspo", "aipo"] = "grpo"
     """Algorithm: `grpo` (Shao et al. 2024), `dapo` (clip-higher, token-mean, dynamic sampling;
     Yu et al. 2025), `gspo` (sequence-level ratio; Zheng et al. 2025), `aipo` (truncated
-    off-policy weights; Wang et al. 2025)."""
+    off-policy weights; Wu et al. 2025). The variant's defaults (`VARIANT_DEFAULTS`) apply to the
+    keys the config does not set; `nebula-rl check` prints the values in force."""
+    algo: Literal["grpo"] = Field(
+        default="grpo",
+        json_schema_extra=refused("only the rule-based algorithm `grpo` exists in nebula-rl"),
+    )
+    """cosmos-rl's registered rule-based reward/advantage algorithm; `grpo`."""
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     """Prompt dataset."""
     dataloader_shuffle: bool = True
-    """Shuffle prompts each epoch (seeded by `train.seed`)."""
+    """Shuffle prompts each epoch (seeded by `dataloader_seed`)."""
+    dataloader_seed: int = 0
+    """Seed of the prompt shuffle."""
+    data_dispatch_as_rank_in_mesh: bool = Field(
+        default=False, json_schema_extra=refused("per-rank data dispatch is not supported yet")
+    )
+    """Dispatch data by rank in the global mesh."""
+    enable_dataset_cache: bool = Field(
+        default=False, json_schema_extra=refused("the dataset cache is not supported yet")
+    )
+    """Cache processed dataset rows."""
+    dataloader_num_workers: int = Field(
+        default=0,
+        json_schema_extra=refused(
+            "RL prompts are read by the controller; it uses no dataloader workers"
+        ),
+    )
+    """Dataloader worker processes (cosmos-rl: of the controller's prompt loader)."""
+    dataloader_prefetch_factor: int | None = Field(
+        default=None, json_schema_extra=refused("see dataloader_num_workers")
+    )
+    """Batches loaded ahead by each dataloader worker."""
+    dataloader_batch_size: int | None = Field(
+        default=1,
+        json_schema_extra=refused(
+            "the controller releases prompts by training step, not in dataloader batches"
+        ),
+    )
+    """Prompts per iteration of cosmos-rl's controller-side dataloader."""
     prompt_column_name: str = "prompt"
     """Column holding the prompt text (a string, or a list of chat messages)."""
     response_column_name: str = "answer"
@@ -118,60 +262,160 @@ class GrpoConfig(_Section):
     reward_function: RewardSpec = Field(default_factory=lambda: {"boxed_math": 1.0})
     """Reward function(s) by registered name or `module:function`: a name, a list (weight 1 each),
     or a table of name = weight."""
+    use_remote_reward: bool = Field(default=False, json_schema_extra=refused(_REMOTE))
+    """Score completions with a remote reward service."""
+    remote_reward: RemoteRewardConfig = Field(
+        default_factory=RemoteRewardConfig, json_schema_extra=refused(_REMOTE)
+    )
+    """Remote reward service settings."""
+    filter_reward_metric: str | list[str] = Field(default_factory=list)
+    """Dynamic sampling by these reward functions: a group whose values of each named reward are
+    all equal is dropped (empty: by the total reward, when dynamic sampling is on)."""
+    bypass_reward: bool = False
+    """Score every completion 0 instead of running the reward functions."""
+    group_reward_calculation: bool = Field(
+        default=False, json_schema_extra=refused("group-batched reward calls are not supported yet")
+    )
+    """Call the reward functions once per group."""
     temperature: float = Field(default=1.0, gt=0.0)
-    """Sampling temperature the log-probs are computed at; must equal
-    `rollout.sampling_config.temperature`."""
-    epsilon_low: float = Field(default=0.2, ge=0.0)
-    """PPO clip range below 1: the ratio is clipped at 1 - epsilon_low."""
-    epsilon_high: float = Field(default=0.2, ge=0.0)
-    """PPO clip range above 1 (DAPO's clip-higher recommends 0.28)."""
+    """Temperature the policy's log-probs are computed at (logits / temperature); normally
+    `rollout.sampling_config.temperature`, the one the rollouts sample at."""
+    epsilon_low: float = 0.2
+    """PPO clip range below 1: the ratio is clipped at 1 - epsilon_low; a negative value
+    disables the clip on that side."""
+    epsilon_high: float = 0.2
+    """PPO clip range above 1 (DAPO's clip-higher recommends 0.28); a negative value disables
+    the clip on that side."""
+    advantage_low: float = -5.0
+    """Advantages are clipped below at this value."""
+    advantage_high: float = 5.0
+    """Advantages are clipped above at this value."""
+    positive_nll_coef: float | None = Field(default=None, gt=0.0)
+    """VAPO's positive-example LM loss (Yue et al. 2025, Sec. 4.3): add this coefficient times
+    the token-mean NLL of the completions with positive reward; None disables."""
     lower_bound_ratio: float | None = 3.0
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (Ye et al. 2020);
     unset to disable."""
     loss_type: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+        "token-mean",
+        "token-sum",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
     ] = "token-mean"
-    """How per-token losses are reduced; `seq-mean-token-sum-norm` is Dr.GRPO's constant normaliser."""
-    unbiased_loss_max_tokens: int | None = None
-    """Dr.GRPO's constant normaliser (tokens) for `seq-mean-token-sum-norm`; defaults to
-    `rollout.max_response_length`."""
+    """How per-token losses are reduced over the step: `token-mean`, `token-sum`,
+    `seq-mean-token-sum`, `seq-mean-token-mean` (Dr.GRPO's constant normaliser when
+    `unbiased_loss_max_tokens` is set), `seq-mean-token-sum-norm` (nebula-rl: Dr.GRPO with the
+    normaliser defaulting to `rollout.max_response_length`)."""
+    unbiased_loss_max_tokens: int | None = Field(default=None, ge=1)
+    """Dr.GRPO's constant per-sequence normaliser in tokens, for `seq-mean-token-mean` (and
+    `seq-mean-token-sum-norm`, where it defaults to `rollout.max_response_length`)."""
     unbiased_advantage: bool = False
     """Do not divide advantages by the group's reward std (Dr.GRPO)."""
     overlong_reward: OverlongRewardConfig = Field(default_factory=OverlongRewardConfig)
     """Soft overlong penalty."""
     kl_beta: float = Field(default=0.0, ge=0.0)
-    """Coefficient of the k3 KL estimate to the initial (reference) policy; 0 loads no reference."""
-    entropy_coef: float = Field(default=0.0, ge=0.0)
-    """nebula-rl: coefficient of the entropy bonus (subtracted from the loss)."""
+    """Coefficient of the k3 KL estimate to the reference policy; 0 loads no reference."""
+    unbiased_kl_estimate: bool = False
+    """Weight the k3 KL by the importance ratio pi_theta / pi_old (DeepSeek-V3.2, Sec. 3.1)."""
+    off_policy_masking_delta: float | None = None
+    """DeepSeek-V3.2's off-policy sequence masking: drop a negative-advantage sequence whose mean
+    log(pi_old / pi_theta) exceeds this; None disables."""
     aipo_rho: float | None = None
     """AIPO truncation constant of the behaviour importance ratio (suggested 2-10); used by
     `variant = "aipo"`."""
-    decoupled_loss: bool = False
-    """nebula-rl: decoupled PPO (Hilton et al. 2022): clip against the proximal policy and weight
-    each token by pi_prox / pi_behaviour from the rollout's log-probs."""
-    behaviour_weight_cap: float | None = None
-    """nebula-rl: upper bound on the decoupled-PPO behaviour weight (None: no bound)."""
-    dynamic_sampling: bool | None = None
-    """nebula-rl: drop groups whose rewards are all equal and sample more (DAPO); default on for
-    `variant = "dapo"`, off otherwise."""
     mu_iterations: int = Field(default=1, ge=1)
     """Optimisation passes over each training batch (mu in the GRPO paper)."""
     mini_batch: int = Field(default=2, ge=1)
     """Sequences per forward/backward; gradients accumulate over a training batch."""
+    batch_size_per_optimize: int | None = Field(default=None, ge=1)
+    """Sequences per optimiser step: a step's batch is split into several optimiser updates of
+    this many sequences (None: one update per pass over the batch)."""
+    max_token_len_per_mini_batch: int | None = Field(default=None, ge=1)
+    """Dynamic mini-batches: sequences are grouped into forward passes of at most this many
+    tokens (instead of `mini_batch` sequences)."""
+    entropy_coeff: float = Field(default=0.0, ge=0.0)
+    """Coefficient of the entropy bonus (subtracted from the loss)."""
     allowed_outdated_steps: int = Field(default=4, ge=0)
     """Largest allowed policy-version lag of a sample at training time; 0 is synchronous."""
     on_policy: bool = False
-    """Fully synchronous: rollouts wait for the newest weights before generating."""
+    """Fully synchronous: rollouts wait for the newest weights (sets `allowed_outdated_steps`
+    to 0; needs `train.sync_weight_interval = 1`)."""
+    uncentralized_training: bool = Field(
+        default=False, json_schema_extra=refused("colocated mode is not supported yet")
+    )
+    """Colocated mode: rollouts go to the local policy without the controller."""
+    outdated_rollout_fetch_batch_size: int = Field(
+        default=0,
+        json_schema_extra=refused(
+            "nebula-rl hands out no prompts beyond the staleness bound (it releases a step's "
+            "prompts once the policy is within allowed_outdated_steps of it)"
+        ),
+    )
+    """cosmos-rl's prompts handed out per request beyond its staleness throttle; 0: none, as
+    nebula-rl always does."""
+    max_inflight_steps: int | None = Field(default=None, ge=1)
+    """Hard ceiling on the prompts handed out but not yet trained, in global training batches
+    (raised to at least `allowed_outdated_steps + 1`); None: only the staleness bound."""
+    min_filter_prefix_tokens: int | None = Field(default=None, ge=1)
+    """Within a group, token prefixes of at least this length shared by completions with
+    different rewards are left out of the loss; None disables."""
+    max_retry_for_on_policy: int = -1
+    """Dynamic sampling: rounds of extra prompts sampled to refill a batch whose groups were
+    dropped; <= 0 is unlimited."""
+    reference_reset_interval: int | None = None
+    """Every this many steps the reference policy (for `kl_beta`) becomes the current policy;
+    None or 0 never."""
+    reset_optimizer_with_reference: bool = True
+    """Reset the optimiser state when the reference is reset."""
+    balance_dp_token: bool = True
+    """Normalise token-mean losses by the token count of the whole step over every data-parallel
+    rank and replica (true), or by each rank's own count, averaged over ranks (false)."""
+    use_decoupled_loss: bool = False
+    """Decoupled PPO (Hilton et al. 2022; AReaL): clip against the proximal policy and weight each
+    token by pi_prox / pi_behaviour from the rollout's log-probs."""
+    behav_imp_weight_cap: float | None = Field(default=None, gt=0.0)
+    """Upper bound on the decoupled-PPO behaviour weight; tokens above it are dropped."""
+    rollout_as_token_ids: bool = Field(
+        default=True,
+        json_schema_extra=refused(
+            "nebula-rl trains on the token ids the rollout sampled; re-tokenising the "
+            "completion text would train on other tokens than were sampled"
+        ),
+    )
+    """Completions travel as the sampled token ids (nebula-rl always; cosmos-rl's default
+    false sends text and re-tokenises it)."""
+    collect_rollout_logprobs: bool = True
+    """Rollouts send each token's log-prob under the sampling policy with the completion."""
+    use_rollout_logprobs_for_loss: bool = True
+    """The PPO ratio is taken against the rollout's log-probs (the behaviour policy: 1 on-policy,
+    a correction for stale samples) instead of log-probs the policy recomputes at the start of
+    the step. Defaults to false when `temperature` differs from the sampling temperature (the
+    rollout's log-probs are then of another distribution)."""
+    dynamic_sampling: bool | None = None
+    """nebula-rl: drop groups whose rewards are all equal and sample more (DAPO); default on for
+    `variant = "dapo"`, off otherwise."""
 
     @field_validator("reward_function")
     @classmethod
     def _rewards_as_dict(cls, v: RewardSpec) -> dict[str, float]:
-        return _normalize_reward_spec(v)
+        value = _reward_dict(v)
+        if not value:
+            raise ValueError("needs at least one reward function")
+        return value
+
+    @field_validator("filter_reward_metric")
+    @classmethod
+    def _metric_list(cls, v: str | list[str]) -> list[str]:
+        return [v] if isinstance(v, str) else v
 
     @property
     def dynamic_sampling_enabled(self) -> bool:
-        """Whether all-equal groups are dropped (explicit setting, else on for DAPO)."""
-        return self.variant == "dapo" if self.dynamic_sampling is None else self.dynamic_sampling
+        """Whether all-equal groups are dropped (explicit setting, else on for DAPO or when
+        `filter_reward_metric` names rewards)."""
+        if self.dynamic_sampling is not None:
+            return self.dynamic_sampling
+        return self.variant == "dapo" or bool(self.filter_reward_metric)
 
 
 class SftConfig(_Section):
@@ -179,12 +423,41 @@ class SftConfig(_Section):
 
     type: Literal["sft"] = "sft"
     """Selects this training mode."""
+    trainer_type: str = Field(
+        default="sft",
+        json_schema_extra=refused(
+            "nebula-rl has one SFT trainer; cosmos-rl's dpo, diffusers_sft, pi_sft, "
+            "cosmos_policy and user-registered trainers are not supported"
+        ),
+    )
+    """Trainer: `sft`."""
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     """Conversation dataset."""
     mini_batch: int = Field(default=2, ge=1)
-    """Sequences per forward/backward; gradients accumulate over a training batch."""
+    """Sequences (or packed rows) per forward/backward; gradients accumulate over a batch."""
     dataloader_shuffle: bool = True
-    """Shuffle rows each epoch (seeded by `train.seed`)."""
+    """Shuffle rows each epoch (seeded by `dataloader_seed`)."""
+    dataloader_seed: int = 0
+    """Seed of the row shuffle."""
+    dataloader_batch_size: int | None = Field(
+        default=1, json_schema_extra=refused("SFT batches are `train.train_batch_per_replica` rows")
+    )
+    """Rows per iteration of cosmos-rl's controller-side dataloader."""
+    enable_dataset_cache: bool = Field(
+        default=False, json_schema_extra=refused("the dataset cache is not supported yet")
+    )
+    """Cache processed dataset rows."""
+    dataloader_num_workers: int = Field(default=0, ge=0)
+    """Worker processes that tokenise conversations ahead of the step (0: in the training
+    process)."""
+    dataloader_prefetch_factor: int | None = Field(default=None, ge=1)
+    """Batches each dataloader worker prepares ahead (with `dataloader_num_workers` > 0)."""
+    dataloader_drop_last: bool = True
+    """Drop the last batch of an epoch when it has fewer than `train_batch_per_replica` rows."""
+    data_dispatch_as_rank_in_mesh: bool = Field(
+        default=False, json_schema_extra=refused("per-rank data dispatch is not supported yet")
+    )
+    """Dispatch data by rank in the global mesh."""
     conversation_column_name: str = "conversations"
     """Column holding a list of {role, content} messages."""
     prompt_column_name: str = ""
@@ -194,6 +467,33 @@ class SftConfig(_Section):
     """nebula-rl: column of the assistant's answer (see `prompt_column_name`)."""
     system_prompt: str = ""
     """System message prepended to every conversation ("" for none)."""
+    balance_dp_token: bool = True
+    """Normalise the loss by the token count of the whole step over every data-parallel rank
+    (true), or by each rank's own count, averaged over ranks (false)."""
+    enable_dp_load_balancing: bool = Field(default=False, json_schema_extra=refused(_LOAD_BALANCE))
+    """Load-balanced dynamic batching across data-parallel ranks."""
+    load_balanced_pool_size: int = Field(default=32, json_schema_extra=refused(_LOAD_BALANCE))
+    """Sample pool per rank for load-balanced batching."""
+    load_balanced_max_tokens_for_batch: int | None = Field(
+        default=None, json_schema_extra=refused(_LOAD_BALANCE)
+    )
+    """Token budget of a load-balanced batch."""
+    load_balanced_batching_strategy: str = Field(
+        default="prefer_closest", json_schema_extra=refused(_LOAD_BALANCE)
+    )
+    """`prefer_closest` or `prefer_first`."""
+    load_balanced_batches_per_optimizer_step: int = Field(
+        default=1, json_schema_extra=refused(_LOAD_BALANCE)
+    )
+    """Load-balanced batches accumulated per optimiser step."""
+    dataloader_broadcast: bool = Field(
+        default=False,
+        json_schema_extra=refused(
+            "every rank builds the same batches from the same seed; broadcasting them from "
+            "rank 0 is not supported"
+        ),
+    )
+    """Build batches on rank 0 and broadcast them over the pp/cp/tp ranks."""
 
 
 TrainPolicy = Annotated[GrpoConfig | SftConfig, Field(discriminator="type")]
@@ -206,12 +506,29 @@ class CheckpointConfig(_Section):
     """Save resumable checkpoints every `save_freq` steps."""
     save_freq: int = Field(default=20, ge=1)
     """Steps between checkpoints."""
+    save_freq_in_epoch: int = Field(
+        default=0,
+        json_schema_extra=refused("epoch-based checkpoint frequency is not supported yet"),
+    )
+    """Epochs between checkpoints (0: off)."""
     save_mode: Literal["async", "sync"] = "async"
     """Write checkpoints in the background (`async`) or block the step (`sync`)."""
     max_keep: int = Field(default=5, ge=-1)
     """Checkpoints kept on disk; -1 keeps all."""
     export_safetensors: bool = True
     """Also export HF safetensors (`safetensors/step_N/`, and `safetensors/final/` at the end)."""
+    upload_hf: bool = Field(default=False, json_schema_extra=refused(_UPLOAD))
+    """Upload exports to the Hugging Face Hub."""
+    hf_repo_name: str = Field(default="Comos-Reason1", json_schema_extra=refused(_UPLOAD))
+    """Hub repository of the uploads."""
+    upload_s3: bool | Literal["final", "all"] = Field(
+        default=False, json_schema_extra=refused(_UPLOAD)
+    )
+    """Upload checkpoints to S3 (`final` or `all`)."""
+    s3_bucket: str | None = Field(default=None, json_schema_extra=refused(_UPLOAD))
+    """S3 bucket of the uploads."""
+    s3_prefix: str = Field(default="outputs", json_schema_extra=refused(_UPLOAD))
+    """S3 prefix of the uploads."""
 
     @field_validator("max_keep")
     @classmethod
@@ -221,97 +538,226 @@ class CheckpointConfig(_Section):
         return v
 
 
+class FP8Config(_Section):
+    """FP8 training through torchao (cosmos-rl's `train.fp8`)."""
+
+    enable_fp8: bool = Field(default=False, json_schema_extra=refused(_FP8))
+    """Train the linear layers in FP8."""
+    fp8_recipe: str = Field(default="dynamic_scaling", json_schema_extra=refused(_FP8))
+    """Scale recipe: `dynamic_scaling`."""
+    quant_recipe: str = Field(default="rowwise", json_schema_extra=refused(_FP8))
+    """Quantisation: `rowwise` or `tensorwise`."""
+
+
+class FP4Config(_Section):
+    """FP4 training (cosmos-rl's `train.fp4`)."""
+
+    enable_fp4: bool = Field(
+        default=False, json_schema_extra=refused("FP4 training is not supported")
+    )
+    """Train in FP4."""
+    fp4_recipe: str = Field(
+        default="dynamic_scaling", json_schema_extra=refused("FP4 training is not supported")
+    )
+    """Scale recipe."""
+    quant_recipe: str = Field(
+        default="rowwise", json_schema_extra=refused("FP4 training is not supported")
+    )
+    """Quantisation."""
+
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
 class TrainingConfig(_Section):
-    """The optimiser, the schedule and the run's outputs."""
+    """The optimiser, precision, schedule and the run's outputs."""
 
     train_policy: TrainPolicy = Field(default_factory=GrpoConfig)
     """Training mode: `[train.train_policy] type = "grpo"` or `"sft"`."""
     optm_name: Literal["AdamW", "Adam"] = "AdamW"
     """Optimiser."""
-    optm_lr: float = Field(default=1e-6, gt=0.0)
-    """Peak learning rate."""
-    optm_impl: Literal["fused", "foreach", "for-loop"] = "foreach"
-    """Optimiser kernel implementation (`fused` needs a device that supports it)."""
+    optm_lr: float | dict[str, float] = 1e-6
+    """Peak learning rate; a table gives module-path prefixes their own rate and must have a
+    `global` entry for the rest (e.g. `{ global = 1e-6, "model.embed_tokens" = 1e-7 }`)."""
+    optm_impl: Literal["fused", "foreach", "for-loop"] = "fused"
+    """Optimiser kernel implementation."""
     optm_weight_decay: float = Field(default=0.01, ge=0.0)
     """Decoupled weight decay."""
     optm_betas: tuple[float, float] = (0.9, 0.999)
     """Adam betas."""
     optm_warmup_steps: int | float = Field(default=20, ge=0)
     """Linear warm-up steps; a float in [0, 1] is a fraction of the total steps."""
+    optm_warmup_start_factor: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Learning rate at the first warm-up step, as a fraction of `optm_lr`."""
+    optm_decay_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Fraction of the total steps, at the end, over which the rate decays (warm-up, stable,
+    decay); None decays over every step after warm-up."""
     optm_decay_type: Literal["none", "linear", "cosine", "sqrt"] | None = None
-    """Decay after warm-up (None or `none`: constant)."""
+    """Decay shape (None or `none`: constant after warm-up)."""
     optm_min_lr_factor: float = Field(default=0.0, ge=0.0, le=1.0)
     """Floor of the decayed learning rate as a fraction of `optm_lr`."""
     optm_grad_norm_clip: float = Field(default=1.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 disables."""
-    epsilon: float = Field(default=1e-8, gt=0.0)
-    """Adam epsilon."""
-    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype of forward/backward (cosmos-rl defaults to bfloat16; float32 suits CPU)."""
-    master_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the weights the optimiser updates."""
-    transfer_dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    """Dtype of weights sent to rollouts; defaults to `param_dtype`."""
-    compile: bool = False
-    """Compile the model with torch.compile."""
+    ema_enable: bool = Field(
+        default=False, json_schema_extra=refused("EMA weights are not supported yet")
+    )
+    """Keep an exponential moving average of the weights."""
+    ema_decay: float = Field(
+        default=0.9999, json_schema_extra=refused("EMA weights are not supported yet")
+    )
+    """EMA decay."""
+    ema_update_step_interval: int = Field(
+        default=0, json_schema_extra=refused("EMA weights are not supported yet")
+    )
+    """Steps between EMA updates (0: every step)."""
+    master_dtype: Dtype = "float32"
+    """Dtype of the weights and optimiser state the optimiser updates (the master copy)."""
+    param_dtype: Dtype = "float32"
+    """Compute dtype of forward and backward; lower than `master_dtype` is mixed precision
+    (autocast, or FSDP2's mixed precision when sharded)."""
+    transfer_dtype: Dtype | None = None
+    """Dtype of the weights pushed to rollouts; defaults to `master_dtype`."""
+    logprob_dtype: Dtype = "float32"
+    """Dtype the logits are cast to before the log-softmax of the loss."""
+    fsdp_reduce_dtype: Literal["float32"] = "float32"
+    """FSDP2: dtype of the gradient reduction."""
+    fsdp_offload: bool = False
+    """FSDP2: keep the sharded parameters and optimiser state in CPU memory (CUDA only)."""
+    fsdp_reshard_after_forward: Literal["always", "never", "default"] = "default"
+    """FSDP2: free the gathered parameters after forward (`default`: all but the last block)."""
     train_batch_per_replica: int = Field(default=8, ge=1)
-    """Prompt groups (GRPO) or conversations (SFT) per optimiser step on each policy replica."""
-    sync_weight_interval: int = Field(default=1, ge=1)
-    """Optimiser steps between weight pushes to rollout replicas."""
+    """Samples per optimiser step on each policy replica: completions for RL (whole groups: a
+    value that is not a multiple of `rollout.n_generation` is rounded up to one), conversations
+    per data-parallel rank for SFT."""
+    fp8: FP8Config = Field(default_factory=FP8Config)
+    """FP8 training."""
+    fp4: FP4Config = Field(default_factory=FP4Config)
+    """FP4 training."""
     ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpointing."""
     resume: bool | str = False
-    """Resume from the latest checkpoint under the run directory (true) or from a path."""
+    """Resume from the latest checkpoint under the run folder (true) or from a path."""
     epoch: int = Field(default=1, ge=1)
     """Passes over the dataset."""
-    max_num_steps: int | None = Field(default=None, ge=1)
-    """Stop after this many optimiser steps, even within an epoch."""
     output_dir: str = "./outputs"
     """Directory under which each run gets a folder."""
     timestamp: str = ""
-    """Run folder name; generated from the start time when empty."""
-    seed: int | None = 42
-    """Seed for initialisation, shuffling and sampling."""
+    """Run folder name; generated from the start time (YYYYmmddHHMMSS) when empty."""
+    epsilon: float = Field(default=1e-6, gt=0.0)
+    """Adam epsilon."""
+    async_tp_enabled: bool = Field(
+        default=False, json_schema_extra=refused("asynchronous tensor parallelism " + _NEEDS_CUDA)
+    )
+    """torch's asynchronous tensor parallelism (with compile)."""
+    compile: bool = False
+    """Compile the model's blocks with torch.compile."""
+    sync_weight_interval: int = Field(default=1, ge=1)
+    """Optimiser steps between weight pushes to rollout replicas."""
+    coalesce_weight_sync: bool = Field(
+        default=False,
+        json_schema_extra=refused(
+            "coalescing weight pushes is not supported yet (each push waits for the previous)"
+        ),
+    )
+    """Drop intermediate weight versions while a push is in flight."""
     deterministic: bool = False
-    """Use deterministic kernels (slower)."""
+    """Deterministic kernels (`torch.use_deterministic_algorithms`; slower); sets `seed` to 42
+    when unset."""
+    activation_offload: bool = Field(
+        default=False, json_schema_extra=refused("activation offloading " + _NEEDS_CUDA)
+    )
+    """Offload activations to CPU memory."""
+    fa_version: Literal[2, 3] | None = Field(
+        default=None,
+        json_schema_extra=refused(
+            "nebula-rl uses PyTorch's scaled_dot_product_attention, not the flash-attn package"
+        ),
+    )
+    """flash-attn version."""
+    seed: int | None = 42
+    """Seed for initialisation and sampling; negative values become 42."""
+    local_dataset: bool = True
+    """Replicas read each prompt's row from their own copy of the dataset by index (true), or the
+    controller sends the prompt text and reference answer with the prompt (false)."""
+    force_use_hf: bool = False
+    """Run the rollout engine through the Hugging Face module's forward instead of nebula-rl's
+    compact forward (cosmos-rl: the generic HF model instead of a native class)."""
+    non_text: bool = Field(
+        default=False,
+        json_schema_extra=refused("non-text (tensor) completions are not supported yet"),
+    )
+    """Completions are tensors (images, videos, actions), not text."""
+    max_num_steps: int | None = Field(default=None, ge=1)
+    """Stop after this many optimiser steps, even within an epoch."""
     sequence_packing: bool = False
-    """SFT: pack conversations into rows of up to `policy.model_max_length` tokens (block-diagonal
-    attention, positions restart per conversation); no effect on RL."""
-    fsdp_reshard_after_forward: Literal["always", "never", "default"] = "default"
-    """FSDP2: free gathered parameters after forward."""
-    fsdp_offload: bool = False
-    """FSDP2: keep parameters and optimiser state in CPU memory."""
+    """SFT: pack conversations into rows of up to `policy.model_max_length` tokens
+    (block-diagonal attention, positions restart per conversation)."""
+    save_ckpt_at_exit: bool = True
+    """On a signal of `signal_to_handle` (e.g. SLURM's pre-emption warning), save a checkpoint
+    after the current step and stop."""
+    signal_to_handle: list[str] = Field(default_factory=lambda: ["SIGUSR1"])
+    """Signals that trigger `save_ckpt_at_exit`."""
 
-    @model_validator(mode="after")
-    def _check(self) -> TrainingConfig:
-        on_policy = isinstance(self.train_policy, GrpoConfig) and self.train_policy.on_policy
-        if on_policy and self.sync_weight_interval != 1:
-            raise ValueError("sync_weight_interval must be 1 when train_policy.on_policy is true")
-        if self.resume is True and not self.timestamp:
-            raise ValueError(
-                "train.resume = true resumes the run folder train.output_dir/train.timestamp: "
-                "set train.timestamp, or set train.resume to a checkpoint folder"
-            )
-        return self
+    @field_validator("optm_lr")
+    @classmethod
+    def _lr(cls, v: float | dict[str, float]) -> float | dict[str, float]:
+        rates = v.values() if isinstance(v, dict) else [v]
+        if any(r <= 0 for r in rates):
+            raise ValueError("learning rates must be > 0")
+        if isinstance(v, dict) and "global" not in v:
+            raise ValueError("a table of learning rates needs a `global` entry")
+        return v
+
+    @field_validator("signal_to_handle")
+    @classmethod
+    def _signals(cls, v: list[str]) -> list[str]:
+        import signal
+
+        unknown = [s for s in v if not isinstance(getattr(signal, s, None), signal.Signals)]
+        if unknown:
+            raise ValueError(f"unknown signal name(s) {unknown}")
+        return v
+
+    @property
+    def peak_lr(self) -> float:
+        """The global learning rate (`optm_lr`, or its `global` entry)."""
+        return self.optm_lr["global"] if isinstance(self.optm_lr, dict) else self.optm_lr
+
+
+PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 
 
 class ParallelismConfig(_Section):
-    """How one policy replica is split over devices: a mesh (pp, dp_replicate, dp_shard, cp, tp)."""
+    """How one replica is split over devices: a mesh (pp, dp_replicate, dp_shard, cp, tp)."""
 
     n_init_replicas: int = Field(default=1, ge=1)
     """Replicas started with the job."""
-    dp_replicate_size: int = Field(default=1, ge=1)
-    """Replicated data parallel (DDP, or the outer axis of HSDP)."""
-    dp_shard_size: int = Field(default=-1, ge=-1)
-    """Sharded data parallel (FSDP2); -1 takes what the other axes leave of the world size."""
     tp_size: int = Field(default=1, ge=1)
     """Tensor parallel (with sequence parallel)."""
     cp_size: int = Field(default=1, ge=1)
-    """Context parallel."""
+    """Context parallel (CUDA only in torch)."""
+    ep_size: int = Field(
+        default=1,
+        json_schema_extra=refused("expert parallelism (MoE) is not supported yet"),
+    )
+    """Expert parallel."""
+    dp_shard_size: int = Field(default=1, ge=-1)
+    """Sharded data parallel (FSDP2); -1 takes what the other axes leave of the world size."""
     pp_size: int = Field(default=1, ge=1)
     """Pipeline parallel stages."""
+    pp_dynamic_shape: bool = Field(
+        default=False,
+        json_schema_extra=refused("dynamic pipeline shapes are not supported yet"),
+    )
+    """Pipeline stages with dynamic shapes."""
     pp_micro_batch_size: int = Field(default=1, ge=1)
     """Sequences per pipeline micro-batch."""
+    dp_replicate_size: int = Field(default=1, ge=1)
+    """Replicated data parallel (DDP, or the outer axis of HSDP)."""
+    pp_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = "Interleaved1F1B"
+    """Pipeline schedule; `Interleaved1F1B` puts several stages on each rank."""
+    pp_layers_per_stage: int = Field(default=2, ge=1)
+    """Decoder layers per pipeline stage for `Interleaved1F1B` (the number of stages follows)."""
 
     @field_validator("dp_shard_size")
     @classmethod
@@ -321,34 +767,169 @@ class ParallelismConfig(_Section):
         return v
 
 
-class RolloutParallelismConfig(_Section):
+class RolloutParallelismConfig(ParallelismConfig):
     """How one rollout replica is split over devices."""
 
-    n_init_replicas: int = Field(default=1, ge=1)
-    """Replicas started with the job."""
-    tp_size: int = Field(default=1, ge=1)
-    """Tensor parallel."""
-    pp_size: int = Field(default=1, ge=1)
-    """Pipeline parallel stages."""
+
+class LoraConfig(_Section):
+    """LoRA adapters (cosmos-rl's `policy.lora`)."""
+
+    r: int = 8
+    """Rank."""
+    lora_names: list[str] = Field(default_factory=lambda: ["default"])
+    """Adapter names."""
+    lora_path: str | None = None
+    """Pre-trained adapter weights."""
+    lora_alpha: float = 8.0
+    """Alpha."""
+    lora_dropout: float = 0.0
+    """Dropout."""
+    target_modules: list[str] | str | None = None
+    """Target modules, or `all-linear`."""
+    primary_adapter: str | None = None
+    """Adapter used for inference."""
+    use_rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r)."""
+    modules_to_save: list[str] | None = None
+    """Other trainable modules."""
+    alpha_pattern: dict[str, float] | None = None
+    """Per-module alpha."""
+    r_pattern: dict[str, int] | None = None
+    """Per-module rank."""
+    init_lora_weights: bool | str = True
+    """Initialisation."""
+
+
+class SampleConfig(_Section):
+    """Diffusion sampling (cosmos-rl's `policy.diffusers.sample`)."""
+
+    num_steps: int = 40
+    """Training sampler steps."""
+    eval_num_steps: int = 40
+    """Evaluation sampler steps."""
+    guidance_scale: float = 4.5
+    """Classifier-free guidance."""
+    global_std: bool = True
+    """Batch-wide reward std."""
+    noise_level: float = 1.0
+    """SDE noise level."""
+    deterministic_sampling: bool = False
+    """Deterministic sampling."""
+    solver: str = "dpm2"
+    """Solver."""
+
+
+class DiffusersTokenizerConfig(_Section):
+    """Video tokenizer settings (cosmos-rl's `policy.diffusers.tokenizer`)."""
+
+    chunk_duration: int = 81
+    """Frames per chunk."""
+    load_mean_std: bool = False
+    """Load latent mean/std."""
+    compile_encode: bool = False
+    """Compile the encoder."""
+    temporal_window: int = 16
+    """Temporal window."""
+
+
+class DiffusersConfig(_Section):
+    """Diffusion models (cosmos-rl's `policy.diffusers`)."""
+
+    dtype: Dtype = "float32"
+    """Model dtype."""
+    is_video: bool = False
+    """Video model."""
+    max_prompt_length: int = 300
+    """Longest prompt."""
+    weighting_scheme: str = "logit_normal"
+    """Timestep sampling."""
+    train_flow_shift: float = 3.0
+    """Flow shift."""
+    offload: bool = True
+    """Offload model parts."""
+    logit_mean: float = 0.0
+    """Timestep logit mean."""
+    logit_std: float = 1.0
+    """Timestep logit std."""
+    inference_size: list[int] = Field(default_factory=lambda: [1024, 1024])
+    """Generation size [h, w]."""
+    inference_frames: int = 41
+    """Generated frames."""
+    train_frames: int = 41
+    """Training frames."""
+    timesteps_fraction: float = 1.0
+    """Fraction of timesteps trained."""
+    nft_beta: float = 1.0
+    """DiffusionNFT beta."""
+    weight_copy_decay_type: int = 0
+    """Weight copy decay."""
+    lora: LoraConfig | None = None
+    """LoRA of the diffusion model."""
+    sample: SampleConfig = Field(default_factory=SampleConfig)
+    """Sampling."""
+    tokenizer: DiffusersTokenizerConfig = Field(default_factory=DiffusersTokenizerConfig)
+    """Video tokenizer."""
 
 
 class PolicyConfig(_Section):
     """The model being trained."""
 
     model_name_or_path: str = "tiny:qwen2"
-    """Local path of a Hugging Face causal LM folder, or a built-in preset `tiny:<name>` (random
-    init, local character tokenizer). Nothing is downloaded."""
+    """A Hugging Face Hub model id (`Qwen/Qwen2.5-7B-Instruct`, fetched into the usual cache),
+    a local Hugging Face folder, or a built-in preset `tiny:<name>` (random init, local
+    character tokenizer)."""
+    model_safetensor_path: str | None = None
+    """Load the weights from these safetensors (a file or a folder of them) instead of
+    `model_name_or_path`'s, which still gives the architecture and tokenizer."""
     model_revision: str | None = None
-    """Accepted for compatibility; unused for local paths."""
+    """Hub revision of the model: a branch, tag or commit hash."""
     model_max_length: int = Field(default=4096, ge=8)
     """Longest sequence (prompt + response) in tokens; longer samples are truncated."""
     model_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    lora: LoraConfig | None = Field(default=None, json_schema_extra=refused(_LORA))
+    """LoRA adapters."""
+    trainable_map: dict[str, bool] | None = None
+    """Parameter or module names -> whether they train (exact names, applied after the
+    patterns)."""
+    freeze_pattern: list[str] | None = None
+    """Regular expressions of parameter names to freeze (e.g. `'^visual\\.'`)."""
+    trainable_pattern: list[str] | None = None
+    """Regular expressions of the only parameter names that train (exclusive with
+    `freeze_pattern`)."""
+    enable_liger_kernel: bool = Field(
+        default=False, json_schema_extra=refused("Liger kernels are not supported")
+    )
+    """Liger kernels."""
+    enable_liger_cross_entropy: bool = Field(
+        default=False, json_schema_extra=refused("Liger kernels are not supported")
+    )
+    """Liger cross entropy."""
+    enable_liger_fused_cross_entropy: bool = Field(
+        default=False, json_schema_extra=refused("Liger kernels are not supported")
+    )
+    """Liger fused cross entropy."""
+    aux_loss_coeff: float = Field(
+        default=0.0, json_schema_extra=refused("the MoE auxiliary loss is not supported yet")
+    )
+    """MoE auxiliary loss coefficient."""
+    is_diffusers: bool = Field(default=False, json_schema_extra=refused(_WORLD))
+    """The model is a diffusers model."""
+    diffusers: DiffusersConfig = Field(
+        default_factory=DiffusersConfig, json_schema_extra=refused(_WORLD)
+    )
+    """Diffusion model settings."""
     warmstart_config: str | None = None
     """nebula-rl: if `model_name_or_path` does not exist yet, first run this (SFT) config, whose
     final export must land at that path."""
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
     """Policy parallelism."""
+
+    @model_validator(mode="after")
+    def _patterns(self) -> PolicyConfig:
+        if self.freeze_pattern is not None and self.trainable_pattern is not None:
+            raise ValueError("freeze_pattern and trainable_pattern cannot both be set")
+        return self
 
 
 class SamplingConfig(_Section):
@@ -361,25 +942,66 @@ class SamplingConfig(_Section):
     top_k: int = Field(default=-1, ge=-1)
     """Sample among the k most likely tokens; -1 for all."""
     repetition_penalty: float = Field(default=1.0, gt=0.0)
-    """Accepted for compatibility; only 1.0 is supported (a penalty skews the RL log-probs)."""
+    """Divide positive logits (multiply negative ones) of tokens already in the prompt or the
+    completion by this (CTRL, Keskar et al. 2019); the reported log-probs are of the penalised
+    distribution the token was drawn from."""
+    use_flashinfer: bool = Field(
+        default=False, json_schema_extra=refused("FlashInfer sampling " + _NEEDS_CUDA)
+    )
+    """Sample with FlashInfer kernels."""
 
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 1.0:
-            raise ValueError("only 1.0 is supported")
-        return v
+
+class MultiTurnRolloutConfig(_Section):
+    """Multi-turn, tool-using rollouts (cosmos-rl's `rollout.multi_turn_config`)."""
+
+    enable: bool = Field(default=False, json_schema_extra=refused(_MULTI_TURN))
+    """Multi-turn rollouts."""
+    enable_tools: bool = Field(default=False, json_schema_extra=refused(_MULTI_TURN))
+    """Tool calls."""
+    enable_thinking: bool = Field(default=False, json_schema_extra=refused(_MULTI_TURN))
+    """Thinking mode of the chat template."""
+    custom_chat_template_path: str | None = Field(
+        default=None, json_schema_extra=refused(_MULTI_TURN)
+    )
+    """Jinja chat template."""
+    max_assistant_turns: int = Field(default=5, json_schema_extra=refused(_MULTI_TURN))
+    """Most assistant turns."""
+    add_generation_prompt: bool = Field(default=True, json_schema_extra=refused(_MULTI_TURN))
+    """Add the generation prompt."""
+    continue_final_message: bool = Field(default=False, json_schema_extra=refused(_MULTI_TURN))
+    """Continue the last message."""
+
+
+class RolloutAsyncConfig(_Section):
+    """cosmos-rl's `vllm_async` request scheduler."""
+
+    max_concurrent_requests: int = Field(
+        default=10,
+        json_schema_extra=refused("the vllm_async backend is not supported"),
+    )
+    """Requests in flight."""
 
 
 class RolloutConfig(_Section):
     """Generation."""
 
-    backend: Literal["torch", "vllm"] = "torch"
-    """Engine: the built-in `torch` engine, or `vllm` where installed."""
-    n_generation: int = Field(default=8, ge=1)
+    backend: Literal[
+        "vllm", "torch", "vllm_async", "trtllm", "example_hf", "vla", "diffusion_nft_rollout", "gym"
+    ] = "vllm"
+    """Engine: `vllm` (the default, as in cosmos-rl; needs the vllm package and CUDA) or
+    nebula-rl's built-in `torch` engine (CPU and CUDA)."""
+    n_generation: int = Field(default=16, ge=1)
     """Completions per prompt (the GRPO group size)."""
-    batch_size: int = Field(default=8, ge=1)
-    """Prompts a rollout replica takes at once."""
+    n_generation_to_batch: bool = Field(
+        default=False, json_schema_extra=refused("not supported: each group is one request")
+    )
+    """Treat `n_generation` as a batch dimension."""
+    n_generation_mini_batch: int | None = Field(
+        default=None, json_schema_extra=refused("generation mini-batches are not supported")
+    )
+    """Mini-batches of a group's generation."""
+    batch_size: int = Field(default=1, ge=1)
+    """Prompts a rollout replica takes from the controller at once."""
     max_response_length: int = Field(default=2048, ge=1)
     """Most tokens generated per completion."""
     max_num_seqs: int = Field(default=256, ge=1)
@@ -389,11 +1011,40 @@ class RolloutConfig(_Section):
     reward_workers: int = Field(default=1, ge=0)
     """nebula-rl: processes that score completions (0: score in the rollout process)."""
     include_stop_str_in_output: bool = False
-    """Keep a matched stop string in the returned text."""
+    """Keep the stop token's text (e.g. `<|im_end|>`) in the completion text rewards see."""
+    quantization: Literal["none", "fp8", "mxfp4"] = "none"
+    """Rollout weight quantisation."""
     gpu_memory_utilization: float = Field(default=0.8, gt=0.0, le=1.0)
     """vLLM: fraction of GPU memory it may take."""
     enforce_eager: bool = True
     """vLLM: disable CUDA graphs."""
+    enable_chunked_prefill: bool = False
+    """vLLM: chunked prefill."""
+    vllm_use_flashinfer: bool = Field(
+        default=False, json_schema_extra=refused("FlashInfer in vLLM is not supported yet")
+    )
+    """vLLM: FlashInfer sampling."""
+    mode: Literal["sync", "async"] = Field(
+        default="sync", json_schema_extra=refused("the vllm_async backend is not supported")
+    )
+    """cosmos-rl's rollout mode (`async` with `vllm_async`)."""
+    async_config: RolloutAsyncConfig = Field(default_factory=RolloutAsyncConfig)
+    """`vllm_async` settings."""
+    async_r2r_sync: Literal["disabled", "generation", "inference"] = Field(
+        default="disabled",
+        json_schema_extra=refused("background rollout-to-rollout syncs are not supported yet"),
+    )
+    """Background rollout-to-rollout weight sync."""
+    prefetch_rollout: bool = False
+    """Claim prompt batches ahead, beyond what the engine has room for, so that it never waits
+    for the controller."""
+    prefetch_queue_maxsize: int = Field(default=2, ge=1)
+    """With `prefetch_rollout`: prompt batches (of `batch_size`) claimed ahead."""
+    broadcast_all_params: bool = False
+    """Push every parameter on every weight update; false pushes the frozen ones (e.g. a frozen
+    vision tower) only on a rollout replica's first update."""
+    multi_turn_config: MultiTurnRolloutConfig = Field(default_factory=MultiTurnRolloutConfig)
+    """Multi-turn rollouts."""
     sampling_config: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling parameters."""
     parallelism: RolloutParallelismConfig = Field(default_factory=RolloutParallelismConfig)
@@ -404,19 +1055,29 @@ class LoggingConfig(_Section):
     """Where each step's metrics go besides `<run>/metrics.jsonl`, which is always written."""
 
     logger: list[Literal["console", "tensorboard", "wandb"]] = ["console"]
-    """Metric sinks: `console` (a line per step and a progress bar with reward, throughput and
-    ETA), `tensorboard` (event files under `<run>/tensorboard/`), `wandb` (Weights & Biases,
-    run files under `<run>/wandb/`; needs `pip install 'nebula-rl[wandb]'`)."""
+    """Metric sinks: `console` (a progress bar with reward, throughput and ETA, and a line every
+    `log_interval` steps), `tensorboard` (event files under `<run>/tensorboard/`), `wandb`
+    (Weights & Biases, run files under `<run>/wandb/`; needs `pip install 'nebula-rl[wandb]'`)."""
+    log_interval: int = Field(default=100, ge=1)
+    """The console prints a line every this many steps, with the means over them."""
+    multi_modal_log_interval: int | None = Field(
+        default=None, json_schema_extra=refused("image and video logging is not supported yet")
+    )
+    """Steps between image/video logs."""
     project_name: str = "nebula_rl"
     """Weights & Biases project."""
+    group_name: str | None = None
+    """Weights & Biases group of the run."""
     experiment_name: str | None = None
-    """Display name of the run; defaults to the run folder's name."""
+    """Display name of the run; defaults to the run folder's name ("None" counts as unset)."""
+    report_mfu: bool = Field(
+        default=False, json_schema_extra=refused("nebula-rl computes no MFU yet")
+    )
+    """Report model FLOPs utilisation."""
     wandb_mode: Literal["auto", "online", "offline"] = "auto"
     """nebula-rl: `auto` logs online when an API key is found (`WANDB_API_KEY` or a `wandb
     login`), else offline into `<run>/wandb/` (upload later with `wandb sync`); `WANDB_MODE`
     in the environment overrides `auto`."""
-    report_mfu: bool = False
-    """Accepted for compatibility; only false is supported (no MFU is computed yet)."""
 
     @field_validator("logger", mode="before")
     @classmethod
@@ -430,47 +1091,184 @@ class LoggingConfig(_Section):
             raise ValueError("names a logger more than once")
         return v
 
-    @field_validator("report_mfu")
-    @classmethod
-    def _no_mfu(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("only false is supported (nebula-rl computes no MFU yet)")
-        return v
+
+class SubProfilerConfig(_Section):
+    """What torch.profiler records (cosmos-rl's `profiler.sub_profiler_config`)."""
+
+    do_profile: bool = Field(
+        default=False,
+        json_schema_extra=refused(
+            "a run-time switch of cosmos-rl's CLI; nebula-rl profiles from the start of training "
+            "when enable_profiler is true"
+        ),
+    )
+    """cosmos-rl's run-time switch (set by `cosmos-rl profile set`)."""
+    active_steps: int = Field(default=1, ge=1)
+    """Steps recorded."""
+    warmup_steps: int = Field(default=1, ge=0)
+    """Steps traced but discarded before the recorded ones."""
+    wait_steps: int = Field(default=1, ge=0)
+    """Steps skipped before warm-up."""
+    rank_filter: list[int] = Field(default_factory=list)
+    """Global ranks of a policy replica that profile (empty: rank 0)."""
+    record_shape: bool = False
+    """Record operator input shapes."""
+    profile_memory: bool = False
+    """Record memory allocations."""
+    with_stack: bool = False
+    """Record Python stacks."""
+    with_modules: bool = False
+    """Record the module hierarchy."""
+
+
+class ProfilerConfig(_Section):
+    """torch.profiler traces of training steps."""
+
+    enable_profiler: bool = False
+    """Trace training steps into `<run>/profile_trace/<replica>_<rank>/` (Chrome trace JSON,
+    readable in Perfetto or TensorBoard)."""
+    enable_nsys: bool = Field(
+        default=False, json_schema_extra=refused("Nsight Systems profiling " + _NEEDS_CUDA)
+    )
+    """Run under Nsight Systems."""
+    sub_profiler_config: SubProfilerConfig = Field(default_factory=SubProfilerConfig)
+    """What is recorded."""
 
 
 class ValidationConfig(_Section):
     """Periodic evaluation on held-out data: rewards of generations (RL) or the loss (SFT)."""
 
     enable: bool = False
-    """Run validation every `freq` steps and after the last."""
+    """Validate every `freq` steps and after the last."""
+    val_before_train: bool = False
+    """Also validate before the first step (step 0)."""
     freq: int = Field(default=20, ge=1)
     """Steps between validations."""
-    batch_size: int | None = None
-    """Prompts (RL) or rows per forward (SFT) of a validation batch; defaults to
+    batch_size: int | None = Field(default=None, ge=1)
+    """Prompts per engine call (RL) or rows per forward (SFT) of a validation; defaults to
     `rollout.batch_size` (RL) or `train.train_policy.mini_batch` (SFT)."""
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     """Validation dataset, read with the training columns; an empty name uses the training
     dataset's held-out part (`train.train_policy.dataset.test_size`)."""
     temperature: float = Field(default=0.0, ge=0.0)
     """Sampling temperature; 0 is greedy."""
-    top_p: float | None = None
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     """Nucleus sampling mass (None: 1.0)."""
-    top_k: int | None = 1
+    top_k: int | None = Field(default=1, ge=-1)
     """Top-k (None or -1: all)."""
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    """Repetition penalty, as in `rollout.sampling_config`."""
     n_generation: int = Field(default=1, ge=1)
     """Completions per prompt."""
-    max_response_length: int | None = None
+    max_response_length: int | None = Field(default=None, ge=1)
     """Most tokens per completion; defaults to `rollout.max_response_length`."""
     max_num_prompts: int | None = Field(default=None, ge=1)
     """nebula-rl: evaluate at most this many prompts (RL) or conversations (SFT), the first
     ones of the validation set (None: all)."""
-    reward_function: RewardSpec = Field(default_factory=lambda: {"boxed_math": 1.0})
-    """Reward function(s), as in `train.train_policy.reward_function`."""
+    reward_function: RewardSpec = Field(default_factory=dict)
+    """Reward function(s), as in `train.train_policy.reward_function`; empty uses the training
+    rewards."""
+    use_remote_reward: bool | None = Field(default=None, json_schema_extra=refused(_REMOTE))
+    """Score with the remote reward service (None: as training)."""
+    remote_reward: RemoteRewardConfig | None = Field(
+        default=None, json_schema_extra=refused(_REMOTE)
+    )
+    """Remote reward settings (None: as training)."""
 
     @field_validator("reward_function")
     @classmethod
     def _rewards_as_dict(cls, v: RewardSpec) -> dict[str, float]:
-        return _normalize_reward_spec(v)
+        return _reward_dict(v)
+
+
+class DistillationConfig(_Section):
+    """On-policy distillation from a teacher (cosmos-rl's `[distillation]`)."""
+
+    enable: bool = Field(default=False, json_schema_extra=refused(_DISTILL))
+    """Distil from the teacher."""
+    parallelism: ParallelismConfig = Field(
+        default_factory=ParallelismConfig, json_schema_extra=refused(_DISTILL)
+    )
+    """Teacher parallelism."""
+    model_name_or_path: str = Field(
+        default="Qwen/Qwen2.5-VL-7B-Instruct", json_schema_extra=refused(_DISTILL)
+    )
+    """Teacher model."""
+    model_revision: str | None = Field(default=None, json_schema_extra=refused(_DISTILL))
+    """Teacher revision."""
+    compile: bool = Field(default=True, json_schema_extra=refused(_DISTILL))
+    """Compile the teacher."""
+    master_dtype: Dtype = Field(default="float32", json_schema_extra=refused(_DISTILL))
+    """Teacher master dtype."""
+    param_dtype: Dtype = Field(default="bfloat16", json_schema_extra=refused(_DISTILL))
+    """Teacher compute dtype."""
+    logprob_dtype: Dtype = Field(default="float32", json_schema_extra=refused(_DISTILL))
+    """Teacher log-prob dtype."""
+    fsdp_reduce_dtype: Literal["float32"] = Field(
+        default="float32", json_schema_extra=refused(_DISTILL)
+    )
+    """Teacher FSDP reduce dtype."""
+    fsdp_offload: bool = Field(default=False, json_schema_extra=refused(_DISTILL))
+    """Teacher FSDP offload."""
+    fsdp_reshard_after_forward: Literal["always", "never", "default"] = Field(
+        default="never", json_schema_extra=refused(_DISTILL)
+    )
+    """Teacher FSDP resharding."""
+    batch_size_per_replica: int = Field(default=8, json_schema_extra=refused(_DISTILL))
+    """Teacher batch."""
+    max_token_len_per_mini_batch: int | None = Field(
+        default=None, json_schema_extra=refused(_DISTILL)
+    )
+    """Teacher token budget per mini-batch."""
+    sequence_packing: bool = Field(default=False, json_schema_extra=refused(_DISTILL))
+    """Teacher sequence packing."""
+    mini_batch: int = Field(default=1, json_schema_extra=refused(_DISTILL))
+    """Teacher mini-batch."""
+    seed: int | None = Field(default=None, json_schema_extra=refused(_DISTILL))
+    """Teacher seed."""
+    kl_penalty_coef: float = Field(default=1.0, json_schema_extra=refused(_DISTILL))
+    """KL coefficient."""
+    kl_discount_factor: float = Field(default=0.0, json_schema_extra=refused(_DISTILL))
+    """KL discount."""
+    include_prompt: bool = Field(default=False, json_schema_extra=refused(_DISTILL))
+    """KL on prompt tokens too."""
+    top_k: int = Field(default=0, json_schema_extra=refused(_DISTILL))
+    """Top-k JSD (0: sampled-token KL)."""
+    jsd_beta: float = Field(default=0.5, json_schema_extra=refused(_DISTILL))
+    """JSD interpolation."""
+    trainer_token_ids_from_teacher: bool = Field(default=True, json_schema_extra=refused(_DISTILL))
+    """Top-k ids from the teacher."""
+    rollout_top_k_recompute: bool = Field(default=False, json_schema_extra=refused(_DISTILL))
+    """Recompute top-k after generation."""
+
+
+class VLAConfig(_Section):
+    """Vision-language-action training (cosmos-rl's `[vla]`)."""
+
+    vla_type: str = Field(default="openvla-oft", json_schema_extra=refused(_VLA))
+    """Model family."""
+    num_envs: int = Field(default=1, json_schema_extra=refused(_VLA))
+    """Environments."""
+    use_proprio: bool = Field(default=False, json_schema_extra=refused(_VLA))
+    """Proprioception input."""
+    proprio_dim: int = Field(default=7, json_schema_extra=refused(_VLA))
+    """Proprioception size."""
+    num_images_in_input: int = Field(default=1, json_schema_extra=refused(_VLA))
+    """Images per input."""
+    training_chunk_size: int = Field(default=16, json_schema_extra=refused(_VLA))
+    """Chunks per iteration."""
+    save_video: bool = Field(default=False, json_schema_extra=refused(_VLA))
+    """Save validation videos."""
+    continuous: bool = Field(default=False, json_schema_extra=refused(_VLA))
+    """Continuous simulation."""
+    trace_verbosity: int = Field(default=1, json_schema_extra=refused(_VLA))
+    """Trace verbosity."""
+    unnorm_key: str = Field(default="libero_10_no_noops", json_schema_extra=refused(_VLA))
+    """Action un-normalisation key."""
+    max_steps: int | None = Field(default=None, json_schema_extra=refused(_VLA))
+    """Steps per episode."""
+    use_subprocess: bool | None = Field(default=None, json_schema_extra=refused(_VLA))
+    """Simulator in a subprocess."""
 
 
 class ControllerConfig(_Section):
@@ -487,6 +1285,22 @@ class ControllerConfig(_Section):
     take before it counts as failed and the group is rebuilt."""
 
 
+STALE_KEYS: dict[str, str] = {
+    "policy.parallelism.cp_rotate_method": "removed from cosmos-rl's schema with its CP rewrite",
+    "rollout.parallelism.cp_rotate_method": "removed from cosmos-rl's schema with its CP rewrite",
+    "train.train_policy.clip_ratio_c": "not a cosmos-rl key (verl's name of lower_bound_ratio)",
+    "vla.filter_lower_bound": "not a cosmos-rl key",
+    "vla.filter_upper_bound": "not a cosmos-rl key",
+    "policy.diffusers.timestep_fraction": "a misspelling of timesteps_fraction",
+    "policy.model_gradient_checkpointig": "a misspelling of model_gradient_checkpointing",
+    "distillation.model_max_length": "not a key of cosmos-rl's [distillation]",
+}
+"""Keys that cosmos-rl's own shipped configs carry but no cosmos-rl code reads (it drops unknown
+keys silently): accepted here with a warning that names them, and then ignored, as there."""
+
+_WFM_TABLES = {"trainer", "model_parallel", "dataloader_train", "checkpoint", "optimizer"}
+
+
 class Config(_Section):
     """A whole job."""
 
@@ -498,29 +1312,131 @@ class Config(_Section):
     """Generation."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Metrics."""
+    profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
+    """Profiling."""
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     """Evaluation."""
+    distillation: DistillationConfig = Field(default_factory=DistillationConfig)
+    """On-policy distillation."""
+    vla: VLAConfig = Field(default_factory=VLAConfig)
+    """Vision-language-action training."""
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
-    """Controller."""
+    """nebula-rl: the controller."""
+    mode: Literal["disaggregated", "colocated", "colocated_separated"] = Field(
+        default="disaggregated",
+        json_schema_extra=refused("colocated mode is not supported yet"),
+    )
+    """`disaggregated`: policy and rollout replicas on their own devices."""
     redis: str = ""
-    """Redis: empty starts a private server; a `redis://` URL uses an existing one."""
+    """Redis: empty starts a private server on a free port, a port number (cosmos-rl's form,
+    e.g. "12800") starts it on that port, a `redis://` URL uses an existing server."""
+    eth_ips: str = Field(
+        default="",
+        json_schema_extra=refused(
+            "replicas find the controller by its address (--controller); see docs/multinode.md"
+        ),
+    )
+    """cosmos-rl's list of node addresses (`ip1;ip2`)."""
     custom: dict[str, Any] = Field(default_factory=dict)
-    """Free-form settings for user code (reward functions, datasets)."""
+    """Free-form settings for user code: passed to reward functions that take a `custom`
+    keyword argument."""
+
+    _warnings: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def warnings(self) -> list[str]:
+        """What loading noted: stale keys read and ignored, values set by side effects and by the
+        variant's defaults."""
+        return self._warnings
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cosmos_side_effects(cls, data: Any) -> Any:
+        """cosmos-rl's rules between keys, applied to the raw tables (before validation)."""
+        if not isinstance(data, dict):
+            return data
+        data = copy.deepcopy(data)
+        train = data.setdefault("train", {})
+        if not isinstance(train, dict):
+            return data
+        policy = train.setdefault("train_policy", {"type": "grpo"})
+        if not isinstance(policy, dict):
+            return data
+        _infer_policy_type(policy)
+        if train.get("deterministic") and train.get("seed") is None:
+            train["seed"] = 42
+        if isinstance(train.get("seed"), int) and train["seed"] < 0:
+            train["seed"] = 42
+        if policy.get("type") == "grpo":
+            _grpo_side_effects(policy, train, data)
+            validation = data.get("validation")
+            if isinstance(validation, dict) and not validation.get("reward_function"):
+                validation.pop("reward_function", None)
+        else:
+            for key in ("dataloader_num_workers",):
+                if isinstance(policy.get(key), int) and policy[key] <= 0:
+                    policy[key] = 0
+                    policy.pop("dataloader_prefetch_factor", None)
+        if train.get("transfer_dtype") is None:
+            train.pop("transfer_dtype", None)
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> Config:
         policy = self.train.train_policy
+        if self.train.transfer_dtype is None:
+            self.train.__dict__["transfer_dtype"] = self.train.master_dtype
         if isinstance(policy, GrpoConfig):
-            if policy.temperature != self.rollout.sampling_config.temperature:
+            sampled_at = self.rollout.sampling_config.temperature
+            if policy.use_rollout_logprobs_for_loss and policy.temperature != sampled_at:
                 raise ValueError(
-                    "train.train_policy.temperature ("
-                    f"{policy.temperature}) must equal rollout.sampling_config.temperature "
-                    f"({self.rollout.sampling_config.temperature}): log-probs are computed at "
-                    "the temperature the rollout sampled with"
+                    "train.train_policy.use_rollout_logprobs_for_loss needs "
+                    f"train.train_policy.temperature ({policy.temperature}) to equal "
+                    f"rollout.sampling_config.temperature ({sampled_at}): the rollout's "
+                    "log-probs are of the distribution it sampled from"
                 )
             if policy.variant == "aipo" and policy.aipo_rho is None:
                 raise ValueError('train.train_policy.aipo_rho must be set for variant = "aipo"')
+            if policy.on_policy and self.train.sync_weight_interval != 1:
+                raise ValueError(
+                    "train.sync_weight_interval must be 1 when train.train_policy.on_policy is true"
+                )
+            if policy.use_rollout_logprobs_for_loss and policy.use_decoupled_loss:
+                raise ValueError(
+                    "train.train_policy.use_rollout_logprobs_for_loss and use_decoupled_loss "
+                    "cannot both be true"
+                )
+            if (
+                policy.use_rollout_logprobs_for_loss or policy.use_decoupled_loss
+            ) and not policy.collect_rollout_logprobs:
+                raise ValueError(
+                    "train.train_policy.collect_rollout_logprobs must be true: the loss uses the "
+                    "rollout's log-probs (use_rollout_logprobs_for_loss or use_decoupled_loss)"
+                )
+            if policy.variant == "aipo" and not policy.collect_rollout_logprobs:
+                raise ValueError(
+                    'train.train_policy.collect_rollout_logprobs must be true for variant = "aipo"'
+                )
+        pp = self.policy.parallelism
+        if pp.pp_size > 1:
+            batch, micro = self.train.train_batch_per_replica, pp.pp_micro_batch_size
+            if batch % micro:
+                raise ValueError(
+                    f"train.train_batch_per_replica ({batch}) must be divisible by "
+                    f"policy.parallelism.pp_micro_batch_size ({micro})"
+                )
+            if self.train.fsdp_offload:
+                raise ValueError(
+                    "train.fsdp_offload cannot be combined with pipeline parallelism "
+                    "(policy.parallelism.pp_size > 1)"
+                )
         return self
+
+    @property
+    def groups_per_replica(self) -> int:
+        """RL: prompt groups per optimiser step on each policy replica,
+        ceil(`train_batch_per_replica` / `n_generation`) (cosmos-rl's prompts per replica)."""
+        return -(-self.train.train_batch_per_replica // self.rollout.n_generation)
 
     @property
     def grpo(self) -> GrpoConfig:
@@ -531,13 +1447,46 @@ class Config(_Section):
         return policy
 
 
-def _infer_policy_type(data: dict[str, Any]) -> None:
+def _infer_policy_type(policy: dict[str, Any]) -> None:
     """cosmos-rl configs may omit `train.train_policy.type`; infer it the same way."""
-    policy = data.get("train", {}).get("train_policy")
-    if not isinstance(policy, dict) or "type" in policy:
+    if "type" in policy:
         return
-    rl_keys = {"temperature", "epsilon_low", "epsilon_high", "kl_beta", "reward_function"}
+    rl_keys = {"temperature", "epsilon_low", "epsilon_high", "kl_beta", "use_remote_reward"}
     policy["type"] = "grpo" if rl_keys & policy.keys() else "sft"
+
+
+def _grpo_side_effects(policy: dict[str, Any], train: dict[str, Any], data: dict[str, Any]) -> None:
+    """cosmos-rl's GRPO rules, and the variant's defaults for the keys not set."""
+    variant = policy.get("variant", "grpo")
+    for key, value in VARIANT_DEFAULTS.get(variant, {}).items():
+        policy.setdefault(key, value)
+    rollout = data.get("rollout")
+    rollout = rollout if isinstance(rollout, dict) else {}
+    sampling = rollout.get("sampling_config")
+    sampling = sampling if isinstance(sampling, dict) else {}
+    if "use_rollout_logprobs_for_loss" not in policy and not policy.get("use_decoupled_loss"):
+        # cosmos-rl configs often compute log-probs at another temperature than they sample at
+        # (e.g. 0.9 and 1.0); the rollout's log-probs are then no proximal policy.
+        policy["use_rollout_logprobs_for_loss"] = policy.get("temperature", 1.0) == sampling.get(
+            "temperature", 1.0
+        )
+    if policy.get("on_policy"):
+        policy["allowed_outdated_steps"] = 0
+    allowed = policy.get("allowed_outdated_steps", 4)
+    sync = train.get("sync_weight_interval", 1)
+    if isinstance(allowed, int) and isinstance(sync, int) and allowed + 1 < sync:
+        # Rollouts hold weights up to sync - 1 steps old between pushes.
+        policy["allowed_outdated_steps"] = allowed = sync - 1
+    inflight = policy.get("max_inflight_steps")
+    if isinstance(inflight, int) and isinstance(allowed, int) and inflight < allowed + 1:
+        policy["max_inflight_steps"] = allowed + 1
+    # (cosmos-rl raises outdated_rollout_fetch_batch_size to 128 for dapo, to hand out prompts
+    # past its throttle; nebula-rl's release never goes past the staleness bound.)
+    if policy.get("use_decoupled_loss"):
+        policy["collect_rollout_logprobs"] = True
+        policy.setdefault("use_rollout_logprobs_for_loss", False)
+    if policy.get("use_rollout_logprobs_for_loss"):
+        policy["collect_rollout_logprobs"] = True
 
 
 def _dotted(loc: tuple[int | str, ...]) -> str:
@@ -546,24 +1495,268 @@ def _dotted(loc: tuple[int | str, ...]) -> str:
     return ".".join(parts)
 
 
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The config section at `loc` (a pydantic error location), if it is one."""
+    model: type[BaseModel] = Config
+    for part in loc:
+        if part in ("grpo", "sft") and model is TrainingConfig:
+            continue
+        if not isinstance(part, str) or part not in model.model_fields:
+            return None
+        members = _section_types(model.model_fields[part].annotation)
+        if not members:
+            return None
+        if len(members) > 1:  # the discriminated train_policy: both members' keys
+            return None
+        model = members[0]
+    return model
+
+
+def _section_types(annotation: Any) -> list[type[BaseModel]]:
+    """The config section classes an annotation holds (unions and `X | None` included)."""
+    args = getattr(annotation, "__args__", None)
+    if args:
+        return [m for a in args for m in _section_types(a)]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    metadata = getattr(annotation, "__metadata__", None)
+    if metadata is not None:
+        return _section_types(annotation.__origin__)
+    return []
+
+
+def _suggestion(loc: tuple[int | str, ...]) -> str:
+    """`; did you mean "x"?` for an unknown key, from the keys of its section."""
+    if not loc or not isinstance(loc[-1], str):
+        return ""
+    parent = loc[:-1]
+    names: list[str]
+    if parent and parent[-1] in ("grpo", "sft"):
+        model = GrpoConfig if parent[-1] == "grpo" else SftConfig
+        names = list(model.model_fields)
+    else:
+        model_at = _model_at(parent)
+        names = list(model_at.model_fields) if model_at is not None else []
+    close = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.75)
+    return f'; did you mean "{close[0]}"?' if close else ""
+
+
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
-        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-        msg = msg.removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key" + _suggestion(e["loc"])
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
         where = f"{source}: {_dotted(e['loc'])}" if e["loc"] else source
         lines.append(f"{where}: {msg}")
     return "\n".join(lines)
 
 
-def config_from_dict(data: dict[str, Any], *, source: str = "<dict>") -> Config:
-    """Validate a parsed config; errors raise :class:`ConfigError` naming `source` and the key."""
-    data = dict(data)
-    _infer_policy_type(data)
+def _pop_stale(data: dict[str, Any]) -> list[str]:
+    """Remove `STALE_KEYS` from the raw tables; a warning for each one found."""
+    warnings = []
+    policy = (
+        data.get("train", {}).get("train_policy") if isinstance(data.get("train"), dict) else None
+    )
+    if (
+        isinstance(policy, dict)
+        and policy.get("type") == "grpo"
+        and "conversation_column_name" in policy
+    ):
+        del policy["conversation_column_name"]
+        warnings.append(
+            "train.train_policy.conversation_column_name: ignored, as cosmos-rl ignores it (an "
+            "SFT key; GRPO reads prompt_column_name)"
+        )
+    for key, why in STALE_KEYS.items():
+        *parents, leaf = key.split(".")
+        table: Any = data
+        for part in parents:
+            table = table.get(part) if isinstance(table, dict) else None
+        if isinstance(table, dict) and leaf in table:
+            del table[leaf]
+            warnings.append(f"{key}: ignored, as cosmos-rl ignores it ({why})")
+    return warnings
+
+
+def _flat_keys(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value of every leaf the user wrote (free-form tables are one leaf)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and dotted not in ("custom",) and value:
+            out |= _flat_keys(value, dotted + ".")
+        else:
+            out[dotted] = value
+    return out
+
+
+def _value(model: BaseModel, dotted: str) -> tuple[bool, Any, Any, dict[str, Any] | None]:
+    """(found, value in force, default, refused-metadata of it or of a section holding it)."""
+    node: Any = model
+    refusal = None
+    default: Any = None
+    for part in dotted.split("."):
+        if not isinstance(node, BaseModel) or part not in type(node).model_fields:
+            return False, None, None, None
+        field = type(node).model_fields[part]
+        extra = field.json_schema_extra
+        if refusal is None and isinstance(extra, dict) and "refused" in extra:
+            refusal = extra
+        default = field.get_default(call_default_factory=True)
+        node = getattr(node, part)
+    return True, node, default, refusal
+
+
+def _format_value(value: Any) -> str:
+    """A value as TOML-ish JSON text (`true`, `"fp8"`, `[1, 2]`)."""
+    from pydantic_core import to_jsonable_python
+
+    return json.dumps(to_jsonable_python(value))
+
+
+def refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
+    """Why `cfg` cannot run: each key in `user_keys` (dotted key -> value the user wrote) whose
+    feature is not built yet and whose value is not the default, and the rules between keys that
+    nebula-rl's implementation adds. Empty when it can run."""
+    out = []
+    for key in sorted(user_keys):
+        found, value, default, refusal = _value(cfg, key)
+        if not found or refusal is None:
+            continue
+        section_default = _section_default(cfg, key)
+        if value != default and value != section_default:
+            out.append(f"{key} = {_format_value(value)}: {refusal['refused']}")
+    out += _rule_refusals(cfg)
+    return out
+
+
+def _section_default(cfg: Config, dotted: str) -> Any:
+    """The default of `dotted` inside the default of the refused section that holds it (a key
+    of, e.g., `[distillation]` is compared with the default distillation section's value)."""
+    parts = dotted.split(".")
+    node: Any = cfg
+    for i, part in enumerate(parts):
+        field = type(node).model_fields.get(part) if isinstance(node, BaseModel) else None
+        if field is None:
+            return None
+        extra = field.json_schema_extra
+        if isinstance(extra, dict) and "refused" in extra and i < len(parts) - 1:
+            section = field.get_default(call_default_factory=True)
+            for rest in parts[i + 1 :]:
+                if not isinstance(section, BaseModel):
+                    return None
+                section = getattr(section, rest, None)
+            return section
+        node = getattr(node, part)
+    return None
+
+
+def _rule_refusals(cfg: Config) -> list[str]:
+    """Refusals that depend on several keys."""
+    out = []
+    r = cfg.rollout
+    backend_reasons = {
+        "vllm_async": "the vllm_async backend is not supported; use `vllm` or `torch`",
+        "trtllm": "the TensorRT-LLM backend is not supported yet; use `vllm` or `torch`",
+        "example_hf": "cosmos-rl's example_hf backend serves colocated mode, which is not "
+        "supported yet; use `torch` (nebula-rl's built-in engine)",
+        "vla": _VLA,
+        "diffusion_nft_rollout": _WORLD,
+        "gym": "gym environments are not supported yet",
+    }
+    if r.backend in backend_reasons:
+        out.append(f"rollout.backend = {json.dumps(r.backend)}: {backend_reasons[r.backend]}")
+    if r.quantization != "none":
+        why = (
+            "FP8 rollout weights are not supported yet"
+            if r.quantization == "fp8"
+            else ("MXFP4 rollout weights are not supported")
+        )
+        out.append(f"rollout.quantization = {json.dumps(r.quantization)}: {why}")
+    if r.backend == "torch":
+        defaults = RolloutConfig()
+        for key in ("gpu_memory_utilization", "enforce_eager", "enable_chunked_prefill"):
+            if getattr(r, key) != getattr(defaults, key):
+                out.append(
+                    f"rollout.{key} = {_format_value(getattr(r, key))}: a vLLM setting; "
+                    'rollout.backend = "torch" has no use for it'
+                )
+    par = r.parallelism
+    if (par.cp_size, par.dp_replicate_size, par.dp_shard_size) != (1, 1, 1):
+        out.append(
+            f"rollout.parallelism: cp_size ({par.cp_size}), dp_replicate_size "
+            f"({par.dp_replicate_size}) and dp_shard_size ({par.dp_shard_size}) must be 1: a "
+            "rollout replica is split by tp_size and pp_size (scale rollouts with n_init_replicas)"
+        )
+    policy = cfg.train.train_policy
+    if isinstance(policy, GrpoConfig):
+        if cfg.train.sequence_packing:
+            out.append(
+                "train.sequence_packing = true: packing is built for SFT; RL batches are not "
+                "packed yet"
+            )
+        if policy.aipo_rho is not None and policy.variant == "gspo":
+            out.append(
+                "train.train_policy.aipo_rho: AIPO's truncated weights apply to token ratios "
+                '(variants grpo, dapo, aipo), not to variant = "gspo"'
+            )
+    return out
+
+
+def _check_wfm(data: dict[str, Any], source: str) -> None:
+    if "train" not in data and _WFM_TABLES & data.keys():
+        raise ConfigError(
+            f"{source}: a cosmos-rl --wfm-mode config (world-model schema: "
+            f"{', '.join(sorted(_WFM_TABLES & data.keys()))}): world-model RL is not "
+            "supported yet"
+        )
+
+
+def config_from_dict(
+    data: dict[str, Any], *, source: str = "<dict>", resolved: bool = False
+) -> Config:
+    """Validate a parsed config; errors raise :class:`ConfigError` naming `source` and the key.
+
+    `resolved` marks a config nebula-rl wrote itself (a run's `config.json`, the controller's
+    copy): it was checked for refusals when the job started, and its values include the side
+    effects of its keys."""
+    data = copy.deepcopy(data)
+    _check_wfm(data, source)
+    warnings = _pop_stale(data)
+    user_keys = _flat_keys(data)
     try:
-        return Config.model_validate(data)
+        cfg = Config.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_errors(err, source)) from None
+    if not resolved:
+        problems = refusals(cfg, user_keys)
+        if problems:
+            raise ConfigError("\n".join(f"{source}: {p}" for p in problems))
+        cfg._warnings = warnings + _noted_effects(cfg, user_keys)
+    return cfg
+
+
+def _noted_effects(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
+    """Values in force that differ from what the user wrote or left to the default."""
+    notes = []
+    policy = cfg.train.train_policy
+    if isinstance(policy, GrpoConfig):
+        for key, value in VARIANT_DEFAULTS[policy.variant].items():
+            if f"train.train_policy.{key}" not in user_keys:
+                notes.append(
+                    f"train.train_policy.{key} = {_format_value(value)} (variant "
+                    f'"{policy.variant}"\'s default)'
+                )
+        written = user_keys.get("train.train_policy.allowed_outdated_steps")
+        if written is not None and written != policy.allowed_outdated_steps:
+            notes.append(
+                f"train.train_policy.allowed_outdated_steps = {policy.allowed_outdated_steps} "
+                f"(not {written}: on_policy, or sync_weight_interval "
+                f"{cfg.train.sync_weight_interval} needs at least sync_weight_interval - 1)"
+            )
+    return notes
 
 
 def load_config(path: str | Path) -> Config:
@@ -578,9 +1771,12 @@ def load_config(path: str | Path) -> Config:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path}: invalid JSON: {err}") from None
-    else:
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: invalid TOML: {err}") from None
-    return config_from_dict(data, source=str(path))
+        return config_from_dict(data, source=str(path), resolved=True)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: invalid TOML: {err}") from None
+    cfg = config_from_dict(data, source=str(path))
+    for warning in cfg.warnings:
+        log.warning("%s: %s", path, warning)
+    return cfg

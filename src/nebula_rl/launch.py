@@ -40,19 +40,21 @@ from types import FrameType
 from typing import IO
 
 from nebula_rl.config import Config
-from nebula_rl.controller.client import TOKEN_ENV, TOKEN_FILE, ControllerClient, write_private
+from nebula_rl.controller.client import (
+    REDIS_URL_ENV,
+    RESTART_ENV,
+    TOKEN_ENV,
+    TOKEN_FILE,
+    ControllerClient,
+    write_private,
+)
 from nebula_rl.controller.redis_server import RedisServer, start_redis
 from nebula_rl.metrics_log import MetricsLogger, check_installed, open_loggers
 
-__all__ = ["REDIS_URL_ENV", "RESTART_ENV", "check_job", "launch"]
+__all__ = ["check_job", "ensure_model", "launch"]
 
 log = logging.getLogger(__name__)
 
-REDIS_URL_ENV = "NEBULA_REDIS_URL"
-"""Environment variable the controller reads the Redis URL (with its password) from."""
-RESTART_ENV = "NEBULA_CONTROLLER_RESTART"
-"""Set to "1" for a controller the launcher restarts after it died: it continues the job from
-Redis instead of restoring a checkpoint (`train.resume`)."""
 _STOP_GRACE_S = 15.0
 
 
@@ -127,8 +129,6 @@ def launch(
     max_controller_restarts: int = 3,
 ) -> int:
     """Run the RL job `cfg` with its controller and replicas as processes; the exit code."""
-    from nebula_rl.local import ensure_model
-
     num_policy = num_policy or cfg.policy.parallelism.n_init_replicas
     num_rollout = num_rollout or cfg.rollout.parallelism.n_init_replicas
     check_installed(cfg.logging.logger)  # before anything starts
@@ -229,13 +229,41 @@ def launch(
     return outcome
 
 
+def ensure_model(cfg: Config) -> None:
+    """Build the policy's starting model with `policy.warmstart_config` if it is not on disk yet:
+    that config runs as a job of its own (`nebula-rl train --config ...`, its output in its own
+    run folder and log), and must export to `policy.model_name_or_path`."""
+    path, warm = cfg.policy.model_name_or_path, cfg.policy.warmstart_config
+    if warm is None or path.startswith("tiny:") or Path(path).exists():
+        return
+    log.info("%s is missing: building it with the warm-start config %s", path, warm)
+    argv = [sys.executable, "-m", "nebula_rl.cli", "train", "--config", warm]
+    done = subprocess.run(argv, stdin=subprocess.DEVNULL, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"policy.warmstart_config {warm} failed (exit {done.returncode}); its output is above"
+        )
+    if not Path(path).exists():
+        raise ValueError(
+            f"policy.warmstart_config {warm} ran but did not produce policy.model_name_or_path {path}"
+        )
+
+
 def check_job(cfg: Config) -> None:
     """Raise, before any process starts, the errors a replica would otherwise hit only once the
-    job runs: a model path that is neither a local model folder nor a preset, and parallel sizes
-    the runtime cannot give a replica (it runs each replica as one process for now)."""
+    job runs: a model that is neither a local model folder, a Hub id nor a preset, a rollout
+    backend that cannot run here, and parallel sizes the runtime cannot give a replica (it runs
+    each replica as one process for now)."""
     from nebula_rl.models import load_tokenizer
     from nebula_rl.policy.parallelize import ParallelDims
+    from nebula_rl.rollout.build import check_backend
 
+    check_backend(cfg)
+    if cfg.rollout.backend != "torch":
+        raise ValueError(
+            f"rollout.backend = {cfg.rollout.backend!r} is not wired into the runtime's rollout "
+            'replicas yet; set rollout.backend = "torch"'
+        )
     load_tokenizer(cfg.policy.model_name_or_path)  # (raises naming the key and the path)
     try:
         ParallelDims.from_config(cfg.policy.parallelism, world_size=1)

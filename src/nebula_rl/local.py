@@ -21,7 +21,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from nebula_rl.algorithms import dynamic_sampling_filter
-from nebula_rl.config import Config, GrpoConfig, SftConfig, load_config
+from nebula_rl.config import Config, GrpoConfig, SftConfig
 from nebula_rl.data import (
     epoch_order,
     load_rows,
@@ -43,69 +42,21 @@ from nebula_rl.data import (
 )
 from nebula_rl.metrics_log import open_loggers
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
-from nebula_rl.policy.checkpoint import Checkpointer, Restored, is_checkpoint, latest_checkpoint
+from nebula_rl.models.export import export_hf
+from nebula_rl.policy.checkpoint import Checkpointer, Restored
 from nebula_rl.policy.replicas import DataParallelSums
 from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.rewards import combine_rewards, overlong_penalty
-from nebula_rl.rollout.engine import GenerationRequest
+from nebula_rl.rollout.build import build_engine
+from nebula_rl.rollout.engine import Engine, GenerationRequest
 from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.rollout.worker import sampling_params
+from nebula_rl.runs import drop_steps_after, is_checkpoint, latest_checkpoint, resolve_run_dir
 
-__all__ = ["drop_steps_after", "ensure_model", "export_hf", "run", "run_dir_for"]
+__all__ = ["run"]
 
 log = logging.getLogger(__name__)
-
-
-def run_dir_for(cfg: Config) -> Path:
-    """`output_dir/<timestamp>`; the timestamp is the start time unless the config fixes it."""
-    stamp = cfg.train.timestamp or datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path(cfg.train.output_dir) / stamp
-
-
-def export_hf(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
-    """Write a Hugging Face folder (config, safetensors, tokenizer) that `from_pretrained` loads.
-
-    Under torch.distributed every rank must call it (sharded parameters are gathered); rank 0
-    writes."""
-    state = None
-    if dist.is_initialized():
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(model, options=options)
-        # Tied weights appear under both names; keep the one save_pretrained keeps by itself.
-        unique = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-        state = {k: v for k, v in state.items() if k in unique}
-        if dist.get_rank() != 0:
-            dist.barrier()
-            return
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, state_dict=state, safe_serialization=True)  # type: ignore[operator]
-    tokenizer.save_pretrained(path)
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def ensure_model(cfg: Config) -> None:
-    """Build the policy's starting model by its warm-start config if it is not on disk yet."""
-    path, warm = cfg.policy.model_name_or_path, cfg.policy.warmstart_config
-    if warm is None or path.startswith("tiny:") or Path(path).exists():
-        return
-    log.info("%s is missing: building it with the warm-start config %s", path, warm)
-    run(load_config(warm))
-    if not Path(path).exists():
-        raise ValueError(
-            f"policy.warmstart_config {warm} ran but did not produce policy.model_name_or_path {path}"
-        )
-
-
-def drop_steps_after(path: Path, step: int) -> None:
-    """Keep only the `metrics.jsonl` lines of steps up to `step` (later ones came from an earlier
-    attempt of this run that got past the checkpoint it resumes from)."""
-    lines = path.read_text().splitlines() if path.exists() else []
-    kept = [line for line in lines if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
 
 
 class _MetricsWriter:
@@ -133,11 +84,9 @@ def run(cfg: Config) -> Path:
     """Train as configured in this process; returns the run folder."""
     distributed = _init_distributed(cfg)
     lead = not distributed or dist.get_rank() == 0
-    if lead:
-        ensure_model(cfg)
     seed = cfg.train.seed or 0
     torch.manual_seed(seed)
-    run_dir = run_dir_for(cfg)
+    run_dir = resolve_run_dir(cfg)
     if distributed:  # one folder for all ranks: rank 0's start time names it
         names = [str(run_dir)]
         dist.broadcast_object_list(names, src=0)
@@ -214,7 +163,7 @@ class _PromptStream:
             len(self.rows),
             epoch=self.epoch,
             shuffle=self.cfg.grpo.dataloader_shuffle,
-            seed=self.cfg.train.seed or 0,
+            seed=self.cfg.grpo.dataloader_seed,
         )
 
     def take(self, n: int) -> list[Prompt]:
@@ -232,7 +181,7 @@ class _PromptStream:
 
 
 def _rollout(
-    engine: TorchEngine,
+    engine: Engine,
     tokenizer: Any,
     prompts: list[Prompt],
     cfg: Config,
@@ -275,7 +224,7 @@ def _checkpointer(
     model: torch.nn.Module,
     tokenizer: Any,
     trainer: PolicyTrainer,
-    engine: TorchEngine | None = None,
+    engine: Engine | None = None,
 ) -> Checkpointer:
     return Checkpointer(
         cfg.train.ckpt,
@@ -283,13 +232,14 @@ def _checkpointer(
         model=model,
         optimizer=trainer.optimizer,
         scheduler=trainer.scheduler,
-        engine=engine,
+        # (the built-in engine's sampling generator is saved; vLLM's is its own)
+        engine=engine if isinstance(engine, TorchEngine) else None,
         export=functools.partial(export_hf, model, tokenizer),
     )
 
 
 def _collect_batch(
-    engine: TorchEngine,
+    engine: Engine,
     tokenizer: Any,
     prompts: _PromptStream,
     cfg: Config,
@@ -297,7 +247,7 @@ def _collect_batch(
 ) -> tuple[list[RolloutGroup], float, int]:
     """A step's scored groups (refilled while dynamic sampling drops some), the generation
     time and the number of groups dropped."""
-    size = cfg.train.train_batch_per_replica
+    size = cfg.groups_per_replica
     batch: list[RolloutGroup] = []
     gen_time, dropped = 0.0, 0
     while len(batch) < size:
@@ -319,7 +269,7 @@ def _collect_batch(
 
 def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> None:
     rows = rl_rows(cfg)
-    total = num_train_steps(cfg, len(rows))
+    total = num_train_steps(cfg, len(rows), items_per_step=cfg.groups_per_replica)
     reward_fn = combine_rewards(p.reward_function)
     # The reference is the starting model, also when resuming: copy it before a checkpoint loads.
     ref = copy.deepcopy(model).eval().requires_grad_(False) if p.kl_beta > 0 else None
@@ -327,10 +277,9 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
         model, cfg, total_steps=total, pad_id=tokenizer.pad_token_id, ref_model=ref
     )
     # The engine decodes its own copy; after each step it takes the new weights in place.
-    engine = TorchEngine(
-        copy.deepcopy(model),
-        max_num_seqs=cfg.rollout.max_num_seqs,
-        max_model_len=min(cfg.policy.model_max_length, model.config.max_position_embeddings),
+    engine = build_engine(
+        cfg,
+        model=copy.deepcopy(model),
         tokenizer=tokenizer,
         seed=cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed or 0,
     )
@@ -446,16 +395,18 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
     train_rows, val_rows = _sft_rows(cfg, p)
     examples = _sft_examples(cfg, p, tokenizer, train_rows)
     val_examples = _sft_examples(cfg, p, tokenizer, val_rows)
-    total = num_train_steps(cfg, len(examples))
     dp_rank, dp_size, sums = _data_parallel(cfg, model)
-    # Each data-parallel rank takes every dp_size-th conversation of a batch; the trainer
-    # normalises by the global token count, so the step is that of the whole batch.
+    # `train_batch_per_replica` conversations per data-parallel rank (as in cosmos-rl): a step
+    # takes dp_size times that, each rank every dp_size-th of them; the trainer normalises by the
+    # global token count, so the step is that of the whole batch.
+    size = cfg.train.train_batch_per_replica * dp_size
+    per_epoch = len(examples) // size if p.dataloader_drop_last else -(-len(examples) // size)
+    total = num_train_steps(cfg, per_epoch * size, items_per_step=size)
     val_examples = val_examples[dp_rank::dp_size]
     trainer = PolicyTrainer(
         model, cfg, total_steps=total, pad_id=tokenizer.pad_token_id, data_parallel=sums
     )
     checkpointer = _checkpointer(cfg, run_dir, model, tokenizer, trainer)
-    size = cfg.train.train_batch_per_replica
     val_rows_per_forward = cfg.validation.batch_size or p.mini_batch
     step, first_epoch, first_position = 0, 0, 0
     restored = _resume(cfg, run_dir, checkpointer)
@@ -470,10 +421,10 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
     try:
         for epoch in range(first_epoch, cfg.train.epoch):
             order = epoch_order(
-                len(examples), epoch=epoch, shuffle=p.dataloader_shuffle, seed=cfg.train.seed or 0
+                len(examples), epoch=epoch, shuffle=p.dataloader_shuffle, seed=p.dataloader_seed
             )
             first = first_position if epoch == first_epoch else 0
-            for start in range(first, len(order) - size + 1, size):
+            for start in range(first, per_epoch * size, size):
                 if step >= total:
                     return
                 step += 1

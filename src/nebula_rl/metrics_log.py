@@ -167,26 +167,41 @@ class ConsoleLogger:
 class TensorBoardLogger:
     """Every number of a record as a scalar of the same name at `global_step = step`, in event
     files under `log_dir`. The writer opens at the first record: a run that resumed at step N
-    purges the events of steps >= N an earlier attempt wrote, so the curves do not fold back."""
+    purges the events of steps >= N an earlier attempt wrote, so the curves do not fold back.
+
+    Written with the `tensorboard` package's own event writer and protos (torch's
+    `SummaryWriter` wraps the same), so the controller process, which logs too, needs no torch.
+    """
 
     def __init__(self, log_dir: Path) -> None:
-        import torch.utils.tensorboard  # noqa: F401 (fails now, not at the first step, if missing)
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter  # noqa: F401
 
         self.log_dir = log_dir
         self.writer: Any = None
 
     def log(self, record: dict[str, Any]) -> None:
         """Write the record's numbers and flush, so a running TensorBoard sees the step."""
+        import time
+
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
         step = int(record["step"])
         if self.writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            purge = step if step > 1 else None
-            self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge)
-        for key, value in record.items():
-            number = _number(value)
-            if key != "step" and number is not None:
-                self.writer.add_scalar(key, number, global_step=step)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self.writer = EventFileWriter(str(self.log_dir))
+            if step > 1:  # TensorBoard drops the events of steps >= step written before
+                start = SessionLog(status=SessionLog.START)
+                self.writer.add_event(Event(wall_time=time.time(), step=step, session_log=start))
+        values = [
+            Summary.Value(tag=key, simple_value=number)
+            for key, value in record.items()
+            if key != "step" and (number := _number(value)) is not None
+        ]
+        self.writer.add_event(
+            Event(wall_time=time.time(), step=step, summary=Summary(value=values))
+        )
         self.writer.flush()
 
     def close(self) -> None:

@@ -3,7 +3,7 @@
 `ALGORITHMS[variant]` (the `[train.train_policy] variant` key) gives an `Algorithm`: its
 advantage function, its loss, its group filter and the paper's default `LossSettings`:
 
-- "grpo": GRPO (Shao et al. 2024), per-sequence mean of token losses as in the paper.
+- "grpo": GRPO (Shao et al. 2024), with cosmos-rl's defaults (token-mean aggregation).
 - "dapo": GRPO + clip-higher, token-mean, no KL, dynamic sampling (Yu et al. 2025).
 - "gspo": sequence-level ratio with tight clip ranges (Zheng et al. 2025).
 - "aipo": truncated off-policy importance weights, no clip (LlamaRL, Wu et al. 2025).
@@ -34,39 +34,36 @@ from nebula_rl.algorithms.gspo import gspo_loss, gspo_sequence_log_ratio, gspo_t
 from nebula_rl.algorithms.ppo import decoupled_weight, ppo_clip_loss
 from nebula_rl.algorithms.regularizers import finish_loss, k3_kl, token_mean_metric
 from nebula_rl.algorithms.sft import IGNORE_INDEX, sft_loss, sft_loss_from_logprobs, sft_num_tokens
+from nebula_rl.config import VARIANT_DEFAULTS
 
 ALGORITHMS: dict[str, Algorithm] = {
     "grpo": Algorithm(
         advantages=group_advantages,
         loss=grpo_loss,
         keep_groups=keep_all_groups,
-        defaults=LossSettings(loss_type="seq-mean-token-mean"),
+        defaults=LossSettings(**VARIANT_DEFAULTS["grpo"]),
     ),
     "dapo": Algorithm(
         advantages=group_advantages,
         loss=grpo_loss,
         keep_groups=dynamic_sampling_filter,
-        defaults=LossSettings(epsilon_high=0.28, loss_type="token-mean", kl_beta=0.0),
+        defaults=LossSettings(**VARIANT_DEFAULTS["dapo"]),
     ),
     "gspo": Algorithm(
         advantages=group_advantages,
         loss=gspo_loss,
         keep_groups=keep_all_groups,
-        defaults=LossSettings(
-            epsilon_low=3e-4,
-            epsilon_high=4e-4,
-            lower_bound_ratio=None,
-            loss_type="seq-mean-token-mean",
-        ),
+        defaults=LossSettings(**VARIANT_DEFAULTS["gspo"]),
     ),
     "aipo": Algorithm(
         advantages=group_advantages,
         loss=aipo_loss,
         keep_groups=keep_all_groups,
-        defaults=LossSettings(aipo_rho=2.0, loss_type="token-mean"),
+        defaults=LossSettings(**VARIANT_DEFAULTS["aipo"]),
     ),
 }
-"""RL variants by their `[train.train_policy] variant` name."""
+"""RL variants by their `[train.train_policy] variant` name; each one's `defaults` are the
+config layer's `VARIANT_DEFAULTS` (applied there to the keys a config does not set)."""
 
 
 def get_algorithm(name: str) -> Algorithm:

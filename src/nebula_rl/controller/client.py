@@ -27,6 +27,8 @@ from nebula_rl.controller.state import JobState
 __all__ = [
     "ADDRESS_FILE",
     "CONTROLLER_ENV",
+    "REDIS_URL_ENV",
+    "RESTART_ENV",
     "TOKEN_ENV",
     "TOKEN_FILE",
     "ControllerClient",
@@ -46,6 +48,11 @@ TOKEN_FILE = "token"
 """File in the run folder that holds the job's token (mode 0600), for the inspection commands."""
 ADDRESS_FILE = "controller"
 """File in the run folder that holds the controller's HOST:PORT."""
+REDIS_URL_ENV = "NEBULA_REDIS_URL"
+"""Environment variable the controller reads the Redis URL (with its password) from."""
+RESTART_ENV = "NEBULA_CONTROLLER_RESTART"
+"""Set to "1" for a controller the launcher restarts after it died: it continues the job from
+Redis instead of restoring a checkpoint (`train.resume`)."""
 
 
 def write_private(path: Path, text: str) -> None:

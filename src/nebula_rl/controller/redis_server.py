@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -23,6 +22,8 @@ from types import TracebackType
 from urllib.parse import quote
 
 import redis
+
+from nebula_rl.net import free_port
 
 __all__ = ["RedisServer", "connect", "redis_executable", "start_redis"]
 
@@ -88,12 +89,6 @@ class RedisServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _quoted(value: str | Path) -> str:
@@ -166,7 +161,7 @@ def start_redis(
         raise ValueError("the Redis password must not be empty")
     executable = redis_executable()
     for _ in range(5 if port == 0 else 1):
-        bound = port or _free_port(host)
+        bound = port or free_port(host)
         conf = _write_conf(data_dir, host=host, port=bound, password=password)
         process = subprocess.Popen(
             [executable, str(conf)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL

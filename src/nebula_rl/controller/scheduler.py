@@ -57,9 +57,12 @@ records that step it saves a snapshot of the job's Redis state next to it
 checkpoint, the controller its snapshot, so the ledger, the buffer and the policy version are
 those of step N; prompts trained after step N by the interrupted run are trained again, once.
 
+The groups' members meet in the job's Redis (`weights/store.py`), which has the job's password:
+the controller serves no rendezvous port of its own, and a restarted controller changes nothing
+for groups built before.
+
 Simplifications: one step in flight; the global batch stays that of the initial `num_policy`
-replicas whatever their number later; a restarted controller serves a new rendezvous store (groups
-built before keep working, later generations meet at the new one).
+replicas whatever their number later.
 """
 
 from __future__ import annotations
@@ -102,21 +105,14 @@ class Scheduler:
         self.cfg, self.state, self.rows = cfg, state, rows
         self.total_steps, self.num_rollout, self.run_dir = total_steps, num_rollout, run_dir
         self.num_policy = num_policy
-        self.batch_per_replica = cfg.train.train_batch_per_replica
+        self.batch_per_replica = cfg.groups_per_replica
         self.batch_size = self.batch_per_replica * num_policy
         self.sync_interval = cfg.train.sync_weight_interval
-        self.allowed = 0 if p.on_policy else p.allowed_outdated_steps
-        if self.sync_interval > 1 and self.allowed < self.sync_interval - 1:
-            raise ValueError(
-                f"train.train_policy.allowed_outdated_steps ({self.allowed}) must be at least "
-                f"train.sync_weight_interval - 1 ({self.sync_interval - 1}): rollouts hold "
-                "weights that many steps old between syncs"
-            )
+        # (the config raised it to at least sync_weight_interval - 1, as cosmos-rl does)
+        self.allowed = p.allowed_outdated_steps
         self.num_prompts = cfg.train.epoch * len(rows)
         self._orders: dict[int, list[int]] = {}
         self.heartbeat_timeout = cfg.controller.heartbeat_timeout
-        self.store: tuple[str, int] | None = None
-        """(host, port) of the TCPStore where the groups' members meet (run_controller's)."""
         self._due: dict[str, float] = {}
         self._last_sync = 0.0
         self._first_ready: float | None = None
@@ -173,9 +169,7 @@ class Scheduler:
         return time.monotonic() >= due
 
     def _publish(self, kind: str, members: list[str], ids: dict[str, int]) -> dict[str, Any]:
-        assert self.store is not None, "run_controller sets the rendezvous store"
-        host, port = self.store
-        record = self.state.publish_group(kind, members, host=host, port=port, ids=ids)
+        record = self.state.publish_group(kind, members, ids=ids)
         self._due.pop(kind, None)
         log.info("%s group generation %d: %s", kind, record["generation"], ", ".join(members))
         return record
@@ -321,9 +315,8 @@ class Scheduler:
         p, n = self.cfg.grpo, len(self.rows)
         epoch, position = divmod(ordinal, n)
         if epoch not in self._orders:
-            seed = self.cfg.train.seed or 0
             self._orders[epoch] = epoch_order(
-                n, epoch=epoch, shuffle=p.dataloader_shuffle, seed=seed
+                n, epoch=epoch, shuffle=p.dataloader_shuffle, seed=p.dataloader_seed
             )
         index = self._orders[epoch][position]
         return rl_prompt(self.cfg, self.rows, epoch=epoch, index=index, min_version=min_version)
@@ -518,7 +511,7 @@ class Scheduler:
     def _save_snapshot(self, step: int) -> None:
         """The job's Redis state after `step`, next to the policy's checkpoint of that step;
         snapshots older than every complete policy checkpoint are deleted."""
-        from nebula_rl.policy.checkpoint import complete_checkpoints
+        from nebula_rl.runs import complete_checkpoints
 
         self.snapshots.mkdir(parents=True, exist_ok=True)
         path = self.snapshots / f"step_{step}.json"
@@ -534,8 +527,7 @@ class Scheduler:
     def restore(self) -> Path | None:
         """Put the job back at the checkpoint `train.resume` names; returns the policy's
         checkpoint folder (None: nothing to resume, the job starts at step 1)."""
-        from nebula_rl.local import drop_steps_after
-        from nebula_rl.policy.checkpoint import complete_checkpoints, is_checkpoint
+        from nebula_rl.runs import complete_checkpoints, drop_steps_after, is_checkpoint
 
         resume = self.cfg.train.resume
         if resume is False:
@@ -632,22 +624,20 @@ def run_controller(
     num_policy: int = 1,
 ) -> None:
     """The controller process: serve the API at `host:port` and schedule the job to its end.
-
-    It also serves the TCPStore where the replicas' process groups meet (the weight group of
-    policy rank 0 and the rollouts, and the policy replicas' data-parallel group), so that no
-    replica has to run on the controller's host."""
+    (The replicas' process groups meet in Redis, so no replica has to run on its host.)"""
     import re
 
     from nebula_rl.controller.app import create_app, serve
+    from nebula_rl.controller.client import RESTART_ENV
     from nebula_rl.controller.redis_server import connect
     from nebula_rl.data import num_train_steps, rl_dataset
-    from nebula_rl.launch import RESTART_ENV
-    from nebula_rl.weights import free_port, serve_store
 
     rows, report = rl_dataset(cfg)
     # Unusable rows are left out, counted, and reported here and in the log, not fatal.
     (run_dir / "dataset.json").write_text(json.dumps(dataclasses.asdict(report), indent=1))
-    total_steps = num_train_steps(cfg, len(rows))
+    total_steps = num_train_steps(
+        cfg, len(rows), items_per_step=cfg.groups_per_replica * num_policy
+    )
     job = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:64] or "job"
     state = JobState(connect(redis_url), job)
     scheduler = Scheduler(
@@ -666,12 +656,6 @@ def run_controller(
         log.info("controller restarted: continuing job %s from Redis at step %d", job, state.step())
     # Replicas could not reach a dead controller: they get a full heartbeat timeout from now.
     state.refresh_heartbeats()
-    store_port = free_port(host)
-    store = serve_store(host, store_port)  # noqa: F841 (kept alive for the job)
-    scheduler.store = (
-        host,
-        store_port,
-    )  # (a new one per controller process: groups built later meet there)
     meta = {
         "redis_url": redis_url,
         "run_dir": str(run_dir),

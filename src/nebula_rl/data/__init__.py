@@ -16,12 +16,13 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from nebula_rl.config import Config, DatasetConfig
 from nebula_rl.protocol import Prompt
+
+if TYPE_CHECKING:  # (the controller imports this module: no transformers at run time)
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "BUILTIN_TASKS",
@@ -299,15 +300,17 @@ def epoch_order(num_rows: int, *, epoch: int, shuffle: bool, seed: int) -> list[
     return order
 
 
-def num_train_steps(cfg: Config, num_items: int) -> int:
-    """Optimiser steps of a run: full batches over all epochs, capped by `train.max_num_steps`."""
-    steps = cfg.train.epoch * (num_items // cfg.train.train_batch_per_replica)
+def num_train_steps(cfg: Config, num_items: int, *, items_per_step: int) -> int:
+    """Optimiser steps of a run: full batches of `items_per_step` dataset rows (a step's prompts
+    over all policy replicas for RL, its conversations over all data-parallel ranks for SFT)
+    over all epochs, capped by `train.max_num_steps`."""
+    steps = cfg.train.epoch * (num_items // items_per_step)
     if cfg.train.max_num_steps is not None:
         steps = min(steps, cfg.train.max_num_steps)
     if steps < 1:
         raise ValueError(
-            f"train.train_batch_per_replica ({cfg.train.train_batch_per_replica}) exceeds the "
-            f"{num_items} usable dataset rows: no full step"
+            f"train.train_batch_per_replica ({cfg.train.train_batch_per_replica}): a step takes "
+            f"{items_per_step} of the {num_items} usable dataset rows: no full step"
         )
     return steps
 

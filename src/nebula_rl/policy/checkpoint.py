@@ -43,6 +43,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from nebula_rl.config import CheckpointConfig
+from nebula_rl.runs import (
+    MANIFEST,
+    checkpoint_path,
+    complete_checkpoints,
+    is_checkpoint,
+    latest_checkpoint,
+)
 
 __all__ = [
     "MANIFEST",
@@ -62,7 +69,6 @@ warnings.filterwarnings(
     "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
 )
 
-MANIFEST = "manifest.json"
 _FORMAT_VERSION = 1
 
 
@@ -86,32 +92,6 @@ class Restored:
     """The data position the training loop saved (its own keys)."""
     ledger: dict[str, Any]
     """The controller's ledger, as saved (empty where there is none)."""
-
-
-def checkpoint_path(run_dir: Path, step: int) -> Path:
-    """`<run_dir>/checkpoints/step_<step>`."""
-    return run_dir / "checkpoints" / f"step_{step}"
-
-
-def is_checkpoint(path: Path) -> bool:
-    """Whether `path` is a complete checkpoint (its manifest was written)."""
-    return (path / MANIFEST).is_file()
-
-
-def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of the complete checkpoints under `run_dir`, oldest first."""
-    found = []
-    for path in (run_dir / "checkpoints").glob("step_*"):
-        step = path.name.removeprefix("step_")
-        if step.isdigit() and is_checkpoint(path):
-            found.append((int(step), path))
-    return sorted(found)
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The complete checkpoint of the highest step under `run_dir`, or None."""
-    found = complete_checkpoints(run_dir)
-    return found[-1][1] if found else None
 
 
 def _rank() -> int:

@@ -187,9 +187,9 @@ def loss_settings(cfg: Config) -> LossSettings:
         lower_bound_ratio=p.lower_bound_ratio,
         loss_type=p.loss_type,
         kl_beta=p.kl_beta,
-        entropy_coef=p.entropy_coef,
+        entropy_coef=p.entropy_coeff,
         aipo_rho=p.aipo_rho,
-        behaviour_weight_cap=p.behaviour_weight_cap,
+        behaviour_weight_cap=p.behav_imp_weight_cap,
         max_tokens=p.unbiased_loss_max_tokens or cfg.rollout.max_response_length,
         normalize_std=not p.unbiased_advantage,
     )
@@ -247,7 +247,7 @@ class PolicyTrainer:
         }
         self.optimizer = opt_cls(
             [p for p in model.parameters() if p.requires_grad],
-            lr=t.optm_lr,
+            lr=t.peak_lr,
             betas=t.optm_betas,
             eps=t.epsilon,
             weight_decay=t.optm_weight_decay,
@@ -305,7 +305,7 @@ class PolicyTrainer:
         num_tokens, num_sequences = self._global_sums(
             float(batch.target_mask.sum()), float(batch.input_ids.shape[0])
         )
-        use_behaviour = p.decoupled_loss or p.variant == "aipo"
+        use_behaviour = p.use_decoupled_loss or p.variant == "aipo"
         needs_old = p.mu_iterations > 1 or use_behaviour
         old = self._logprobs_no_grad(self.model, batch, p.temperature) if needs_old else None
         ref = None

@@ -49,8 +49,8 @@ from typing import Any, Literal
 import torch
 
 from nebula_rl.controller.client import ReplicaSession
-from nebula_rl.local import export_hf
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
+from nebula_rl.models.export import export_hf
 from nebula_rl.policy.checkpoint import Checkpointer
 from nebula_rl.policy.replicas import CollectiveError, ReplicaGroup
 from nebula_rl.policy.trainer import PolicyTrainer
@@ -198,7 +198,7 @@ class PolicyWorker:
         try:
             if generation.world_size > 1:
                 self.group = build_group(
-                    generation.rendezvous(),
+                    generation.rendezvous(self.session.state.redis),
                     rank=rank,
                     backend=self.backend,
                     timeout=self.timeout,

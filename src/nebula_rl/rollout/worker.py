@@ -36,6 +36,7 @@ from nebula_rl.data import prompt_token_ids
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.rewards import combine_rewards, overlong_penalty
+from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
 from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.weights import WeightReceiver
@@ -105,16 +106,11 @@ class RolloutWorker:
         model = load_model(path, dtype=dtype, device=device, seed=cfg.train.seed or 0)
         if cfg.rollout.backend != "torch":
             raise ValueError(
-                f"rollout.backend = {cfg.rollout.backend!r} is not wired into the runtime yet; "
-                'use "torch"'
+                f"rollout.backend = {cfg.rollout.backend!r} is not wired into the runtime's "
+                'rollout replicas yet; use "torch"'
             )
-        self.engine: Engine = TorchEngine(
-            model,
-            max_num_seqs=cfg.rollout.max_num_seqs,
-            # The cache is allocated up front: no longer than the model's positions go.
-            max_model_len=min(cfg.policy.model_max_length, model.config.max_position_embeddings),
-            tokenizer=self.tokenizer,
-            seed=self._seed(),
+        self.engine: Engine = build_engine(
+            cfg, model=model, tokenizer=self.tokenizer, seed=self._seed()
         )
         self.sampling = sampling_params(cfg, self.tokenizer.eos_token_id)
         overlong = p.overlong_reward

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
 
+import redis
 from torch import Tensor
 
 from nebula_rl.weights.group import (
@@ -58,7 +59,10 @@ KIND = "weights"
 
 
 class MembershipSource(Protocol):
-    """Where generations are published (:class:`~nebula_rl.controller.state.JobState`)."""
+    """Where generations are published (:class:`~nebula_rl.controller.state.JobState`); its
+    Redis server is also where the members of a generation meet."""
+
+    redis: redis.Redis
 
     def group_record(self, kind: str) -> dict[str, Any] | None: ...
 
@@ -95,7 +99,7 @@ class _Member:
 
     def _build(self, generation: Generation, rank: int) -> WeightGroup:
         return build_group(
-            generation.rendezvous(),
+            generation.rendezvous(self.source.redis),
             rank=rank,
             backend=self.backend,
             timeout=self.timeout,

@@ -1,11 +1,12 @@
 """Process groups between separately started processes, for moving weights.
 
 A policy replica and the rollout replicas are started on their own (not by one `torchrun`), so
-they cannot share torch.distributed's default world. Instead the controller hands each member a
-`Rendezvous` (the address of a TCPStore, a group name and the group's size) plus its rank, and
-every member calls `build_group`. The store is served either by rank 0 or, with
-`Rendezvous.hosted`, by a long-lived third process (the controller, see `serve_store`), so that
-no member has to run on the controller's host and the store outlives any member.
+they cannot share torch.distributed's default world. Instead each member gets a `Rendezvous` (a
+group name, the group's size and where to meet) plus its rank, and calls `build_group`. In a job
+the members meet in the job's Redis (`Rendezvous.redis`, a :class:`~nebula_rl.weights.store.
+RedisStore`): it has the job's password, so no unauthenticated port can join a group, and it
+outlives any member. Without Redis (tests, benchmarks) they meet at a TCPStore served by rank 0
+or, with `Rendezvous.hosted`, by a long-lived third process (`serve_store`).
 
 The group is a bare c10d backend (`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on GPU) used
 through its own collective methods (`pg.broadcast(t, 0, timeout).wait()`): it is never registered
@@ -18,8 +19,8 @@ store, and a process reuses the store it already holds for the same address, so 
 serving the rendezvous across generations.
 
 Elastic groups: the controller describes each generation of a group with a :class:`Generation`
-(its number, its members in rank order, the store's address); every member builds the group of
-that generation with :meth:`Generation.rendezvous`, and `build_group(cancelled=...)` gives up as
+(its number, its members in rank order); every member builds the group of that generation with
+:meth:`Generation.rendezvous` in the job's Redis, and `build_group(cancelled=...)` gives up as
 soon as a newer generation supersedes the one being joined. A group is left with
 :func:`leave_group`: gloo closes its connections only when the backend object is destroyed, and
 only then do peers blocked in a collective with this member fail at once instead of at their
@@ -32,10 +33,11 @@ import contextlib
 import socket
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, Protocol, cast
 
+import redis
 import torch
 from torch import Tensor
 from torch.distributed import (
@@ -48,6 +50,8 @@ from torch.distributed import (
     TCPStore,
     Work,
 )
+
+from nebula_rl.net import free_port
 
 __all__ = [
     "Collectives",
@@ -63,9 +67,10 @@ __all__ = [
 
 CommBackend = Literal["gloo", "nccl"]
 
-# One TCPStore per (host, port) and process: rank 0 must not bind its port twice when a group is
-# rebuilt, and the other ranks keep one connection per store.
-_STORES: dict[tuple[str, int], TCPStore] = {}
+# One store per address and process: rank 0 must not bind a TCPStore port twice when a group is
+# rebuilt, the other ranks keep one connection per store, and a RedisStore's Python object must
+# outlive the groups built on it.
+_STORES: dict[tuple[Any, ...], Store] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,23 +78,34 @@ class Rendezvous:
     """Where and under which name the members of one weight group meet."""
 
     host: str
-    """Host of the TCPStore: rank 0's address, or the store server's when `hosted`."""
+    """Host of the TCPStore: rank 0's address, or the store server's when `hosted` ("" with
+    `redis`)."""
     port: int
-    """TCP port of the TCPStore."""
+    """TCP port of the TCPStore (0 with `redis`)."""
     name: str
     """Group name, unique per generation of the group (keys are prefixed with it)."""
     world_size: int
     """Number of members, the sender (rank 0) included."""
     hosted: bool = False
     """The store is served by another process (`serve_store`); every member is a client."""
+    redis: redis.Redis | None = field(default=None, compare=False)
+    """Meet in this Redis server (the job's) instead of a TCPStore."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"Rendezvous.world_size must be >= 1, got {self.world_size}")
-        if not 0 < self.port < 65536:
+        if self.redis is None and not 0 < self.port < 65536:
             raise ValueError(f"Rendezvous.port must be in 1..65535, got {self.port}")
         if not self.name:
             raise ValueError("Rendezvous.name must not be empty")
+
+    @property
+    def where(self) -> str:
+        """The store's address, for messages."""
+        if self.redis is not None:
+            kwargs = self.redis.connection_pool.connection_kwargs
+            return f"redis {kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '')}"
+        return f"{self.host}:{self.port}"
 
 
 class GroupCancelled(RuntimeError):
@@ -107,10 +123,6 @@ class Generation:
     """Generation number, increasing over the job (never reused, also across controller restarts)."""
     members: tuple[str, ...]
     """Replica names in rank order; for "weights" the sender comes first."""
-    host: str
-    """Host of the TCPStore the members meet at (served by the controller)."""
-    port: int
-    """Its port."""
     job: str
     """Job name, part of the group name so that two jobs never share keys."""
 
@@ -121,8 +133,6 @@ class Generation:
             kind=str(record["kind"]),
             number=int(record["generation"]),
             members=tuple(record["members"]),
-            host=str(record["host"]),
-            port=int(record["port"]),
             job=str(record["job"]),
         )
 
@@ -135,11 +145,11 @@ class Generation:
         """`name`'s rank in this generation, None if it is not a member."""
         return self.members.index(name) if name in self.members else None
 
-    def rendezvous(self) -> Rendezvous:
-        """Where this generation's members build their group (a fresh key prefix per generation)."""
-        return Rendezvous(
-            self.host, self.port, f"{self.job}-{self.kind}-g{self.number}", self.world_size, True
-        )
+    def rendezvous(self, store: redis.Redis) -> Rendezvous:
+        """Where this generation's members build their group: in the job's Redis `store`, under
+        a fresh key prefix per generation."""
+        name = f"{self.job}-{self.kind}-g{self.number}"
+        return Rendezvous("", 0, name, self.world_size, redis=store)
 
 
 class Collectives(Protocol):
@@ -201,13 +211,6 @@ def leave_group(group: WeightGroup | None) -> None:
             group.close()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` right now (another process may still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def _listen(host: str, port: int) -> int:
     """A socket listening on `host:port` only, as a file descriptor the TCPStore takes over.
 
@@ -247,7 +250,17 @@ def serve_store(host: str, port: int) -> TCPStore:
     return store
 
 
-def _store(rdzv: Rendezvous, *, rank: int, timeout: timedelta) -> TCPStore:
+def _store(rdzv: Rendezvous, *, rank: int, timeout: timedelta) -> Store:
+    if rdzv.redis is not None:
+        kwargs = rdzv.redis.connection_pool.connection_kwargs
+        key: tuple[Any, ...] = ("redis", *(kwargs.get(k) for k in ("host", "port", "path", "db")))
+        store = _STORES.get(key)
+        if store is None:
+            from nebula_rl.weights.store import RedisStore
+
+            store = _STORES[key] = RedisStore(rdzv.redis, prefix="nebula_rl/groups/")
+        store.set_timeout(timeout)
+        return store
     key = (rdzv.host, rdzv.port)
     store = _STORES.get(key)
     if store is None:
@@ -303,7 +316,7 @@ def _join(
         except DistNetworkError:  # rank 0 gave up first and took the store with it
             missing = "unknown (the store host is gone)"
         raise TimeoutError(
-            f"group {rdzv.name!r} at {rdzv.host}:{rdzv.port}: rank(s) {missing} of "
+            f"group {rdzv.name!r} at {rdzv.where}: rank(s) {missing} of "
             f"{rdzv.world_size} did not join within {timeout.total_seconds():g}s"
         ) from err
 

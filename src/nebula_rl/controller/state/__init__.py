@@ -1,0 +1,88 @@
+"""The job's durable state in Redis: prompt ledger, completion buffer, versions, replica registry.
+
+Everything a restarted controller needs lives here, under keys prefixed `nebula:<job>:`; the
+controller process itself keeps nothing it cannot rebuild from Redis.
+
+Life of a prompt in an epoch (the ledger, `ledger:<epoch>`, maps dataset index -> state)::
+
+    enqueue_prompts        -> outstanding   (XADD to the `prompts` stream)
+    claim_prompts          -> a rollout replica holds it (pending in consumer group `rollout`)
+    push_group + ack       -> its RolloutGroup waits in the `groups` stream
+    accept_group           -> completed     (in the buffer)     or, if too stale, requeued
+    mark_filtered          -> filtered      (dynamic sampling dropped its all-equal group)
+    requeue_pending        -> requeued      (a dead replica's prompts go back to the stream)
+    next_batch/mark_trained-> trained
+
+Exactly once: a prompt may be generated more than once (a replica that was declared dead but was
+only slow pushes its group anyway), but only the first group of each `prompt_id` is accepted
+(`accepted:<epoch>` set), so it is trained once. Nothing is lost: a prompt leaves the streams only
+when its group is accepted or it is put back as a new stream entry, in one transaction.
+
+Training runs as commands: the controller appends a `train` command to each policy replica's
+`commands:<replica>` stream, each replica reads its own (consumer group `policy`), trains on its
+share of the in-flight batch and appends a result to the `results` stream, which the controller
+reads (consumer group `controller`).
+
+Elastic groups: the controller publishes each generation of the policy replicas' data-parallel
+group and of the weight group (`group:<kind>`, see :meth:`JobState.publish_group`); members build
+the group of the current generation, and a membership change publishes a new one. The step in
+flight (`step_plan`) and every recorded step's metrics (`metrics`) live here too, so a restarted
+controller re-sends what was in flight and rewrites no step twice.
+
+Simplifications: one controller consumes the `groups` and `results` streams; one training batch
+is in flight at a time; staleness is judged when a group is accepted and again when it is taken
+into a batch.
+
+The state is split by concern: `ledger` (prompts, buffer, steps), `registry` (replicas and
+heartbeats), `commands` (commands and results), `groups` (elastic group generations), `snapshot`
+(checkpoints of the whole state); `JobState` combines them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from nebula_rl.controller.state._base import (
+    CONTROLLER_GROUP,
+    KINDS,
+    POLICY_GROUP,
+    ROLLOUT_GROUP,
+)
+from nebula_rl.controller.state.commands import Commands
+from nebula_rl.controller.state.groups import Groups
+from nebula_rl.controller.state.ledger import LEDGER_STATES, Ledger
+from nebula_rl.controller.state.registry import Registry
+from nebula_rl.controller.state.snapshot import Snapshots
+
+__all__ = ["CONTROLLER_GROUP", "LEDGER_STATES", "POLICY_GROUP", "ROLLOUT_GROUP", "JobState"]
+
+log = logging.getLogger(__name__)
+
+
+class JobState(Ledger, Registry, Commands, Groups, Snapshots):
+    """All durable controller state of job `job`, kept in Redis (see the module docstring).
+
+    `redis` must decode responses to `str` (see :func:`nebula_rl.controller.connect`). `clock`
+    gives heartbeat times in seconds; tests pass a fake one.
+    """
+
+    def restore(self, snapshot: dict[str, str]) -> None:
+        """Replace every key of this job by those of `snapshot`, in one transaction; then, since
+        the replicas of that moment are gone, unregister them and requeue the prompts they held."""
+        self._restore_keys(snapshot)
+        self._groups.clear()
+        for consumer in self.redis.xinfo_consumers(self.key("prompts"), ROLLOUT_GROUP):
+            self.requeue_pending(consumer["name"])
+        for name in self.replicas():
+            self.unregister_replica(name)
+        # Their groups went with them (generation numbers keep growing: the counters stay).
+        self.redis.delete(*(self.key(k, kind) for k in ("group", "regroup") for kind in KINDS))
+
+    def reap_dead_replicas(self, timeout: float) -> list[str]:
+        """Unregister replicas silent for `timeout` seconds and requeue their prompts."""
+        dead = self.dead_replicas(timeout)
+        for name in dead:
+            log.warning("replica %s missed heartbeats for %.0f s: removing it", name, timeout)
+            self.requeue_pending(name)
+            self.unregister_replica(name)
+        return dead

@@ -1,0 +1,35 @@
+"""Hugging Face exports of a trained model (safetensors, config, tokenizer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["export_hf"]
+
+
+def export_hf(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
+    """Write a Hugging Face folder (config, safetensors, tokenizer) that `from_pretrained` loads.
+
+    Under torch.distributed every rank must call it (sharded parameters are gathered); rank 0
+    writes."""
+    state = None
+    if dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)
+        # Tied weights appear under both names; keep the one save_pretrained keeps by itself.
+        unique = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+        state = {k: v for k, v in state.items() if k in unique}
+        if dist.get_rank() != 0:
+            dist.barrier()
+            return
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, state_dict=state, safe_serialization=True)  # type: ignore[operator]
+    tokenizer.save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()

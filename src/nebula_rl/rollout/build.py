@@ -1,0 +1,85 @@
+"""The engine `[rollout] backend` names, built from the config (one place for both loops).
+
+`rollout.backend = "torch"` is nebula-rl's built-in engine on the model the caller loaded;
+`"vllm"` (the default, as in cosmos-rl) is vLLM, which loads the model folder itself and takes
+cosmos-rl's vLLM settings (`gpu_memory_utilization`, `enforce_eager`, `enable_chunked_prefill`).
+:func:`check_backend` tells, before any process starts or model loads, whether the backend can
+run here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+from nebula_rl.config import Config
+from nebula_rl.rollout.engine import Engine
+from nebula_rl.rollout.tensor_parallel import TensorParallel
+
+__all__ = ["build_engine", "check_backend", "max_model_len"]
+
+
+def check_backend(cfg: Config) -> None:
+    """Raise ValueError naming `rollout.backend` when its engine cannot run on this machine."""
+    if cfg.rollout.backend != "vllm":
+        return
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            'rollout.backend = "vllm" (the default, as in cosmos-rl) needs the vllm package, '
+            "which is not installed here: `pip install vllm` on a CUDA machine, or set "
+            'rollout.backend = "torch" for nebula-rl\'s built-in engine (CPU and CUDA)'
+        )
+    if not torch.cuda.is_available():
+        raise ValueError(
+            'rollout.backend = "vllm" needs a CUDA device, and none is visible; set '
+            'rollout.backend = "torch" to generate on this machine'
+        )
+
+
+def max_model_len(cfg: Config, model_config: Any) -> int:
+    """Longest prompt + completion: `policy.model_max_length`, capped by the model's positions."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    return min(cfg.policy.model_max_length, limit) if limit else cfg.policy.model_max_length
+
+
+def build_engine(
+    cfg: Config,
+    *,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    seed: int,
+    model_path: str | None = None,
+    tensor_parallel: TensorParallel | None = None,
+) -> Engine:
+    """The configured engine over `model` (torch) or over the model folder `model_path` (vLLM,
+    which loads the weights itself; later weights arrive through `update_weights`)."""
+    check_backend(cfg)
+    r = cfg.rollout
+    if r.backend == "torch":
+        from nebula_rl.rollout.torch_engine import TorchEngine
+
+        return TorchEngine(
+            model,
+            max_num_seqs=r.max_num_seqs,
+            max_model_len=max_model_len(cfg, model.config),  # type: ignore[union-attr]
+            tokenizer=tokenizer,
+            seed=seed,
+            forward="hf" if cfg.train.force_use_hf else "auto",
+            tensor_parallel=tensor_parallel,
+        )
+    from nebula_rl.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(
+        model_path or cfg.policy.model_name_or_path,
+        dtype=cfg.train.param_dtype,
+        max_model_len=max_model_len(cfg, model.config),  # type: ignore[union-attr]
+        seed=seed,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        enforce_eager=r.enforce_eager,
+        enable_chunked_prefill=r.enable_chunked_prefill,
+        max_num_seqs=r.max_num_seqs,
+        tensor_parallel_size=r.parallelism.tp_size,
+        pipeline_parallel_size=r.parallelism.pp_size,
+    )

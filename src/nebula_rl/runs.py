@@ -1,0 +1,82 @@
+"""A run's folder on disk: where it is, its checkpoints, its metrics file (no torch here).
+
+`<train.output_dir>/<train.timestamp>/` holds everything a run writes: `config.json`,
+`metrics.jsonl`, `checkpoints/step_<N>/` (complete once their `manifest.json` is written),
+`safetensors/`, `logs/`. The controller, the launcher and both training loops share these
+helpers, so the controller process needs neither torch nor transformers for them.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from nebula_rl.config import Config
+
+__all__ = [
+    "MANIFEST",
+    "TIMESTAMP_FORMAT",
+    "checkpoint_path",
+    "complete_checkpoints",
+    "drop_steps_after",
+    "is_checkpoint",
+    "latest_checkpoint",
+    "resolve_run_dir",
+]
+
+MANIFEST = "manifest.json"
+"""Written last into a checkpoint folder: a folder without it is a half-written checkpoint."""
+TIMESTAMP_FORMAT = "%Y%m%d%H%M%S"
+"""cosmos-rl's run-folder name format."""
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    """`<run_dir>/checkpoints/step_<step>`."""
+    return run_dir / "checkpoints" / f"step_{step}"
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether `path` is a complete checkpoint (its manifest was written)."""
+    return (path / MANIFEST).is_file()
+
+
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of the complete checkpoints under `run_dir`, oldest first."""
+    found = []
+    for path in (run_dir / "checkpoints").glob("step_*"):
+        step = path.name.removeprefix("step_")
+        if step.isdigit() and is_checkpoint(path):
+            found.append((int(step), path))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The complete checkpoint of the highest step under `run_dir`, or None."""
+    found = complete_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def resolve_run_dir(cfg: Config) -> Path:
+    """`train.output_dir/train.timestamp`, fixing `train.timestamp` in `cfg` when it is empty
+    (so that every later call, and every process given the resolved config, agrees): with
+    `train.resume = true`, the newest run folder under `output_dir` that has a complete
+    checkpoint (a new one if none has); otherwise the start time."""
+    t = cfg.train
+    if not t.timestamp:
+        output = Path(t.output_dir)
+        runs = sorted(p for p in output.glob("*") if p.is_dir()) if output.is_dir() else []
+        resumable = [p for p in runs if complete_checkpoints(p)]
+        if t.resume is True and resumable:
+            t.timestamp = resumable[-1].name
+        else:
+            t.timestamp = datetime.now().strftime(TIMESTAMP_FORMAT)
+    return Path(t.output_dir) / t.timestamp
+
+
+def drop_steps_after(path: Path, step: int) -> None:
+    """Keep only the `metrics.jsonl` lines of steps up to `step` (later ones came from an earlier
+    attempt of this run that got past the checkpoint it resumes from)."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    kept = [line for line in lines if line and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))
