@@ -66,8 +66,9 @@ def test_saved_tokenizer_encodes_chat_prompts_like_the_preset(tmp_path):
     assert saved.pad_token_id == preset.pad_token_id and saved.padding_side == "left"
 
 
-def test_missing_model_path_error_says_no_download(tmp_path):
-    with pytest.raises(ValueError, match="never downloads"):
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    # An absolute path cannot be a Hub id (owner/name), so nothing is looked up on the Hub.
+    with pytest.raises(ValueError, match="neither a local folder nor a Hugging Face Hub id"):
         load_model(str(tmp_path / "Qwen" / "Qwen2.5-0.5B"))
 
 

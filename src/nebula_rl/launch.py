@@ -231,12 +231,15 @@ def launch(
 
 def check_job(cfg: Config) -> None:
     """Raise, before any process starts, the errors a replica would otherwise hit only once the
-    job runs: a model path that is neither a local model folder nor a preset, and parallel sizes
-    the runtime cannot give a replica (it runs each replica as one process for now)."""
+    job runs: a model that is neither a local model folder, a Hub id that can be fetched, nor a
+    preset, and parallel sizes the runtime cannot give a replica (it runs each replica as one
+    process for now). A Hub model is fetched into the Hugging Face cache here, once, so that the
+    replicas find it there."""
     from nebula_rl.models import load_tokenizer
     from nebula_rl.policy.parallelize import ParallelDims
 
-    load_tokenizer(cfg.policy.model_name_or_path)  # (raises naming the key and the path)
+    # (raises naming the key and the path)
+    load_tokenizer(cfg.policy.model_name_or_path, revision=cfg.policy.model_revision)
     try:
         ParallelDims.from_config(cfg.policy.parallelism, world_size=1)
     except ValueError as err:

@@ -1,16 +1,17 @@
-"""Models and tokenizers: any Hugging Face causal LM from a local folder, or a tiny preset.
+"""Models and tokenizers: any Hugging Face causal LM from a local folder or the Hub, or a tiny preset.
 
-A preset (`tiny:qwen2`, `tiny:llama`) is a few-million-parameter model of that architecture with
-random initialisation and a character-level tokenizer trained locally with the `tokenizers`
-library, saved as an ordinary Hugging Face folder (config, safetensors, tokenizer, ChatML chat
-template). Presets exist for tests and demos; nothing is ever downloaded.
+A name is a local folder, a Hub repo id fetched into the Hugging Face cache (see
+:mod:`nebula_rl.models.hub`), or a preset. A preset (`tiny:qwen2`, `tiny:llama`) is a
+few-million-parameter model of that architecture with random initialisation and a byte-level
+tokenizer without merges built locally with the `tokenizers` library; exported, it is an ordinary
+Hugging Face folder (config, safetensors, tokenizer, ChatML chat template). Presets exist for tests
+and demos and are never downloaded.
 """
 
 from __future__ import annotations
 
 import json
 import string
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,15 +24,19 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from nebula_rl.models.hub import is_hub_id, resolve_model
+
 __all__ = [
     "CHATML_TEMPLATE",
     "TINY_PRESETS",
     "build_char_tokenizer",
     "build_tiny_model",
     "count_parameters",
+    "is_hub_id",
     "load_model",
     "load_tokenizer",
     "resolve_dtype",
+    "resolve_model",
 ]
 
 PRESET_PREFIX = "tiny:"
@@ -152,28 +157,17 @@ def _preset_name(name_or_path: str) -> str | None:
     )
 
 
-def _check_local(name_or_path: str) -> Path:
-    path = Path(name_or_path)
-    if not path.is_dir():
-        raise ValueError(
-            f"policy.model_name_or_path: {name_or_path!r} is not a local folder nor a preset "
-            f"({', '.join(PRESET_PREFIX + p for p in TINY_PRESETS)}); nebula-rl never downloads "
-            "models, so put the Hugging Face folder on disk first"
-        )
-    if not (path / "config.json").is_file():
-        raise ValueError(f"policy.model_name_or_path: {path} has no config.json")
-    return path
-
-
 _GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 """Saved `tokenizer_class` values that mean "exactly the saved tokenizer.json"."""
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """The tokenizer of a local model folder or a preset; left padding, a pad token set."""
+def load_tokenizer(name_or_path: str, *, revision: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local model folder, a Hub repo id at `revision` or a preset; left
+    padding, a pad token set. A Hub id is fetched into the Hugging Face cache (see
+    :func:`nebula_rl.models.hub.resolve_model`)."""
     if _preset_name(name_or_path) is not None:
         return build_char_tokenizer()
-    path = _check_local(name_or_path)
+    path = resolve_model(name_or_path, revision=revision)
     config_file = path / "tokenizer_config.json"
     saved = json.loads(config_file.read_text()) if config_file.is_file() else {}
     saved_class = saved.get("tokenizer_class")
@@ -196,8 +190,11 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    revision: str | None = None,
 ) -> PreTrainedModel:
-    """A causal LM from a local Hugging Face folder, or a freshly initialised preset."""
+    """A causal LM from a local Hugging Face folder or a Hub repo id at `revision` (fetched into
+    the Hugging Face cache, see :func:`nebula_rl.models.hub.resolve_model`), or a freshly
+    initialised preset."""
     preset = _preset_name(name_or_path)
     if preset is not None:
         tok = build_char_tokenizer()
@@ -210,7 +207,7 @@ def load_model(
         )
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            _check_local(name_or_path), dtype=dtype, local_files_only=True
+            resolve_model(name_or_path, revision=revision), dtype=dtype, local_files_only=True
         )
     return model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
 
