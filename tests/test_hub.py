@@ -1,27 +1,33 @@
-"""Hugging Face Hub ids for models, without a network: caches laid out as the
+"""Hugging Face Hub ids for models and datasets, without a network: caches laid out as the
 libraries lay them out, under `HF_HUB_OFFLINE=1`.
 
-huggingface_hub reads `HF_HOME`, `HF_HUB_CACHE` and `HF_HUB_OFFLINE` once, at import,
+huggingface_hub and datasets read `HF_HOME`, `HF_HUB_CACHE` and `HF_HUB_OFFLINE` once, at import,
 into module constants; in-process tests therefore set the environment variables and those
 constants (as the libraries' own test suites do), and one test runs a fresh process with the
 environment variables alone.
 """
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import huggingface_hub
 import pytest
 import torch
 
+from nebula_rl.config import DatasetConfig
+from nebula_rl.data import load_hub_rows, load_rows
 from nebula_rl.models import build_char_tokenizer, is_hub_id, load_model, load_tokenizer
 from nebula_rl.models.hub import resolve_model
 
 REPO = "nebula-test/tiny-qwen2"
 OLD, NEW = "a" * 40, "b" * 40  # commits: the tag v1 points at OLD, main at NEW
+DATASET = "nebula-test/tiny-math"
+GSM8K = Path(__file__).parents[2] / "shared" / "datasets" / "gsm8k"
 
 
 @pytest.fixture
@@ -32,6 +38,8 @@ def hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(home / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", home / "datasets")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     return home
 
 
@@ -127,6 +135,16 @@ def test_malformed_ids_are_refused(hf_home, name):
         load_model("")
 
 
+def test_datasets_and_models_agree_on_hub_ids(tmp_path, monkeypatch):
+    from nebula_rl.data import _is_hub_dataset_id
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here" / "there").mkdir(parents=True)
+    names = [REPO, DATASET, "openai/gsm8k", "bare", "a/b/c", "x/y--z", "builtin:a", "here/there"]
+    assert [_is_hub_dataset_id(n) for n in names] == [is_hub_id(n) for n in names]
+    assert [is_hub_id(n) for n in names] == [True] * 3 + [False] * 5
+
+
 def test_local_folder_wins_over_an_id_looking_name(cached_model, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     local = _export(tmp_path / REPO, seed=3)
@@ -156,3 +174,84 @@ def test_env_variables_alone_work_in_a_fresh_process(cached_model, hf_home):
     vocab, decoded, error = out.stdout.splitlines()[-3:]
     assert int(vocab) == cached_model[OLD].config.vocab_size and decoded == "True"
     assert "HF_HUB_OFFLINE=1 forbids downloading it" in error
+
+
+def _cache_dataset(hf_home: Path, tmp_path: Path, repo_id: str, subsets: dict) -> None:
+    """Prepare `repo_id` in the datasets cache as an online `load_dataset(repo_id, subset)` leaves
+    it, which is all `load_dataset` reads offline:
+    `<HF_HOME>/datasets/<owner>___<name>/<subset>/0.0.0/<commit>/{dataset_info.json,
+    <name>-<split>.arrow}`. datasets itself writes it, from a local copy of the repo (a README
+    declaring the subsets, a JSON lines file per split) named like the repo; only the folder
+    names it cannot know (the owner and the commit) are set afterwards."""
+    owner, name = repo_id.split("/")
+    repo = tmp_path / "repo" / name
+    card = ["---", "configs:"]
+    for subset, splits in subsets.items():
+        card += [f"- config_name: {subset}", "  data_files:"]
+        for split, rows in splits.items():
+            (repo / subset).mkdir(parents=True, exist_ok=True)
+            (repo / subset / f"{split}.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in rows)
+            )
+            card += [f"  - split: {split}", f"    path: {subset}/{split}.jsonl"]
+    (repo / "README.md").write_text("\n".join([*card, "---", ""]))
+    for subset in subsets:
+        datasets.load_dataset_builder(str(repo), subset).download_and_prepare()
+    cache = hf_home / "datasets"
+    (cache / name).rename(cache / f"{owner}___{name}")
+    for prepared in (cache / f"{owner}___{name}").glob("*/*/*"):
+        if prepared.is_dir():
+            prepared.rename(prepared.with_name(NEW))
+
+
+EASY = {"train": [{"prompt": "1+1=", "answer": "2"}], "test": [{"prompt": "2+2=", "answer": "4"}]}
+HARD = {"train": [{"prompt": "9*9=", "answer": "81"}, {"prompt": "7*8=", "answer": "56"}]}
+
+
+@pytest.fixture
+def cached_dataset(hf_home, tmp_path):
+    _cache_dataset(hf_home, tmp_path, DATASET, {"easy": EASY, "hard": HARD})
+
+
+def test_hub_dataset_subset_and_splits_offline(cached_dataset):
+    ds = DatasetConfig(name=DATASET, subset="easy", split=["test", "train"])
+    assert load_rows(ds) == EASY["test"] + EASY["train"]
+    assert load_rows(DatasetConfig(name=DATASET, subset="hard")) == HARD["train"]
+
+
+def test_offline_dataset_revision_cannot_be_checked(cached_dataset, caplog):
+    # Offline, datasets 5.2 serves its latest prepared copy and ignores the revision (its
+    # CachedDatasetModuleFactory never reads it); nebula-rl says so rather than pretend.
+    rows = load_hub_rows(DATASET, subset="hard", revision=OLD, splits=["train"])
+    assert rows == HARD["train"]
+    assert "whatever its revision" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("name", "subset", "split", "why"),
+    [
+        ("nebula-test/absent", "", "train", "HF_HUB_OFFLINE=1 forbids downloading it"),
+        (DATASET, "nope", "train", "Couldn't find cache for nebula-test/tiny-math for config"),
+        (DATASET, "hard", "test", 'Unknown split "test"'),
+    ],
+)
+def test_missing_dataset_offline_is_a_clear_error(cached_dataset, name, subset, split, why):
+    with pytest.raises(ValueError) as err:
+        load_rows(DatasetConfig(name=name, subset=subset, split=split, revision="v1"))
+    said = str(err.value)
+    assert said.startswith(f"dataset.name: {name} (subset {subset or 'default'}, revision v1)")
+    assert why in said
+
+
+def test_malformed_dataset_name_is_refused(hf_home):
+    with pytest.raises(ValueError, match="does not exist, and it is not a Hugging Face Hub"):
+        load_rows(DatasetConfig(name="no/such/folder"))
+
+
+def test_local_dir_is_read_instead_of_the_hub(hf_home):
+    ds = DatasetConfig(name="openai/gsm8k", split="test")
+    ds = ds.model_copy(update={"local_dir": str(GSM8K)})
+    rows = load_rows(ds)
+    assert len(rows) == 1319 and "####" in rows[0]["answer"]
+    with pytest.raises(ValueError, match=r"dataset\.local_dir: .*missing"):
+        load_hub_rows("openai/gsm8k", subset="", revision="", splits=["test"], local_dir="missing")

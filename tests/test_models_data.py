@@ -108,6 +108,12 @@ def test_gsm8k_from_local_files():
     assert "####" in rows[0]["answer"]
 
 
+def test_default_split_reads_the_train_files_only():
+    # Regression: the default split is the string "train", once read as the splits t, r, a, i, n
+    # (so "t*" matched test.jsonl too).
+    assert len(load_rows(DatasetConfig(name=str(GSM8K)))) == 7473
+
+
 def test_prompt_ids_use_chat_template():
     tok = build_char_tokenizer()
     ids = prompt_token_ids(tok, "3+5=", system_prompt="Add.")
