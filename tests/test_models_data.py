@@ -153,3 +153,15 @@ def test_split_rows_is_disjoint_and_complete():
     assert sorted(r["i"] for r in train + test) == list(range(100))
     with pytest.raises(ValueError, match="test_size"):
         split_rows(rows, 100)
+
+
+def test_data_module_imports_no_heavy_library():
+    # The controller reads datasets and must stay free of torch, transformers and datasets.
+    import subprocess
+    import sys
+
+    heavy = "{'torch', 'transformers', 'datasets'}"
+    code = f"import sys, nebula_rl.data; print(sorted({heavy} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
