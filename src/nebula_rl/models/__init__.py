@@ -83,25 +83,40 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def build_char_tokenizer(corpus: list[str] | None = None) -> PreTrainedTokenizerFast:
-    """Train a character-level BPE tokenizer (no merges) over printable ASCII plus ChatML tokens.
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in a byte-level BPE
+    vocabulary. Printable Latin-1 bytes stand for themselves; the others (space, newline, control
+    bytes, ...) for the characters from U+0100 on, in byte order (space is `Ġ`, newline `Ċ`)."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    shifted = (b for b in range(256) if b not in printable)
+    return {
+        **{b: chr(b) for b in printable},
+        **{b: chr(0x100 + i) for i, b in enumerate(shifted)},
+    }
 
-    The alphabet is fixed, so the result does not depend on `corpus`, which only has to be
-    representative text; the `<unk>` token stands for characters outside printable ASCII.
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer without merges, plus the ChatML special tokens: one token per
+    byte, so one per character of ASCII text, and any other text round-trips through its bytes.
+
+    It is the pipeline transformers' Qwen2Tokenizer builds from a saved vocabulary (NFC, byte-level
+    symbols, byte-level decoding; Qwen2's word split cannot change tokens without merges), so an
+    export next to a qwen2 config loads identically with plain `AutoTokenizer.from_pretrained`,
+    which picks Qwen2Tokenizer for that model type whatever `tokenizer_class` says; other model
+    types load the saved tokenizer.json as it is. Ids: the special tokens, then tab, newline,
+    space and `!`..`~` (the ids of the character tokenizer this replaced), then the other bytes;
+    `<unk>` keeps its id although every byte now has a token.
     """
-    from tokenizers import Tokenizer, decoders, models, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    alphabet = [c for c in string.printable if c not in "\x0b\x0c\r"]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()
-    trainer = trainers.BpeTrainer(
-        vocab_size=len(SPECIAL_TOKENS) + len(alphabet),
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=alphabet,
-        limit_alphabet=len(alphabet),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus or [string.printable], trainer=trainer)
+    symbols = _byte_symbols()
+    ascii_bytes = [ord(c) for c in string.printable if c not in "\x0b\x0c\r"]
+    order = [*sorted(ascii_bytes), *(b for b in range(256) if b not in ascii_bytes)]
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *(symbols[b] for b in order)])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
@@ -173,8 +188,9 @@ def load_tokenizer(name_or_path: str, *, revision: str | None = None) -> PreTrai
     saved_class = saved.get("tokenizer_class")
     if saved_class in _GENERIC_TOKENIZER_CLASSES:
         # AutoTokenizer would pick the model type's tokenizer class (Qwen2Tokenizer for a qwen2
-        # config), which replaces the saved normalizer and pre-tokenizer: a character tokenizer
-        # would silently lose its newlines. The saved tokenizer.json is the tokenizer.
+        # config), which replaces the saved normalizer and pre-tokenizer: the character tokenizer
+        # of exports older than the byte-level preset would silently lose its spaces and
+        # newlines. The saved tokenizer.json is the tokenizer.
         tok = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     else:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
