@@ -112,6 +112,14 @@ def test_pinned_revision_by_commit_or_ref(cached_model, revision):
     assert load_tokenizer(REPO, revision=revision).eos_token == "<|im_end|>"
 
 
+def test_repo_with_pytorch_weights_only(hf_home, tmp_path):
+    model = _export(tmp_path / "bin", seed=4)
+    (tmp_path / "bin" / "model.safetensors").unlink()
+    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    _cache_model(hf_home / "hub", "nebula-test/old-format", tmp_path / "bin", OLD, ["main"])
+    assert _same_weights(load_model("nebula-test/old-format"), model)
+
+
 @pytest.mark.parametrize(
     ("name", "revision"), [("nebula-test/absent", None), (REPO, "v9"), (REPO, "c" * 40)]
 )
