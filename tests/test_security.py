@@ -343,7 +343,8 @@ def test_invalid_model_path_and_impossible_parallel_sizes_fail_at_start(tmp_path
     )
     assert result.returncode == 2, (result.stdout[-2000:], result.stderr[-2000:])
     said = " ".join((result.stdout + result.stderr).split())
-    assert "policy.model_name_or_path" in said and "never downloads" in said
+    assert "policy.model_name_or_path" in said
+    assert "neither a local folder nor a Hugging Face Hub id" in said
     assert not (tmp_path / "out").exists()  # nothing started: no run folder, no logs
 
     cases = [

@@ -251,9 +251,10 @@ def ensure_model(cfg: Config) -> None:
 
 def check_job(cfg: Config) -> None:
     """Raise, before any process starts, the errors a replica would otherwise hit only once the
-    job runs: a model that is neither a local model folder, a Hub id nor a preset, a rollout
-    backend that cannot run here, and parallel sizes the runtime cannot give a replica (it runs
-    each replica as one process for now)."""
+    job runs: a model that is neither a local model folder, a Hub id that can be fetched, nor a
+    preset, a rollout backend that cannot run here, and parallel sizes the runtime cannot give a
+    replica (it runs each replica as one process for now). A Hub model is fetched into the
+    Hugging Face cache here, once, so that the replicas find it there."""
     from nebula_rl.models import load_tokenizer
     from nebula_rl.policy.parallelize import ParallelDims
     from nebula_rl.rollout.build import check_backend
@@ -264,7 +265,8 @@ def check_job(cfg: Config) -> None:
             f"rollout.backend = {cfg.rollout.backend!r} is not wired into the runtime's rollout "
             'replicas yet; set rollout.backend = "torch"'
         )
-    load_tokenizer(cfg.policy.model_name_or_path)  # (raises naming the key and the path)
+    # (raises naming the key and the path)
+    load_tokenizer(cfg.policy.model_name_or_path, revision=cfg.policy.model_revision)
     try:
         ParallelDims.from_config(cfg.policy.parallelism, world_size=1)
     except ValueError as err:

@@ -98,8 +98,9 @@ def run(cfg: Config) -> Path:
         dist.barrier()
     dtype = resolve_dtype(cfg.train.param_dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokenizer = load_tokenizer(cfg.policy.model_name_or_path)
-    model = load_model(cfg.policy.model_name_or_path, dtype=dtype, device=device, seed=seed)
+    name, revision = cfg.policy.model_name_or_path, cfg.policy.model_revision
+    tokenizer = load_tokenizer(name, revision=revision)
+    model = load_model(name, dtype=dtype, device=device, seed=seed, revision=revision)
     policy = cfg.train.train_policy
     if isinstance(policy, GrpoConfig):
         _run_grpo(cfg, policy, model, tokenizer, run_dir)

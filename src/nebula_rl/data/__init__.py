@@ -1,11 +1,16 @@
-"""Datasets: local files and folders, built-in verifiable tasks, chat templating.
+"""Datasets: local files and folders, Hugging Face Hub datasets, built-in verifiable tasks, chat
+templating.
 
 Rows are plain dicts. JSON lines files are read line by line here; other local sources with
-Hugging Face `datasets` (JSON, Parquet, CSV, or a folder written by `Dataset.save_to_disk`);
-`builtin:<task>` names a procedurally generated task from :data:`BUILTIN_TASKS`. Rows a mode cannot
+Hugging Face `datasets` (JSON, Parquet, CSV, or a folder written by `Dataset.save_to_disk`); a Hub
+dataset id (`openai/gsm8k`) with `datasets.load_dataset`, which caches it in the Hugging Face
+cache; `builtin:<task>` names a procedurally generated task from :data:`BUILTIN_TASKS`. Rows a mode cannot
 use (a line that is not a JSON object, a missing column, an empty prompt, a prompt that is neither
 text nor chat messages) are counted and reported by :func:`validate_rows` (the log, and
 `RowReport`), never silently dropped and never fatal.
+
+The controller reads datasets, so this module imports neither `datasets` nor `transformers` (nor
+torch) at import time: `datasets` is imported where a dataset is read.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ __all__ = [
     "RowReport",
     "arithmetic_task",
     "epoch_order",
+    "load_hub_rows",
     "load_rows",
     "num_train_steps",
     "prompt_token_ids",
@@ -81,7 +87,7 @@ def arithmetic_task(
 BUILTIN_TASKS: dict[str, Callable[..., list[dict[str, str]]]] = {"arithmetic": arithmetic_task}
 
 
-def _local_files(path: Path, splits: Sequence[str]) -> tuple[str, list[str]]:
+def _local_files(path: Path, splits: Sequence[str], *, key: str) -> tuple[str, list[str]]:
     if path.is_file():
         files = [path]
     else:
@@ -90,18 +96,21 @@ def _local_files(path: Path, splits: Sequence[str]) -> tuple[str, list[str]]:
         ]
         if not files:
             raise ValueError(
-                f"dataset.name: {path} holds no {'/'.join(_FORMATS)} file for split(s) {list(splits)}"
+                f"{key}: {path} holds no {'/'.join(_FORMATS)} file for split(s) {list(splits)}"
             )
     kinds = {_FORMATS.get(f.suffix) for f in files}
     if None in kinds or len(kinds) != 1:
-        raise ValueError(
-            f"dataset.name: cannot read {[str(f) for f in files]}: one of {sorted(_FORMATS)}"
-        )
+        raise ValueError(f"{key}: cannot read {[str(f) for f in files]}: one of {sorted(_FORMATS)}")
     return kinds.pop(), [str(f) for f in files]  # type: ignore[return-value]
 
 
 def load_rows(ds: DatasetConfig, *, seed: int = 0) -> list[dict[str, Any]]:
-    """All rows of the configured splits, in file order."""
+    """All rows of the configured splits, in file (or split) order.
+
+    `dataset.name` is a built-in task, a local file or folder, or a Hugging Face Hub dataset id;
+    a non-empty `dataset.local_dir` is the local folder holding the dataset, read instead of
+    `name` (see :func:`load_hub_rows`).
+    """
     if ds.name.startswith(BUILTIN_PREFIX):
         task = ds.name.removeprefix(BUILTIN_PREFIX)
         if task not in BUILTIN_TASKS:
@@ -109,22 +118,117 @@ def load_rows(ds: DatasetConfig, *, seed: int = 0) -> list[dict[str, Any]]:
                 f"dataset.name: unknown built-in task {task!r}; choose from {sorted(BUILTIN_TASKS)}"
             )
         return BUILTIN_TASKS[task](**{"seed": seed, **ds.kwargs})
+    # The config's default split is the bare string "train" (pydantic does not run validators
+    # on defaults), which would otherwise be read as the splits "t", "r", "a", ...
+    splits = [ds.split] if isinstance(ds.split, str) else list(ds.split)
+    # `local_dir` is being added to DatasetConfig alongside this code; until then it is absent.
+    local_dir: str = getattr(ds, "local_dir", "")
+    if local_dir or _is_hub_dataset_id(ds.name):
+        return load_hub_rows(
+            ds.name, subset=ds.subset, revision=ds.revision, splits=splits, local_dir=local_dir
+        )
     if not ds.name:
-        raise ValueError("dataset.name: empty; give a local file/folder or builtin:<task>")
-    import datasets
-
+        raise ValueError(
+            "dataset.name: empty; give a local file/folder, a Hub dataset id or builtin:<task>"
+        )
     path = Path(ds.name)
     if not path.exists():
         raise ValueError(
-            f"dataset.name: {path} does not exist (datasets are read from local files only)"
+            f"dataset.name: {path} does not exist, and it is not a Hugging Face Hub dataset id "
+            "(owner/name) either"
         )
+    return _local_rows(path, splits, key="dataset.name")
+
+
+def _is_hub_dataset_id(name: str) -> bool:
+    """The rule of :func:`nebula_rl.models.hub.is_hub_id`, which this module cannot import:
+    importing anything under `nebula_rl.models` imports torch and transformers."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if name.count("/") != 1 or Path(name).exists():
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def load_hub_rows(
+    name: str,
+    *,
+    subset: str,
+    revision: str,
+    splits: Sequence[str],
+    local_dir: str = "",
+) -> list[dict[str, Any]]:
+    """The rows of `splits` (concatenated in that order) of the Hub dataset `name`, loaded with
+    `datasets.load_dataset(name, subset, revision=revision, split=...)` through the Hugging Face
+    cache; or, as cosmos-rl does, of the local folder `local_dir` when it is given (`name` then
+    only names the dataset; the folder is read like a local `dataset.name`).
+
+    With `HF_HUB_OFFLINE=1`, datasets serves the copy it prepared most recently in its cache and
+    cannot tell its revision. A dataset the cache lacks, an unknown subset or split, and the
+    Hub's refusals are ValueErrors naming `dataset.name`.
+    """
+    if local_dir:
+        path = Path(local_dir)
+        if not path.exists():
+            raise ValueError(
+                f"dataset.local_dir: {path} (holding {name or 'the dataset'}) does not exist"
+            )
+        return _local_rows(path, splits, key="dataset.local_dir")
+    import datasets
+
+    what = f"dataset.name: {name} (subset {subset or 'default'}, revision {revision or 'main'})"
+    offline = datasets.config.HF_HUB_OFFLINE
+    if offline and revision:
+        log.warning(
+            "%s: HF_HUB_OFFLINE=1, so datasets serves its most recently prepared copy of %s, "
+            "whatever its revision",
+            what,
+            name,
+        )
+    rows: list[dict[str, Any]] = []
+    for split in splits:
+        try:
+            table = datasets.load_dataset(
+                name, subset or None, revision=revision or None, split=split
+            )
+        except ConnectionError as err:
+            if offline:
+                raise ValueError(
+                    f"{what} is not in the Hugging Face datasets cache "
+                    f"({datasets.config.HF_DATASETS_CACHE}) and HF_HUB_OFFLINE=1 forbids "
+                    "downloading it; load it once where the network is reachable, or unset "
+                    "HF_HUB_OFFLINE, or set dataset.local_dir to a local copy (split files or a "
+                    "save_to_disk folder)"
+                ) from err
+            raise ValueError(f"{what}: the Hub could not be reached ({_one_line(err)})") from err
+        except (OSError, ValueError) as err:
+            # datasets' own messages say what is missing (repository, revision, subset, split,
+            # data files) or that the dataset is gated; they lack which config key it was.
+            raise ValueError(f"{what}: {_one_line(err)}") from err
+        rows.extend(table)  # type: ignore[arg-type]
+    return rows
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def _local_rows(path: Path, splits: Sequence[str], *, key: str) -> list[dict[str, Any]]:
+    """The rows of a local file or folder (`key` names the config key that gave `path`)."""
+    import datasets
+
     saved = ("dataset_info.json", "state.json", "dataset_dict.json")
     if path.is_dir() and any((path / name).exists() for name in saved):
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
-            return [row for split in ds.split for row in loaded[split]]
+            return [row for split in splits for row in loaded[split]]
         return list(loaded)
-    kind, files = _local_files(path, ds.split)
+    kind, files = _local_files(path, splits, key=key)
     if all(f.endswith(".jsonl") for f in files):
         return [row for f in files for row in _json_lines(Path(f))]
     table = datasets.load_dataset(kind, data_files=files, split="train")

@@ -1,16 +1,17 @@
-"""Models and tokenizers: any Hugging Face causal LM from a local folder, or a tiny preset.
+"""Models and tokenizers: any Hugging Face causal LM from a local folder or the Hub, or a tiny preset.
 
-A preset (`tiny:qwen2`, `tiny:llama`) is a few-million-parameter model of that architecture with
-random initialisation and a character-level tokenizer trained locally with the `tokenizers`
-library, saved as an ordinary Hugging Face folder (config, safetensors, tokenizer, ChatML chat
-template). Presets exist for tests and demos; nothing is ever downloaded.
+A name is a local folder, a Hub repo id fetched into the Hugging Face cache (see
+:mod:`nebula_rl.models.hub`), or a preset. A preset (`tiny:qwen2`, `tiny:llama`) is a
+few-million-parameter model of that architecture with random initialisation and a byte-level
+tokenizer without merges built locally with the `tokenizers` library; exported, it is an ordinary
+Hugging Face folder (config, safetensors, tokenizer, ChatML chat template). Presets exist for tests
+and demos and are never downloaded.
 """
 
 from __future__ import annotations
 
 import json
 import string
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,15 +24,19 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from nebula_rl.models.hub import is_hub_id, resolve_model
+
 __all__ = [
     "CHATML_TEMPLATE",
     "TINY_PRESETS",
     "build_char_tokenizer",
     "build_tiny_model",
     "count_parameters",
+    "is_hub_id",
     "load_model",
     "load_tokenizer",
     "resolve_dtype",
+    "resolve_model",
 ]
 
 PRESET_PREFIX = "tiny:"
@@ -78,25 +83,40 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def build_char_tokenizer(corpus: list[str] | None = None) -> PreTrainedTokenizerFast:
-    """Train a character-level BPE tokenizer (no merges) over printable ASCII plus ChatML tokens.
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in a byte-level BPE
+    vocabulary. Printable Latin-1 bytes stand for themselves; the others (space, newline, control
+    bytes, ...) for the characters from U+0100 on, in byte order (space is `Ġ`, newline `Ċ`)."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    shifted = (b for b in range(256) if b not in printable)
+    return {
+        **{b: chr(b) for b in printable},
+        **{b: chr(0x100 + i) for i, b in enumerate(shifted)},
+    }
 
-    The alphabet is fixed, so the result does not depend on `corpus`, which only has to be
-    representative text; the `<unk>` token stands for characters outside printable ASCII.
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer without merges, plus the ChatML special tokens: one token per
+    byte, so one per character of ASCII text, and any other text round-trips through its bytes.
+
+    It is the pipeline transformers' Qwen2Tokenizer builds from a saved vocabulary (NFC, byte-level
+    symbols, byte-level decoding; Qwen2's word split cannot change tokens without merges), so an
+    export next to a qwen2 config loads identically with plain `AutoTokenizer.from_pretrained`,
+    which picks Qwen2Tokenizer for that model type whatever `tokenizer_class` says; other model
+    types load the saved tokenizer.json as it is. Ids: the special tokens, then tab, newline,
+    space and `!`..`~` (the ids of the character tokenizer this replaced), then the other bytes;
+    `<unk>` keeps its id although every byte now has a token.
     """
-    from tokenizers import Tokenizer, decoders, models, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    alphabet = [c for c in string.printable if c not in "\x0b\x0c\r"]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()
-    trainer = trainers.BpeTrainer(
-        vocab_size=len(SPECIAL_TOKENS) + len(alphabet),
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=alphabet,
-        limit_alphabet=len(alphabet),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus or [string.printable], trainer=trainer)
+    symbols = _byte_symbols()
+    ascii_bytes = [ord(c) for c in string.printable if c not in "\x0b\x0c\r"]
+    order = [*sorted(ascii_bytes), *(b for b in range(256) if b not in ascii_bytes)]
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *(symbols[b] for b in order)])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
@@ -152,35 +172,25 @@ def _preset_name(name_or_path: str) -> str | None:
     )
 
 
-def _check_local(name_or_path: str) -> Path:
-    path = Path(name_or_path)
-    if not path.is_dir():
-        raise ValueError(
-            f"policy.model_name_or_path: {name_or_path!r} is not a local folder nor a preset "
-            f"({', '.join(PRESET_PREFIX + p for p in TINY_PRESETS)}); nebula-rl never downloads "
-            "models, so put the Hugging Face folder on disk first"
-        )
-    if not (path / "config.json").is_file():
-        raise ValueError(f"policy.model_name_or_path: {path} has no config.json")
-    return path
-
-
 _GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 """Saved `tokenizer_class` values that mean "exactly the saved tokenizer.json"."""
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """The tokenizer of a local model folder or a preset; left padding, a pad token set."""
+def load_tokenizer(name_or_path: str, *, revision: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local model folder, a Hub repo id at `revision` or a preset; left
+    padding, a pad token set. A Hub id is fetched into the Hugging Face cache (see
+    :func:`nebula_rl.models.hub.resolve_model`)."""
     if _preset_name(name_or_path) is not None:
         return build_char_tokenizer()
-    path = _check_local(name_or_path)
+    path = resolve_model(name_or_path, revision=revision)
     config_file = path / "tokenizer_config.json"
     saved = json.loads(config_file.read_text()) if config_file.is_file() else {}
     saved_class = saved.get("tokenizer_class")
     if saved_class in _GENERIC_TOKENIZER_CLASSES:
         # AutoTokenizer would pick the model type's tokenizer class (Qwen2Tokenizer for a qwen2
-        # config), which replaces the saved normalizer and pre-tokenizer: a character tokenizer
-        # would silently lose its newlines. The saved tokenizer.json is the tokenizer.
+        # config), which replaces the saved normalizer and pre-tokenizer: the character tokenizer
+        # of exports older than the byte-level preset would silently lose its spaces and
+        # newlines. The saved tokenizer.json is the tokenizer.
         tok = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     else:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -196,8 +206,11 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    revision: str | None = None,
 ) -> PreTrainedModel:
-    """A causal LM from a local Hugging Face folder, or a freshly initialised preset."""
+    """A causal LM from a local Hugging Face folder or a Hub repo id at `revision` (fetched into
+    the Hugging Face cache, see :func:`nebula_rl.models.hub.resolve_model`), or a freshly
+    initialised preset."""
     preset = _preset_name(name_or_path)
     if preset is not None:
         tok = build_char_tokenizer()
@@ -210,7 +223,7 @@ def load_model(
         )
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            _check_local(name_or_path), dtype=dtype, local_files_only=True
+            resolve_model(name_or_path, revision=revision), dtype=dtype, local_files_only=True
         )
     return model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
 

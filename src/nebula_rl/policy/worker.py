@@ -76,13 +76,15 @@ class PolicyWorker:
         path = cfg.policy.model_name_or_path
         self.backend: Literal["gloo", "nccl"] = "nccl" if device.type == "cuda" else "gloo"
         self.timeout = timedelta(seconds=cfg.controller.collective_timeout)
-        self.tokenizer = load_tokenizer(path)
+        revision = cfg.policy.model_revision
+        self.tokenizer = load_tokenizer(path, revision=revision)
         # Every replica loads the same weights with the same seed, so they start identical.
         self.model = load_model(
             path,
             dtype=resolve_dtype(cfg.train.param_dtype),
             device=device,
             seed=cfg.train.seed or 0,
+            revision=revision,
         )
         ref = copy.deepcopy(self.model).eval().requires_grad_(False) if p.kl_beta > 0 else None
         self.trainer = PolicyTrainer(

@@ -101,9 +101,12 @@ class RolloutWorker:
         cfg = self.cfg = session.cfg
         p = cfg.grpo
         path = cfg.policy.model_name_or_path
-        self.tokenizer = load_tokenizer(path)
+        revision = cfg.policy.model_revision
+        self.tokenizer = load_tokenizer(path, revision=revision)
         dtype = resolve_dtype(cfg.train.param_dtype)
-        model = load_model(path, dtype=dtype, device=device, seed=cfg.train.seed or 0)
+        model = load_model(
+            path, dtype=dtype, device=device, seed=cfg.train.seed or 0, revision=revision
+        )
         if cfg.rollout.backend != "torch":
             raise ValueError(
                 f"rollout.backend = {cfg.rollout.backend!r} is not wired into the runtime's "
