@@ -22,7 +22,7 @@ from nebula_rl.models import (
     load_tokenizer,
 )
 
-GSM8K = __import__("pathlib").Path(__file__).parents[2] / "shared" / "datasets" / "gsm8k"
+GSM8K = __import__("pathlib").Path(__file__).parents[1] / "data" / "gsm8k"
 
 
 def test_char_tokenizer_round_trips_text_and_chat_tokens():

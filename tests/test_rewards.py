@@ -27,9 +27,7 @@ from nebula_rl.rewards import (
 )
 from nebula_rl.rewards.extract import last_boxed
 
-GSM8K_TEST = (
-    Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "gsm8k" / "test.jsonl"
-)
+GSM8K_TEST = Path(__file__).resolve().parents[1] / "data" / "gsm8k" / "test.jsonl"
 
 
 @register_reward("test_length")

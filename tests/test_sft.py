@@ -21,7 +21,6 @@ from nebula_rl.models import build_char_tokenizer, load_model
 from nebula_rl.policy.trainer import PolicyTrainer, pack_examples, token_logprobs
 
 ROOT = Path(__file__).parents[1]
-GSM8K = ROOT.parent / "shared" / "datasets" / "gsm8k"
 
 
 def test_first_fit_is_greedy_in_order():
@@ -201,7 +200,6 @@ def test_validation_without_rows_names_the_keys(tmp_path):
         local.run(cfg)
 
 
-@pytest.mark.skipif(not GSM8K.is_dir(), reason=f"GSM8K files not found at {GSM8K}")
 def test_gsm8k_config_trains_two_packed_steps(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the config names the dataset relative to the repository root
     cfg = load_config(ROOT / "configs" / "gsm8k_sft.toml")

@@ -1,6 +1,8 @@
 """The `nebula-rl` command.
 
-    nebula-rl check --config FILE                   validate a config and print it resolved
+    nebula-rl check --config FILE [--policy N] [--rollout M]
+                                                    validate a config, print the values in
+                                                    force and what a job would find here
     nebula-rl train --config FILE [--policy N] [--rollout M] [--local]
                                                     run a job (RL: controller + replicas)
     nebula-rl controller --config FILE              only the controller (multi-node)
@@ -52,9 +54,18 @@ def _load(path: str):
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    """Validate, print the values in force (JSON on stdout), then what `train` would find: notes
+    and errors on stderr; exit 2 when the job cannot run."""
+    from nebula_rl.preflight import preflight
+
     cfg = _load(args.config)
     print(json.dumps(cfg.model_dump(mode="json"), indent=2))
-    return 0
+    found = preflight(cfg, num_policy=args.policy, num_rollout=args.rollout)
+    for note in [*cfg.warnings, *found.notes]:
+        print(f"note: {note}", file=sys.stderr)
+    for error in found.errors:
+        print(f"error: {args.config}: {error}", file=sys.stderr)
+    return 2 if found.errors else 0
 
 
 def _setup_torch() -> None:
@@ -360,8 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    check = sub.add_parser("check", help="validate a config file and print it resolved")
+    check = sub.add_parser(
+        "check",
+        help="validate a config, print the values in force, and what a job would find here "
+        "(paths, Hub ids, layout)",
+    )
     check.add_argument("--config", required=True, help="TOML config file")
+    check.add_argument("--policy", type=int, help="policy replicas (as for train)")
+    check.add_argument("--rollout", type=int, help="rollout replicas (as for train)")
     check.set_defaults(func=_cmd_check)
 
     train = sub.add_parser(

@@ -120,7 +120,7 @@ class DatasetConfig(_Section):
     """Hub dataset configuration name (e.g. `main` for openai/gsm8k); "" for the default."""
     revision: str = ""
     """Hub dataset revision: a branch, tag or commit hash; "" for the default branch."""
-    split: str | list[str] = "train"
+    split: str | list[str] = Field(default_factory=lambda: ["train"])
     """Split(s) to read, concatenated in order: Hub splits, or for a local folder the files named
     `<split>*.jsonl` / `.parquet` / ...."""
     test_size: float | int | None = None
@@ -203,14 +203,9 @@ class GrpoConfig(_Section):
 
     type: Literal["grpo"] = "grpo"
     """Selects this training mode."""
-    trainer_type: str = Field(
-        default="grpo",
-        json_schema_extra=refused(
-            "nebula-rl has one RL trainer (grpo, with the `variant`s); cosmos-rl's other "
-            "trainers (grpo_vla, grpo_pi05, diffusion_nft, user-registered ones) are not supported"
-        ),
-    )
-    """Trainer: `grpo` (cosmos-rl also registers VLA, pi0.5, DiffusionNFT and custom trainers)."""
+    trainer_type: str = "grpo"
+    """Trainer: `grpo` (the `variant`s); cosmos-rl's other trainers (`grpo_vla`, `grpo_pi05`,
+    `diffusion_nft`, user-registered ones) are refused naming their feature."""
     variant: Literal["grpo", "dapo", "gspo", "aipo"] = "grpo"
     """Algorithm: `grpo` (Shao et al. 2024), `dapo` (clip-higher, token-mean, dynamic sampling;
     Yu et al. 2025), `gspo` (sequence-level ratio; Zheng et al. 2025), `aipo` (truncated
@@ -423,14 +418,9 @@ class SftConfig(_Section):
 
     type: Literal["sft"] = "sft"
     """Selects this training mode."""
-    trainer_type: str = Field(
-        default="sft",
-        json_schema_extra=refused(
-            "nebula-rl has one SFT trainer; cosmos-rl's dpo, diffusers_sft, pi_sft, "
-            "cosmos_policy and user-registered trainers are not supported"
-        ),
-    )
-    """Trainer: `sft`."""
+    trainer_type: str = "sft"
+    """Trainer: `sft`; cosmos-rl's other trainers (`dpo`, `diffusers_sft`, `pi_sft`,
+    `cosmos_policy`, user-registered ones) are refused naming their feature."""
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     """Conversation dataset."""
     mini_batch: int = Field(default=2, ge=1)
@@ -767,8 +757,33 @@ class ParallelismConfig(_Section):
         return v
 
 
+_ROLLOUT_SPLIT = (
+    "a rollout replica is split by tp_size and pp_size only (scale rollouts with "
+    "n_init_replicas); cosmos-rl's vLLM rollouts refuse it too"
+)
+
+
 class RolloutParallelismConfig(ParallelismConfig):
-    """How one rollout replica is split over devices."""
+    """How one rollout replica is split over devices (tensor and pipeline parallel)."""
+
+    cp_size: int = Field(default=1, json_schema_extra=refused(_ROLLOUT_SPLIT))
+    """Context parallel (training only)."""
+    ep_size: int = Field(default=1, json_schema_extra=refused(_ROLLOUT_SPLIT))
+    """Expert parallel."""
+    dp_shard_size: int = Field(default=1, json_schema_extra=refused(_ROLLOUT_SPLIT))
+    """Sharded data parallel (training only)."""
+    dp_replicate_size: int = Field(default=1, json_schema_extra=refused(_ROLLOUT_SPLIT))
+    """Replicated data parallel (training only)."""
+    pp_dynamic_shape: bool = Field(default=False, json_schema_extra=refused(_ROLLOUT_SPLIT))
+    """Pipeline stages with dynamic shapes (training only)."""
+    pp_micro_batch_size: int = Field(default=1, json_schema_extra=refused(_ROLLOUT_SPLIT))
+    """Pipeline micro-batch size (training only)."""
+    pp_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = Field(
+        default="Interleaved1F1B", json_schema_extra=refused(_ROLLOUT_SPLIT)
+    )
+    """Pipeline training schedule (training only)."""
+    pp_layers_per_stage: int = Field(default=2, json_schema_extra=refused(_ROLLOUT_SPLIT))
+    """Layers per training pipeline stage (training only)."""
 
 
 class LoraConfig(_Section):
@@ -1653,9 +1668,29 @@ def _section_default(cfg: Config, dotted: str) -> Any:
     return None
 
 
+_OTHER_TRAINERS = {
+    "grpo_vla": _VLA,
+    "grpo_pi05": _VLA,
+    "pi_sft": _VLA,
+    "cosmos_policy": _VLA,
+    "diffusion_nft": _WORLD,
+    "diffusers_sft": _WORLD,
+    "dpo": "DPO is not supported yet",
+}
+
+
 def _rule_refusals(cfg: Config) -> list[str]:
-    """Refusals that depend on several keys."""
+    """Refusals that depend on values, or on several keys."""
     out = []
+    policy_type = cfg.train.train_policy.type
+    trainer = cfg.train.train_policy.trainer_type
+    if trainer != policy_type:
+        why = _OTHER_TRAINERS.get(
+            trainer,
+            f"nebula-rl's {policy_type} trainer is the only one; trainers registered by a "
+            "cosmos-rl user script are not supported",
+        )
+        out.append(f"train.train_policy.trainer_type = {json.dumps(trainer)}: {why}")
     r = cfg.rollout
     backend_reasons = {
         "vllm_async": "the vllm_async backend is not supported; use `vllm` or `torch`",
@@ -1683,13 +1718,6 @@ def _rule_refusals(cfg: Config) -> list[str]:
                     f"rollout.{key} = {_format_value(getattr(r, key))}: a vLLM setting; "
                     'rollout.backend = "torch" has no use for it'
                 )
-    par = r.parallelism
-    if (par.cp_size, par.dp_replicate_size, par.dp_shard_size) != (1, 1, 1):
-        out.append(
-            f"rollout.parallelism: cp_size ({par.cp_size}), dp_replicate_size "
-            f"({par.dp_replicate_size}) and dp_shard_size ({par.dp_shard_size}) must be 1: a "
-            "rollout replica is split by tp_size and pp_size (scale rollouts with n_init_replicas)"
-        )
     policy = cfg.train.train_policy
     if isinstance(policy, GrpoConfig):
         if cfg.train.sequence_packing:

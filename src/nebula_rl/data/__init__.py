@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nebula_rl.config import Config, DatasetConfig
+from nebula_rl.hub import is_hub_id
 from nebula_rl.protocol import Prompt
 
 if TYPE_CHECKING:  # (the controller imports this module: no transformers at run time)
@@ -123,7 +124,7 @@ def load_rows(ds: DatasetConfig, *, seed: int = 0) -> list[dict[str, Any]]:
     splits = [ds.split] if isinstance(ds.split, str) else list(ds.split)
     # `local_dir` is being added to DatasetConfig alongside this code; until then it is absent.
     local_dir: str = getattr(ds, "local_dir", "")
-    if local_dir or _is_hub_dataset_id(ds.name):
+    if local_dir or is_hub_id(ds.name):
         return load_hub_rows(
             ds.name, subset=ds.subset, revision=ds.revision, splits=splits, local_dir=local_dir
         )
@@ -138,21 +139,6 @@ def load_rows(ds: DatasetConfig, *, seed: int = 0) -> list[dict[str, Any]]:
             "(owner/name) either"
         )
     return _local_rows(path, splits, key="dataset.name")
-
-
-def _is_hub_dataset_id(name: str) -> bool:
-    """The rule of :func:`nebula_rl.models.hub.is_hub_id`, which this module cannot import:
-    importing anything under `nebula_rl.models` imports torch and transformers."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    if name.count("/") != 1 or Path(name).exists():
-        return False
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
 
 
 def load_hub_rows(

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nebula_rl.hub import is_hub_id
+
 __all__ = ["MODEL_FILES", "is_hub_id", "resolve_model"]
 
 MODEL_FILES = ["*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.safetensors"]
@@ -27,24 +29,6 @@ _PYTORCH_WEIGHTS = ["pytorch_model*.bin"]
 # `original/`) and Mistral's consolidated.safetensors (the same weights in mistral-inference's
 # layout) would double the download.
 _SKIPPED_FILES = ["*/*.safetensors", "*/*.bin", "consolidated*"]
-
-
-def is_hub_id(name: str) -> bool:
-    """Whether `name` is a well-formed Hub repo id `owner/name` that is not an existing local path.
-
-    A bare `name` without an owner is refused although the Hub still redirects some legacy ones
-    (`gpt2`): a mistyped local folder name would otherwise turn into a download attempt.
-    """
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    if name.count("/") != 1 or Path(name).exists():
-        return False
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
 
 
 def resolve_model(

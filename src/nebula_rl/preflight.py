@@ -1,0 +1,171 @@
+"""What `nebula-rl check` finds without running anything (no torch, no download).
+
+A config that validates can still not run: a local path that does not exist, a name that is
+neither a path nor a Hub id, parallel sizes that do not fit the model or the job's batch, more
+devices than the machine has. :func:`preflight` lists those problems (errors) and what the user
+should know (notes: values that differ from what the config says, the device count the layout
+needs). It reads only the config and the local files it names (a local model's config.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nebula_rl.config import Config, DatasetConfig, GrpoConfig, ParallelismConfig
+from nebula_rl.hub import is_hub_id
+
+__all__ = ["Preflight", "preflight", "replica_world_size"]
+
+
+@dataclass
+class Preflight:
+    """The outcome of :func:`preflight`."""
+
+    errors: list[str] = field(default_factory=list)
+    """What stops the job from running, each naming its key."""
+    notes: list[str] = field(default_factory=list)
+    """What the user should know."""
+
+
+def replica_world_size(par: ParallelismConfig) -> int | None:
+    """Processes (devices) of one replica; None when `dp_shard_size = -1` leaves it open."""
+    if par.dp_shard_size == -1:
+        return None
+    return par.pp_size * par.dp_replicate_size * par.dp_shard_size * par.cp_size * par.tp_size
+
+
+def _check_name(name: str, key: str, errors: list[str], *, allow_builtin: bool = False) -> None:
+    """A name must be an existing path, a Hub id, a preset (`tiny:`) or a builtin task."""
+    if not name or Path(name).exists() or is_hub_id(name):
+        return
+    if name.startswith("tiny:") or (allow_builtin and name.startswith("builtin:")):
+        return
+    errors.append(
+        f"{key}: {name!r} is neither an existing local path nor a Hugging Face Hub id (owner/name)"
+    )
+
+
+def _check_dataset(ds: DatasetConfig, key: str, errors: list[str]) -> None:
+    if ds.local_dir:
+        if not Path(ds.local_dir).exists():
+            errors.append(f"{key}.local_dir: {ds.local_dir} does not exist")
+        return
+    _check_name(ds.name, f"{key}.name", errors, allow_builtin=True)
+
+
+def _local_model_config(cfg: Config) -> dict[str, Any] | None:
+    """The config.json of a local model folder (None for presets, Hub ids, missing folders)."""
+    path = Path(cfg.policy.model_name_or_path) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data.get("text_config", data) if isinstance(data, dict) else None
+
+
+def _visible_gpus() -> int | None:
+    """CUDA devices this machine shows (CUDA_VISIBLE_DEVICES, else nvidia-smi); None if unknown
+    or none."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()]) or None
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return sum(line.startswith("GPU ") for line in out.splitlines()) or None
+
+
+def _layout(cfg: Config, num_policy: int, num_rollout: int, p: Preflight) -> None:
+    policy, rollout = cfg.policy.parallelism, cfg.rollout.parallelism
+    rl = isinstance(cfg.train.train_policy, GrpoConfig)
+    policy_world = replica_world_size(policy)
+    rollout_world = replica_world_size(rollout) if rl else 0
+    model = _local_model_config(cfg)
+    if model is not None:
+        for size_key, size in (("tp_size", policy.tp_size), ("tp_size", rollout.tp_size)):
+            for dim in ("num_attention_heads", "num_key_value_heads"):
+                count = model.get(dim)
+                if isinstance(count, int) and size > 1 and count % size:
+                    which = "policy" if size == policy.tp_size else "rollout"
+                    p.errors.append(
+                        f"{which}.parallelism.{size_key} ({size}) must divide the model's {dim} "
+                        f"({count})"
+                    )
+    if policy_world is not None:
+        dp = policy.dp_replicate_size * policy.dp_shard_size
+        samples = cfg.groups_per_replica * cfg.rollout.n_generation if rl else 1
+        if rl and samples < dp:
+            p.errors.append(
+                f"train.train_batch_per_replica ({cfg.train.train_batch_per_replica}) gives "
+                f"{samples} completions per policy replica, fewer than its {dp} data-parallel "
+                "ranks: every rank needs at least one"
+            )
+    if policy_world is None:
+        p.notes.append(
+            "policy.parallelism.dp_shard_size = -1: each policy replica takes the devices the "
+            "launcher gives it"
+        )
+        return
+    need = num_policy * policy_world + num_rollout * (rollout_world or 0)
+    parts = f"policy {num_policy} x {policy_world}"
+    if rl:
+        parts += f" + rollout {num_rollout} x {rollout_world}"
+    p.notes.append(f"layout: {need} device(s) or CPU processes ({parts})")
+    gpus = _visible_gpus()
+    if gpus is not None and need > gpus:
+        p.errors.append(
+            f"the layout needs {need} GPUs ({parts}: policy.parallelism, "
+            f"rollout.parallelism, --policy/--rollout) and this machine shows {gpus}"
+        )
+
+
+def preflight(
+    cfg: Config, *, num_policy: int | None = None, num_rollout: int | None = None
+) -> Preflight:
+    """Check `cfg` against this machine without running it (see the module docstring)."""
+    p = Preflight()
+    num_policy = num_policy or cfg.policy.parallelism.n_init_replicas
+    num_rollout = num_rollout or cfg.rollout.parallelism.n_init_replicas
+    policy = cfg.policy
+    if policy.warmstart_config is not None:
+        if not Path(policy.warmstart_config).is_file():
+            p.errors.append(f"policy.warmstart_config: {policy.warmstart_config} does not exist")
+    else:
+        _check_name(policy.model_name_or_path, "policy.model_name_or_path", p.errors)
+    if policy.model_safetensor_path and not Path(policy.model_safetensor_path).exists():
+        p.errors.append(
+            f"policy.model_safetensor_path: {policy.model_safetensor_path} does not exist"
+        )
+    _check_dataset(cfg.train.train_policy.dataset, "train.train_policy.dataset", p.errors)
+    if cfg.validation.enable and cfg.validation.dataset.name:
+        _check_dataset(cfg.validation.dataset, "validation.dataset", p.errors)
+    rl = cfg.train.train_policy
+    if isinstance(rl, GrpoConfig):
+        sampled_at = cfg.rollout.sampling_config.temperature
+        if rl.temperature != sampled_at:
+            p.notes.append(
+                f"train.train_policy.temperature ({rl.temperature}) differs from "
+                f"rollout.sampling_config.temperature ({sampled_at}): the policy's log-probs are "
+                f"taken at {rl.temperature} while the rollouts sample at {sampled_at} (as in "
+                "cosmos-rl); the ratio is taken against log-probs the policy recomputes"
+            )
+        if cfg.train.train_batch_per_replica % cfg.rollout.n_generation:
+            p.notes.append(
+                f"train.train_batch_per_replica ({cfg.train.train_batch_per_replica}) is not a "
+                f"multiple of rollout.n_generation ({cfg.rollout.n_generation}): each step "
+                f"trains {cfg.groups_per_replica} whole group(s) per policy replica "
+                f"({cfg.groups_per_replica * cfg.rollout.n_generation} completions)"
+            )
+    _layout(cfg, num_policy, num_rollout, p)
+    return p
