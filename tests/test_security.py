@@ -102,6 +102,8 @@ def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Controller]
     process = subprocess.Popen(
         [
             sys.executable,
+            "-X",
+            "importtime",  # (every import to stderr: the layering test reads them)
             "-m",
             "nebula_rl.cli",
             "controller",
@@ -363,3 +365,21 @@ def test_invalid_model_path_and_impossible_parallel_sizes_fail_at_start(tmp_path
         cfg = config_from_dict({**base, "policy": {"model_name_or_path": "tiny:qwen2"}, **change})
         with pytest.raises(ValueError, match=message):
             check_job(cfg)
+
+
+def test_the_controller_process_imports_neither_torch_nor_transformers(
+    controller: Controller,
+) -> None:
+    """The controller never touches a tensor: a started one (serving, with a job's state in
+    Redis and replicas' requests answered by the tests above) has imported neither."""
+    with httpx.Client(base_url=controller.url, timeout=10.0) as http:
+        assert http.get("/api/status", headers=controller.auth).status_code == 200
+        assert http.get("/api/meta", headers=controller.auth).status_code == 200
+    imported = {
+        line.rsplit("|", 1)[1].strip()
+        for line in controller.log.read_text().splitlines()
+        if line.startswith("import time:") and line.count("|") == 2
+    }
+    assert {"nebula_rl.controller.scheduler", "fastapi", "redis"} <= imported  # (it did log)
+    heavy = {m for m in imported if m.split(".")[0] in ("torch", "transformers", "datasets")}
+    assert heavy == set()

@@ -175,7 +175,6 @@ def _cmd_controller(args: argparse.Namespace) -> int:
     from nebula_rl.runs import resolve_run_dir
 
     cfg = _load(args.config)
-    _setup_torch()
     log = logging.getLogger("nebula_rl")
     run_dir = Path(args.run_dir) if args.run_dir else resolve_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -206,10 +206,10 @@ def _one_line(err: BaseException) -> str:
 
 def _local_rows(path: Path, splits: Sequence[str], *, key: str) -> list[dict[str, Any]]:
     """The rows of a local file or folder (`key` names the config key that gave `path`)."""
-    import datasets
-
     saved = ("dataset_info.json", "state.json", "dataset_dict.json")
     if path.is_dir() and any((path / name).exists() for name in saved):
+        import datasets
+
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             return [row for split in splits for row in loaded[split]]
@@ -217,6 +217,8 @@ def _local_rows(path: Path, splits: Sequence[str], *, key: str) -> list[dict[str
     kind, files = _local_files(path, splits, key=key)
     if all(f.endswith(".jsonl") for f in files):
         return [row for f in files for row in _json_lines(Path(f))]
+    import datasets
+
     table = datasets.load_dataset(kind, data_files=files, split="train")
     return list(table)
 
