@@ -115,7 +115,9 @@ def test_wandb_offline_run_holds_the_config_and_every_step(
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc login
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb"))
-    cfg = _cfg(tmp_path, logger=["wandb"], project_name="proj", experiment_name="exp")
+    cfg = _cfg(
+        tmp_path, logger=["wandb"], project_name="proj", experiment_name="exp", group_name="grp"
+    )
     run_dir = tmp_path / "run"
     with open_loggers(cfg, run_dir, total_steps=3) as loggers:
         for record in RECORDS:
@@ -123,7 +125,7 @@ def test_wandb_offline_run_holds_the_config_and_every_step(
     (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     records = _wandb_records(run_file)
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
-    assert (run.project, run.display_name) == ("proj", "exp")
+    assert (run.project, run.display_name, run.run_group) == ("proj", "exp", "grp")
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert config["logging"]["logger"] == ["wandb"]
     rows = []
@@ -177,6 +179,27 @@ def test_console_prints_a_line_per_step_and_a_progress_bar(
     screen = out.getvalue()
     assert "3/4" in screen and "reward 0.625" in screen and "3000 tok/s" in screen
     assert "ETA" in screen
+
+
+def test_console_prints_a_line_every_log_interval_steps_with_their_means(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, force_interactive=True, width=160)
+    sink = ConsoleLogger(total_steps=5, console=console, interval=2)
+    records = [{"step": s, "reward_mean": s / 10, "loss": float(s)} for s in range(1, 6)]
+    with caplog.at_level(logging.INFO, logger="nebula_rl.metrics_log"):
+        for record in records:
+            sink.log(record)
+    sink.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4  # the first step, steps 2 and 4, and the last
+    assert lines[0].startswith("step 1/5  reward 0.100")
+    assert lines[1].startswith("step 2/5  reward 0.200") and "means of" not in lines[1]
+    assert lines[2].startswith("step 4/5  reward 0.350") and "loss +3.5000" in lines[2]
+    assert lines[2].endswith("(means of steps 3-4)")
+    assert lines[3].startswith("step 5/5  reward 0.500")
+    assert "5/5" in out.getvalue()  # the bar moved at every step
 
 
 def test_console_without_a_terminal_logs_lines_and_draws_no_bar(

@@ -89,6 +89,16 @@ def _throughput(record: dict[str, Any]) -> float | None:
     return tokens / seconds
 
 
+def _mean_record(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last record, its numbers replaced by their means over `records`."""
+    out = dict(records[-1])
+    for key, value in out.items():
+        numbers = [n for r in records if (n := _number(r.get(key))) is not None]
+        if key != "step" and _number(value) is not None and numbers:
+            out[key] = sum(numbers) / len(numbers)
+    return out
+
+
 def step_line(record: dict[str, Any], *, total_steps: int, recent_reward: float | None) -> str:
     """The console's one-line summary of a step; keys a record lacks are left out."""
     parts = [f"step {record['step']}/{total_steps}"]
@@ -110,14 +120,23 @@ def step_line(record: dict[str, Any], *, total_steps: int, recent_reward: float 
 
 
 class ConsoleLogger:
-    """A log line per step, and a progress bar (step, reward or loss, tokens/s, elapsed, ETA)
-    at the bottom of an interactive terminal; the bar is left out when output is not a
-    terminal (a log file), the lines are not."""
+    """A log line every `interval` steps (`logging.log_interval`; also for the first and the
+    last step) with the means of the steps since the previous line, and a progress bar (step,
+    reward or loss, tokens/s, elapsed, ETA) at the bottom of an interactive terminal, moved at
+    every step; the bar is left out when output is not a terminal (a log file), the lines are
+    not."""
 
     def __init__(
-        self, *, total_steps: int, window: int = 20, console: Console | None = None
+        self,
+        *,
+        total_steps: int,
+        window: int = 20,
+        console: Console | None = None,
+        interval: int = 1,
     ) -> None:
         self.total_steps = total_steps
+        self.interval = interval
+        self._pending: list[dict[str, Any]] = []
         self.rewards: deque[float] = deque(maxlen=window)
         # The global console by default: rich's log handler writes there too, so log lines
         # appear above the bar instead of through it.
@@ -144,7 +163,16 @@ class ConsoleLogger:
         if reward is not None and not math.isnan(reward):
             self.rewards.append(reward)
         recent = sum(self.rewards) / len(self.rewards) if self.rewards else None
-        log.info(step_line(record, total_steps=self.total_steps, recent_reward=recent))
+        self._pending.append(record)
+        step = int(record["step"])
+        if step % self.interval == 0 or step == self.total_steps or not self._started:
+            line = step_line(
+                _mean_record(self._pending), total_steps=self.total_steps, recent_reward=recent
+            )
+            if len(self._pending) > 1:
+                line += f"  (means of steps {self._pending[0]['step']}-{step})"
+            log.info(line)
+            self._pending = []
         if not self._started:  # the first step sets the start, so a resumed run's ETA is right
             self.progress.update(self.task, completed=record["step"] - 1)
             self.progress.start()
@@ -244,9 +272,12 @@ class WandbLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         mode = wandb_mode(cfg.logging.wandb_mode)
         digest = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
+        # (cosmos-rl's configs write experiment_name = "None" for "unset")
+        name = cfg.logging.experiment_name
         self.run = wandb.init(
             project=cfg.logging.project_name,
-            name=cfg.logging.experiment_name or run_dir.name,
+            group=cfg.logging.group_name,
+            name=name if name not in (None, "None", "") else run_dir.name,
             id=f"{run_dir.name}-{digest}".replace("/", "_")[:64],
             resume="allow",
             dir=str(run_dir),
@@ -276,7 +307,9 @@ LoggerFactory = Callable[[Config, Path, int], StepLogger]
 """Builds a sink from the job's config, the run folder and the total number of steps."""
 
 LOGGERS: dict[str, LoggerFactory] = {
-    "console": lambda cfg, run_dir, total: ConsoleLogger(total_steps=total),
+    "console": lambda cfg, run_dir, total: ConsoleLogger(
+        total_steps=total, interval=cfg.logging.log_interval
+    ),
     "tensorboard": lambda cfg, run_dir, total: TensorBoardLogger(run_dir / "tensorboard"),
     "wandb": lambda cfg, run_dir, total: WandbLogger(cfg, run_dir),
 }
