@@ -51,7 +51,7 @@ from nebula_rl.controller.client import (
 from nebula_rl.controller.redis_server import RedisServer, start_redis
 from nebula_rl.metrics_log import MetricsLogger, check_installed, open_loggers
 
-__all__ = ["check_job", "ensure_model", "launch"]
+__all__ = ["Placement", "check_job", "ensure_model", "launch", "plan_placement"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,65 @@ def _start(
     )
     log.info("started %s (pid %d), log %s", name, process.pid, logs / f"{name}.log")
     return _Child(name, process, log_file, role)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one replica runs: its processes (torchrun ranks) and, on GPUs, their devices."""
+
+    role: str
+    """"policy" or "rollout"."""
+    index: int
+    """The replica's number within its role (its name is `<role>-<index>`)."""
+    nproc: int
+    """Ranks of the replica: the product of its `[<role>.parallelism]` sizes."""
+    devices: tuple[int, ...] = ()
+    """GPU ids given to it (CUDA_VISIBLE_DEVICES); empty on CPU."""
+
+    @property
+    def name(self) -> str:
+        """`<role>-<index>`."""
+        return f"{self.role}-{self.index}"
+
+
+def plan_placement(
+    cfg: Config, *, num_policy: int, num_rollout: int, num_gpus: int
+) -> list[Placement]:
+    """The replicas of an RL job and their ranks; with `num_gpus` > 0, disjoint GPUs for each
+    (policy replicas first). `policy.parallelism.dp_shard_size = -1` takes the GPUs the rollout
+    replicas leave, split evenly over the policy replicas (1 on CPU). A layout that needs more
+    GPUs than there are is refused, naming the keys."""
+    from nebula_rl.preflight import replica_world_size
+
+    policy, rollout = cfg.policy.parallelism, cfg.rollout.parallelism
+    rollout_world = rollout.tp_size * rollout.pp_size
+    policy_world = replica_world_size(policy)
+    if policy_world is None:  # dp_shard_size = -1
+        others = policy.pp_size * policy.dp_replicate_size * policy.cp_size * policy.tp_size
+        left = (num_gpus - num_rollout * rollout_world) // num_policy if num_gpus else others
+        if left < others or left % others:
+            raise ValueError(
+                f"policy.parallelism.dp_shard_size = -1: the {num_gpus} GPUs less the rollout "
+                f"replicas' {num_rollout * rollout_world} leave {max(left, 0)} per policy replica, "
+                f"not a multiple of pp_size * dp_replicate_size * cp_size * tp_size ({others})"
+            )
+        policy_world = left
+    plan = [Placement("policy", i, policy_world) for i in range(num_policy)]
+    plan += [Placement("rollout", i, rollout_world) for i in range(num_rollout)]
+    if not num_gpus:
+        return plan
+    need = sum(p.nproc for p in plan)
+    if need > num_gpus:
+        raise ValueError(
+            f"the layout needs {need} GPUs ({num_policy} policy replica(s) x {policy_world} "
+            f"(policy.parallelism) + {num_rollout} rollout replica(s) x {rollout_world} "
+            f"(rollout.parallelism.tp_size * pp_size)) and this machine has {num_gpus}"
+        )
+    placed, start = [], 0
+    for p in plan:
+        placed.append(Placement(p.role, p.index, p.nproc, tuple(range(start, start + p.nproc))))
+        start += p.nproc
+    return placed
 
 
 def _torchrun(nproc: int) -> list[str]:
@@ -134,6 +193,14 @@ def launch(
     check_installed(cfg.logging.logger)  # before anything starts
     ensure_model(cfg)
     check_job(cfg)
+    import torch
+
+    placement = plan_placement(
+        cfg,
+        num_policy=num_policy,
+        num_rollout=num_rollout,
+        num_gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
@@ -145,7 +212,7 @@ def launch(
     if not redis_url:
         redis = start_redis(host="127.0.0.1", data_dir=run_dir / "redis")
         redis_url = redis.url
-    from nebula_rl.weights import free_port
+    from nebula_rl.net import free_port
 
     host = cfg.controller.host
     port = cfg.controller.port or free_port(host)
@@ -201,12 +268,12 @@ def launch(
 
         controller = start_controller(restart=False)
         children.append(controller)
-        roles = [("policy", i) for i in range(num_policy)]
-        roles += [("rollout", i) for i in range(num_rollout)]
-        for role, i in roles:
-            name = f"{role}-{i}"
-            argv = _torchrun(1) + ["replica", "--role", role, "--controller", address]
-            children.append(_start(name, [*argv, "--name", name], env=env, logs=logs, role=role))
+        for place in placement:
+            argv = _torchrun(place.nproc) + ["replica", "--role", place.role]
+            argv += ["--controller", address, "--name", place.name]
+            devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, place.devices))}
+            child_env = {**env, **devices} if place.devices else env
+            children.append(_start(place.name, argv, env=child_env, logs=logs, role=place.role))
         total_steps = _total_steps(address, env[TOKEN_ENV])
         with open_loggers(cfg, run_dir, total_steps=total_steps, only={"console"}) as loggers:
             tail = _MetricsTail(run_dir / "metrics.jsonl", loggers)

@@ -1,0 +1,55 @@
+"""`train.save_ckpt_at_exit`: save a checkpoint when the job is told it will be stopped.
+
+SLURM (and other schedulers) send a signal (`train.signal_to_handle`, SIGUSR1 by default) some
+time before they kill a job. With `save_ckpt_at_exit`, the handler only notes the signal; the
+training loop asks :meth:`CheckpointSignal.take` after each step and, if one came, saves a
+checkpoint (whether or not `train.ckpt.enable_checkpoint` is on, as in cosmos-rl). The SFT loop then
+stops; RL goes on, as cosmos-rl does. The original handlers come back after the first signal, so
+a second one has its usual effect (for SIGUSR1: the process ends).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+from nebula_rl.config import TrainingConfig
+
+__all__ = ["CheckpointSignal"]
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointSignal:
+    """Notes the first of `train.signal_to_handle` this process receives (main thread only)."""
+
+    def __init__(self, train: TrainingConfig) -> None:
+        self._received: int | None = None
+        self._previous: dict[int, Any] = {}
+        if not train.save_ckpt_at_exit or threading.current_thread() is not threading.main_thread():
+            return
+        for name in train.signal_to_handle:
+            number = getattr(signal, name)
+            self._previous[number] = signal.signal(number, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._received = signum
+        self.release()
+        log.warning(
+            "signal %s: a checkpoint will be saved after the current step",
+            signal.Signals(signum).name,
+        )
+
+    def take(self) -> bool:
+        """Whether a signal came since the last call (then the loop saves a checkpoint)."""
+        received, self._received = self._received, None
+        return received is not None
+
+    def release(self) -> None:
+        """Give the signals their previous handlers back."""
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}

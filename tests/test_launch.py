@@ -1,0 +1,53 @@
+"""Where the launcher puts replicas: their ranks and, on GPUs, disjoint devices."""
+
+from __future__ import annotations
+
+import pytest
+
+from nebula_rl.config import config_from_dict
+from nebula_rl.launch import plan_placement
+
+
+def _cfg(policy: dict, rollout: dict):
+    return config_from_dict(
+        {
+            "rollout": {"backend": "torch", "parallelism": rollout},
+            "policy": {"parallelism": policy},
+        }
+    )
+
+
+def test_cosmos_single_node_example_places_eight_gpus() -> None:
+    # cosmos-rl --config qwen3-8b-p-tp4-r-tp2-pp1-grpo.toml --policy 1 --rollout 2
+    cfg = _cfg({"tp_size": 4}, {"tp_size": 2})
+    plan = plan_placement(cfg, num_policy=1, num_rollout=2, num_gpus=8)
+    assert [(p.name, p.nproc, p.devices) for p in plan] == [
+        ("policy-0", 4, (0, 1, 2, 3)),
+        ("rollout-0", 2, (4, 5)),
+        ("rollout-1", 2, (6, 7)),
+    ]
+
+
+def test_cpu_ranks_are_processes_without_devices() -> None:
+    cfg = _cfg({"dp_shard_size": 2}, {"tp_size": 2})
+    plan = plan_placement(cfg, num_policy=2, num_rollout=1, num_gpus=0)
+    assert [(p.name, p.nproc, p.devices) for p in plan] == [
+        ("policy-0", 2, ()),
+        ("policy-1", 2, ()),
+        ("rollout-0", 2, ()),
+    ]
+
+
+def test_dp_shard_minus_one_fills_what_the_rollouts_leave() -> None:
+    cfg = _cfg({"dp_shard_size": -1, "tp_size": 2}, {"tp_size": 2})
+    plan = plan_placement(cfg, num_policy=1, num_rollout=2, num_gpus=8)
+    assert [(p.nproc, p.devices) for p in plan] == [(4, (0, 1, 2, 3)), (2, (4, 5)), (2, (6, 7))]
+    with pytest.raises(ValueError, match=r"dp_shard_size = -1: .* leave 3 per policy replica"):
+        plan_placement(_cfg({"dp_shard_size": -1, "tp_size": 2}, {}), num_policy=1,
+                       num_rollout=1, num_gpus=4)  # fmt: skip
+
+
+def test_a_layout_larger_than_the_machine_is_refused_naming_the_keys() -> None:
+    cfg = _cfg({"dp_shard_size": 2}, {"tp_size": 2})
+    with pytest.raises(ValueError, match=r"needs 6 GPUs .*policy.parallelism.*rollout.parallelism"):
+        plan_placement(cfg, num_policy=2, num_rollout=1, num_gpus=4)
