@@ -181,17 +181,24 @@ def collate_groups(
 def loss_settings(cfg: Config) -> LossSettings:
     """The algorithm knobs from `[train.train_policy]` (the config is authoritative)."""
     p = cfg.grpo
+    max_tokens = p.unbiased_loss_max_tokens
+    if max_tokens is None and p.loss_type == "seq-mean-token-sum-norm":
+        max_tokens = cfg.rollout.max_response_length
     return LossSettings(
         epsilon_low=p.epsilon_low,
         epsilon_high=p.epsilon_high,
         lower_bound_ratio=p.lower_bound_ratio,
         loss_type=p.loss_type,
         kl_beta=p.kl_beta,
+        unbiased_kl_estimate=p.unbiased_kl_estimate,
         entropy_coef=p.entropy_coeff,
         aipo_rho=p.aipo_rho,
         behaviour_weight_cap=p.behav_imp_weight_cap,
-        max_tokens=p.unbiased_loss_max_tokens or cfg.rollout.max_response_length,
+        max_tokens=max_tokens,
         normalize_std=not p.unbiased_advantage,
+        advantage_low=p.advantage_low,
+        advantage_high=p.advantage_high,
+        off_policy_masking_delta=p.off_policy_masking_delta,
     )
 
 
