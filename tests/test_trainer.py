@@ -1,5 +1,6 @@
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -172,15 +173,48 @@ def test_sft_step_fits_a_repeated_batch():
     assert last < first / 4
 
 
-def test_lr_schedule_warmup_and_cosine_floor():
-    cfg = config_from_dict(
-        {"train": {"optm_warmup_steps": 4, "optm_decay_type": "cosine", "optm_min_lr_factor": 0.1}}
+def _schedule(total_steps, **train):
+    return lr_lambda(config_from_dict({"train": train}).train, total_steps=total_steps)
+
+
+def test_lr_schedule_is_cosmos_rls_warmup_stable_decay():
+    # T = 14, W = 4, D = T - W = 10, stable S = T + 1 - W - D = 1 (the "virtual" step)
+    f = _schedule(
+        14,
+        optm_warmup_steps=4,
+        optm_warmup_start_factor=0.2,
+        optm_decay_type="cosine",
+        optm_min_lr_factor=0.1,
     )
-    f = lr_lambda(cfg.train, total_steps=14)
-    assert [round(f(s), 3) for s in range(4)] == [0.2, 0.4, 0.6, 0.8]
-    assert f(4) == pytest.approx(1.0)
-    assert f(9) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert f(14) == pytest.approx(0.1)
+    assert [round(f(s), 4) for s in range(4)] == [0.2, 0.4667, 0.7333, 1.0]
+    assert f(4) == 1.0  # stable: s < W + S = 5
+    cosine = [0.5 * (1 + math.cos(math.pi * (s + 1 - 5) / 10)) for s in (5, 9, 13)]
+    assert [f(s) for s in (5, 9, 13)] == pytest.approx([0.1 + 0.9 * c for c in cosine])
+    assert f(13) > 0.1  # the last step stays above the floor
+
+
+def test_lr_schedule_decay_ratio_fraction_warmup_and_floor_only_in_decay():
+    # W = 0.2 * 10 = 2 (a float <= 1 is a fraction), D = round(0.5 * 10) = 5, S = 4
+    f = _schedule(
+        10,
+        optm_warmup_steps=0.2,
+        optm_decay_ratio=0.5,
+        optm_decay_type="linear",
+        optm_min_lr_factor=0.5,
+    )
+    assert [f(s) for s in range(10)] == pytest.approx(
+        [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.9, 0.8, 0.7, 0.6]  # 0.5 + 0.5 * (1 - p), p = 0.2 ...
+    )
+    # No decay type: constant after warm-up, the floor does not apply; one warm-up step is 1.
+    f = _schedule(5, optm_warmup_steps=1, optm_min_lr_factor=0.5)
+    assert [f(s) for s in range(5)] == [1.0] * 5
+    # Warm-up longer than the run is cut to it; sqrt decay.
+    f = _schedule(3, optm_warmup_steps=20)
+    assert [f(s) for s in range(3)] == [0.0, 0.5, 1.0]
+    f = _schedule(4, optm_warmup_steps=0, optm_decay_type="sqrt")
+    assert [f(s) for s in range(4)] == pytest.approx(
+        [1.0] + [1 - math.sqrt(p / 4) for p in (1, 2, 3)]
+    )
 
 
 def test_stale_samples_are_weighed_against_the_policy_that_sampled_them():
@@ -193,3 +227,38 @@ def test_stale_samples_are_weighed_against_the_policy_that_sampled_them():
     metrics = trainer.grpo_step([_sampled_by(model, group, shift=1.0)])
     assert metrics["ratio_mean"] == pytest.approx(2.718, rel=1e-2)
     assert metrics["clip_frac"] == pytest.approx(0.5)
+
+
+def test_optm_lr_table_gives_module_prefixes_their_rates():
+    model = load_model("tiny:qwen2", seed=0)
+    cfg = _cfg()
+    cfg.train.optm_lr = {
+        "global": 1e-3,
+        "model.embed_tokens": 1e-5,
+        "model.layers": 1e-4,
+        "model.layers.0": 2e-4,  # the longest prefix wins
+    }
+    trainer = PolicyTrainer(model, cfg, total_steps=10, pad_id=0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    rates = {
+        names[id(p)]: group["lr"]
+        for group in trainer.optimizer.param_groups
+        for p in group["params"]
+    }
+    assert rates["model.embed_tokens.weight"] == 1e-5
+    assert rates["model.layers.0.mlp.up_proj.weight"] == 2e-4
+    assert rates["model.layers.3.mlp.up_proj.weight"] == 1e-4
+    assert rates["model.norm.weight"] == 1e-3
+    assert len(rates) == len(names)
+    cfg.train.optm_lr = {"global": 1e-3, "model.layer": 1e-4}  # module paths, not text prefixes
+    with pytest.raises(ValueError, match=r"train\.optm_lr: \['model\.layer'\]"):
+        PolicyTrainer(load_model("tiny:qwen2", seed=0), cfg, total_steps=10, pad_id=0)
+
+
+def test_fused_optimizer_on_an_unsupported_device_names_the_key():
+    model = load_model("tiny:qwen2", seed=0).to("meta")
+    with pytest.raises(ValueError, match=r'train\.optm_impl = "fused"'):
+        PolicyTrainer(model, _cfg(), total_steps=1, pad_id=0)
+    cfg = _cfg()
+    cfg.train.optm_impl = "foreach"
+    PolicyTrainer(model, cfg, total_steps=1, pad_id=0)

@@ -1,6 +1,6 @@
 """The policy's training step: token log-probs, batch assembly, the RL and SFT updates.
 
-One `PolicyTrainer` owns a model, its optimiser and LR schedule. `grpo_step` takes scored
+One `PolicyTrainer` owns a model, its optimiser and LR schedule (`policy/optim.py`). `grpo_step` takes scored
 rollout groups and performs `mu_iterations` optimiser steps over them; `sft_step` takes tokenised
 conversations and performs one. Both accumulate gradients over micro-batches of `mini_batch`
 sequences with the step's global token and sequence counts as loss denominators (STYLE rule 3),
@@ -30,8 +30,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from nebula_rl.algorithms import ALGORITHMS, LossSettings, PolicyBatch, sft_loss_from_logprobs
-from nebula_rl.config import Config, GrpoConfig, TrainingConfig
+from nebula_rl.config import Config, GrpoConfig
 from nebula_rl.data.packing import first_fit, packed_attention_mask, segment_positions
+from nebula_rl.policy.optim import build_optimizer, lr_lambda
 from nebula_rl.policy.replicas import DataParallelSums, ReplicaGroup
 from nebula_rl.protocol import RolloutGroup
 
@@ -202,28 +203,6 @@ def loss_settings(cfg: Config) -> LossSettings:
     )
 
 
-def lr_lambda(train: TrainingConfig, total_steps: int):
-    """LR multiplier per step: linear warm-up, then the configured decay down to the floor."""
-    warmup = train.optm_warmup_steps
-    warmup = int(warmup * total_steps) if isinstance(warmup, float) and warmup <= 1 else int(warmup)
-    floor, decay = train.optm_min_lr_factor, train.optm_decay_type or "none"
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if decay == "none" or total_steps <= warmup:
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        shape = {
-            "linear": 1.0 - progress,
-            "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
-            "sqrt": 1.0 - math.sqrt(progress),
-        }[decay]
-        return floor + (1.0 - floor) * shape
-
-    return factor
-
-
 def _chunks(n: int, size: int) -> Iterator[tuple[int, int]]:
     for start in range(0, n, size):
         yield start, min(n, start + size)
@@ -246,20 +225,7 @@ class PolicyTrainer:
         self.model, self.cfg, self.pad_id, self.ref_model = model, cfg, pad_id, ref_model
         self.replicas, self.data_parallel = replicas, data_parallel
         t = cfg.train
-        opt_cls = torch.optim.AdamW if t.optm_name == "AdamW" else torch.optim.Adam
-        impl = {
-            "fused": {"fused": True},
-            "foreach": {"foreach": True},
-            "for-loop": {"foreach": False},
-        }
-        self.optimizer = opt_cls(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=t.peak_lr,
-            betas=t.optm_betas,
-            eps=t.epsilon,
-            weight_decay=t.optm_weight_decay,
-            **impl[t.optm_impl],
-        )
+        self.optimizer = build_optimizer(model, t)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(t, total_steps)
         )
