@@ -21,15 +21,21 @@ from nebula_rl.algorithms import (
     decoupled_weight,
     dynamic_sampling_filter,
     get_algorithm,
+    group_advantages,
     grpo_advantages,
     grpo_loss,
     gspo_loss,
     gspo_token_ratio,
+    importance_weighted_k3_kl,
     k3_kl,
+    off_policy_sequence_mask,
+    policy_loss,
+    positive_nll,
     ppo_clip_loss,
     sft_loss,
     sft_loss_from_logprobs,
     sft_num_tokens,
+    shared_prefix_lengths,
 )
 
 EPS = 1e-6  # GRPO's std epsilon
@@ -146,6 +152,28 @@ def test_dual_clip_bounds_negative_advantage_loss() -> None:
     assert clipped.tolist() == [[True, False, True], [True, False, True], [False, True, True]]
 
 
+def test_negative_epsilon_disables_the_clip_on_its_side() -> None:
+    ratio = torch.tensor([[0.5, 1.5, 5.0], [0.5, 1.5, 5.0]])
+    advantages = torch.tensor([[1.0], [-1.0]])
+    # No lower clip: A < 0 at r = 0.5 keeps 0.5 (not 0.8); the upper clip 1.2 still applies.
+    loss, clipped = ppo_clip_loss(
+        ratio, advantages, epsilon_low=-1.0, epsilon_high=0.2, lower_bound_ratio=None
+    )
+    assert_values(loss, [[-0.5, -1.2, -1.2], [0.5, 1.5, 5.0]])
+    assert clipped.tolist() == [[False, True, True], [False, False, False]]
+    # No upper clip: A > 0 at r = 1.5, 5 keeps r; the lower clip 0.8 applies to A < 0.
+    loss, _ = ppo_clip_loss(
+        ratio, advantages, epsilon_low=0.2, epsilon_high=-1.0, lower_bound_ratio=None
+    )
+    assert_values(loss, [[-0.5, -1.5, -5.0], [0.8, 1.5, 5.0]])
+    # Both off: the plain surrogate -A * r, but the dual clip still caps A < 0 at 3 * |A|.
+    loss, clipped = ppo_clip_loss(
+        ratio, advantages, epsilon_low=-1.0, epsilon_high=-1.0, lower_bound_ratio=3.0
+    )
+    assert_values(loss, [[-0.5, -1.5, -5.0], [0.5, 1.5, 3.0]])
+    assert clipped.tolist() == [[False, False, False], [False, False, True]]
+
+
 def test_clipped_tokens_get_zero_gradient() -> None:
     log_ratio = torch.tensor([[math.log(1.1), math.log(1.5), math.log(0.5), math.log(5.0)]])
     log_ratio.requires_grad_(True)
@@ -168,22 +196,26 @@ AGG_MASK = [[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
 
 
 @pytest.mark.parametrize(
-    ("loss_type", "expected"),
+    ("loss_type", "max_tokens", "expected"),
     [
-        ("token-mean", (6 + 4) / 10),  # global num_tokens = 10
-        ("seq-mean-token-sum", (6 + 4 + 0) / 5),  # global num_sequences = 5
-        ("seq-mean-token-mean", (6 / 3 + 4 / 1 + 0) / 5),
-        ("seq-mean-token-sum-norm", (6 / 8 + 4 / 8 + 0) / 5),  # max_tokens = 8
+        ("token-mean", None, (6 + 4) / 10),  # global num_tokens = 10
+        ("token-sum", None, 6 + 4),  # no denominator
+        ("seq-mean-token-sum", None, (6 + 4 + 0) / 5),  # global num_sequences = 5
+        ("seq-mean-token-mean", None, (6 / 3 + 4 / 1 + 0) / 5),
+        ("seq-mean-token-mean", 8, (6 / 8 + 4 / 8 + 0) / 5),  # Dr.GRPO's constant
+        ("seq-mean-token-sum-norm", 8, (6 / 8 + 4 / 8 + 0) / 5),
     ],
 )
-def test_aggregate_uses_the_given_denominators(loss_type: str, expected: float) -> None:
+def test_aggregate_uses_the_given_denominators(
+    loss_type: str, max_tokens: int | None, expected: float
+) -> None:
     result = aggregate(
         torch.tensor(AGG_VALUES),
         torch.tensor(AGG_MASK),
         loss_type=loss_type,
         num_tokens=10,
         num_sequences=5,
-        max_tokens=8,
+        max_tokens=max_tokens,
     )
     assert close(result, expected)
 
@@ -198,7 +230,7 @@ def test_aggregate_over_micro_batches_sums_to_the_full_batch(loss_type: str) -> 
         loss_type=loss_type,
         num_tokens=float(mask.sum()),
         num_sequences=6.0,
-        max_tokens=5,
+        max_tokens=5 if loss_type == "seq-mean-token-sum-norm" else None,
     )
     full = aggregate(values, mask, **kwargs)
     split = aggregate(values[:2], mask[:2], **kwargs) + aggregate(values[2:], mask[2:], **kwargs)
@@ -209,6 +241,7 @@ def test_aggregate_over_micro_batches_sums_to_the_full_batch(loss_type: str) -> 
     counts = [sum(m) for _, m in rows]
     expected = {
         "token-mean": sum(sums) / sum(counts),
+        "token-sum": sum(sums),
         "seq-mean-token-sum": sum(sums) / 6,
         "seq-mean-token-mean": sum(s / c for s, c in zip(sums, counts, strict=True) if c) / 6,
         "seq-mean-token-sum-norm": sum(s / 5 for s in sums) / 6,
@@ -238,8 +271,9 @@ def test_aggregate_rejects_bad_loss_type_and_missing_max_tokens() -> None:
 
 def test_loss_settings_reject_invalid_values() -> None:
     LossSettings()  # the defaults are valid
+    LossSettings(epsilon_low=-1.0, epsilon_high=-1.0)  # negative ranges disable the clip
     for bad in (
-        {"epsilon_low": -0.1},
+        {"advantage_low": 1.0, "advantage_high": 0.5},
         {"lower_bound_ratio": 0.5},
         {"loss_type": "sum"},
         {"loss_type": "seq-mean-token-sum-norm"},
@@ -248,6 +282,145 @@ def test_loss_settings_reject_invalid_values() -> None:
     ):
         with pytest.raises(ValueError, match=r"train\.train_policy\."):
             LossSettings(**bad)
+
+
+def test_advantages_are_clipped_to_the_configured_range() -> None:
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 10.0]])
+    settings = LossSettings(normalize_std=False, advantage_low=-2.0, advantage_high=4.0)
+    # centred: -2.5, -2.5, -2.5, 7.5 -> clipped to [-2, 4]
+    assert_values(group_advantages(rewards, settings), [[-2.0, -2.0, -2.0, 4.0]])
+
+
+def test_token_sum_loss_is_the_plain_sum() -> None:
+    batch = make_batch([[-1.0, -2.0], [-0.5, -0.5]], [[-1.0, -2.0], [-0.5, -0.5]], [2.0, -1.0],
+                       [[1.0, 1.0], [1.0, 0.0]])  # fmt: skip
+    loss, _ = grpo_loss(batch, LossSettings(loss_type="token-sum"), num_tokens=3, num_sequences=2)
+    assert close(loss, -2.0 * 2 + 1.0 * 1)  # ratio 1 everywhere: sum of -A over tokens
+    loss.backward()
+    assert batch.logprobs.grad is not None
+    assert_values(batch.logprobs.grad, [[-2.0, -2.0], [1.0, 0.0]])
+
+
+# --- AIPO whenever aipo_rho is set -------------------------------------------------------------
+
+
+def test_aipo_rho_makes_every_token_ratio_variant_aipo() -> None:
+    for variant in ("grpo", "dapo", "aipo"):
+        assert policy_loss(variant, LossSettings(aipo_rho=2.0)) is aipo_loss
+    assert policy_loss("grpo", LossSettings()) is grpo_loss
+    assert policy_loss("dapo", LossSettings()) is grpo_loss
+    assert policy_loss("gspo", LossSettings()) is gspo_loss
+
+
+# --- VAPO positive-example NLL -----------------------------------------------------------------
+
+
+def test_positive_nll_averages_the_positive_samples_tokens() -> None:
+    logprobs = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.7, -0.1], [-3.0, -3.0, -3.0]])
+    logprobs.requires_grad_(True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    positive = torch.tensor([True, False, True])
+    # positive tokens: -1, -2 (row 0), -3 x 3 (row 2); the global count is 7 (another rank's 2)
+    nll = positive_nll(logprobs, mask, positive, num_tokens=7)
+    assert close(nll, (1.0 + 2.0 + 9.0) / 7)
+    nll.backward()
+    assert logprobs.grad is not None
+    assert_values(logprobs.grad, [[-1 / 7, -1 / 7, 0.0], [0.0, 0.0, 0.0], [-1 / 7] * 3])
+
+
+# --- DeepSeek-V3.2: unbiased KL, off-policy sequence masking -----------------------------------
+
+
+def test_importance_weighted_kl_matches_hand_computation() -> None:
+    logprobs = torch.tensor([-1.0, -2.0], requires_grad=True)
+    ref = torch.tensor([-1.5, -1.0])
+    old = torch.tensor([-1.2, -2.0])
+    kl = importance_weighted_k3_kl(logprobs, ref, old)
+    # weights exp(-1 + 1.2) = e^0.2 and 1; k3 with d = ref - logp = -0.5 and 1
+    k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1 - 1]
+    assert_values(kl, [math.exp(0.2) * k3[0], k3[1]])
+    kl.sum().backward()
+    # d/dlogp of w(logp) * k3(logp) = w * k3 + w * (1 - exp(d)): the weight carries gradient
+    grads = [math.exp(0.2) * (k3[0] + 1 - math.exp(-0.5)), k3[1] + 1 - math.exp(1.0)]
+    assert logprobs.grad is not None
+    assert_values(logprobs.grad, grads)
+
+
+def test_unbiased_kl_estimate_enters_the_loss() -> None:
+    kwargs = dict(
+        logprobs=[[-1.0, -2.0]],
+        old_logprobs=[[-1.2, -2.0]],
+        advantages=[0.0],
+        mask=[[1.0, 1.0]],
+        ref_logprobs=[[-1.5, -1.0]],
+    )
+    settings = LossSettings(kl_beta=0.5, unbiased_kl_estimate=True)
+    loss, metrics = grpo_loss(make_batch(**kwargs), settings, num_tokens=2, num_sequences=1)
+    k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1 - 1]
+    kl = (math.exp(0.2) * k3[0] + k3[1]) / 2
+    assert close(metrics["kl"], kl)
+    assert close(loss, 0.5 * kl)  # A = 0: no policy loss
+
+
+def test_off_policy_sequence_mask_drops_stale_negative_sequences() -> None:
+    logprobs = torch.tensor([[-2.0, -2.0, 0.0], [-2.0, -2.0, 0.0], [-1.0, -1.0, -1.0]])
+    old = torch.tensor([[-1.0, -1.5, 5.0], [-1.0, -1.5, 5.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    # mean(old - logp) over the masked tokens: (1 + 0.5) / 2 = 0.75, 0.75, 0
+    keep = off_policy_sequence_mask(logprobs, old, torch.tensor([-1.0, 1.0, -1.0]), mask, delta=0.5)
+    assert keep.tolist() == [0.0, 1.0, 1.0]  # only the negative-advantage stale one goes
+    keep = off_policy_sequence_mask(
+        logprobs, old, torch.tensor([-1.0, 1.0, -1.0]), mask, delta=0.75
+    )
+    assert keep.tolist() == [1.0, 1.0, 1.0]  # not above delta
+
+
+def test_off_policy_masking_removes_the_sequence_from_the_policy_loss() -> None:
+    batch = make_batch(
+        [[-2.0, -2.0], [-1.0, -1.0]], [[-1.0, -1.0], [-1.0, -1.0]], [-1.0, 1.0],
+        [[1.0, 1.0], [1.0, 1.0]],
+    )  # fmt: skip
+    settings = LossSettings(
+        off_policy_masking_delta=0.5, epsilon_low=-1, epsilon_high=-1, lower_bound_ratio=None
+    )
+    loss, metrics = grpo_loss(batch, settings, num_tokens=4, num_sequences=2)
+    assert close(loss, (-1.0 * 2) / 4)  # only the second sequence: -A * r = -1 per token
+    assert close(metrics["off_policy_masked_frac"], 0.5)
+    loss.backward()
+    assert batch.logprobs.grad is not None
+    assert_values(batch.logprobs.grad, [[0.0, 0.0], [-0.25, -0.25]])
+
+
+# --- shared-prefix filter (min_filter_prefix_tokens) -------------------------------------------
+
+
+def test_shared_prefixes_with_different_rewards_are_skipped() -> None:
+    eos = 0
+    completions = [
+        [1, 2, 3, 4, 5, eos],  # shares [1, 2, 3, 4] with the next one (depth 4 node, maximal)
+        [1, 2, 3, 4, 6, eos],
+        [1, 2, 7, eos],  # shares only [1, 2] with them: shorter than min_tokens = 3
+        [8, 9, 9, eos],  # shares [8, 9, 9] with the next one, but their rewards are equal
+        [8, 9, 9, 5],
+        [4, 4, 4, eos],  # shares [4, 4, 4] ...
+        [4, 4, 4, 4, eos],  # ... with this one, reward differs
+    ]
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    skips = shared_prefix_lengths(completions, rewards, min_tokens=3, eos_token_ids=[eos])
+    # [4, 4, 4, eos] is nothing but the shared prefix [4, 4, 4] (and its end): it keeps its
+    # tokens, as in cosmos-rl, which compares the decoded texts.
+    assert skips == [4, 4, 0, 0, 0, 0, 3]
+    # With a longer minimum the [4, 4, 4] and [1, 2, 3, 4] prefixes no longer count.
+    assert shared_prefix_lengths(completions, rewards, min_tokens=5) == [0] * 7
+
+
+def test_only_the_deepest_shared_prefix_counts() -> None:
+    # [1, 2, 3] is shared by all three, but two of them continue together to [1, 2, 3, 4]: the
+    # trie node [1, 2, 3] has a child with two sequences, so it is not a maximal group, and the
+    # third completion (which leaves it alone) keeps its tokens, as in cosmos-rl.
+    completions = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 9]]
+    assert shared_prefix_lengths(completions, [1.0, 0.0, 0.5], min_tokens=2) == [4, 4, 0]
+    assert shared_prefix_lengths(completions, [1.0, 1.0, 0.0], min_tokens=2) == [0, 0, 0]
 
 
 # --- KL and entropy ----------------------------------------------------------------------------

@@ -317,8 +317,8 @@ class GrpoConfig(_Section):
     """DeepSeek-V3.2's off-policy sequence masking: drop a negative-advantage sequence whose mean
     log(pi_old / pi_theta) exceeds this; None disables."""
     aipo_rho: float | None = None
-    """AIPO truncation constant of the behaviour importance ratio (suggested 2-10); used by
-    `variant = "aipo"`."""
+    """AIPO truncation constant of the behaviour importance ratio (suggested 2-10); whenever it
+    is set the loss is AIPO's, for variants `grpo`, `dapo` and `aipo` alike (as in cosmos-rl)."""
     mu_iterations: int = Field(default=1, ge=1)
     """Optimisation passes over each training batch (mu in the GRPO paper)."""
     mini_batch: int = Field(default=2, ge=1)
@@ -614,7 +614,8 @@ class TrainingConfig(_Section):
     fsdp_offload: bool = False
     """FSDP2: keep the sharded parameters and optimiser state in CPU memory (CUDA only)."""
     fsdp_reshard_after_forward: Literal["always", "never", "default"] = "default"
-    """FSDP2: free the gathered parameters after forward (`default`: all but the last block)."""
+    """FSDP2: free the gathered parameters after forward (`default`: torch's default, every
+    decoder block but not the root; none under pipeline parallelism)."""
     train_batch_per_replica: int = Field(default=8, ge=1)
     """Samples per optimiser step on each policy replica: completions for RL (whole groups: a
     value that is not a multiple of `rollout.n_generation` is rounded up to one), conversations

@@ -41,10 +41,16 @@ from nebula_rl.data import (
     validate_rows,
 )
 from nebula_rl.metrics_log import open_loggers
-from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
+from nebula_rl.models import load_tokenizer, resolve_dtype
 from nebula_rl.models.export import export_hf
 from nebula_rl.policy.checkpoint import Checkpointer, Restored
 from nebula_rl.policy.replicas import DataParallelSums
+from nebula_rl.policy.setup import (
+    load_policy_model,
+    prepare_single_process,
+    rollout_copy,
+    use_deterministic,
+)
 from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.rewards import combine_rewards, overlong_penalty
@@ -96,11 +102,11 @@ def run(cfg: Config) -> Path:
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     if distributed:
         dist.barrier()
-    dtype = resolve_dtype(cfg.train.param_dtype)
+    use_deterministic(cfg.train)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    name, revision = cfg.policy.model_name_or_path, cfg.policy.model_revision
-    tokenizer = load_tokenizer(name, revision=revision)
-    model = load_model(name, dtype=dtype, device=device, seed=seed, revision=revision)
+    tokenizer = load_tokenizer(cfg.policy.model_name_or_path, revision=cfg.policy.model_revision)
+    # The weights the optimiser updates, in train.master_dtype; forward runs in param_dtype.
+    model = load_policy_model(cfg, device=device, seed=seed)
     policy = cfg.train.train_policy
     if isinstance(policy, GrpoConfig):
         _run_grpo(cfg, policy, model, tokenizer, run_dir)
@@ -210,10 +216,9 @@ def _rollout(
                     penalty_factor=p.overlong_reward.penalty_factor,
                 )
             versions = [(i, v) for i, v in c.version_changes]
+            logprobs = list(c.logprobs) if p.collect_rollout_logprobs else []
             completions.append(
-                Completion(
-                    list(c.token_ids), list(c.logprobs), text, c.finish_reason, versions, reward
-                )
+                Completion(list(c.token_ids), logprobs, text, c.finish_reason, versions, reward)
             )
         groups.append(RolloutGroup(prompt, ids, completions, replica="local"))
     return groups
@@ -272,17 +277,20 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
     rows = rl_rows(cfg)
     total = num_train_steps(cfg, len(rows), items_per_step=cfg.groups_per_replica)
     reward_fn = combine_rewards(p.reward_function)
-    # The reference is the starting model, also when resuming: copy it before a checkpoint loads.
+    # The reference is the starting model, also when resuming: copy it before a checkpoint loads
+    # (and before the blocks are checkpointed or compiled: it only runs forward).
     ref = copy.deepcopy(model).eval().requires_grad_(False) if p.kl_beta > 0 else None
-    trainer = PolicyTrainer(
-        model, cfg, total_steps=total, pad_id=tokenizer.pad_token_id, ref_model=ref
-    )
-    # The engine decodes its own copy; after each step it takes the new weights in place.
+    # The engine decodes its own copy, in param_dtype; after each step it takes the new weights
+    # in place.
     engine = build_engine(
         cfg,
-        model=copy.deepcopy(model),
+        model=rollout_copy(model, cfg),
         tokenizer=tokenizer,
         seed=cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed or 0,
+    )
+    prepare_single_process(model, cfg)
+    trainer = PolicyTrainer(
+        model, cfg, total_steps=total, pad_id=tokenizer.pad_token_id, ref_model=ref
     )
     checkpointer = _checkpointer(cfg, run_dir, model, tokenizer, trainer, engine)
     prompts = _PromptStream(rows, cfg)
@@ -375,9 +383,11 @@ def _sft_rows(cfg: Config, p: SftConfig) -> tuple[list[dict[str, Any]], list[dic
 
 
 def _data_parallel(cfg: Config, model: torch.nn.Module) -> tuple[int, int, DataParallelSums | None]:
-    """Split `model` over this process group as `[policy.parallelism]` says (in place); this
-    rank's data-parallel rank and size, and the sums over the data-parallel ranks."""
+    """Split `model` over this process group as `[policy.parallelism]` says (in place), or,
+    without one, prepare it for one process; this rank's data-parallel rank and size, and the
+    sums over the data-parallel ranks."""
     if not dist.is_initialized():
+        prepare_single_process(model, cfg)
         return 0, 1, None
     from nebula_rl.policy.parallelize import ParallelDims, parallelize_model
 
@@ -388,7 +398,19 @@ def _data_parallel(cfg: Config, model: torch.nn.Module) -> tuple[int, int, DataP
             "dp_shard_size, tp_size); pp_size and cp_size must be 1 here for now"
         )
     mesh = dims.build_mesh("cuda" if torch.cuda.is_available() else "cpu")
-    parallel = parallelize_model(model, dims, mesh)
+    t = cfg.train
+    parallel = parallelize_model(
+        model,
+        dims,
+        mesh,
+        activation_checkpointing=cfg.policy.model_gradient_checkpointing,
+        compile=t.compile,
+        # FSDP2 gathers the parameters in param_dtype itself (no autocast then).
+        param_dtype=None if t.param_dtype == t.master_dtype else resolve_dtype(t.param_dtype),
+        reduce_dtype=resolve_dtype(t.fsdp_reduce_dtype),
+        reshard_after_forward=t.fsdp_reshard_after_forward,
+        offload=t.fsdp_offload,
+    )
     return parallel.dp_rank, dims.dp, DataParallelSums(mesh["dp"].get_group())
 
 

@@ -8,7 +8,8 @@ advantage function, its loss, its group filter and the paper's default `LossSett
 - "gspo": sequence-level ratio with tight clip ranges (Zheng et al. 2025).
 - "aipo": truncated off-policy importance weights, no clip (LlamaRL, Wu et al. 2025).
 
-Every loss takes explicit global denominators `num_tokens` and `num_sequences`.
+Every loss takes explicit global denominators `num_tokens` and `num_sequences`. `policy_loss`
+picks the loss a step uses: AIPO's whenever `aipo_rho` is set, as in cosmos-rl.
 """
 
 from __future__ import annotations
@@ -31,8 +32,15 @@ from nebula_rl.algorithms.grpo import (
     keep_all_groups,
 )
 from nebula_rl.algorithms.gspo import gspo_loss, gspo_sequence_log_ratio, gspo_token_ratio
+from nebula_rl.algorithms.masking import off_policy_sequence_mask, shared_prefix_lengths
 from nebula_rl.algorithms.ppo import decoupled_weight, ppo_clip_loss
-from nebula_rl.algorithms.regularizers import finish_loss, k3_kl, token_mean_metric
+from nebula_rl.algorithms.regularizers import (
+    finish_loss,
+    importance_weighted_k3_kl,
+    k3_kl,
+    positive_nll,
+    token_mean_metric,
+)
 from nebula_rl.algorithms.sft import IGNORE_INDEX, sft_loss, sft_loss_from_logprobs, sft_num_tokens
 from nebula_rl.config import VARIANT_DEFAULTS
 
@@ -75,6 +83,13 @@ def get_algorithm(name: str) -> Algorithm:
     return ALGORITHMS[name]
 
 
+def policy_loss(variant: str, settings: LossSettings) -> LossFn:
+    """The loss of a step: AIPO's whenever `settings.aipo_rho` is set (cosmos-rl replaces the
+    PPO clip by AIPO's truncation for every variant then; the config refuses it for "gspo"),
+    else the variant's own."""
+    return aipo_loss if settings.aipo_rho is not None else get_algorithm(variant).loss
+
+
 __all__ = [
     "ALGORITHMS",
     "IGNORE_INDEX",
@@ -98,11 +113,16 @@ __all__ = [
     "gspo_loss",
     "gspo_sequence_log_ratio",
     "gspo_token_ratio",
+    "importance_weighted_k3_kl",
     "k3_kl",
     "keep_all_groups",
+    "off_policy_sequence_mask",
+    "policy_loss",
+    "positive_nll",
     "ppo_clip_loss",
     "sft_loss",
     "sft_loss_from_logprobs",
     "sft_num_tokens",
+    "shared_prefix_lengths",
     "token_mean_metric",
 ]

@@ -21,31 +21,43 @@ class LossSettings:
     """The knobs of the RL losses, built from `[train.train_policy]`."""
 
     epsilon_low: float = 0.2
-    """PPO clip: the ratio is clipped below at 1 - epsilon_low."""
+    """PPO clip: the ratio is clipped below at 1 - epsilon_low; negative: no lower clip."""
     epsilon_high: float = 0.2
-    """PPO clip: the ratio is clipped above at 1 + epsilon_high (DAPO clip-higher: 0.28)."""
+    """PPO clip: the ratio is clipped above at 1 + epsilon_high (DAPO clip-higher: 0.28);
+    negative: no upper clip."""
     lower_bound_ratio: float | None = 3.0
     """Dual clip: for A < 0 the token loss is at most lower_bound_ratio * |A|; None disables."""
     loss_type: str = "token-mean"
     """How per-token losses are averaged; one of `LOSS_TYPES`."""
     kl_beta: float = 0.0
     """Coefficient of the k3 KL penalty to the reference policy; 0 needs no reference."""
+    unbiased_kl_estimate: bool = False
+    """Weight the k3 KL by pi_theta / pi_old (DeepSeek-V3.2), see `importance_weighted_k3_kl`."""
     entropy_coef: float = 0.0
     """Coefficient of the entropy bonus (subtracted from the loss)."""
     aipo_rho: float | None = None
-    """AIPO: truncation of the off-policy importance weight (variant "aipo" only)."""
+    """AIPO: truncation of the off-policy importance weight; when set, the loss is AIPO's for
+    every token-ratio variant (see `policy_loss`)."""
     behaviour_weight_cap: float | None = None
     """Decoupled PPO: tokens whose weight pi_prox / pi_behaviour exceeds this are dropped."""
     max_tokens: int | None = None
-    """Dr.GRPO: the constant per-sequence divisor of "seq-mean-token-sum-norm", in tokens."""
+    """Dr.GRPO: the constant per-sequence divisor of "seq-mean-token-sum-norm" (and of
+    "seq-mean-token-mean" when set), in tokens."""
     normalize_std: bool = True
     """GRPO advantages divide by the group's std; False is Dr.GRPO (centre only)."""
+    advantage_low: float = -5.0
+    """Advantages are clipped below at this value."""
+    advantage_high: float = 5.0
+    """Advantages are clipped above at this value."""
+    off_policy_masking_delta: float | None = None
+    """DeepSeek-V3.2: a negative-advantage sequence whose mean log(pi_old / pi_theta) exceeds
+    this gets no policy loss; None disables (see `off_policy_sequence_mask`)."""
 
     def __post_init__(self) -> None:
-        if self.epsilon_low < 0 or self.epsilon_high < 0:
+        if self.advantage_low > self.advantage_high:
             raise ValueError(
-                "train.train_policy.epsilon_low and epsilon_high must be >= 0, got "
-                f"{self.epsilon_low} and {self.epsilon_high}"
+                f"train.train_policy.advantage_low ({self.advantage_low}) must not exceed "
+                f"advantage_high ({self.advantage_high})"
             )
         if self.lower_bound_ratio is not None and self.lower_bound_ratio <= 1.0:
             raise ValueError(
@@ -60,8 +72,8 @@ class LossSettings:
             self.max_tokens is None or self.max_tokens <= 0
         ):
             raise ValueError(
-                "train.train_policy.max_tokens must be > 0 with loss_type "
-                f"'seq-mean-token-sum-norm', got {self.max_tokens}"
+                "train.train_policy.unbiased_loss_max_tokens (or rollout.max_response_length) "
+                f"must be > 0 with loss_type 'seq-mean-token-sum-norm', got {self.max_tokens}"
             )
         for name in ("aipo_rho", "behaviour_weight_cap"):
             value = getattr(self, name)
@@ -76,7 +88,8 @@ class PolicyBatch:
     logprobs: Tensor
     """[B, T] log pi_theta of each sampled token, from the trainer's forward (carries grad)."""
     old_logprobs: Tensor
-    """[B, T] log-probs of the proximal policy, recomputed by the trainer at step start."""
+    """[B, T] log-probs of the proximal policy: recomputed by the trainer at step start, or the
+    rollout's (`use_rollout_logprobs_for_loss`)."""
     advantages: Tensor
     """[B] one advantage per sequence."""
     mask: Tensor
@@ -86,7 +99,8 @@ class PolicyBatch:
     ref_logprobs: Tensor | None = None
     """[B, T] log-probs of the frozen reference policy; needed when kl_beta != 0."""
     entropy: Tensor | None = None
-    """[B, T] per-token entropy of pi_theta (carries grad); needed when entropy_coef != 0."""
+    """[B, T] per-token entropy of pi_theta; needed when entropy_coef != 0 (then it carries
+    grad), optional otherwise (logged only)."""
 
 
 class AdvantageFn(Protocol):

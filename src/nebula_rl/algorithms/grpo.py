@@ -50,8 +50,10 @@ def grpo_advantages(rewards: Tensor, *, normalize_std: bool = True) -> Tensor:
 
 
 def group_advantages(rewards: Tensor, settings: LossSettings) -> Tensor:
-    """`grpo_advantages` with the std switch read from `settings` (the registry signature)."""
-    return grpo_advantages(rewards, normalize_std=settings.normalize_std)
+    """`grpo_advantages` with the std switch read from `settings` (the registry signature),
+    clipped to [settings.advantage_low, settings.advantage_high]."""
+    advantages = grpo_advantages(rewards, normalize_std=settings.normalize_std)
+    return advantages.clamp(settings.advantage_low, settings.advantage_high)
 
 
 def keep_all_groups(rewards: Tensor) -> Tensor:

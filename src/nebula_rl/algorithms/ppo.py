@@ -1,7 +1,8 @@
 """The PPO-clip surrogate and the decoupled off-policy weight, per token.
 
 - PPO-clip (Schulman et al. 2017, arXiv:1707.06347) with separate lower and upper clip ranges
-  ("clip-higher", DAPO, Yu et al. 2025, arXiv:2503.14476, Sec. 3.1).
+  ("clip-higher", DAPO, Yu et al. 2025, arXiv:2503.14476, Sec. 3.1); as in cosmos-rl, a
+  negative range turns the clip off on its side (both negative: the plain surrogate -A * r).
 - Dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
   Learning", arXiv:1912.09729): for A < 0 the clipped surrogate is unbounded as the ratio grows;
   the token loss is capped at lower_bound_ratio * |A|.
@@ -34,15 +35,18 @@ def ppo_clip_loss(
     Args:
         ratio: [B, T] pi_theta / pi_old (carries grad).
         advantages: advantages broadcastable to `ratio`, e.g. [B, 1].
-        epsilon_low: lower clip range.
-        epsilon_high: upper clip range.
+        epsilon_low: lower clip range; negative: no lower clip.
+        epsilon_high: upper clip range; negative: no upper clip.
         lower_bound_ratio: dual-clip constant (> 1), None to disable.
 
     Returns:
         (loss [B, T], bool [B, T] true where the clip or the dual clip sets the loss).
     """
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
+    low = 1.0 - epsilon_low if epsilon_low >= 0 else None
+    high = 1.0 + epsilon_high if epsilon_high >= 0 else None
+    clipped_ratio = ratio if low is None and high is None else ratio.clamp(low, high)
+    clipped = -advantages * clipped_ratio
     loss = torch.maximum(unclipped, clipped)
     is_clipped = clipped > unclipped
     if lower_bound_ratio is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -379,27 +379,71 @@ def _sum_gradients(model: nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
+def _fsdp_precision(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> Any:
+    """FSDP2's mixed precision: gather parameters in `param_dtype` for forward and backward
+    (None: their own dtype, the master copy's), reduce gradients in `reduce_dtype`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
 def apply_fsdp(
-    model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool = True
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    reshard_after_forward: Literal["always", "never", "default"] = "default",
+    pipelined: bool = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+    offload: bool = False,
 ) -> None:
     """FSDP2 over `dp_mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP): one group per decoder
-    layer, then the root, which holds the embedding, final norm and (tied) head together."""
-    from torch.distributed.fsdp import fully_shard
+    layer, then the root, which holds the embedding, final norm and (tied) head together.
 
+    `reshard_after_forward` (`train.fsdp_reshard_after_forward`): whether a group frees its
+    gathered parameters after forward, "always" or "never" for every group; "default" is
+    torch's default (the layers do, the root does not: its parameters are needed again as soon
+    as backward starts), except for a `pipelined` stage, whose layers do not either (it runs
+    several micro-batches: resharding would re-gather them for each). `param_dtype` /
+    `reduce_dtype` are the mixed precision (`train.param_dtype`, `train.fsdp_reduce_dtype`);
+    `offload` keeps the shards and optimiser state in host memory (`train.fsdp_offload`, CUDA
+    only).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    if offload and dp_mesh.device_type != "cuda":
+        raise ValueError(
+            "train.fsdp_offload moves the sharded parameters from GPU to host memory; this "
+            f"replica's devices are {dp_mesh.device_type!r}, so there is nothing to offload"
+        )
+    reshard = {"always": True, "never": False, "default": False if pipelined else None}
+    kwargs: dict[str, Any] = dict(
+        mesh=dp_mesh,
+        reshard_after_forward=reshard[reshard_after_forward],
+        mp_policy=_fsdp_precision(param_dtype, reduce_dtype),
+        offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
+    )
     for layer in _layers(model):
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    # The root's parameters are needed again as soon as backward starts: keep them gathered.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     _sum_gradients(model)
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
-    """Replicated data parallel over `dp_mesh` (FSDP2's replicate: one all-reduce per layer)."""
+def apply_ddp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> None:
+    """Replicated data parallel over `dp_mesh` (FSDP2's replicate: one all-reduce per layer),
+    with the mixed precision of `apply_fsdp`."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
+    precision = _fsdp_precision(param_dtype, reduce_dtype)
     for layer in _layers(model):
-        replicate(layer, mesh=dp_mesh)
-    replicate(model, mesh=dp_mesh)
+        replicate(layer, mesh=dp_mesh, mp_policy=precision)
+    replicate(model, mesh=dp_mesh, mp_policy=precision)
     _sum_gradients(model)
 
 
@@ -559,11 +603,21 @@ def parallelize_model(
     pp_micro_batch_size: int = 1,
     activation_checkpointing: bool = False,
     compile: bool = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: Literal["always", "never", "default"] = "default",
+    offload: bool = False,
 ) -> ParallelModel:
     """Split `model` (an HF causal LM, the same weights on every rank) over `mesh`, in place.
 
-    The order is torchtitan's; each step needs what the previous one leaves.
+    The order is torchtitan's; each step needs what the previous one leaves. The last four
+    arguments are `[train]`'s FSDP2 settings: the compute dtype (None: the parameters' own),
+    `fsdp_reduce_dtype`, `fsdp_reshard_after_forward` and `fsdp_offload` (see `apply_fsdp`).
     """
+    if offload and not dims.fsdp_enabled:
+        raise ValueError(
+            "train.fsdp_offload needs sharded parameters (policy.parallelism.dp_shard_size > 1)"
+        )
     dims.check_model(_config(model))
     tied = _tied(model)
     tp_mesh = mesh["tp"] if dims.tp > 1 else None
@@ -585,11 +639,17 @@ def parallelize_model(
     #    (dp_shard_cp): they hold different tokens, so their gradients are summed like DP's.
     if dims.fsdp_enabled:
         axes = ("dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else ("dp_shard_cp",)
-        # Under PP, stages run several micro-batches: resharding after each forward would
-        # re-gather the layers once per micro-batch.
-        apply_fsdp(model, mesh[axes], reshard_after_forward=dims.pp == 1)
+        apply_fsdp(
+            model,
+            mesh[axes],
+            reshard_after_forward=reshard_after_forward,
+            pipelined=dims.pp > 1,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            offload=offload,
+        )
     elif dims.dp_replicate > 1:
-        apply_ddp(model, mesh["dp_replicate"])
+        apply_ddp(model, mesh["dp_replicate"], param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # A tied embedding's copies live on the first and last stage; their gradients are summed
     # by ParallelModel.reduce_tied_grads.
     tied_group = _tied_embedding_group(mesh) if tied and dims.pp > 1 else None

@@ -5,7 +5,7 @@ DDP/FSDP world. They are joined instead by a group built from a controller-serve
 (:func:`nebula_rl.weights.build_group`), and :class:`ReplicaGroup` does what DDP would across it:
 
 - `sum_` adds up small tensors (token counts for the loss normaliser, metric sums), so every
-  replica normalises by the global count;
+  replica normalises by the global count; `max_` agrees on a number (the step's updates);
 - `all_reduce_grads` sums the gradients in flat buckets after the local backward passes, so
   every replica applies the same update and the parameters stay identical.
 
@@ -62,9 +62,9 @@ class ReplicaGroup:
         """This replica's rank; rank 0 pushes weights to the rollouts."""
         return self.group.rank
 
-    def _allreduce(self, tensor: Tensor) -> None:
+    def _allreduce(self, tensor: Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM) -> None:
         try:
-            self.group.pg.allreduce(tensor, ReduceOp.SUM, self.group.timeout).wait()
+            self.group.pg.allreduce(tensor, op, self.group.timeout).wait()
         except RuntimeError as err:
             raise CollectiveError(f"policy replica group {self.group.rdzv.name}: {err}") from err
 
@@ -151,11 +151,18 @@ class ReplicaGroup:
 
     def sum_(self, values: Tensor) -> Tensor:
         """Sum `values` over the replicas, in place (moved to the group's device and back)."""
+        return self._reduce_(values, ReduceOp.SUM)
+
+    def max_(self, values: Tensor) -> Tensor:
+        """Elementwise maximum of `values` over the replicas, in place."""
+        return self._reduce_(values, ReduceOp.MAX)
+
+    def _reduce_(self, values: Tensor, op: ReduceOp.RedOpType) -> Tensor:
         if values.device == self.group.device:
-            self._allreduce(values)
+            self._allreduce(values, op)
             return values
         staged = values.to(self.group.device)
-        self._allreduce(staged)
+        self._allreduce(staged, op)
         values.copy_(staged)
         return values
 
@@ -215,11 +222,23 @@ class DataParallelSums:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
 
+    @property
+    def size(self) -> int:
+        """Data-parallel ranks in the group."""
+        return dist.get_world_size(self.group)
+
     def sum_(self, values: Tensor) -> Tensor:
         """Sum `values` over the group's ranks, in place (staged on the GPU for NCCL)."""
+        return self._reduce_(values, dist.ReduceOp.SUM)
+
+    def max_(self, values: Tensor) -> Tensor:
+        """Elementwise maximum of `values` over the group's ranks, in place."""
+        return self._reduce_(values, dist.ReduceOp.MAX)
+
+    def _reduce_(self, values: Tensor, op: dist.ReduceOp.RedOpType) -> Tensor:
         if dist.get_backend(self.group) != "nccl":
-            dist.all_reduce(values, group=self.group)
+            dist.all_reduce(values, op=op, group=self.group)
             return values
         staged = values.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(staged, group=self.group)
+        dist.all_reduce(staged, op=op, group=self.group)
         return values.copy_(staged)

@@ -1,38 +1,62 @@
-"""The policy's training step: token log-probs, batch assembly, the RL and SFT updates.
+"""The policy's training step: the RL and SFT updates.
 
-One `PolicyTrainer` owns a model, its optimiser and LR schedule. `grpo_step` takes scored
-rollout groups and performs `mu_iterations` optimiser steps over them; `sft_step` takes tokenised
-conversations and performs one. Both accumulate gradients over micro-batches of `mini_batch`
-sequences with the step's global token and sequence counts as loss denominators (STYLE rule 3),
-so the result does not depend on how the batch is split. With a :class:`ReplicaGroup` the step
-spans several policy replicas: counts and gradients are summed over them before the update, and
-the returned metrics describe the union of their batches. With `train.sequence_packing`,
-`sft_step` packs its conversations into rows of up to `policy.model_max_length` tokens with a
-block-diagonal causal mask (:mod:`nebula_rl.data.packing`); a micro-batch is then `mini_batch`
-packed rows, and the loss is the same as unpacked.
+One `PolicyTrainer` owns a model, its optimiser and LR schedule (`policy/optim.py`). `grpo_step`
+takes scored rollout groups and performs `mu_iterations` passes over them, one optimiser update
+per slice of `batch_size_per_optimize` sequences per pass (one slice when unset); `sft_step` takes
+tokenised conversations and performs one update. Both accumulate gradients over micro-batches
+(`mini_batch` sequences, or `max_token_len_per_mini_batch` tokens) with the global token and
+sequence counts of the update as loss denominators (STYLE rule 3), so the result does not depend
+on how the batch is split. With a :class:`ReplicaGroup` the step spans several policy replicas:
+counts and gradients are summed over them before the update, every replica takes the same number
+of updates, and the returned metrics describe the union of their batches. With
+`train.sequence_packing`, `sft_step` packs its conversations into rows of up to
+`policy.model_max_length` tokens with a block-diagonal causal mask
+(:mod:`nebula_rl.data.packing`); the loss is the same as unpacked.
 
-The PPO ratio is taken against the proximal ("old") policy. When the step needs one
-(`mu_iterations > 1`, decoupled PPO, AIPO) its log-probs are recomputed here at the start of the
-step, and the rollout engine's log-probs enter as behaviour-policy weights; otherwise the ratio
-is taken against the rollout's own log-probs: 1 for on-policy samples, a clipped correction for
-stale ones.
+Precision: the model holds `train.master_dtype` weights (its callers load it so, see
+`policy/setup.py`); forward and backward run under autocast to `train.param_dtype` unless FSDP2
+casts the parameters itself; logits are cast to `train.logprob_dtype` before the log-softmax,
+which runs a chunk of target positions at a time (`policy/logprobs.py`).
+
+The PPO ratio is taken against the proximal ("old") policy: the rollout's own log-probs with
+`use_rollout_logprobs_for_loss` (1 for on-policy samples, a clipped correction for stale ones),
+otherwise log-probs the policy recomputes at the start of the step. Decoupled PPO and AIPO always
+recompute them, and weigh tokens by the rollout's (behaviour) log-probs; without
+`collect_rollout_logprobs` the rollouts send none and nothing reads them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from nebula_rl.algorithms import ALGORITHMS, LossSettings, PolicyBatch, sft_loss_from_logprobs
-from nebula_rl.config import Config, GrpoConfig, TrainingConfig
-from nebula_rl.data.packing import first_fit, packed_attention_mask, segment_positions
+from nebula_rl.algorithms import (
+    ALGORITHMS,
+    LossFn,
+    LossSettings,
+    PolicyBatch,
+    policy_loss,
+    positive_nll,
+    sft_loss_from_logprobs,
+)
+from nebula_rl.config import Config, GrpoConfig
+from nebula_rl.data.packing import packed_attention_mask, segment_positions
+from nebula_rl.models import resolve_dtype
+from nebula_rl.policy.batching import (
+    TokenBatch,
+    collate_groups,
+    pack_examples,
+    pad_batch,
+    token_budget_micro_batches,
+)
+from nebula_rl.policy.logprobs import token_logprobs
+from nebula_rl.policy.optim import build_optimizer, lr_lambda
 from nebula_rl.policy.replicas import DataParallelSums, ReplicaGroup
+from nebula_rl.policy.setup import compute_dtype
 from nebula_rl.protocol import RolloutGroup
 
 __all__ = [
@@ -46,180 +70,47 @@ __all__ = [
 ]
 
 
-def token_logprobs(
-    model: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    position_ids: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Log-prob of each next token, [B, L-1], and optionally the per-position entropy [B, L-1].
-
-    Position t holds log p(input_ids[:, t + 1] | input_ids[:, :t + 1]) at `temperature`. Logits are
-    upcast to float32 before the softmax. `attention_mask` is [B, L] (1 on real tokens) or, for
-    packed rows, a prepared [B, 1, L, L] mask that comes with their `position_ids` [B, L].
-    """
-    logits = (
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        .logits[:, :-1]
-        .float()
-    )
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = F.log_softmax(logits, dim=-1)
-    logprobs = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
-    return logprobs, entropy
-
-
-@dataclass(frozen=True, slots=True)
-class TokenBatch:
-    """Right-padded sequences with per-target-position tensors (position t predicts t + 1)."""
-
-    input_ids: Tensor
-    """[N, L] prompt + response tokens."""
-    attention_mask: Tensor
-    """[N, L] 1 on real tokens."""
-    target_mask: Tensor
-    """[N, L-1] float, 1 where the target token is a trained token (response / assistant)."""
-    behaviour_logprobs: Tensor
-    """[N, L-1] rollout log-probs aligned with `target_mask` (0 elsewhere)."""
-    advantages: Tensor
-    """[N] per-sequence advantage (0 for SFT)."""
-    segment_ids: Tensor | None = None
-    """[N, L] packed rows only: 1, 2, ... for the examples of a row, 0 on padding."""
-
-    def rows(self, start: int, stop: int) -> TokenBatch:
-        """Rows [start, stop), trimmed of columns that are padding in all of them."""
-        length = int(self.attention_mask[start:stop].sum(1).max())
-        return TokenBatch(
-            input_ids=self.input_ids[start:stop, :length],
-            attention_mask=self.attention_mask[start:stop, :length],
-            target_mask=self.target_mask[start:stop, : length - 1],
-            behaviour_logprobs=self.behaviour_logprobs[start:stop, : length - 1],
-            advantages=self.advantages[start:stop],
-            segment_ids=(
-                None if self.segment_ids is None else self.segment_ids[start:stop, :length]
-            ),
-        )
-
-
-def _pad_batch(
-    sequences: Sequence[tuple[list[int], list[int], list[float]]], advantages: Tensor, pad_id: int
-) -> TokenBatch:
-    """(token ids, trained-token mask, behaviour logprobs per token) -> right-padded TokenBatch."""
-    n, length = len(sequences), max(len(ids) for ids, _, _ in sequences)
-    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, length), dtype=torch.long)
-    mask = torch.zeros((n, length), dtype=torch.float32)
-    behaviour = torch.zeros((n, length), dtype=torch.float32)
-    for i, (ids, m, lp) in enumerate(sequences):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        attention[i, : len(ids)] = 1
-        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
-        behaviour[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
-    # Shift to target space: entry t describes input_ids[:, t + 1].
-    return TokenBatch(input_ids, attention, mask[:, 1:], behaviour[:, 1:], advantages)
-
-
-def pack_examples(
-    examples: Sequence[tuple[list[int], list[int]]], *, max_length: int, pad_id: int
-) -> TokenBatch:
-    """(token ids, assistant mask) conversations packed first-fit into rows of at most
-    `max_length` tokens, with their segment ids.
-
-    An example's first token is no target: in its own row nothing before it would predict it, and
-    in a packed row it would be predicted from the previous example.
-    """
-    rows = first_fit([len(ids) for ids, _ in examples], max_length=max_length)
-    sequences, segments = [], []
-    for row in rows:
-        ids: list[int] = []
-        mask: list[int] = []
-        segment: list[int] = []
-        for number, i in enumerate(row, start=1):
-            example_ids, example_mask = examples[i]
-            ids += example_ids
-            mask += [0, *example_mask[1:]]
-            segment += [number] * len(example_ids)
-        sequences.append((ids, mask, [0.0] * len(ids)))
-        segments.append(segment)
-    batch = _pad_batch(sequences, torch.zeros(len(rows)), pad_id)
-    segment_ids = torch.zeros_like(batch.input_ids)
-    for r, segment in enumerate(segments):
-        segment_ids[r, : len(segment)] = torch.tensor(segment)
-    return TokenBatch(
-        batch.input_ids,
-        batch.attention_mask,
-        batch.target_mask,
-        batch.behaviour_logprobs,
-        batch.advantages,
-        segment_ids,
-    )
-
-
-def collate_groups(
-    groups: Sequence[RolloutGroup], advantages: Tensor, *, pad_id: int
-) -> TokenBatch:
-    """Flatten groups to one row per completion: prompt + response, response tokens trained."""
-    sequences = []
-    for group in groups:
-        p = group.prompt_token_ids
-        for c in group.completions:
-            sequences.append(
-                (
-                    p + c.token_ids,
-                    [0] * len(p) + [1] * len(c.token_ids),
-                    [0.0] * len(p) + c.logprobs,
-                )
-            )
-    return _pad_batch(sequences, advantages.flatten().float(), pad_id)
-
-
 def loss_settings(cfg: Config) -> LossSettings:
     """The algorithm knobs from `[train.train_policy]` (the config is authoritative)."""
     p = cfg.grpo
+    max_tokens = p.unbiased_loss_max_tokens
+    if max_tokens is None and p.loss_type == "seq-mean-token-sum-norm":
+        max_tokens = cfg.rollout.max_response_length
     return LossSettings(
         epsilon_low=p.epsilon_low,
         epsilon_high=p.epsilon_high,
         lower_bound_ratio=p.lower_bound_ratio,
         loss_type=p.loss_type,
         kl_beta=p.kl_beta,
+        unbiased_kl_estimate=p.unbiased_kl_estimate,
         entropy_coef=p.entropy_coeff,
         aipo_rho=p.aipo_rho,
         behaviour_weight_cap=p.behav_imp_weight_cap,
-        max_tokens=p.unbiased_loss_max_tokens or cfg.rollout.max_response_length,
+        max_tokens=max_tokens,
         normalize_std=not p.unbiased_advantage,
+        advantage_low=p.advantage_low,
+        advantage_high=p.advantage_high,
+        off_policy_masking_delta=p.off_policy_masking_delta,
     )
 
 
-def lr_lambda(train: TrainingConfig, total_steps: int):
-    """LR multiplier per step: linear warm-up, then the configured decay down to the floor."""
-    warmup = train.optm_warmup_steps
-    warmup = int(warmup * total_steps) if isinstance(warmup, float) and warmup <= 1 else int(warmup)
-    floor, decay = train.optm_min_lr_factor, train.optm_decay_type or "none"
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if decay == "none" or total_steps <= warmup:
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        shape = {
-            "linear": 1.0 - progress,
-            "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
-            "sqrt": 1.0 - math.sqrt(progress),
-        }[decay]
-        return floor + (1.0 - floor) * shape
-
-    return factor
-
-
-def _chunks(n: int, size: int) -> Iterator[tuple[int, int]]:
+def _chunks(n: int, size: int) -> Iterator[list[int]]:
     for start in range(0, n, size):
-        yield start, min(n, start + size)
+        yield list(range(start, min(n, start + size)))
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 (or its replicate) manages `model`'s parameters, and so its precision."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _eos_ids(model: nn.Module) -> tuple[int, ...]:
+    eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
 
 
 class PolicyTrainer:
@@ -239,24 +130,19 @@ class PolicyTrainer:
         self.model, self.cfg, self.pad_id, self.ref_model = model, cfg, pad_id, ref_model
         self.replicas, self.data_parallel = replicas, data_parallel
         t = cfg.train
-        opt_cls = torch.optim.AdamW if t.optm_name == "AdamW" else torch.optim.Adam
-        impl = {
-            "fused": {"fused": True},
-            "foreach": {"foreach": True},
-            "for-loop": {"foreach": False},
-        }
-        self.optimizer = opt_cls(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=t.peak_lr,
-            betas=t.optm_betas,
-            eps=t.epsilon,
-            weight_decay=t.optm_weight_decay,
-            **impl[t.optm_impl],
-        )
+        self.compute_dtype = compute_dtype(t, sharded=_sharded(model))
+        self.logprob_dtype = resolve_dtype(t.logprob_dtype)
+        self.optimizer = build_optimizer(model, t)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(t, total_steps)
         )
         self.device = next(model.parameters()).device
+        self.eos_token_ids = _eos_ids(model)
+        self.planned_updates: int | None = None
+        """Optimiser updates the step in progress (or the last one) takes, once every replica
+        agreed on it; None before."""
+
+    # -- collectives over data-parallel ranks and replicas -----------------------------------------
 
     def _global_sums(self, *values: float) -> list[float]:
         """`values` summed over the data-parallel ranks of this replica and over the replicas."""
@@ -266,6 +152,22 @@ class PolicyTrainer:
         if self.replicas is not None:
             self.replicas.sum_(totals)
         return totals.tolist()
+
+    def _global_max(self, value: int) -> int:
+        """The largest `value` over the data-parallel ranks and replicas."""
+        top = torch.tensor([value], dtype=torch.float64)
+        if self.data_parallel is not None:
+            self.data_parallel.max_(top)
+        if self.replicas is not None:
+            self.replicas.max_(top)
+        return int(top.item())
+
+    def _num_ranks(self) -> int:
+        """Ranks whose gradients are summed into one update (data-parallel x replicas)."""
+        ranks = 1 if self.data_parallel is None else self.data_parallel.size
+        return ranks * (1 if self.replicas is None else self.replicas.size)
+
+    # -- pieces of a step ------------------------------------------------------------------------
 
     def _optimizer_step(self) -> float:
         if self.replicas is not None:
@@ -279,84 +181,158 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
+    def _micro_batches(self, batch: TokenBatch, rows: Sequence[int]) -> list[list[int]]:
+        """`rows` of `batch` cut into forward passes: by `max_token_len_per_mini_batch` tokens
+        (RL, when set) or by `mini_batch` sequences."""
+        p = self.cfg.train.train_policy
+        budget = p.max_token_len_per_mini_batch if isinstance(p, GrpoConfig) else None
+        if budget is None:
+            return [[rows[i] for i in chunk] for chunk in _chunks(len(rows), p.mini_batch)]
+        lengths = batch.lengths
+        parts = token_budget_micro_batches([lengths[r] for r in rows], max_tokens=budget)
+        return [[rows[i] for i in part] for part in parts]
+
+    def target_logprobs(self, batch: TokenBatch) -> tuple[Tensor, Tensor]:
+        """Log-probs and entropy [N, L-1] of the policy at `batch`'s target tokens (0 off
+        `target_mask`), as the RL loss sees them: at `train_policy.temperature`, computed in the
+        compute dtype and cast to the log-prob dtype. The entropy carries gradient only when
+        the loss has an entropy bonus (`entropy_coeff` > 0); otherwise it is only logged."""
+        p = self.cfg.grpo
+        logprobs, entropy = token_logprobs(
+            self.model,
+            batch.input_ids.to(self.device),
+            batch.attention_mask.to(self.device),
+            temperature=p.temperature,
+            target_mask=batch.target_mask.to(self.device),
+            logprob_dtype=self.logprob_dtype,
+            compute_dtype=self.compute_dtype,
+            with_entropy=True,
+            entropy_grad=p.entropy_coeff > 0,
+        )
+        assert entropy is not None
+        return logprobs, entropy
+
     @torch.no_grad()
     def _logprobs_no_grad(self, model: nn.Module, batch: TokenBatch, temperature: float) -> Tensor:
+        """[N, L-1] log-probs of `model` at `batch`'s target tokens, in float32 on the CPU."""
         out = torch.zeros_like(batch.target_mask)
-        for start, stop in _chunks(
-            batch.input_ids.shape[0], self.cfg.train.train_policy.mini_batch
-        ):
-            mb = batch.rows(start, stop)
+        for rows in self._micro_batches(batch, range(batch.input_ids.shape[0])):
+            mb = batch.select(rows)
             lp, _ = token_logprobs(
                 model,
                 mb.input_ids.to(self.device),
                 mb.attention_mask.to(self.device),
                 temperature=temperature,
+                target_mask=mb.target_mask.to(self.device),
+                logprob_dtype=self.logprob_dtype,
+                compute_dtype=self.compute_dtype,
             )
-            out[start:stop, : lp.shape[1]] = lp.cpu()
+            out[torch.tensor(rows), : lp.shape[1]] = lp.float().cpu()
         return out
 
+    def _reset_reference(self) -> None:
+        """Every `reference_reset_interval` steps (with a KL penalty) the reference takes the
+        current weights; with `reset_optimizer_with_reference` the optimiser's moments are
+        cleared too, as a fresh optimiser's would be, while the LR schedule keeps its place."""
+        p = self.cfg.grpo
+        interval = p.reference_reset_interval
+        if not interval or interval < 0 or p.kl_beta == 0 or self.ref_model is None:
+            return
+        if self.scheduler.last_epoch % interval:
+            return
+        self.ref_model.load_state_dict(self.model.state_dict())
+        if p.reset_optimizer_with_reference:
+            self.optimizer.state.clear()
+
+    # -- RL ----------------------------------------------------------------------------------------
+
     def grpo_step(self, groups: Sequence[RolloutGroup]) -> dict[str, float]:
-        """One training step of the configured RL variant over scored groups."""
+        """One training step of the configured RL variant over scored groups.
+
+        Metrics are those of the first pass (`mu_iterations`), each slice's a share of that
+        slice's mean, averaged over the slices; `positive_nll` (with `positive_nll_coef`) is
+        reported apart from `loss`, which does not include it; `planned_updates` holds the
+        number of optimiser updates the step takes."""
         p: GrpoConfig = self.cfg.grpo
-        algorithm, settings = ALGORITHMS[p.variant], loss_settings(self.cfg)
+        settings = loss_settings(self.cfg)
+        loss_fn = policy_loss(p.variant, settings)
+        use_behaviour = p.use_decoupled_loss or settings.aipo_rho is not None
+        if use_behaviour and not p.collect_rollout_logprobs:
+            raise ValueError(
+                "train.train_policy.aipo_rho (AIPO weighs tokens by the rollout's log-probs) "
+                "needs train.train_policy.collect_rollout_logprobs = true"
+            )
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-        advantages = algorithm.advantages(rewards, settings)
-        batch = collate_groups(groups, advantages, pad_id=self.pad_id)
-        num_tokens, num_sequences = self._global_sums(
-            float(batch.target_mask.sum()), float(batch.input_ids.shape[0])
+        advantages = ALGORITHMS[p.variant].advantages(rewards, settings)
+        batch = collate_groups(
+            groups,
+            advantages,
+            pad_id=self.pad_id,
+            with_logprobs=p.collect_rollout_logprobs,
+            min_filter_prefix_tokens=p.min_filter_prefix_tokens,
+            eos_token_ids=self.eos_token_ids,
         )
-        use_behaviour = p.use_decoupled_loss or p.variant == "aipo"
-        needs_old = p.mu_iterations > 1 or use_behaviour
-        old = self._logprobs_no_grad(self.model, batch, p.temperature) if needs_old else None
+        positive = rewards.flatten() > 0
+        # The proximal policy: the rollout's log-probs, or recomputed now (decoupled PPO and
+        # AIPO weigh by pi_prox / pi_behaviour, so they need both).
+        recompute = use_behaviour or not p.use_rollout_logprobs_for_loss
+        old = (
+            self._logprobs_no_grad(self.model, batch, p.temperature)
+            if recompute
+            else batch.behaviour_logprobs
+        )
         ref = None
         if p.kl_beta > 0:
             if self.ref_model is None:
                 raise ValueError("train.train_policy.kl_beta > 0 needs a reference model")
             ref = self._logprobs_no_grad(self.ref_model, batch, p.temperature)
 
+        # Slices of `batch_size_per_optimize` sequences, one update each; every rank and replica
+        # takes as many updates as the one with the most slices (the others' extra slices are
+        # empty: their gradients are summed in as zeros).
+        num_rows = batch.input_ids.shape[0]
+        slices = list(_chunks(num_rows, p.batch_size_per_optimize or max(num_rows, 1)))
+        num_slices = self._global_max(len(slices))
+        slices += [[] for _ in range(num_slices - len(slices))]
+        self.planned_updates = num_slices * p.mu_iterations
+        local = [
+            (
+                float(batch.target_mask[rows].sum()),
+                float(len(rows)),
+                float((batch.target_mask[rows] * positive[rows, None]).sum()),
+            )
+            for rows in slices
+        ]
+        counts = self._global_sums(*(c for slice_counts in local for c in slice_counts))
+        token_mean_local = p.loss_type == "token-mean" and not p.balance_dp_token
+
         self.model.train()
         sums: dict[str, float] = {}
         grad_norm = 0.0
         for iteration in range(p.mu_iterations):
-            for start, stop in _chunks(batch.input_ids.shape[0], p.mini_batch):
-                mb = batch.rows(start, stop)
-                width = mb.target_mask.shape[1]
-                logprobs, entropy = token_logprobs(
-                    self.model,
-                    mb.input_ids.to(self.device),
-                    mb.attention_mask.to(self.device),
-                    temperature=p.temperature,
-                    with_entropy=True,
-                )
-                assert entropy is not None
-                if settings.entropy_coef == 0:
-                    entropy = entropy.detach()
-                dev = self.device
-                policy_batch = PolicyBatch(
-                    logprobs=logprobs,
-                    # Without a recomputed proximal policy, the ratio is taken against the
-                    # policy that sampled the tokens: 1 on-policy, a correction when stale.
-                    old_logprobs=(
-                        old[start:stop, :width].to(dev)
-                        if old is not None
-                        else mb.behaviour_logprobs.to(dev)
-                    ),
-                    advantages=mb.advantages.to(dev),
-                    mask=mb.target_mask.to(dev),
-                    behaviour_logprobs=mb.behaviour_logprobs.to(dev) if use_behaviour else None,
-                    ref_logprobs=ref[start:stop, :width].to(dev) if ref is not None else None,
-                    entropy=entropy,
-                )
-                loss, metrics = algorithm.loss(
-                    policy_batch, settings, num_tokens=num_tokens, num_sequences=num_sequences
-                )
-                loss.backward()
-                if iteration == 0:
-                    sums["loss"] = sums.get("loss", 0.0) + loss.item()
-                    for key, value in metrics.items():
-                        sums[key] = sums.get(key, 0.0) + float(value)
-            grad_norm = self._optimizer_step()
+            for k, rows in enumerate(slices):
+                num_tokens, num_sequences, num_positive = counts[3 * k : 3 * k + 3]
+                if token_mean_local:  # this rank's own mean; the summed gradients average them
+                    num_tokens = local[k][0] * self._num_ranks()
+                for mb_rows in self._micro_batches(batch, rows):
+                    metrics = self._grpo_micro_batch(
+                        batch.select(mb_rows),
+                        old[mb_rows],
+                        None if ref is None else ref[mb_rows],
+                        positive[mb_rows],
+                        loss_fn,
+                        settings,
+                        use_behaviour=use_behaviour,
+                        num_tokens=num_tokens,
+                        num_sequences=num_sequences,
+                        num_positive=num_positive,
+                    )
+                    if iteration == 0:
+                        for key, value in metrics.items():
+                            sums[key] = sums.get(key, 0.0) + value / num_slices
+                grad_norm = self._optimizer_step()
         self.scheduler.step()
+        self._reset_reference()
         lengths = [len(c.token_ids) for g in groups for c in g.completions]
         # Token-normalised metrics are already this replica's share of the global mean.
         keys = sorted(sums)
@@ -369,16 +345,56 @@ class PolicyTrainer:
         )
         reward_sum, reward_sq, count, length_sum = totals[len(keys) :]
         variance = (reward_sq - reward_sum**2 / count) / (count - 1) if count > 1 else 0.0
+        num_tokens_total, num_sequences_total = sum(counts[0::3]), sum(counts[1::3])
         return {
             **dict(zip(keys, totals[: len(keys)], strict=True)),
             "grad_norm": grad_norm,
             "lr": float(self.scheduler.get_last_lr()[0]),
             "reward_mean": reward_sum / count,
             "reward_std": math.sqrt(max(variance, 0.0)),
-            "response_length_mean": length_sum / num_sequences,
-            "num_tokens": num_tokens,
-            "num_sequences": num_sequences,
+            "response_length_mean": length_sum / num_sequences_total,
+            "num_tokens": num_tokens_total,
+            "num_sequences": num_sequences_total,
         }
+
+    def _grpo_micro_batch(
+        self,
+        mb: TokenBatch,
+        old: Tensor,
+        ref: Tensor | None,
+        positive: Tensor,
+        loss_fn: LossFn,
+        settings: LossSettings,
+        *,
+        use_behaviour: bool,
+        num_tokens: float,
+        num_sequences: float,
+        num_positive: float,
+    ) -> dict[str, float]:
+        """Forward and backward of one micro-batch; its metrics (shares of the update's)."""
+        p = self.cfg.grpo
+        dev, width = self.device, mb.target_mask.shape[1]
+        logprobs, entropy = self.target_logprobs(mb)
+        mask = mb.target_mask.to(dev)
+        batch = PolicyBatch(
+            logprobs=logprobs,
+            old_logprobs=old[:, :width].to(dev),
+            advantages=mb.advantages.to(dev),
+            mask=mask,
+            behaviour_logprobs=mb.behaviour_logprobs.to(dev) if use_behaviour else None,
+            ref_logprobs=None if ref is None else ref[:, :width].to(dev),
+            entropy=entropy,
+        )
+        loss, metrics = loss_fn(batch, settings, num_tokens=num_tokens, num_sequences=num_sequences)
+        out = {"loss": loss.item(), **{k: float(v) for k, v in metrics.items()}}
+        if p.positive_nll_coef is not None:
+            nll = positive_nll(logprobs, mask, positive.to(dev), num_tokens=num_positive)
+            loss = loss + p.positive_nll_coef * nll
+            out["positive_nll"] = nll.item()
+        loss.backward()
+        return out
+
+    # -- SFT ---------------------------------------------------------------------------------------
 
     def _sft_batch(self, examples: Sequence[tuple[list[int], list[int]]]) -> TokenBatch:
         """Right-padded rows, or packed ones with `train.sequence_packing`."""
@@ -386,7 +402,7 @@ class PolicyTrainer:
             return pack_examples(
                 examples, max_length=self.cfg.policy.model_max_length, pad_id=self.pad_id
             )
-        return _pad_batch(
+        return pad_batch(
             [(ids, mask, [0.0] * len(ids)) for ids, mask in examples],
             torch.zeros(len(examples)),
             self.pad_id,
@@ -398,19 +414,24 @@ class PolicyTrainer:
         """Sum over micro-batches of the SFT loss (normalised by `num_tokens`), backpropagated
         micro-batch by micro-batch when `backward`."""
         total = 0.0
-        for start, stop in _chunks(batch.input_ids.shape[0], rows_per_forward):
-            mb = batch.rows(start, stop)
+        for rows in _chunks(batch.input_ids.shape[0], rows_per_forward):
+            mb = batch.select(rows)
             attention_mask, position_ids = mb.attention_mask.to(self.device), None
             if mb.segment_ids is not None:
                 segment_ids = mb.segment_ids.to(self.device)
                 attention_mask = packed_attention_mask(segment_ids, self.model.config)
                 position_ids = segment_positions(segment_ids)
+            mask = mb.target_mask.to(self.device)
             logprobs, _ = token_logprobs(
-                self.model, mb.input_ids.to(self.device), attention_mask, position_ids=position_ids
+                self.model,
+                mb.input_ids.to(self.device),
+                attention_mask,
+                position_ids=position_ids,
+                target_mask=mask,
+                logprob_dtype=self.logprob_dtype,
+                compute_dtype=self.compute_dtype,
             )
-            loss = sft_loss_from_logprobs(
-                logprobs, mb.target_mask.to(self.device), num_tokens=num_tokens
-            )
+            loss = sft_loss_from_logprobs(logprobs, mask, num_tokens=num_tokens)
             if backward:
                 loss.backward()
             total += loss.item()
@@ -419,16 +440,19 @@ class PolicyTrainer:
     def sft_step(self, examples: Sequence[tuple[list[int], list[int]]]) -> dict[str, float]:
         """One optimiser step of next-token cross-entropy on the masked (assistant) tokens.
 
-        Metrics: `loss`, `grad_norm`, `lr`, `num_tokens` (assistant target tokens, the loss
-        denominator) and `num_rows` (rows forwarded: fewer than the examples when packed)."""
+        The loss is normalised by the assistant tokens of the whole step over every
+        data-parallel rank (`balance_dp_token`), or by this rank's own, the summed gradients
+        then averaging the ranks' means. Metrics: `loss`, `grad_norm`, `lr`, `num_tokens`
+        (assistant target tokens of the step) and `num_rows` (rows forwarded: fewer than the
+        examples when packed)."""
         batch = self._sft_batch(examples)
-        num_tokens, num_rows = self._global_sums(
-            float(batch.target_mask.sum()), float(batch.input_ids.shape[0])
-        )
+        local_tokens = float(batch.target_mask.sum())
+        num_tokens, num_rows = self._global_sums(local_tokens, float(batch.input_ids.shape[0]))
+        balanced = self.cfg.train.train_policy.balance_dp_token
         self.model.train()
         total = self._sft_loss_sum(
             batch,
-            num_tokens=num_tokens,
+            num_tokens=num_tokens if balanced else local_tokens * self._num_ranks(),
             rows_per_forward=self.cfg.train.train_policy.mini_batch,
             backward=True,
         )

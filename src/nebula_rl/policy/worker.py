@@ -10,11 +10,12 @@ The loop reads commands from the replica's `commands:<name>` stream:
   state includes, so the controller knows whether the step in flight was completed.
 - `train`: take the in-flight batch, run one step of the configured algorithm
   (:meth:`~nebula_rl.policy.trainer.PolicyTrainer.grpo_step`: advantages, loss, `mu_iterations`
-  passes in `mini_batch` chunks), then, when told to, snapshot the weights into the weight
-  sender's buffers and return at once: the broadcast to the rollouts runs in a background thread
-  while the next step trains. The result (metrics) goes to the `results` stream, then the command
-  is acknowledged. A train command of a superseded generation is skipped; one of a step this
-  replica already trained is answered with the cached result (a restarted controller resends).
+  passes in `mini_batch` chunks, one update per `batch_size_per_optimize` slice), then, when
+  told to, snapshot the weights into the weight sender's buffers and return at once: the
+  broadcast to the rollouts runs in a background thread while the next step trains. The result
+  (metrics) goes to the `results` stream, then the command is acknowledged. A train command of
+  a superseded generation is skipped; one of a step this replica already trained is answered
+  with the cached result (a restarted controller resends).
 - `stop`: wait for the last weight push and checkpoint, export the model as a Hugging Face
   folder, confirm.
 
@@ -49,10 +50,11 @@ from typing import Any, Literal
 import torch
 
 from nebula_rl.controller.client import ReplicaSession
-from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
+from nebula_rl.models import load_tokenizer, resolve_dtype
 from nebula_rl.models.export import export_hf
 from nebula_rl.policy.checkpoint import Checkpointer
 from nebula_rl.policy.replicas import CollectiveError, ReplicaGroup
+from nebula_rl.policy.setup import load_policy_model, prepare_single_process, use_deterministic
 from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.weights import WeightSender, build_group
 from nebula_rl.weights.elastic import ElasticSender, current_generation
@@ -78,15 +80,13 @@ class PolicyWorker:
         self.timeout = timedelta(seconds=cfg.controller.collective_timeout)
         revision = cfg.policy.model_revision
         self.tokenizer = load_tokenizer(path, revision=revision)
-        # Every replica loads the same weights with the same seed, so they start identical.
-        self.model = load_model(
-            path,
-            dtype=resolve_dtype(cfg.train.param_dtype),
-            device=device,
-            seed=cfg.train.seed or 0,
-            revision=revision,
-        )
+        use_deterministic(cfg.train)
+        # Every replica loads the same weights with the same seed, so they start identical; in
+        # train.master_dtype, the optimiser's copy (forward runs in param_dtype).
+        self.model = load_policy_model(cfg, device=device, seed=cfg.train.seed or 0)
+        # (the reference only runs forward: copied before the blocks are checkpointed/compiled)
         ref = copy.deepcopy(self.model).eval().requires_grad_(False) if p.kl_beta > 0 else None
+        prepare_single_process(self.model, cfg)
         self.trainer = PolicyTrainer(
             self.model,
             cfg,
@@ -309,7 +309,7 @@ class PolicyWorker:
         """A collective of step `command["step"]` failed after `updates` optimiser updates."""
         step = command["step"]
         self.trainer.optimizer.zero_grad(set_to_none=True)
-        if updates == self.cfg.grpo.mu_iterations:  # only the metric sums failed
+        if updates > 0 and updates == self.trainer.planned_updates:  # only the metric sums failed
             self.version = step
         elif updates > 0:
             self.clean = False

@@ -210,6 +210,8 @@ class RolloutWorker:
     def run(self) -> None:
         """Generate until the controller ends the job."""
         state, name, n = self.session.state, self.session.name, self.cfg.rollout.n_generation
+        # Without collect_rollout_logprobs the trainer recomputes them: the group carries none.
+        collect_logprobs = self.cfg.grpo.collect_rollout_logprobs
         waiting: deque[tuple[str, Prompt]] = deque()
         generating: dict[Future[RequestOutput], tuple[str, Prompt, list[int]]] = {}
         scoring: dict[Future[list[float]], tuple[str, Prompt, list[int], RequestOutput]] = {}
@@ -253,7 +255,7 @@ class RolloutWorker:
                     completions = [
                         Completion(
                             token_ids=list(c.token_ids),
-                            logprobs=list(c.logprobs),
+                            logprobs=list(c.logprobs) if collect_logprobs else [],
                             text=self._decode(c.token_ids),
                             finish_reason=c.finish_reason,
                             version_changes=[(i, v) for i, v in c.version_changes],
