@@ -39,9 +39,12 @@ def _references() -> set[str]:
             elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
                 if isinstance(node.slice.value, str):
                     names.add(node.slice.value)
-            elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant):
-                if isinstance(node.left.value, str):  # `"key" in table`
-                    names.add(node.left.value)
+            elif (
+                isinstance(node, ast.Compare)
+                and isinstance(node.left, ast.Constant)
+                and isinstance(node.left.value, str)
+            ):  # `"key" in table`
+                names.add(node.left.value)
     return names
 
 
