@@ -58,6 +58,9 @@ class Completion:
     entry is (0, version at the first token)."""
     reward: float = 0.0
     """Scalar reward, filled in after scoring."""
+    reward_terms: dict[str, float] = field(default_factory=dict)
+    """Each reward function's own (unweighted) value by name (those of `reward_function` and
+    `filter_reward_metric`; dynamic sampling filters on the latter)."""
 
     @property
     def policy_version(self) -> int:
