@@ -7,6 +7,8 @@ the run folder. It is the quickest way to try a config, and the reference the mu
 is compared against. Simplification: rollouts here are always on-policy (generation waits for
 the step), so `allowed_outdated_steps` has no effect in this mode.
 
+SFT validation computes the loss on the validation rows (`val_loss`) every `validation.freq`
+steps, after the last, and with `val_before_train` before the first (a record of its own, step 0).
 RL validation (`[validation]`, see `nebula_rl.validation`) runs on the engine after the step's
 weights are loaded into it; its `val/*` numbers go into that step's record (before the first
 step, with `val_before_train`, into a record of its own with `"step": 0`). When dynamic sampling
@@ -502,6 +504,10 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
         else None
     )
     try:
+        if val_examples and step == 0 and cfg.validation.val_before_train:
+            val_loss = trainer.sft_eval(val_examples, rows_per_forward=val_rows_per_forward)
+            if writer is not None:
+                writer.write({"step": 0, "val_loss": val_loss})
         for epoch in range(first_epoch, cfg.train.epoch):
             order = epoch_order(
                 len(examples), epoch=epoch, shuffle=p.dataloader_shuffle, seed=p.dataloader_seed
