@@ -1,13 +1,87 @@
-"""Shared test settings: one torch thread per process (2-core machines), quiet transformers."""
+"""Shared test settings: one torch thread per process (2-core machines), quiet transformers; and
+`grpo_job_config`, the small arithmetic GRPO job the runtime, chaos and panel tests run."""
 
+import copy
 import os
+from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import pytest
 import torch
 import transformers
+
+from nebula_rl.config import Config, config_from_dict
 
 torch.set_num_threads(1)
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
+
+
+def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `changes` merged in, table by table (a value that is not a table replaces)."""
+    out = copy.deepcopy(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def arithmetic_grpo_config(
+    tmp_path: Path,
+    *changes: dict[str, Any],
+    timestamp: str = "run",
+    num_rows: int = 24,
+    groups: int = 4,
+    n_generation: int = 4,
+    allowed: int = 1,
+) -> Config:
+    """A GRPO job on the built-in arithmetic task (`num_rows` rows) with the tiny Qwen2 preset
+    on CPU: `groups` prompts of `n_generation` completions of at most 3 tokens per step,
+    `allowed_outdated_steps = allowed`, run folder `<tmp_path>/out/<timestamp>`; each of
+    `changes` is a nested table merged over it in turn (e.g.
+    `{"train": {"train_policy": {"variant": "dapo"}}}`)."""
+    data = {
+        "train": {
+            "output_dir": str(tmp_path / "out"),
+            "timestamp": timestamp,
+            "optm_lr": 1e-4,
+            "train_batch_per_replica": groups * n_generation,
+            "seed": 3,
+            "train_policy": {
+                "type": "grpo",
+                "prompt_column_name": "prompt",
+                "response_column_name": "answer",
+                "reward_function": "arithmetic",
+                "mini_batch": 16,
+                "allowed_outdated_steps": allowed,
+                "dataset": {"name": "builtin:arithmetic", "kwargs": {"num_samples": num_rows}},
+            },
+        },
+        "policy": {"model_name_or_path": "tiny:qwen2", "model_max_length": 48},
+        "rollout": {
+            "backend": "torch",
+            "n_generation": n_generation,
+            "batch_size": 4,
+            "max_response_length": 3,
+            "max_num_seqs": 32,
+            "reward_workers": 0,
+        },
+    }
+    for change in changes:
+        data = _merge(data, change)
+    return config_from_dict(data, source="test")
+
+
+@pytest.fixture
+def grpo_job_config(tmp_path: Path) -> Any:
+    """:func:`arithmetic_grpo_config` under the test's `tmp_path`."""
+
+    def build(*changes: dict[str, Any], **kwargs: Any) -> Config:
+        return arithmetic_grpo_config(tmp_path, *changes, **kwargs)
+
+    return build

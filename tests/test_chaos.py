@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from nebula_rl.config import Config, config_from_dict
+from nebula_rl.config import Config
 from nebula_rl.controller import JobState, RedisServer, connect, start_redis
 from nebula_rl.controller.client import TOKEN_ENV
 from nebula_rl.weights import free_port
@@ -31,37 +31,17 @@ N_GENERATION = 4
 JOB_TIMEOUT_S = 240.0
 
 
-def _cfg(tmp_path: Path, redis_url: str, *, num_rows: int, max_response_length: int = 3) -> Config:
-    return config_from_dict(
+def _cfg(
+    grpo_job_config: Callable[..., Config],
+    redis_url: str,
+    *,
+    num_rows: int,
+    max_response_length: int = 3,
+) -> Config:
+    """The arithmetic job (conftest) on the test's Redis, with short heartbeats."""
+    return grpo_job_config(
         {
-            "train": {
-                "output_dir": str(tmp_path / "out"),
-                "timestamp": "chaos",
-                "optm_lr": 1e-4,
-                "train_batch_per_replica": BATCH * N_GENERATION,
-                "seed": 3,
-                "train_policy": {
-                    "type": "grpo",
-                    "prompt_column_name": "prompt",
-                    "response_column_name": "answer",
-                    "reward_function": "arithmetic",
-                    "mini_batch": 16,
-                    "allowed_outdated_steps": 1,
-                    "dataset": {
-                        "name": "builtin:arithmetic",
-                        "kwargs": {"num_samples": num_rows},
-                    },
-                },
-            },
-            "policy": {"model_name_or_path": "tiny:qwen2", "model_max_length": 48},
-            "rollout": {
-                "backend": "torch",
-                "n_generation": N_GENERATION,
-                "batch_size": 4,
-                "max_response_length": max_response_length,
-                "max_num_seqs": 32,
-                "reward_workers": 0,
-            },
+            "rollout": {"max_response_length": max_response_length},
             "controller": {
                 "port": free_port(),
                 "heartbeat_timeout": 4.0,
@@ -69,7 +49,10 @@ def _cfg(tmp_path: Path, redis_url: str, *, num_rows: int, max_response_length: 
             },
             "redis": redis_url,
         },
-        source="test",
+        timestamp="chaos",
+        num_rows=num_rows,
+        groups=BATCH,
+        n_generation=N_GENERATION,
     )
 
 
@@ -202,11 +185,13 @@ def _descendants(root: int) -> dict[int, str]:
 
 
 @pytest.fixture
-def start_job(tmp_path: Path, redis_server: RedisServer) -> Iterator[Callable[..., Job]]:
+def start_job(
+    tmp_path: Path, redis_server: RedisServer, grpo_job_config: Callable[..., Config]
+) -> Iterator[Callable[..., Job]]:
     jobs: list[Job] = []
 
     def start(*, num_rows: int, policy: int = 1, rollout: int = 1, **kwargs: object) -> Job:
-        cfg = _cfg(tmp_path, redis_server.url, num_rows=num_rows, **kwargs)  # type: ignore[arg-type]
+        cfg = _cfg(grpo_job_config, redis_server.url, num_rows=num_rows, **kwargs)  # type: ignore[arg-type]
         config = tmp_path / "job.json"
         config.write_text(cfg.model_dump_json())
         launcher_log = tmp_path / "launcher.log"

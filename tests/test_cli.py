@@ -231,3 +231,18 @@ def test_plot_of_a_folder_without_metrics_is_a_clear_error(
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lr": 0.1}\n')
     code, _, err = _run(["plot", str(tmp_path)], capsys)
     assert code == 2 and "has none of reward_mean" in err
+
+
+def test_plot_merges_the_records_of_a_step(tmp_path: Path) -> None:
+    from nebula_rl.plot import read_metrics
+
+    lines = [
+        {"step": 0, "val/reward_mean": 0.1},
+        {"step": 1, "reward_mean": 0.2, "loss": 0.5},
+        {"step": 1, "val/reward_mean": 0.3},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert read_metrics(tmp_path / "metrics.jsonl") == [
+        {"step": 0, "val/reward_mean": 0.1},
+        {"step": 1, "reward_mean": 0.2, "loss": 0.5, "val/reward_mean": 0.3},
+    ]

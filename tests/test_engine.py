@@ -591,3 +591,72 @@ def test_vllm_engine_generates_and_updates_weights(tmp_path) -> None:
     engine.update_weights(tiny_model("qwen2", seed=1).state_dict(), policy_version=1)
     (after,) = engine.generate([GenerationRequest(make_prompts(1)[0], sampling=sampling)])
     assert after.completions[0].version_changes == ((0, 1),)
+
+
+def penalised_logits(logits: torch.Tensor, seen: list[list[int]], penalty: float) -> torch.Tensor:
+    """CTRL's repetition penalty by hand: row t's logits of the tokens in seen[t] divided by
+    `penalty` where positive, multiplied where negative."""
+    out = logits.clone()
+    for row, tokens in zip(out, seen, strict=True):
+        index = torch.tensor(sorted(set(tokens)))
+        values = row[index]
+        row[index] = torch.where(values > 0, values / penalty, values * penalty)
+    return out
+
+
+@pytest.mark.parametrize("penalty", [0.4, 3.0])
+def test_repetition_penalty_distribution_and_logprobs_match_a_hand_computation(
+    penalty: float,
+) -> None:
+    model = tiny_model("qwen2")
+    # A prompt ending in the model's greedy continuation holds tokens it likes to repeat.
+    base = make_prompts(4)[3]
+    prompt = base + hf_greedy(model, base, 8)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0, -1:].float()
+    raw = logits.div(0.8).softmax(-1)[0]
+    expected = penalised_logits(logits, [prompt], penalty).div(0.8).softmax(-1)[0]
+    assert 0.5 * (raw - expected).abs().sum() > 0.15  # the penalty matters for this prompt
+    engine = TorchEngine(model, max_num_seqs=256, max_model_len=32, seed=7)
+    sampling = SamplingParams(temperature=0.8, max_tokens=1, repetition_penalty=penalty)
+    (output,) = engine.generate([GenerationRequest(prompt, n=4000, sampling=sampling)])
+    tokens = torch.tensor([c.token_ids[0] for c in output.completions])
+    empirical = torch.bincount(tokens, minlength=128).float() / len(tokens)
+    assert 0.5 * (empirical - expected).abs().sum() < 0.08
+    logprobs = torch.tensor([c.logprobs[0] for c in output.completions])
+    assert torch.allclose(logprobs, expected.log()[tokens], atol=1e-4)
+
+
+def test_repetition_penalty_counts_the_completion_so_far_and_mixes_with_plain_requests() -> None:
+    """Each token's log-prob is that of the distribution penalised by the prompt and the tokens
+    sampled before it; a request without a penalty in the same batch is unaffected."""
+    model = tiny_model("qwen2")
+    engine = TorchEngine(model, max_num_seqs=16, max_model_len=64)
+    prompts = make_prompts(3)
+    penalised = SamplingParams(temperature=1.0, top_k=40, max_tokens=12, repetition_penalty=1.8)
+    plain = SamplingParams(temperature=1.0, top_k=40, max_tokens=12, seed=5)
+    requests = [GenerationRequest(p, n=2, sampling=penalised) for p in prompts]
+    requests.append(GenerationRequest(prompts[0], n=2, sampling=plain))
+    outputs = engine.generate(requests)
+    greedy = SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.8)
+    (greedy_out,) = engine.generate([GenerationRequest(prompts[1], sampling=greedy)])
+    for output, sampling in [(o, penalised) for o in outputs[:3]] + [(greedy_out, greedy)]:
+        prompt = list(output.prompt_token_ids)
+        for completion in output.completions:
+            tokens = completion.token_ids
+            with torch.inference_mode():
+                logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+            seen = [prompt + tokens[:t] for t in range(len(tokens))]
+            logits = penalised_logits(logits.float(), seen, sampling.repetition_penalty)
+            if sampling.temperature == 0:
+                assert tokens == logits.argmax(-1).tolist()
+            else:
+                kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            expected = logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
+    # The plain request samples as it would alone (it is seeded: independent of the batch).
+    alone = TorchEngine(model, max_num_seqs=16, max_model_len=64).generate([requests[-1]])
+    assert [c.token_ids for c in alone[0].completions] == [
+        c.token_ids for c in outputs[-1].completions
+    ]

@@ -2,12 +2,14 @@
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from nebula_rl import local
 from nebula_rl.config import config_from_dict
 from nebula_rl.launch import ensure_model
+from nebula_rl.validation import VALIDATION_KEYS
 
 
 def _rl_cfg(tmp_path, model, **train):
@@ -76,3 +78,106 @@ model_name_or_path = "tiny:qwen2"
     assert len(trained) == len(set(trained)) == 12
     model = AutoModelForCausalLM.from_pretrained(run_dir / "safetensors" / "final")
     assert model(torch.tensor([[1, 2, 3]])).logits.shape[-1] == model.config.vocab_size
+
+
+VAL_CALLS: list[str] = []
+
+
+def text_reward(completion: str, reference: str) -> float:
+    """Varies with the text (the tiny model's answers are never right)."""
+    return sum(map(ord, completion)) % 7 / 7
+
+
+def val_reward(completion: str, reference: str, *, custom: dict) -> float:
+    """A validation reward that takes the config's `[custom]` table."""
+    VAL_CALLS.append(completion)
+    return custom["offset"] + text_reward(completion, reference)
+
+
+def zero_reward(completion: str, reference: str) -> float:
+    return 0.0
+
+
+def _val_cfg(tmp_path, *, timestamp: str, validation: dict, **train):
+    cfg = _rl_cfg(tmp_path, "tiny:qwen2", **train)
+    data = cfg.model_dump(mode="json")
+    data["train"]["timestamp"] = timestamp
+    data["train"]["train_policy"]["variant"] = "grpo"
+    data["train"]["train_policy"]["dataset"]["test_size"] = 6
+    data["validation"] = {
+        "enable": True,
+        "reward_function": f"{__name__}:val_reward",
+        "max_num_prompts": 5,
+        "n_generation": 2,
+        "max_response_length": 2,
+        **validation,
+    }
+    data["custom"] = {"offset": 10.0}
+    return config_from_dict(data, source="test", resolved=True)
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_local_validation_schedule_rewards_and_records(tmp_path):
+    VAL_CALLS.clear()
+    cfg = _val_cfg(
+        tmp_path,
+        timestamp="val",
+        validation={"val_before_train": True, "freq": 2},
+        max_num_steps=5,
+        train_batch_per_replica=8,
+    )
+    records = _records(local.run(cfg))
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
+    validated = [r["step"] for r in records if "val/reward_mean" in r]
+    assert validated == [0, 2, 4, 5]  # before training, every 2 steps, after the last
+    assert set(records[0]) == {"step", *VALIDATION_KEYS}  # step 0: a record of its own
+    for r in records:
+        if r["step"] in validated:
+            # validation.reward_function with custom.offset = 10, on 5 prompts x 2 completions
+            assert r["val/rollout_count"] == 10 and r["val/reward_min"] >= 10.0
+            assert r["val/reward_max"] < 11.0 and r["val/policy_version"] == r["step"]
+            assert r["val/response_length_mean"] <= 2
+        if r["step"] > 0:
+            assert 0.0 <= r["reward_mean"] <= 1.0  # training: the arithmetic reward
+    assert len(VAL_CALLS) == 4 * 10
+
+
+def test_local_greedy_validation_repeats_for_identical_weights(tmp_path):
+    """Two runs with other sampling seeds validate the same initial weights: greedy (temperature
+    0) gives the same numbers; sampling at temperature 1 gives others."""
+
+    def step0(timestamp: str, seed: int, **validation) -> dict:
+        cfg = _val_cfg(
+            tmp_path,
+            timestamp=timestamp,
+            validation={"val_before_train": True, "max_response_length": 3, **validation},
+            max_num_steps=1,
+            train_batch_per_replica=8,
+        )
+        cfg.rollout.seed = seed
+        return _records(local.run(cfg))[0]
+
+    greedy = [step0(f"greedy-{seed}", seed) for seed in (1, 2)]
+    assert greedy[0] == greedy[1]
+    sampled = [step0(f"t1-{seed}", seed, temperature=1.0, top_k=-1) for seed in (1, 2)]
+    assert sampled[0]["val/reward_mean"] != sampled[1]["val/reward_mean"]
+    assert sampled[0] != greedy[0]
+
+
+def test_local_dynamic_sampling_filters_on_the_named_rewards_and_gives_up(tmp_path):
+    """filter_reward_metric: a constant total reward is no reason to drop a group when the named
+    reward varies; without it, every group is dropped until max_retry_for_on_policy ends the
+    run."""
+    cfg = _rl_cfg(tmp_path, "tiny:qwen2", max_num_steps=1, train_batch_per_replica=8)
+    cfg.grpo.reward_function = {f"{__name__}:zero_reward": 1.0}
+    cfg.grpo.filter_reward_metric = [f"{__name__}:text_reward"]
+    cfg.grpo.max_retry_for_on_policy = 2
+    [record] = _records(local.run(cfg))
+    assert record["reward_mean"] == 0.0 and record["groups_dropped"] < 2
+    cfg.grpo.filter_reward_metric = []
+    cfg.train.timestamp = "no-metric"
+    with pytest.raises(RuntimeError, match="max_retry_for_on_policy = 2"):
+        local.run(cfg)

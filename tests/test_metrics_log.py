@@ -273,3 +273,20 @@ def test_local_sft_run_writes_tensorboard_equal_to_metrics_jsonl(tmp_path: Path)
     assert [step for step, _ in scalars["loss"]] == [1, 2, 3]
     for key in ("loss", "grad_norm", "lr", "num_tokens"):
         assert [v for _, v in scalars[key]] == pytest.approx([r[key] for r in records], rel=1e-6)
+
+
+def test_console_takes_validation_records_before_and_between_steps(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, force_interactive=True, width=160)
+    sink = ConsoleLogger(total_steps=2, console=console)
+    with caplog.at_level(logging.INFO, logger="nebula_rl.metrics_log"):
+        sink.log({"step": 0, "val/reward_mean": 0.5, "val/rollout_count": 8})
+        sink.log({"step": 1, "reward_mean": 0.25, "loss": 0.1})
+        sink.log({"step": 1, "val/reward_mean": 0.625})
+    sink.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "step 0/2  val reward 0.500"
+    assert lines[2] == "step 1/2  val reward 0.625"
+    assert "1/2" in out.getvalue()

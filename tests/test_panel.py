@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +23,7 @@ import httpx
 import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 
-from nebula_rl.config import Config, config_from_dict
+from nebula_rl.config import Config
 from nebula_rl.controller import JobState, connect, create_app, serve, start_redis
 from nebula_rl.controller.client import TOKEN_ENV, ReplicaSession
 from nebula_rl.controller.panel import MetricsLog, cookie_name, replica_rows, session_value
@@ -54,35 +54,19 @@ def _chromium() -> str:
     return found
 
 
-def _cfg(tmp_path: Path) -> Config:
-    return config_from_dict(
+def _cfg(grpo_job_config: Callable[..., Config]) -> Config:
+    # Heartbeats every second (a fifth of the timeout), so the table fills quickly; validation
+    # of the weights of every second step on 2 held-out rows.
+    return grpo_job_config(
         {
-            "train": {
-                "output_dir": str(tmp_path / "out"),
-                "timestamp": "panel",
-                "train_batch_per_replica": BATCH * 2,
-                "seed": 3,
-                "train_policy": {
-                    "type": "grpo",
-                    "prompt_column_name": "prompt",
-                    "response_column_name": "answer",
-                    "reward_function": "arithmetic",
-                    "mini_batch": 16,
-                    "allowed_outdated_steps": 1,
-                    "dataset": {"name": "builtin:arithmetic", "kwargs": {"num_samples": 24}},
-                },
-            },
-            "policy": {"model_name_or_path": "tiny:qwen2", "model_max_length": 48},
-            "rollout": {
-                "backend": "torch",
-                "n_generation": 2,
-                "batch_size": 4,
-                "max_response_length": 3,
-            },
-            # Heartbeats every second (a fifth of the timeout), so the table fills quickly.
             "controller": {"heartbeat_timeout": 5.0},
+            "train": {"train_policy": {"dataset": {"test_size": 2}}},
+            "validation": {"enable": True, "freq": 2},
         },
-        source="test",
+        timestamp="panel",
+        num_rows=26,
+        groups=BATCH,
+        n_generation=2,
     )
 
 
@@ -97,8 +81,10 @@ class _Job:
 
 
 @pytest.fixture
-def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Job]:
-    cfg = _cfg(tmp_path)
+def job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grpo_job_config: Callable[..., Config]
+) -> Iterator[_Job]:
+    cfg = _cfg(grpo_job_config)
     rows = rl_rows(cfg)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -138,7 +124,7 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Job]:
 def _metrics(step: int) -> dict[str, float]:
     """What the policy replica reports for `step` (chosen by the test, shaped like the trainer's)."""
     return {
-        "reward_mean": [0.25, 0.5, 0.875][step - 1],
+        "reward_mean": [0.25, 0.5, 0.875, 0.75][step - 1],
         "reward_std": 0.4,
         "loss": 0.1 / step,
         "kl": 0.01 * step,
@@ -178,7 +164,21 @@ def _record_step(job: _Job) -> int:
     policy.ack_command("policy-0", msg_id)
     scheduler.collect_results()
     assert scheduler.state.step() == command["step"]
+    _validate(job)
     return command["step"]
+
+
+def _validate(job: _Job) -> None:
+    """The rollout replica answers the validation the scheduler handed out, if any: reward
+    0.1 x the validated step."""
+    rollout = job.rollout.state
+    for msg_id, prompt in rollout.claim_validation("rollout-0", 100):
+        reward = 0.1 * prompt.min_version
+        completion = Completion([5], [], "7", "stop", [(0, prompt.min_version)], reward=reward)
+        rollout.push_group(RolloutGroup(prompt, [1], [completion] * 2, "rollout-0"))
+        rollout.ack_validation([msg_id])
+    job.scheduler.judge_groups(block_ms=0)
+    assert job.scheduler.state.pending_validations() == []
 
 
 def _row(page: Page, name: str) -> list[str]:
@@ -226,6 +226,10 @@ def test_panel_shows_replicas_and_plots_update_in_chromium(job: _Job) -> None:
 
             reward = page.locator('svg[data-metric="reward"]')
             expect(reward).to_have_attribute("data-points", "2")
+            # The validation of step 2 came in a record of its own: merged into step 2's.
+            val_reward = page.locator('svg[data-metric="val_reward"]')
+            expect(val_reward).to_have_attribute("data-points", "1")
+            expect(val_reward).to_have_attribute("data-last-step", "2")
             assert reward.locator("polyline").count() == 1
             tokens = page.locator('svg[data-metric="tokens_per_s"] polyline')
             expect(tokens).to_have_count(2)  # rollout and train tokens/s
@@ -244,6 +248,11 @@ def test_panel_shows_replicas_and_plots_update_in_chromium(job: _Job) -> None:
             assert reward.locator("polyline").get_attribute("points") != before
             expect(page.locator("#step")).to_have_text("3 / 6")
             expect(version_cell).to_have_text("3")
+            assert _record_step(job) == 4  # its validation's record comes after the step's
+            expect(val_reward).to_have_attribute("data-points", "2")
+            expect(val_reward).to_have_attribute("data-last-step", "4")
+            expect(page.locator(".card", has=val_reward).locator(".value")).to_have_text("0.4")
+            expect(reward).to_have_attribute("data-points", "4")
 
             ARTIFACT.parent.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACT), full_page=True)
@@ -294,9 +303,17 @@ def test_panel_auth_cookie_is_scoped_to_the_dashboard(job: _Job) -> None:
 
     _record_step(job)
     with httpx.Client(base_url=job.url, timeout=10.0, headers=bearer) as client:
-        [record] = client.get("/api/panel").json()["metrics"]
-        assert record["step"] == 1 and record["reward_mean"] == 0.25
+        data = client.get("/api/panel").json()
+        [record] = data["metrics"]
+        assert record["step"] == 1 and record["reward_mean"] == 0.25 and data["cursor"] == 1
         assert client.get("/api/panel?since=1").json()["metrics"] == []
+        _record_step(job)  # step 2 and, in a record of its own, its validation
+        data = client.get("/api/panel?since=1").json()
+        [record] = data["metrics"]
+        assert record["step"] == 2 and record["reward_mean"] == 0.5 and data["cursor"] == 3
+        assert record["val/reward_mean"] == pytest.approx(0.2) and record["val/rollout_count"] == 4
+        # A cursor from before a controller restart (ahead of the new one's) gets everything.
+        assert [r["step"] for r in client.get("/api/panel?since=99").json()["metrics"]] == [1, 2]
 
 
 def test_metrics_log_reads_complete_lines_and_restarts_on_rewrite(tmp_path: Path) -> None:
@@ -312,11 +329,19 @@ def test_metrics_log_reads_complete_lines_and_restarts_on_rewrite(tmp_path: Path
     with path.open("a") as f:  # lines that are not step records are skipped
         f.write('{"step": 3, "lo{"step": 3, "loss": 1.0}\n[1]\n{"loss": 2.0}\n{"step": 4}\n')
     assert [r["step"] for r in metrics.since(0)] == [1, 2, 4]
+    # The lines of a step merge; a step changed by a later line comes again, whole.
+    records, cursor = metrics.read(0)
+    assert cursor == 3 and [r["step"] for r in records] == [1, 2, 4]
+    with path.open("a") as f:
+        f.write(json.dumps({"step": 2, "val/reward_mean": 0.5}) + "\n")
+    assert metrics.read(cursor) == ([{"step": 2, "loss": None, "val/reward_mean": 0.5}], 4)
+    assert metrics.read(4) == ([], 4)
     # A resume rewrites the file without the steps after its checkpoint.
     replaced = tmp_path / "new.jsonl"
     replaced.write_text(json.dumps({"step": 1, "loss": 0.25}) + "\n")
     replaced.replace(path)
     assert metrics.since(0) == [{"step": 1, "loss": 0.25}]
+    assert metrics.read(4) == ([{"step": 1, "loss": 0.25}], 5)  # the cursor goes on
 
 
 def test_replica_states_follow_heartbeat_age() -> None:

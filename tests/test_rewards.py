@@ -387,3 +387,61 @@ def test_rewards_in_spawned_process_pool() -> None:
         combined_results = [future.result() for future in futures]
     assert results == [expected for *_, expected in CASES]
     assert combined_results == [1.5, 0.5, 1.0]
+
+
+# --- the config's reward keys ------------------------------------------------------------------
+
+
+def custom_reward(completion: str, reference: str, custom: dict) -> float:
+    return float(custom["scale"]) * len(completion)
+
+
+def kwargs_reward(completion: str, reference: str, **kwargs: object) -> float:
+    return float("custom" in kwargs)
+
+
+def test_custom_table_reaches_the_functions_that_take_it() -> None:
+    combined = combine_rewards(
+        {f"{__name__}:custom_reward": 2.0, f"{__name__}:kwargs_reward": 1.0, "gsm8k": 1.0},
+        custom={"scale": 0.5},
+    )
+    assert combined.values("abcd", "#### 1") == {
+        f"{__name__}:custom_reward": 2.0,
+        f"{__name__}:kwargs_reward": 1.0,
+        "gsm8k": 0.0,
+    }
+    assert combined("abcd", "#### 1") == 5.0
+    assert pickle.loads(pickle.dumps(combined))("ab", "#### 1") == 3.0
+    with pytest.raises(KeyError, match="scale"):  # taken, but the table lacks the key
+        combine_rewards(f"{__name__}:custom_reward")("ab", "x")
+
+
+def test_scorer_reads_the_reward_keys_of_the_config() -> None:
+    from nebula_rl.config import config_from_dict
+    from nebula_rl.rewards import scorer
+
+    def cfg(**policy: object) -> object:
+        return config_from_dict(
+            {
+                "train": {
+                    "train_policy": {
+                        "type": "grpo",
+                        "reward_function": {"format": 2.0},
+                        "filter_reward_metric": ["format", f"{__name__}:length_reward"],
+                        "overlong_reward": {"enable_overlong_penalty": True, "buffer_length": 4},
+                        **policy,
+                    }
+                },
+                "rollout": {"backend": "torch", "max_response_length": 8},
+                "validation": {"reward_function": "gsm8k"},
+            }
+        )
+
+    text = r"So \boxed{18}"
+    scored = scorer(cfg()).score(text, 6, "#### 18")  # 6 tokens: 2 into the overlong buffer
+    assert scored.terms == {"format": 1.0, f"{__name__}:length_reward": 0.0}
+    assert scored.reward == pytest.approx(2.0 - 0.5)  # the filter-only metric adds nothing
+    validation = scorer(cfg(), validation=True).score(text, 6, "#### 18")
+    assert (validation.reward, validation.terms) == (1.0, {"gsm8k": 1.0})  # no length penalty
+    bypass = scorer(cfg(bypass_reward=True, dynamic_sampling=False)).score(text, 6, "#### 18")
+    assert (bypass.reward, bypass.terms) == (0.0, {})

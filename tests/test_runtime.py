@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from nebula_rl.config import Config, config_from_dict
+from nebula_rl.config import Config
 from nebula_rl.controller import JobState, RedisServer, connect, start_redis
 from nebula_rl.controller.scheduler import Scheduler
 from nebula_rl.data import rl_rows
@@ -21,40 +21,16 @@ from nebula_rl.protocol import Completion, RolloutGroup
 NUM_ROWS, BATCH = 24, 4
 
 
-def _cfg(tmp_path: Path, *, allowed: int, **grpo: object) -> Config:
-    return config_from_dict(
-        {
-            "train": {
-                "output_dir": str(tmp_path / "out"),
-                "timestamp": f"run-{allowed}",
-                "optm_lr": 1e-4,
-                "train_batch_per_replica": BATCH * 4,
-                "seed": 3,
-                "train_policy": {
-                    "type": "grpo",
-                    "prompt_column_name": "prompt",
-                    "response_column_name": "answer",
-                    "reward_function": "arithmetic",
-                    "mini_batch": 16,
-                    "allowed_outdated_steps": allowed,
-                    "dataset": {
-                        "name": "builtin:arithmetic",
-                        "kwargs": {"num_samples": NUM_ROWS},
-                    },
-                    **grpo,
-                },
-            },
-            "policy": {"model_name_or_path": "tiny:qwen2", "model_max_length": 48},
-            "rollout": {
-                "backend": "torch",
-                "n_generation": 4,
-                "batch_size": 4,
-                "max_response_length": 3,
-                "max_num_seqs": 32,
-                "reward_workers": 1,
-            },
-        },
-        source="test",
+def _cfg(grpo_job_config, *, allowed: int, changes: dict | None = None, **grpo: object) -> Config:
+    """The arithmetic job (conftest) with `allowed` staleness, these `[train.train_policy]` keys
+    and `changes`, scored in a reward process."""
+    return grpo_job_config(
+        {"train": {"train_policy": grpo}, "rollout": {"reward_workers": 1}},
+        changes or {},
+        timestamp=f"run-{allowed}",
+        num_rows=NUM_ROWS,
+        groups=BATCH,
+        allowed=allowed,
     )
 
 
@@ -89,8 +65,10 @@ def _answer(scheduler: Scheduler, *, version: int, reward: float = 1.0) -> list[
 
 
 @pytest.mark.parametrize("allowed", [0, 1, 2])
-def test_prompts_are_released_up_to_the_staleness_bound(tmp_path, redis_server, allowed):
-    scheduler = _scheduler(_cfg(tmp_path, allowed=allowed), redis_server, tmp_path)
+def test_prompts_are_released_up_to_the_staleness_bound(
+    tmp_path, grpo_job_config, redis_server, allowed
+):
+    scheduler = _scheduler(_cfg(grpo_job_config, allowed=allowed), redis_server, tmp_path)
     assert scheduler.release_prompts() == (1 + allowed) * BATCH
     assert scheduler.release_prompts() == 0  # nothing more until the next version
     claimed = scheduler.state.claim_prompts("rollout-0", 100)
@@ -102,8 +80,8 @@ def test_prompts_are_released_up_to_the_staleness_bound(tmp_path, redis_server, 
     assert [p.min_version for _, p in newest] == [1] * BATCH
 
 
-def test_stale_groups_are_requeued_not_trained(tmp_path, redis_server):
-    scheduler = _scheduler(_cfg(tmp_path, allowed=1), redis_server, tmp_path)
+def test_stale_groups_are_requeued_not_trained(tmp_path, grpo_job_config, redis_server):
+    scheduler = _scheduler(_cfg(grpo_job_config, allowed=1), redis_server, tmp_path)
     state = scheduler.state
     scheduler.release_prompts()
     _answer(scheduler, version=0)
@@ -120,14 +98,127 @@ def test_stale_groups_are_requeued_not_trained(tmp_path, redis_server):
     assert len(requeued) == 2 * BATCH and {p.min_version for _, p in requeued} == {2}
 
 
-def test_filtered_groups_are_replaced_by_new_prompts(tmp_path, redis_server):
-    cfg = _cfg(tmp_path, allowed=0, variant="dapo")
+def test_filtered_groups_are_replaced_by_new_prompts(tmp_path, grpo_job_config, redis_server):
+    cfg = _cfg(grpo_job_config, allowed=0, variant="dapo")
     scheduler = _scheduler(cfg, redis_server, tmp_path)
     scheduler.release_prompts()
     _answer(scheduler, version=0, reward=0.0)  # all-equal groups: the rollout filters them
     scheduler.judge_groups(block_ms=0)
     assert scheduler.state.ledger_summary(0)["filtered"] == BATCH
     assert scheduler.release_prompts() == BATCH  # their places go to fresh prompts
+
+
+def test_max_inflight_steps_caps_the_prompts_out(tmp_path, grpo_job_config, redis_server):
+    """Prompts handed out and not resolved (trained, or dropped by dynamic sampling) stay within
+    max_inflight_steps global batches. (Loading raises the key to allowed_outdated_steps + 1,
+    where the staleness release alone keeps within it; it is set below that here so that the
+    ceiling is the bound that acts.)"""
+    cfg = _cfg(grpo_job_config, allowed=2, variant="dapo")
+    cfg.grpo.max_inflight_steps = 1
+    scheduler = _scheduler(cfg, redis_server, tmp_path)
+    assert scheduler.release_prompts() == BATCH  # the staleness bound alone: 3 batches
+    _answer(scheduler, version=0, reward=0.0)  # all filtered: resolved, so replaced
+    scheduler.judge_groups(block_ms=0)
+    assert scheduler.release_prompts() == BATCH
+    _answer(scheduler, version=0)  # accepted into the buffer: still out until trained
+    scheduler.judge_groups(block_ms=0)
+    assert scheduler.release_prompts() == 0
+    assert scheduler.state.released() == 2 * BATCH
+
+
+def test_too_many_dynamic_sampling_rounds_fail_the_job(tmp_path, grpo_job_config, redis_server):
+    cfg = _cfg(grpo_job_config, allowed=0, variant="dapo", max_retry_for_on_policy=1)
+    scheduler = _scheduler(cfg, redis_server, tmp_path)
+    scheduler.release_prompts()
+    _answer(scheduler, version=0, reward=0.0)  # one batch dropped: one round of replacements
+    scheduler.judge_groups(block_ms=0)
+    scheduler.schedule_step()
+    assert scheduler.release_prompts() == BATCH and scheduler.state.finished() is None
+    _answer(scheduler, version=0, reward=0.0)  # dropped again: a second round is one too many
+    scheduler.judge_groups(block_ms=0)
+    with pytest.raises(RuntimeError, match=r"max_retry_for_on_policy = 1"):
+        scheduler.schedule_step()
+    assert scheduler.state.finished().startswith("failed: dynamic sampling dropped 8 groups")
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_prompts_carry_their_text_only_without_local_dataset(
+    tmp_path, grpo_job_config, redis_server, local
+):
+    cfg = _cfg(grpo_job_config, allowed=0, changes={"train": {"local_dataset": local}})
+    scheduler = _scheduler(cfg, redis_server, tmp_path)
+    scheduler.release_prompts()
+    claimed = scheduler.state.claim_prompts("rollout-0", 100)
+    assert len(claimed) == BATCH
+    for _, prompt in claimed:
+        row = scheduler.rows[prompt.index]
+        if local:  # the rollout replica reads the row from its own copy
+            assert prompt.prompt is None and prompt.reference is None
+        else:
+            assert (prompt.prompt, prompt.reference) == (row["prompt"], row["answer"])
+
+
+def _answer_validation(state: JobState, consumer: str, count: int, *, reward: float) -> list[str]:
+    """Play rollout replica `consumer` on `count` validation prompts (2 completions each)."""
+    ids = []
+    for msg_id, prompt in state.claim_validation(consumer, count):
+        done = Completion([5, 2, 9], [], "7", "stop", [(0, prompt.min_version)], reward=reward)
+        other = Completion([6], [], "8", "length", [(0, prompt.min_version)], reward=0.0)
+        state.push_group(RolloutGroup(prompt, [1, 2], [done, other], consumer))
+        state.ack_validation([msg_id])
+        ids.append(prompt.prompt_id)
+    return ids
+
+
+def test_validation_prompts_are_answered_once_and_recorded_apart_from_training(
+    tmp_path, grpo_job_config, redis_server
+):
+    cfg = _cfg(
+        grpo_job_config,
+        allowed=1,
+        changes={
+            "train": {"train_policy": {"dataset": {"test_size": 6}}},
+            "validation": {"enable": True, "val_before_train": True, "max_num_prompts": 3},
+        },
+    )
+    scheduler = _scheduler(cfg, redis_server, tmp_path)
+    state = scheduler.state
+    assert len(scheduler.val_rows) == 3 and len(scheduler.rows) == NUM_ROWS - 6
+    scheduler.start_due_validation()
+    scheduler.start_due_validation()  # (a restarted controller: nothing twice)
+    assert state.pending_validations() == [0]
+    assert scheduler.release_prompts() == 2 * BATCH  # validation prompts are no training prompts
+    # rollout-1 takes two validation prompts and dies; rollout-0 answers one, and once more.
+    held = state.claim_validation("rollout-1", 2)
+    assert [(p.validation_step, p.min_version) for _, p in held] == [(0, 0), (0, 0)]
+    assert _answer_validation(state, "rollout-0", 5, reward=1.0) == ["val0:2"]
+    late = Completion([5], [], "7", "stop", [(0, 0)], reward=5.0)  # the dead one's, came late
+    state.push_group(RolloutGroup(held[0][1], [1], [late, late], "rollout-1"))
+    # Training goes on; the step waits for the validation of the weights it would replace.
+    _answer(scheduler, version=0)
+    scheduler.judge_groups(block_ms=0)
+    assert state.buffer_size() == 2 * BATCH
+    scheduler.schedule_step()
+    assert scheduler._plan is None and state.step_records() == []
+    assert state.requeue_pending("rollout-1") == 1  # the late answer took the other's place
+    assert _answer_validation(state, "rollout-0", 5, reward=1.0) == [held[1][1].prompt_id]
+    _answer_validation(state, "rollout-1", 5, reward=1.0)  # (nothing left to claim)
+    state.push_group(RolloutGroup(held[1][1], [1], [late, late], "rollout-1"))  # a duplicate
+    scheduler.judge_groups(block_ms=0)
+    # Every prompt answered exactly once: 3 prompts x 2 completions.
+    [record] = state.step_records()
+    assert record["step"] == 0 and record["val/rollout_count"] == 6
+    assert record["val/reward_max"] == 5.0 and record["val/reward_min"] == 0.0
+    assert record["val/reward_mean"] == pytest.approx((5.0 + 5.0 + 1.0 + 0.0 + 1.0 + 0.0) / 6)
+    assert record["val/response_length_mean"] == pytest.approx((1 + 1 + 3 + 1 + 3 + 1) / 6)
+    assert record["val/policy_version"] == 0
+    assert state.pending_validations() == [] and state.claim_validation("rollout-0", 9) == []
+    scheduler.schedule_step()  # now step 1 goes out
+    assert scheduler._plan is not None and scheduler._plan["step"] == 1
+    summary = state.ledger_summary(0)
+    assert summary["completed"] == 2 * BATCH and summary["total"] == 2 * BATCH
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert metrics == [record]
 
 
 def _run_job(tmp_path: Path, cfg: Config, *extra: str) -> Path:
@@ -147,9 +238,17 @@ def _run_job(tmp_path: Path, cfg: Config, *extra: str) -> Path:
     return run_dir
 
 
-def _check_job(run_dir: Path, *, allowed: int, num_policy: int = 1) -> list[dict]:
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in steps] == list(range(1, NUM_ROWS // (BATCH * num_policy) + 1))
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_job(
+    run_dir: Path, *, allowed: int, num_policy: int = 1, num_rows: int = NUM_ROWS
+) -> list[dict]:
+    """The job trained every prompt once; its training steps' records (validation records, which
+    have no `policy_version`, are left out)."""
+    steps = [r for r in _records(run_dir) if "policy_version" in r]
+    assert [m["step"] for m in steps] == list(range(1, num_rows // (BATCH * num_policy) + 1))
     assert [m["policy_version"] for m in steps] == [m["step"] for m in steps]
     for m in steps:
         for key in ("reward_mean", "reward_std", "loss", "entropy", "response_length_mean"):
@@ -159,7 +258,7 @@ def _check_job(run_dir: Path, *, allowed: int, num_policy: int = 1) -> list[dict
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert list(ledger) == ["0"]
     # Every prompt of the epoch trained exactly once.
-    assert ledger["0"]["trained"] == {str(i): 1 for i in range(NUM_ROWS)}
+    assert ledger["0"]["trained"] == {str(i): 1 for i in range(num_rows)}
     assert ledger["0"]["summary"]["trained_more_than_once"] == 0
     model = AutoModelForCausalLM.from_pretrained(run_dir / "safetensors" / "final")
     assert model.config.model_type == "qwen2"
@@ -171,36 +270,70 @@ def _check_job(run_dir: Path, *, allowed: int, num_policy: int = 1) -> list[dict
     return steps
 
 
-def test_async_job_end_to_end(tmp_path):
+def test_async_job_end_to_end(tmp_path, grpo_job_config):
     """Controller, Redis, a policy and a rollout replica as processes, one step of staleness."""
-    run_dir = _run_job(tmp_path, _cfg(tmp_path, allowed=1))
+    run_dir = _run_job(tmp_path, _cfg(grpo_job_config, allowed=1))
     steps = _check_job(run_dir, allowed=1)
     # The pipeline overlaps: after the first steps, batches come from the previous weights.
     assert max(m["staleness_max"] for m in steps) == 1
 
 
 @pytest.mark.slow
-def test_sync_job_end_to_end(tmp_path):
+def test_sync_job_end_to_end(tmp_path, grpo_job_config):
     """allowed_outdated_steps = 0: every step trains on samples of the current weights."""
-    run_dir = _run_job(tmp_path, _cfg(tmp_path, allowed=0))
+    run_dir = _run_job(tmp_path, _cfg(grpo_job_config, allowed=0))
     _check_job(run_dir, allowed=0)
 
 
-def test_two_policy_replicas_train_one_global_batch(tmp_path):
+def test_two_policy_replicas_train_one_global_batch(tmp_path, grpo_job_config):
     """`--policy 2`: each step trains 2 x train_batch_per_replica groups, split between two
     data-parallel policy replicas; every prompt is still trained exactly once."""
-    run_dir = _run_job(tmp_path, _cfg(tmp_path, allowed=1), "--policy", "2")
+    run_dir = _run_job(tmp_path, _cfg(grpo_job_config, allowed=1), "--policy", "2")
     _check_job(run_dir, allowed=1, num_policy=2)
     logs = [(run_dir / "logs" / f"policy-{r}.log").read_text() for r in range(2)]
     assert sum("exported" in log for log in logs) == 1  # policy rank 0 alone exports
 
 
-def test_job_resumes_from_its_checkpoint(tmp_path):
+def test_job_validates_the_weights_of_the_expected_steps(tmp_path, grpo_job_config):
+    """Validation before training, every 2 steps and after the last (5 steps: 0, 2, 4, 5), on the
+    4 held-out rows, with the controller sending prompt texts (`train.local_dataset = false`);
+    every training prompt is still trained exactly once."""
+    cfg = _cfg(
+        grpo_job_config,
+        allowed=1,
+        changes={
+            "train": {"local_dataset": False, "train_policy": {"dataset": {"test_size": 4}}},
+            "validation": {
+                "enable": True,
+                "val_before_train": True,
+                "freq": 2,
+                "n_generation": 2,
+                "max_response_length": 2,
+            },
+        },
+    )
+    run_dir = _run_job(tmp_path, cfg)
+    steps = _check_job(run_dir, allowed=1, num_rows=NUM_ROWS - 4)
+    validations = [r for r in _records(run_dir) if "policy_version" not in r]
+    assert [r["step"] for r in validations] == [0, 2, 4, 5]
+    for r in validations:
+        assert r["val/rollout_count"] == 4 * 2
+        assert 1 <= r["val/response_length_mean"] <= 2
+        assert r["val/policy_version"] == r["step"]  # exactly the weights of the step
+        assert 0.0 <= r["val/reward_min"] <= r["val/reward_mean"] <= r["val/reward_max"] <= 1.0
+        assert all(k not in r for k in ("loss", "reward_mean"))
+    # A validation's record follows its step's.
+    order = [(r["step"], "policy_version" in r) for r in _records(run_dir)]
+    assert order.index((2, False)) == order.index((2, True)) + 1
+    assert all("val/reward_mean" not in m for m in steps)
+
+
+def test_job_resumes_from_its_checkpoint(tmp_path, grpo_job_config):
     """A job stopped after step 3 (checkpoints at steps 2 and 3) and run again from the step-2
     checkpoint continues at step 3: the policy loads its checkpoint and the controller puts the
     job's Redis state back to step 2 (Redis itself persisted step 3), so step 3's prompts are
     trained again and the epoch still trains every prompt exactly once."""
-    cfg = _cfg(tmp_path, allowed=0)
+    cfg = _cfg(grpo_job_config, allowed=0)
     cfg.train.ckpt.enable_checkpoint, cfg.train.ckpt.save_freq = True, 2
     cfg.train.max_num_steps = 3
     run_dir = _run_job(tmp_path, cfg)

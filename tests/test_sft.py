@@ -169,14 +169,15 @@ def test_validation_loss_at_freq_and_last_step_decreases(tmp_path):
                 },
             },
             "policy": {"model_name_or_path": "tiny:qwen2", "model_max_length": 64},
-            "validation": {"enable": True, "freq": 5},
+            "validation": {"enable": True, "freq": 5, "val_before_train": True},
         }
     )
     records = _records(local.run(cfg))
-    assert [r["step"] for r in records] == list(range(1, 23))
+    assert [r["step"] for r in records] == list(range(0, 23))
+    assert set(records[0]) == {"step", "val_loss"}  # before training: a record of its own
     with_val = [r["step"] for r in records if "val_loss" in r]
-    assert with_val == [5, 10, 15, 20, 22]
-    assert all(r["num_rows"] < 8 for r in records)  # two conversations fit a 64-token row
+    assert with_val == [0, 5, 10, 15, 20, 22]
+    assert all(r["num_rows"] < 8 for r in records[1:])  # two conversations fit a 64-token row
     val = [r["val_loss"] for r in records if "val_loss" in r]
     assert val[-1] < 0.5 * val[0], val
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from member_pool import MemberPool
+from nebula_rl.controller import JobState, connect, start_redis
+from nebula_rl.policy.worker import frozen_names
 from nebula_rl.weights import (
     BucketLayout,
     LayoutMismatchError,
@@ -22,6 +24,8 @@ from nebula_rl.weights import (
     free_port,
     transport,
 )
+from nebula_rl.weights.elastic import ElasticReceiver, ElasticSender, is_collective_failure
+from nebula_rl.weights.group import Generation, leave_group
 
 TIMEOUT = timedelta(seconds=30)  # a failing test errors out instead of hanging
 BUCKET_BYTES = 4096  # small, so the test state dict spans several buckets per dtype
@@ -281,6 +285,192 @@ def test_receive_without_push_times_out_and_a_new_group_works(members):
     assert members.run(_transfer_dtype_body, 3)[2] == (5, [])
 
 
+FROZEN = {"embed.weight", "layers.0.norm.weight", "lm_head.weight"}
+
+
+def _frozen_body(rank, rdzv, broadcast_all, declining_rank):
+    """The policy's view of `rollout.broadcast_all_params`: frozen names are sent on the first
+    push only, unless every parameter is pushed every time."""
+    group = build_group(rdzv, rank=rank, backend="gloo", timeout=TIMEOUT)
+    frozen = set() if broadcast_all else FROZEN
+    if rank == 0:
+        sender = WeightSender(
+            group, _state_dict(0), bucket_bytes=BUCKET_BYTES, checksum="always", frozen=frozen
+        )
+        sent = []
+        for version in (1, 2, 3):
+            params = _state_dict(version)  # every tensor changes, also the frozen ones
+            sent.append(sender.push(params, version).wait().num_bytes)
+        sender.close()
+        result = (sender.shared_memory, sent, sender.layout.num_bytes)
+    else:
+        receiver = WeightReceiver(
+            group, _state_dict(0), bucket_bytes=BUCKET_BYTES, shared_memory=rank != declining_rank
+        )
+        model = {k: torch.zeros_like(v) for k, v in _state_dict(0).items()}  # the rollout's copy
+        pushes = []
+        for _ in range(3):
+            version, received = receiver.receive()
+            for name, tensor in received.items():
+                model[name].copy_(tensor)
+            pushes.append(
+                (
+                    version,
+                    sorted(received),
+                    {k: torch.equal(v, _state_dict(version)[k]) for k, v in model.items()},
+                    {k: torch.equal(v, _state_dict(1)[k]) for k, v in model.items()},
+                )
+            )
+        result = (receiver.shared_memory, pushes)
+    group.close()
+    return result
+
+
+@pytest.mark.parametrize("declining_rank", [-1, 2], ids=["shared-memory", "broadcast"])
+@pytest.mark.parametrize("broadcast_all", [False, True], ids=["trainable-only", "all-params"])
+def test_frozen_tensors_are_sent_on_the_first_push_only(members, broadcast_all, declining_rank):
+    reports = members.run(_frozen_body, 3, broadcast_all, declining_rank)
+    shared, sent, full_bytes = reports[0]
+    assert shared == (declining_rank == -1)
+    everything = sorted(_state_dict(0))
+    for rank in (1, 2):
+        assert reports[rank][0] == shared
+        for version, names, now, first in reports[rank][1]:
+            if version == 1 or broadcast_all:  # all of it arrives bit-exact
+                assert names == everything
+                assert all(now.values()), now
+            else:  # only the trainable tensors travel; the frozen ones keep the first push's values
+                assert names == sorted(set(everything) - FROZEN)
+                assert all(now[k] for k in names)
+                assert all(first[k] and not now[k] for k in FROZEN), (now, first)
+    assert sent[0] == full_bytes
+    if broadcast_all:
+        assert sent == [full_bytes] * 3
+    else:
+        assert sent[1] == sent[2] < full_bytes / 2  # lm_head and embed are most of the bytes
+
+
+def test_frozen_names_follow_requires_grad_unless_all_params_are_pushed():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[0].requires_grad_(False)
+    assert frozen_names(model, broadcast_all=False) == {"0.weight", "0.bias"}
+    assert frozen_names(model, broadcast_all=True) == set()
+
+
+ELASTIC_TIMEOUT = timedelta(seconds=5)
+
+
+def _elastic_body(rank, redis_url, job, fault):
+    """policy-0 (rank 0: an ElasticSender) pushes version 1 to rollout-0 (rank 1: an
+    ElasticReceiver, or with fault "peer_left" a receiver that leaves before the push); `fault`
+    injects an error into `make_sender` or `apply`. Reports what each side raised."""
+    state = JobState(connect(redis_url), job)
+    if rank == 0:
+
+        def make_sender(group):
+            if fault == "make_sender":
+                raise RuntimeError("injected bug in make_sender")
+            return WeightSender(group, _state_dict(0), bucket_bytes=BUCKET_BYTES)
+
+        sender = ElasticSender(state, "policy-0", make_sender=make_sender, timeout=ELASTIC_TIMEOUT)
+        try:
+            sender.refresh(lambda: _state_dict(1), 1)
+            while sender._busy():
+                time.sleep(0.05)
+            sender.refresh(lambda: _state_dict(1), 1)  # looks at the finished push
+            outcome = ("ok", sender.sender is not None)
+        except Exception as err:  # the injected fault must come out here, with its traceback
+            outcome = ("raised", f"{type(err).__name__}: {err}")
+        sender._leave()
+        return outcome
+    if fault == "peer_left":
+        generation = Generation.from_record(state.group_record("weights"))
+        group = build_group(generation.rendezvous(state.redis), rank=1, timeout=ELASTIC_TIMEOUT)
+        WeightReceiver(group, _state_dict(0), bucket_bytes=BUCKET_BYTES)
+        leave_group(group)  # gone before the push
+        return ("left", None)
+    received = []
+
+    def apply(version, tensors):
+        if fault == "apply":
+            raise RuntimeError("injected out of memory in apply")
+        received.append(
+            (version, all(torch.equal(tensors[k], v) for k, v in _state_dict(1).items()))
+        )
+
+    receiver = ElasticReceiver(
+        state,
+        "rollout-0",
+        make_receiver=lambda group: WeightReceiver(
+            group, _state_dict(0), bucket_bytes=BUCKET_BYTES
+        ),
+        apply=apply,
+        timeout=ELASTIC_TIMEOUT,
+    )
+    deadline = time.monotonic() + 30
+    try:
+        while not received and time.monotonic() < deadline:
+            if state.regroup_requested("weights") >= 0:
+                break  # (the group broke: a new generation would follow in a job)
+            receiver.follow()
+            time.sleep(0.05)
+        outcome = ("ok", received)
+    except Exception as err:
+        outcome = ("raised", f"{type(err).__name__}: {err}")
+    receiver._leave()
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    with start_redis(data_dir=tmp_path_factory.mktemp("redis")) as server:
+        yield server.url
+
+
+@pytest.mark.parametrize("fault", ["none", "apply", "make_sender", "peer_left"])
+def test_only_collective_failures_regroup_the_weight_group(members, redis_url, fault):
+    """A lost peer makes the weight group be rebuilt; a fault of the replica itself (a bug, an
+    out-of-memory error in `make_sender` or `apply`) propagates instead of passing for one."""
+    job = f"elastic-{fault.replace('_', '-')}"
+    state = JobState(connect(redis_url), job)
+    record = state.publish_group(
+        "weights", ["policy-0", "rollout-0"], ids={"policy-0": 1, "rollout-0": 2}
+    )
+    sender, receiver = (
+        r for _, r in sorted(members.run_on([0, 1], _elastic_body, redis_url, job, fault).items())
+    )
+    regrouped = state.regroup_requested("weights") == record["generation"]
+    if fault == "none":
+        assert sender == ("ok", True) and receiver == ("ok", [(1, True)])
+        assert not regrouped
+    elif fault == "apply":
+        assert receiver == ("raised", "RuntimeError: injected out of memory in apply")
+        assert not regrouped  # the push itself went through
+    elif fault == "make_sender":
+        assert sender == ("raised", "RuntimeError: injected bug in make_sender")
+    else:  # the receiver left: the push fails on a gloo error, which asks for a new generation
+        assert sender == ("ok", False) and regrouped
+
+
+def test_collective_failures_are_told_from_other_errors():
+    gloo = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    for err in (
+        RuntimeError(gloo),
+        TimeoutError("no peer"),
+        torch.distributed.DistNetworkError("store gone"),
+        transport.CorruptedPushError("checksum"),
+    ):
+        assert is_collective_failure(err), err
+    for err in (
+        RuntimeError("CUDA out of memory"),
+        torch.OutOfMemoryError("CUDA out of memory"),
+        ValueError("bug"),
+        LayoutMismatchError("layouts differ"),
+        KeyError("x"),
+    ):
+        assert not is_collective_failure(err), err
+
+
 def test_layout_is_deterministic_and_order_independent():
     state = _state_dict(0)
     layout = BucketLayout.build(state, bucket_bytes=BUCKET_BYTES)
@@ -297,6 +487,15 @@ def test_layout_is_deterministic_and_order_independent():
     assert all(views[k].shape == v.shape and views[k].dtype == v.dtype for k, v in state.items())
     with pytest.raises(ValueError, match="appears twice"):
         BucketLayout.build([("a", torch.zeros(1)), ("a", torch.zeros(1))])
+    # Frozen tensors go after the others, in buckets of their own.
+    frozen = BucketLayout.build(state, bucket_bytes=BUCKET_BYTES, frozen=FROZEN)
+    first = min(s.bucket for s in frozen.slots if s.frozen)
+    assert first == frozen.num_trainable_buckets < len(frozen.bucket_numels)
+    assert all(s.frozen == (s.bucket >= first) for s in frozen.slots)
+    assert frozen.digest != layout.digest
+    assert layout.num_trainable_buckets == len(layout.bucket_numels)
+    with pytest.raises(ValueError, match="not among the tensors"):
+        BucketLayout.build(state, frozen={"nope"})
 
 
 def _gpu_body(rank, rdzv):

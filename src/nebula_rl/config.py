@@ -264,10 +264,13 @@ class GrpoConfig(_Section):
     )
     """Remote reward service settings."""
     filter_reward_metric: str | list[str] = Field(default_factory=list)
-    """Dynamic sampling by these reward functions: a group whose values of each named reward are
-    all equal is dropped (empty: by the total reward, when dynamic sampling is on)."""
+    """Dynamic sampling by these reward functions (registered names or `module:function`; they
+    run even when not in `reward_function`): a group whose completions all have the same sum of
+    these functions' own values (weight 1 each) is dropped (empty: by the total reward, when
+    dynamic sampling is on)."""
     bypass_reward: bool = False
-    """Score every completion 0 instead of running the reward functions."""
+    """Score every training completion 0 instead of running the reward functions (validation
+    still runs its reward functions)."""
     group_reward_calculation: bool = Field(
         default=False, json_schema_extra=refused("group-batched reward calls are not supported yet")
     )
@@ -350,14 +353,16 @@ class GrpoConfig(_Section):
     """cosmos-rl's prompts handed out per request beyond its staleness throttle; 0: none, as
     nebula-rl always does."""
     max_inflight_steps: int | None = Field(default=None, ge=1)
-    """Hard ceiling on the prompts handed out but not yet trained, in global training batches
-    (raised to at least `allowed_outdated_steps + 1`); None: only the staleness bound."""
+    """Hard ceiling on the prompts handed out but not yet trained (nor dropped by dynamic
+    sampling), in global training batches (raised to at least `allowed_outdated_steps + 1`);
+    None: only the staleness bound."""
     min_filter_prefix_tokens: int | None = Field(default=None, ge=1)
     """Within a group, token prefixes of at least this length shared by completions with
     different rewards are left out of the loss; None disables."""
     max_retry_for_on_policy: int = -1
-    """Dynamic sampling: rounds of extra prompts sampled to refill a batch whose groups were
-    dropped; <= 0 is unlimited."""
+    """Dynamic sampling: the most rounds of replacement prompts (a global batch's worth each)
+    that the groups dropped while one step's batch fills may need; more fails the job with an
+    error naming this key. <= 0 is unlimited."""
     reference_reset_interval: int | None = None
     """Every this many steps the reference policy (for `kl_beta`) becomes the current policy;
     None or 0 never."""
@@ -381,7 +386,8 @@ class GrpoConfig(_Section):
     """Completions travel as the sampled token ids (nebula-rl always; cosmos-rl's default
     false sends text and re-tokenises it)."""
     collect_rollout_logprobs: bool = True
-    """Rollouts send each token's log-prob under the sampling policy with the completion."""
+    """Rollouts send each token's log-prob under the sampling policy with the completion (false:
+    completions carry none, and the policy recomputes them)."""
     use_rollout_logprobs_for_loss: bool = True
     """The PPO ratio is taken against the rollout's log-probs (the behaviour policy: 1 on-policy,
     a correction for stale samples) instead of log-probs the policy recomputes at the start of
@@ -1027,7 +1033,8 @@ class RolloutConfig(_Section):
     reward_workers: int = Field(default=1, ge=0)
     """nebula-rl: processes that score completions (0: score in the rollout process)."""
     include_stop_str_in_output: bool = False
-    """Keep the stop token's text (e.g. `<|im_end|>`) in the completion text rewards see."""
+    """Keep the stop token's text (e.g. `<|im_end|>`) in the completion text rewards see and the
+    group stores (the token ids trained on include the stop token either way)."""
     quantization: Literal["none", "fp8", "mxfp4"] = "none"
     """Rollout weight quantisation."""
     gpu_memory_utilization: float = Field(default=0.8, gt=0.0, le=1.0)
@@ -1161,7 +1168,8 @@ class ValidationConfig(_Section):
     freq: int = Field(default=20, ge=1)
     """Steps between validations."""
     batch_size: int | None = Field(default=None, ge=1)
-    """Prompts per engine call (RL) or rows per forward (SFT) of a validation; defaults to
+    """Prompts per engine call (RL: in the single-process loop; a rollout replica claims this
+    many validation prompts at once) or rows per forward (SFT) of a validation; defaults to
     `rollout.batch_size` (RL) or `train.train_policy.mini_batch` (SFT)."""
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     """Validation dataset, read with the training columns; an empty name uses the training
@@ -1169,7 +1177,7 @@ class ValidationConfig(_Section):
     temperature: float = Field(default=0.0, ge=0.0)
     """Sampling temperature; 0 is greedy."""
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    """Nucleus sampling mass (None: 1.0)."""
+    """Nucleus sampling mass (None: `rollout.sampling_config.top_p`)."""
     top_k: int | None = Field(default=1, ge=-1)
     """Top-k (None or -1: all)."""
     repetition_penalty: float = Field(default=1.0, gt=0.0)
@@ -1725,6 +1733,12 @@ def _rule_refusals(cfg: Config) -> list[str]:
             out.append(
                 "train.sequence_packing = true: packing is built for SFT; RL batches are not "
                 "packed yet"
+            )
+        if policy.bypass_reward and policy.dynamic_sampling_enabled:
+            out.append(
+                "train.train_policy.bypass_reward = true: every reward is 0, so dynamic sampling "
+                "(variant dapo, dynamic_sampling or filter_reward_metric) would drop every group; "
+                "set train.train_policy.dynamic_sampling = false"
             )
         if policy.aipo_rho is not None and policy.variant == "gspo":
             out.append(

@@ -357,17 +357,20 @@ def _total_steps(address: str, token: str) -> int:
 
 def _registered(address: str, token: str, role: str) -> int:
     """How many replicas of `role` the controller has registered (also those started by hand);
-    -1 when it cannot be asked (e.g. it is restarting)."""
+    -1 when it cannot be asked (e.g. it is restarting) or the job has ended (its replicas leave
+    while the controller finishes; its exit code is the job's)."""
     import httpx
 
     client = ControllerClient(address, token, timeout=5.0)
     try:
-        replicas = client.status()["replicas"].values()
+        status = client.status()
     except httpx.HTTPError:
         return -1
     finally:
         client.close()
-    return sum(info["role"] == role for info in replicas)
+    if status["finished"] is not None:
+        return -1
+    return sum(info["role"] == role for info in status["replicas"].values())
 
 
 def _wait_for_health(controller: _Child, address: str, timeout_s: float = 120.0) -> None:

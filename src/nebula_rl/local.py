@@ -7,6 +7,13 @@ the run folder. It is the quickest way to try a config, and the reference the mu
 is compared against. Simplification: rollouts here are always on-policy (generation waits for
 the step), so `allowed_outdated_steps` has no effect in this mode.
 
+SFT validation computes the loss on the validation rows (`val_loss`) every `validation.freq`
+steps, after the last, and with `val_before_train` before the first (a record of its own, step 0).
+RL validation (`[validation]`, see `nebula_rl.validation`) runs on the engine after the step's
+weights are loaded into it; its `val/*` numbers go into that step's record (before the first
+step, with `val_before_train`, into a record of its own with `"step": 0`). When dynamic sampling
+runs the prompts out before the last planned step, the last trained step is validated too.
+
 With `train.ckpt.enable_checkpoint` it saves a checkpoint every `save_freq` steps and after the
 last; `train.resume` continues from one, and the resumed run takes the same steps, losses and
 samples as an uninterrupted one (on CPU in float32: bit for bit).
@@ -20,7 +27,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,7 @@ from nebula_rl.data import (
     prompt_token_ids,
     rl_prompt,
     rl_rows,
+    rl_validation_rows,
     sft_example,
     split_rows,
     validate_rows,
@@ -52,13 +59,19 @@ from nebula_rl.policy.setup import (
     use_deterministic,
 )
 from nebula_rl.policy.trainer import PolicyTrainer
-from nebula_rl.protocol import Completion, Prompt, RolloutGroup
-from nebula_rl.rewards import combine_rewards, overlong_penalty
+from nebula_rl.protocol import Prompt, RolloutGroup
+from nebula_rl.rewards import Scorer, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
-from nebula_rl.rollout.engine import Engine, GenerationRequest
+from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
 from nebula_rl.rollout.torch_engine import TorchEngine
-from nebula_rl.rollout.worker import sampling_params
+from nebula_rl.rollout.worker import (
+    completion_text,
+    make_completions,
+    sampling_params,
+    validation_sampling_params,
+)
 from nebula_rl.runs import drop_steps_after, is_checkpoint, latest_checkpoint, resolve_run_dir
+from nebula_rl.validation import validation_due, validation_metrics, validation_seed
 
 __all__ = ["run"]
 
@@ -187,41 +200,86 @@ class _PromptStream:
         return out
 
 
-def _rollout(
+def _generate(
     engine: Engine,
     tokenizer: Any,
     prompts: list[Prompt],
     cfg: Config,
-    reward_fn: Callable[[str, str], float],
+    score: Scorer,
+    sampling: list[SamplingParams],
+    n: int,
+) -> list[tuple[Prompt, list[int], RequestOutput, list[str], list[Any]]]:
+    """Generate `n` completions of each prompt (`sampling[i]` for prompt i), decode each once
+    and score it: (prompt, its token ids, the output, the texts, the scores) per prompt."""
+    ids = []
+    for q in prompts:
+        assert q.prompt is not None and q.reference is not None, "local prompts carry their text"
+        ids.append(prompt_token_ids(tokenizer, q.prompt, system_prompt=cfg.grpo.system_prompt))
+    requests = [GenerationRequest(i, n=n, sampling=s) for i, s in zip(ids, sampling, strict=True)]
+    include_stop = cfg.rollout.include_stop_str_in_output
+    out = []
+    for prompt, prompt_ids, output in zip(prompts, ids, engine.generate(requests), strict=True):
+        texts = [
+            completion_text(tokenizer, c.token_ids, c.finish_reason, include_stop=include_stop)
+            for c in output.completions
+        ]
+        lengths = [len(c.token_ids) for c in output.completions]
+        assert prompt.reference is not None
+        out.append(
+            (prompt, prompt_ids, output, texts, score.score_group(texts, lengths, prompt.reference))
+        )
+    return out
+
+
+def _rollout(
+    engine: Engine, tokenizer: Any, prompts: list[Prompt], cfg: Config, score: Scorer
 ) -> list[RolloutGroup]:
-    p = cfg.grpo
     sampling = sampling_params(cfg, tokenizer.eos_token_id)
-    prompt_ids = [
-        prompt_token_ids(tokenizer, q.prompt, system_prompt=p.system_prompt) for q in prompts
+    generated = _generate(
+        engine, tokenizer, prompts, cfg, score, [sampling] * len(prompts), cfg.rollout.n_generation
+    )
+    logprobs = cfg.grpo.collect_rollout_logprobs
+    return [
+        RolloutGroup(
+            prompt, ids, make_completions(output, texts, scored, logprobs=logprobs), "local"
+        )
+        for prompt, ids, output, texts, scored in generated
     ]
-    requests = [
-        GenerationRequest(ids, n=cfg.rollout.n_generation, sampling=sampling) for ids in prompt_ids
+
+
+def _validate(
+    engine: Engine,
+    tokenizer: Any,
+    cfg: Config,
+    rows: list[dict[str, Any]],
+    score: Scorer,
+    step: int,
+) -> dict[str, float]:
+    """The `val/*` metrics of the engine's current weights on the validation `rows`."""
+    v = cfg.validation
+    prompts = [
+        rl_prompt(cfg, rows, epoch=0, index=i, min_version=step, validation_step=step)
+        for i in range(len(rows))
     ]
-    groups = []
-    for prompt, ids, output in zip(prompts, prompt_ids, engine.generate(requests), strict=True):
-        completions = []
-        for c in output.completions:
-            text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-            reward = reward_fn(text, prompt.reference)
-            if p.overlong_reward.enable_overlong_penalty:
-                reward += overlong_penalty(
-                    len(c.token_ids),
-                    max_response_length=cfg.rollout.max_response_length,
-                    buffer_length=p.overlong_reward.buffer_length,
-                    penalty_factor=p.overlong_reward.penalty_factor,
-                )
-            versions = [(i, v) for i, v in c.version_changes]
-            logprobs = list(c.logprobs) if p.collect_rollout_logprobs else []
-            completions.append(
-                Completion(list(c.token_ids), logprobs, text, c.finish_reason, versions, reward)
+    rewards: list[float] = []
+    lengths: list[int] = []
+    versions: list[int] = []
+    size = v.batch_size or cfg.rollout.batch_size
+    for start in range(0, len(prompts), size):
+        chunk = prompts[start : start + size]
+        sampling = [
+            validation_sampling_params(
+                cfg, tokenizer.eos_token_id, seed=validation_seed(cfg, step, q.index)
             )
-        groups.append(RolloutGroup(prompt, ids, completions, replica="local"))
-    return groups
+            for q in chunk
+        ]
+        for *_, output, _texts, scored in _generate(
+            engine, tokenizer, chunk, cfg, score, sampling, v.n_generation
+        ):
+            rewards += [s.reward for s in scored]
+            lengths += [len(c.token_ids) for c in output.completions]
+            versions += [c.policy_version for c in output.completions]
+    return validation_metrics(rewards, lengths, versions)
 
 
 def _checkpointer(
@@ -249,10 +307,12 @@ def _collect_batch(
     tokenizer: Any,
     prompts: _PromptStream,
     cfg: Config,
-    reward_fn: Callable[[str, str], float],
+    score: Scorer,
 ) -> tuple[list[RolloutGroup], float, int]:
     """A step's scored groups (refilled while dynamic sampling drops some), the generation
-    time and the number of groups dropped."""
+    time and the number of groups dropped. Fails when the dropped groups need more than
+    `max_retry_for_on_policy` batches' worth of replacement prompts."""
+    p = cfg.grpo
     size = cfg.groups_per_replica
     batch: list[RolloutGroup] = []
     gen_time, dropped = 0.0, 0
@@ -261,22 +321,34 @@ def _collect_batch(
         if not want:
             break
         g0 = time.perf_counter()
-        groups = _rollout(engine, tokenizer, want, cfg, reward_fn)
+        groups = _rollout(engine, tokenizer, want, cfg, score)
         gen_time += time.perf_counter() - g0
         keep = (
-            dynamic_sampling_filter(torch.tensor([g.rewards for g in groups]))
-            if cfg.grpo.dynamic_sampling_enabled
+            dynamic_sampling_filter(
+                torch.tensor([filter_values(g.completions, p.filter_reward_metric) for g in groups])
+            )
+            if p.dynamic_sampling_enabled
             else torch.ones(len(groups), dtype=torch.bool)
         )
         batch += [g for g, k in zip(groups, keep.tolist(), strict=True) if k]
         dropped += int((~keep).sum())
+        rounds = -(-dropped // size)
+        if p.dynamic_sampling_enabled and 0 < p.max_retry_for_on_policy < rounds:
+            raise RuntimeError(
+                f"dynamic sampling dropped {dropped} groups while filling one step's batch "
+                f"({rounds} rounds of {size} replacement prompts), more than "
+                f"train.train_policy.max_retry_for_on_policy = {p.max_retry_for_on_policy}: the "
+                "rewards barely vary; check the reward functions or raise the limit"
+            )
     return batch, gen_time, dropped
 
 
 def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> None:
     rows = rl_rows(cfg)
     total = num_train_steps(cfg, len(rows), items_per_step=cfg.groups_per_replica)
-    reward_fn = combine_rewards(p.reward_function)
+    score = scorer(cfg)
+    val_rows = rl_validation_rows(cfg) if cfg.validation.enable else []
+    val_score = scorer(cfg, validation=True)
     # The reference is the starting model, also when resuming: copy it before a checkpoint loads
     # (and before the blocks are checkpointed or compiled: it only runs forward).
     ref = copy.deepcopy(model).eval().requires_grad_(False) if p.kl_beta > 0 else None
@@ -302,11 +374,19 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
         prompts.epoch, prompts.position = restored.data["epoch"], restored.data["position"]
         engine.update_weights(model.named_parameters(), policy_version=done)
     writer = _MetricsWriter(cfg, run_dir, after_step=done, total_steps=total)
+
+    def validate(step: int) -> dict[str, float]:
+        return _validate(engine, tokenizer, cfg, val_rows, val_score, step)
+
     try:
+        if done == 0 and validation_due(cfg, 0, total_steps=total):
+            writer.write({"step": 0, **validate(0)})
+        step = validated = done
         for step in range(done + 1, total + 1):
             t0 = time.perf_counter()
-            batch, gen_time, dropped = _collect_batch(engine, tokenizer, prompts, cfg, reward_fn)
+            batch, gen_time, dropped = _collect_batch(engine, tokenizer, prompts, cfg, score)
             if not batch:
+                step -= 1
                 break
             metrics = trainer.grpo_step(batch)
             engine.update_weights(model.named_parameters(), policy_version=step)
@@ -322,10 +402,15 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
                 "step_time": time.perf_counter() - t0,
                 "rollout_tokens_per_s": num_gen_tokens / max(gen_time, 1e-9),
             }
+            if validation_due(cfg, step, total_steps=total):
+                record |= validate(step)
+                validated = step
             writer.write(record)
             if checkpointer.due(step, last=step == total):
                 position = {"epoch": prompts.epoch, "position": prompts.position}
                 checkpointer.save(step, data={**position, "trained_prompts": trained})
+        if cfg.validation.enable and validated < step:  # the prompts ran out before `total`
+            writer.write({"step": step, **validate(step)})
     finally:
         checkpointer.close()
         writer.close()
@@ -442,6 +527,10 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
         else None
     )
     try:
+        if val_examples and step == 0 and cfg.validation.val_before_train:
+            val_loss = trainer.sft_eval(val_examples, rows_per_forward=val_rows_per_forward)
+            if writer is not None:
+                writer.write({"step": 0, "val_loss": val_loss})
         for epoch in range(first_epoch, cfg.train.epoch):
             order = epoch_order(
                 len(examples), epoch=epoch, shuffle=p.dataloader_shuffle, seed=p.dataloader_seed

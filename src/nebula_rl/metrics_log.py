@@ -1,7 +1,10 @@
 """Step metrics to the console, TensorBoard and Weights & Biases.
 
 Every training loop produces one record per optimiser step: the dict it appends as a line of
-`<run>/metrics.jsonl` (`step`, `reward_mean`, `loss`, ...). :func:`open_loggers` builds the
+`<run>/metrics.jsonl` (`step`, `reward_mean`, `loss`, ...). An RL validation adds its `val/*`
+numbers to a step's record, or writes a record of its own with the step's number (step 0: before
+training; in a multi-process job, after the step's record): readers merge the records of a
+step, and the sinks take each record as it comes (TensorBoard and W&B at `step`). :func:`open_loggers` builds the
 sinks that `[logging] logger` names, from the :data:`LOGGERS` registry, and returns one
 :class:`MetricsLogger` that hands each record to all of them:
 
@@ -106,10 +109,16 @@ def step_line(record: dict[str, Any], *, total_steps: int, recent_reward: float 
     if reward is not None:
         mean = "" if recent_reward is None else f" (recent mean {recent_reward:.3f})"
         parts.append(f"reward {reward:.3f}{mean}")
-    for key, fmt in (("loss", "+.4f"), ("val_loss", ".4f"), ("staleness_mean", ".1f")):
+    for key, fmt in (
+        ("loss", "+.4f"),
+        ("val_loss", ".4f"),
+        ("val/reward_mean", ".3f"),
+        ("staleness_mean", ".1f"),
+    ):
         value = _number(record.get(key))
         if value is not None:
-            parts.append(f"{key.removesuffix('_mean')} {value:{fmt}}")
+            name = "val reward" if key == "val/reward_mean" else key.removesuffix("_mean")
+            parts.append(f"{name} {value:{fmt}}")
     seconds = _number(record.get("step_time"))
     if seconds is not None:
         parts.append(f"{seconds:.2f} s/step")
@@ -174,7 +183,7 @@ class ConsoleLogger:
             log.info(line)
             self._pending = []
         if not self._started:  # the first step sets the start, so a resumed run's ETA is right
-            self.progress.update(self.task, completed=record["step"] - 1)
+            self.progress.update(self.task, completed=max(record["step"] - 1, 0))
             self.progress.start()
             self._started = True
         loss = _number(record.get("loss"))

@@ -1,7 +1,8 @@
 """`nebula-rl plot RUN_DIR`: a run's curves from its `metrics.jsonl`, as one PNG.
 
-An RL run gets two panels, the mean reward and the mean response length per step; an SFT run,
-which has neither, gets its training (and validation) loss. Each panel shows the per-step values
+An RL run gets two panels, the mean reward (with the validation reward, `val/reward_mean`, as
+points) and the mean response length per step; an SFT run, which has neither, gets its training
+(and validation) loss. Each panel shows the per-step values
 and their moving mean over a window of about a tenth of the run, since one step's value is noisy
 and the trend is what shows learning. matplotlib is imported here only, and draws off screen.
 """
@@ -25,8 +26,9 @@ SFT_PANELS = (("loss", "loss"),)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The step records of a `metrics.jsonl`, one per step in step order (when a step appears
-    twice, as after a controller restart, the later line wins)."""
+    """The step records of a `metrics.jsonl`, one per step in step order: the lines of a step
+    (its validation's numbers come in a line of their own; a controller restart may write a step
+    again) are merged, the later values winning."""
     if not path.is_file():
         raise ValueError(f"{path} not found: give a run folder (it holds metrics.jsonl)")
     by_step: dict[int, dict[str, Any]] = {}
@@ -35,7 +37,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             continue
         try:
             record = json.loads(line)
-            by_step[int(record["step"])] = record
+            step = int(record["step"])
+            by_step[step] = {**by_step.get(step, {}), **record}
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{path}:{number}: not a step record ({err})") from None
     if not by_step:
@@ -85,10 +88,12 @@ def plot_run(run_dir: Path, *, out: Path | None = None) -> Path:
         if window > 1:
             smooth = moving_mean(values, window)
             ax.plot(steps, smooth, color=line.get_color(), linewidth=2, label=f"mean of {window}")
-        if key == "loss":  # validation runs every few steps only: points, not smoothed
-            val_steps, val_values = _series(records, "val_loss")
+        # Validation runs every few steps only: points, not smoothed.
+        val_key = {"loss": "val_loss", "reward_mean": "val/reward_mean"}.get(key)
+        if val_key is not None:
+            val_steps, val_values = _series(records, val_key)
             if val_steps:
-                ax.plot(val_steps, val_values, marker="o", linewidth=1, label="val_loss")
+                ax.plot(val_steps, val_values, marker="o", linewidth=1, label=val_key)
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

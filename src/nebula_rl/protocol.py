@@ -24,21 +24,25 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """One dataset row handed out for generation."""
+    """One dataset row handed out for generation (or for validation)."""
 
     prompt_id: str
-    """Unique within the job: `"<epoch>:<index>"`."""
+    """Unique within the job: `"<epoch>:<index>"`; `"val<step>:<index>"` for validation."""
     epoch: int
-    """Epoch this hand-out belongs to (0-based)."""
+    """Epoch this hand-out belongs to (0-based; 0 for validation)."""
     index: int
-    """Row index in the training dataset."""
-    prompt: str | list[dict[str, str]]
-    """Prompt text, or chat messages."""
-    reference: str
-    """Reference answer the reward functions compare against."""
+    """Row index in the training dataset (in the validation rows for validation)."""
+    prompt: str | list[dict[str, str]] | None
+    """Prompt text, or chat messages; None when replicas read the row from their own copy of
+    the dataset (`train.local_dataset`)."""
+    reference: str | None
+    """Reference answer the reward functions compare against; None as `prompt`."""
     min_version: int = 0
     """Generate only with weights of at least this policy version (the controller's staleness
-    bound, set when the prompt is handed out)."""
+    bound, set when the prompt is handed out; the validated step for validation)."""
+    validation_step: int | None = None
+    """Set on validation prompts: the training step whose weights this prompt evaluates. They
+    are never trained and never count in the training ledger."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +52,8 @@ class Completion:
     token_ids: list[int]
     """Response tokens, [T]; includes the end-of-sequence token when one was sampled."""
     logprobs: list[float]
-    """Log-prob of each token under the sampling distribution used (behaviour policy), [T]."""
+    """Log-prob of each token under the sampling distribution used (behaviour policy), [T];
+    empty when rollouts do not send them (`train_policy.collect_rollout_logprobs = false`)."""
     text: str
     """Decoded response."""
     finish_reason: FinishReason
@@ -58,6 +63,9 @@ class Completion:
     entry is (0, version at the first token)."""
     reward: float = 0.0
     """Scalar reward, filled in after scoring."""
+    reward_terms: dict[str, float] = field(default_factory=dict)
+    """Each reward function's own (unweighted) value by name (those of `reward_function` and
+    `filter_reward_metric`; dynamic sampling filters on the latter)."""
 
     @property
     def policy_version(self) -> int:

@@ -13,6 +13,11 @@ sheet are inline and allowed by their hashes in the Content-Security-Policy, whi
 other source, so the dashboard works on machines without internet access and a replica name can
 never become markup.
 
+Metrics. The page asks for the records changed since its last poll: `since` is the `cursor` the
+previous answer gave (0 at first). A step may have several lines in `metrics.jsonl` (its
+validation's `val/*` numbers come in a record of their own, after the step's): they are merged, and
+a step updated by a later line is sent again, whole.
+
 Simplification: the metrics are read from the file the scheduler appends to (the controller is
 one process); a step rewritten by `train.resume` shows its newest record.
 """
@@ -82,7 +87,8 @@ def login_cookie(name: str, value: str) -> str:
 
 @dataclass
 class MetricsLog:
-    """The steps recorded in a `metrics.jsonl`, read incrementally as the scheduler appends.
+    """The steps recorded in a `metrics.jsonl`, read incrementally as the scheduler appends;
+    the lines of one step are merged into one record (later values win).
 
     Only complete lines are consumed (the writer may be mid-line); a file that was replaced or
     shrank is read again from the start. Safe to call from several request threads.
@@ -91,15 +97,27 @@ class MetricsLog:
     path: Path | None
     """The file; None: no metrics (the page shows the replicas only)."""
     _records: dict[int, dict[str, float | None]] = field(default_factory=dict)
+    _updated: dict[int, int] = field(default_factory=dict)
+    """Step -> the cursor value of the line that last changed its record."""
+    _cursor: int = 0
+    """Step lines read so far, over every version of the file: it only grows."""
     _offset: int = 0
     _inode: int = -1
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def since(self, step: int) -> list[dict[str, float | None]]:
-        """The records of steps after `step`, in step order."""
+    def read(self, cursor: int) -> tuple[list[dict[str, float | None]], int]:
+        """(the records changed after `cursor`, in step order; the cursor to ask with next).
+        A cursor ahead of this log's (a restarted controller's) gets every record."""
         with self._lock:
             self._read_new()
-            return [self._records[s] for s in sorted(self._records) if s > step]
+            if cursor > self._cursor:
+                cursor = 0
+            steps = sorted(s for s, at in self._updated.items() if at > cursor)
+            return [self._records[s] for s in steps], self._cursor
+
+    def since(self, cursor: int) -> list[dict[str, float | None]]:
+        """The records changed after `cursor` (0: all), in step order."""
+        return self.read(cursor)[0]
 
     def _read_new(self) -> None:
         if self.path is None:
@@ -109,7 +127,8 @@ class MetricsLog:
         except FileNotFoundError:
             return
         if stat.st_ino != self._inode or stat.st_size < self._offset:
-            self._records, self._offset, self._inode = {}, 0, stat.st_ino
+            self._records, self._updated, self._offset = {}, {}, 0
+            self._inode = stat.st_ino
         if stat.st_size == self._offset:
             return
         with self.path.open("rb") as f:
@@ -125,7 +144,9 @@ class MetricsLog:
                 if line.strip():
                     log.warning("%s: skipping a line that is not a step record", self.path)
                 continue
-            self._records[int(step)] = record
+            self._cursor += 1
+            self._records[int(step)] = {**self._records.get(int(step), {}), **record}
+            self._updated[int(step)] = self._cursor
 
 
 def _parse(line: bytes) -> dict[str, float | None] | None:
@@ -219,8 +240,10 @@ def add_panel_routes(
 
     @app.get(DATA_PATH)
     def panel_data(response: Response, since: int = Query(0, ge=0, le=1 << 53)) -> dict[str, Any]:
-        """Where the job stands, its replicas, and the metrics of the steps after `since`."""
+        """Where the job stands, its replicas, and the step records changed since the cursor
+        `since` (the `cursor` of a previous answer; 0: all of them)."""
         response.headers["Cache-Control"] = "no-store"
+        records, cursor = metrics.read(since)
         return {
             "job": state.job,
             "step": state.step(),
@@ -232,5 +255,6 @@ def add_panel_routes(
             "replicas": replica_rows(
                 state.replicas(), now=state.clock(), heartbeat_timeout=heartbeat_timeout
             ),
-            "metrics": metrics.since(since),
+            "metrics": records,
+            "cursor": cursor,
         }

@@ -50,6 +50,27 @@ are dropped when judged or when batched, and their prompts requeued: trained sam
 staler than `A`. Weights reach the rollouts every `sync_weight_interval` steps, so prompts are
 tagged with the last synced version.
 
+In-flight ceiling. With `train_policy.max_inflight_steps = M`, the prompts handed out and not yet
+resolved (trained, or dropped by dynamic sampling) never exceed `M` global batches: a hard
+bound on top of the staleness release (which itself keeps them within `A + 1` batches, and the
+config raises `M` to at least that). Dynamic sampling: when the groups dropped while a step's
+batch fills need more than `max_retry_for_on_policy` batches' worth of replacement prompts, the
+job fails with an error naming that key.
+
+Validation. With `validation.enable`, the weights of step `s` are validated at the steps
+`nebula_rl.validation.validation_due` names (0 with `val_before_train`, every `freq`, the last).
+The train command of such a step always pushes its weights; when the step is recorded, one
+validation prompt per validation row goes out on the `val_prompts` stream with `min_version = s`
+(`JobState.enqueue_validation`; with step 0 at the start). Rollout replicas generate them first,
+with the validation sampling and rewards, and their groups come back with the training groups;
+each row is answered exactly once (a dead replica's validation prompts are requeued), and
+validation prompts count neither in the training ledger nor in the staleness bound. Step `s + 1`
+is sent only once the validation of `s` is recorded, so the rollouts validate exactly the
+weights of `s` (no newer ones exist yet): the policy waits for the validation, generation goes
+on. The `val/*` numbers go into a record of their own with `"step": s`, appended after the
+step's record (readers merge the records of a step), since the step is recorded before its
+validation runs; the job ends once the last step's validation is recorded.
+
 Checkpoints. With `train.ckpt.enable_checkpoint`, the `train` command of every `save_freq`-th
 step (and of the last) asks policy rank 0 to checkpoint after the step, and when the controller
 records that step it saves a snapshot of the job's Redis state next to it
@@ -62,7 +83,10 @@ the controller serves no rendezvous port of its own, and a restarted controller 
 for groups built before.
 
 Simplifications: one step in flight; the global batch stays that of the initial `num_policy`
-replicas whatever their number later.
+replicas whatever their number later; the dynamic-sampling count of `max_retry_for_on_policy`
+starts again from zero when the controller restarts; a run whose prompts run out before
+`total_steps` (dynamic sampling) is not validated after its last step, since that step's weights
+were not pushed.
 """
 
 from __future__ import annotations
@@ -78,9 +102,10 @@ from typing import Any
 from nebula_rl.config import Config
 from nebula_rl.controller.app import RegisterRequest
 from nebula_rl.controller.state import JobState
-from nebula_rl.data import epoch_order, rl_prompt
+from nebula_rl.data import epoch_order, rl_prompt, rl_validation_rows
 from nebula_rl.metrics_log import FILE_LOGGERS, open_loggers
 from nebula_rl.protocol import Prompt
+from nebula_rl.validation import validation_due, validation_metrics
 
 __all__ = ["Scheduler"]
 
@@ -100,6 +125,7 @@ class Scheduler:
         num_rollout: int,
         run_dir: Path,
         num_policy: int = 1,
+        val_rows: list[dict[str, Any]] | None = None,
     ) -> None:
         p = cfg.grpo
         self.cfg, self.state, self.rows = cfg, state, rows
@@ -111,6 +137,14 @@ class Scheduler:
         # (the config raised it to at least sync_weight_interval - 1, as cosmos-rl does)
         self.allowed = p.allowed_outdated_steps
         self.num_prompts = cfg.train.epoch * len(rows)
+        self.max_inflight = p.max_inflight_steps
+        self.max_retry = p.max_retry_for_on_policy if p.dynamic_sampling_enabled else 0
+        self._filtered_at_batch = state.filtered_total()
+        """Groups dropped by dynamic sampling before the last batch was taken."""
+        self.with_text = not cfg.train.local_dataset
+        if val_rows is None and cfg.validation.enable:
+            val_rows = rl_validation_rows(cfg)
+        self.val_rows = val_rows or []
         self._orders: dict[int, list[int]] = {}
         self.heartbeat_timeout = cfg.controller.heartbeat_timeout
         self._due: dict[str, float] = {}
@@ -276,6 +310,8 @@ class Scheduler:
     def run(self, *, poll_ms: int = 20) -> None:
         """Schedule until `total_steps` are trained (or the prompts run out), then stop the
         policy replica, which exports the final weights, and mark the job finished."""
+        self.start_due_validation()
+        self.record_validations()  # (answered before a restart, not yet recorded)
         while self.state.step() < self.total_steps:
             self.reap()
             self.sync_groups()
@@ -286,6 +322,11 @@ class Scheduler:
             if self._exhausted():
                 log.warning("the dataset ran out of prompts after step %d", self.state.step())
                 break
+        while self.state.pending_validations():  # the last step's
+            self.reap()
+            self.sync_groups()
+            self.judge_groups(block_ms=poll_ms)
+            self.collect_results()
         self.stop_policy()
         self.write_ledger()
         self.state.finish("done")
@@ -302,8 +343,12 @@ class Scheduler:
     def release_prompts(self) -> int:
         """Hand out prompts up to the staleness bound; returns how many were released."""
         version = self.state.policy_version()
-        wanted = (version + 1 + self.allowed) * self.batch_size + self.state.filtered_total()
+        filtered = self.state.filtered_total()
+        wanted = (version + 1 + self.allowed) * self.batch_size + filtered
         target = min(self.num_prompts, wanted)
+        if self.max_inflight is not None:  # handed out and not resolved: at most M batches
+            resolved = self.state.step() * self.batch_size + filtered
+            target = min(target, resolved + self.max_inflight * self.batch_size)
         released = self.state.released()
         if released >= target:
             return 0
@@ -319,22 +364,85 @@ class Scheduler:
                 n, epoch=epoch, shuffle=p.dataloader_shuffle, seed=p.dataloader_seed
             )
         index = self._orders[epoch][position]
-        return rl_prompt(self.cfg, self.rows, epoch=epoch, index=index, min_version=min_version)
+        return rl_prompt(
+            self.cfg,
+            self.rows,
+            epoch=epoch,
+            index=index,
+            min_version=min_version,
+            with_text=self.with_text,
+        )
 
     def judge_groups(self, *, block_ms: int) -> None:
-        """Accept, filter or drop every group the rollouts pushed."""
+        """Accept, filter or drop every group the rollouts pushed; keep validation answers and
+        record the validations they complete."""
         version = self.state.policy_version()
+        answered = False
         for msg_id, group in self.state.poll_groups(256, block_ms):
+            if group.prompt.validation_step is not None:
+                answered |= self.state.record_validation(group, msg_id=msg_id)
+                continue
             self._tokens_received += sum(len(c.token_ids) for c in group.completions)
             if group.extra.get("filtered"):
                 self.state.mark_filtered(group, msg_id=msg_id)
             else:
                 self.state.accept_group(group, version, self.allowed, msg_id=msg_id)
+        if answered:
+            self.record_validations()
+
+    # -- validation -----------------------------------------------------------------------------
+
+    def start_due_validation(self) -> None:
+        """Hand out the validation of the current step if it is due and was not handed out (at
+        the start: step 0 with `val_before_train`, or a step recorded by a controller that died
+        before it could)."""
+        step = self.state.step()
+        if validation_due(self.cfg, step, total_steps=self.total_steps):
+            self._start_validation(step)
+
+    def _start_validation(self, step: int) -> None:
+        prompts = [
+            rl_prompt(
+                self.cfg,
+                self.val_rows,
+                epoch=0,
+                index=i,
+                min_version=step,
+                with_text=self.with_text,
+                validation_step=step,
+            )
+            for i in range(len(self.val_rows))
+        ]
+        if self.state.enqueue_validation(step, prompts):
+            log.info("validating the weights of step %d on %d prompts", step, len(prompts))
+
+    def record_validations(self) -> None:
+        """Record every pending validation whose prompts are all answered: its `val/*` record
+        goes into the step records and the sinks."""
+        for step in self.state.pending_validations():
+            results = self.state.validation_results(step)
+            if results is None:
+                continue
+            rewards = [r for result in results for r in result["rewards"]]
+            lengths = [n for result in results for n in result["lengths"]]
+            versions = [v for result in results for v in result["versions"]]
+            record = {"step": step, **validation_metrics(rewards, lengths, versions)}
+            if self.state.finish_validation(step, record):
+                self._flush_metrics()
+                self.loggers.log(record)
+                log.info(
+                    "validation of step %d: reward %.3f over %d completions",
+                    step,
+                    record.get("val/reward_mean", float("nan")),
+                    record["val/rollout_count"],
+                )
 
     def schedule_step(self) -> None:
         """Send the `train` commands of the next step when a full batch is buffered, the policy
         replicas' group is formed, and no step is running."""
         if self._plan is not None or self.state.step() >= self.total_steps:
+            return
+        if self.state.pending_validations():  # the rollouts validate the current weights
             return
         group = self._formed_policy_group()
         if group is None:
@@ -344,7 +452,9 @@ class Scheduler:
             self.batch_size, current_version=version, allowed_outdated_steps=self.allowed
         )
         if batch is None:
+            self._check_retries()
             return
+        self._filtered_at_batch = self.state.filtered_total()
         staleness = [version - g.policy_version for g in batch]
         step = self.state.step() + 1
         ckpt = self.cfg.train.ckpt
@@ -353,12 +463,31 @@ class Scheduler:
             "prompt_ids": [g.prompt.prompt_id for g in batch],
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": max(staleness),
-            "push": step % self.sync_interval == 0 and step < self.total_steps,
+            "push": (step % self.sync_interval == 0 and step < self.total_steps)
+            or validation_due(self.cfg, step, total_steps=self.total_steps),
             "checkpoint": ckpt.enable_checkpoint
             and (step % ckpt.save_freq == 0 or step == self.total_steps),
         }
         self._sent = time.monotonic()
         self._send_step(plan, group)
+
+    def _check_retries(self) -> None:
+        """Fail the job when the groups dropped while the next batch fills need more than
+        `max_retry_for_on_policy` batches' worth of replacement prompts."""
+        if self.max_retry <= 0:
+            return
+        dropped = self.state.filtered_total() - self._filtered_at_batch
+        rounds = -(-dropped // self.batch_size)
+        if rounds > self.max_retry:
+            reason = (
+                f"dynamic sampling dropped {dropped} groups while filling the batch of step "
+                f"{self.state.step() + 1} ({rounds} rounds of {self.batch_size} replacement "
+                "prompts), more than train.train_policy.max_retry_for_on_policy = "
+                f"{self.max_retry}: the rewards barely vary; check the reward functions or "
+                "raise the limit"
+            )
+            self.state.finish(f"failed: {reason}")
+            raise RuntimeError(reason)
 
     def _send_step(self, plan: dict[str, Any], group: dict[str, Any]) -> None:
         """Send step `plan` to the members of policy group generation `group`: rank `r` trains
@@ -475,6 +604,8 @@ class Scheduler:
         self.state.mark_trained(plan["prompt_ids"], step, policy_version=step, record=record)
         self._plan, self._sent = None, None
         self._last_step_end = now
+        if validation_due(self.cfg, step, total_steps=self.total_steps):
+            self._start_validation(step)  # (before the snapshot: a resume validates it again)
         if plan["checkpoint"]:
             self._save_snapshot(step)
         self._flush_metrics()
@@ -630,7 +761,7 @@ def run_controller(
     from nebula_rl.controller.app import create_app, serve
     from nebula_rl.controller.client import RESTART_ENV
     from nebula_rl.controller.redis_server import connect
-    from nebula_rl.data import num_train_steps, rl_dataset
+    from nebula_rl.data import num_train_steps, rl_dataset, rl_validation_rows
 
     rows, report = rl_dataset(cfg)
     # Unusable rows are left out, counted, and reported here and in the log, not fatal.
@@ -648,6 +779,7 @@ def run_controller(
         num_rollout=num_rollout,
         num_policy=num_policy,
         run_dir=run_dir,
+        val_rows=rl_validation_rows(cfg) if cfg.validation.enable else [],
     )
     restarted = os.environ.get(RESTART_ENV) == "1"
     # A restart continues from Redis, which is newer than any checkpoint.

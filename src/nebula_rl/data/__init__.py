@@ -43,6 +43,7 @@ __all__ = [
     "rl_dataset",
     "rl_prompt",
     "rl_rows",
+    "rl_validation_rows",
     "sft_example",
     "split_rows",
     "validate_rows",
@@ -408,24 +409,38 @@ def num_train_steps(cfg: Config, num_items: int, *, items_per_step: int) -> int:
 
 
 def rl_prompt(
-    cfg: Config, rows: list[dict[str, Any]], *, epoch: int, index: int, min_version: int = 0
+    cfg: Config,
+    rows: list[dict[str, Any]],
+    *,
+    epoch: int,
+    index: int,
+    min_version: int = 0,
+    with_text: bool = True,
+    validation_step: int | None = None,
 ) -> Prompt:
-    """The prompt of dataset row `index` handed out in `epoch` (`prompt_id` `"<epoch>:<index>"`)."""
+    """The prompt of dataset row `index` handed out in `epoch` (`prompt_id` `"<epoch>:<index>"`),
+    or, with `validation_step`, of validation row `index` (`"val<step>:<index>"`, `rows` the
+    validation rows). Without `with_text` it carries no prompt and reference: the replica reads
+    them from its own copy of the rows (`train.local_dataset`)."""
     p = cfg.grpo
     row = rows[index]
+    prompt_id = f"{epoch}:{index}" if validation_step is None else f"val{validation_step}:{index}"
     return Prompt(
-        prompt_id=f"{epoch}:{index}",
+        prompt_id=prompt_id,
         epoch=epoch,
         index=index,
-        prompt=row[p.prompt_column_name],
-        reference=str(row[p.response_column_name]),
+        prompt=row[p.prompt_column_name] if with_text else None,
+        reference=str(row[p.response_column_name]) if with_text else None,
         min_version=min_version,
+        validation_step=validation_step,
     )
 
 
-def rl_dataset(cfg: Config) -> tuple[list[dict[str, Any]], RowReport]:
-    """The RL training rows of `cfg` (loaded, checked for the prompt and answer columns, without
-    the held-out `test_size` split) and the report on the rows that could not be used."""
+def _rl_split(
+    cfg: Config,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], RowReport]:
+    """(training rows, held-out `test_size` rows, the report on unusable rows) of the RL
+    dataset."""
     p = cfg.grpo
     seed = cfg.train.seed or 0
     rows, report = validate_rows(
@@ -435,8 +450,37 @@ def rl_dataset(cfg: Config) -> tuple[list[dict[str, Any]], RowReport]:
     )
     if not rows:
         raise ValueError(f"dataset.name: {p.dataset.name} has no usable row: {report.summary()}")
-    train, _held_out = split_rows(rows, p.dataset.test_size, seed=seed)
+    train, held_out = split_rows(rows, p.dataset.test_size, seed=seed)
+    return train, held_out, report
+
+
+def rl_dataset(cfg: Config) -> tuple[list[dict[str, Any]], RowReport]:
+    """The RL training rows of `cfg` (loaded, checked for the prompt and answer columns, without
+    the held-out `test_size` split) and the report on the rows that could not be used."""
+    train, _held_out, report = _rl_split(cfg)
     return train, report
+
+
+def rl_validation_rows(cfg: Config) -> list[dict[str, Any]]:
+    """The RL validation rows: `validation.dataset` (read with the training columns), else the
+    training dataset's held-out `test_size` part; the first `validation.max_num_prompts`."""
+    p, v = cfg.grpo, cfg.validation
+    if v.dataset.name:
+        rows, report = validate_rows(
+            load_rows(v.dataset, seed=cfg.train.seed or 0),
+            columns=[p.prompt_column_name, p.response_column_name],
+            prompts=[p.prompt_column_name],
+        )
+        where = f"validation.dataset.name: {v.dataset.name} has no usable row: {report.summary()}"
+    else:
+        _train, rows, _report = _rl_split(cfg)
+        where = (
+            "validation.enable: no validation rows; set validation.dataset.name or "
+            "train.train_policy.dataset.test_size"
+        )
+    if not rows:
+        raise ValueError(where)
+    return rows[: v.max_num_prompts]
 
 
 def rl_rows(cfg: Config) -> list[dict[str, Any]]:

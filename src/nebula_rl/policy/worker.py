@@ -33,7 +33,9 @@ A `train` command may ask for a checkpoint after its step (policy rank 0 writes 
 replicas are identical). With `meta["resume_from"]` every replica loads that checkpoint first.
 
 Simplification: one process per policy replica here (data, tensor and pipeline parallelism inside
-a replica come with the parallelism work); the full state is pushed, not shards.
+a replica come with the parallelism work); the full state is pushed, not shards. Parameters that
+do not train are pushed to a rollout replica once, on its first push, unless
+`rollout.broadcast_all_params` (see :func:`frozen_names`).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from nebula_rl.weights import WeightSender, build_group
 from nebula_rl.weights.elastic import ElasticSender, current_generation
 from nebula_rl.weights.group import Generation, GroupCancelled, WeightGroup, leave_group
 
-__all__ = ["PolicyWorker", "run_policy"]
+__all__ = ["PolicyWorker", "frozen_names", "run_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +135,7 @@ class PolicyWorker:
             group,
             self.model.named_parameters(),
             transfer_dtype=resolve_dtype(transfer) if transfer else None,
+            frozen=frozen_names(self.model, broadcast_all=self.cfg.rollout.broadcast_all_params),
         )
 
     @property
@@ -341,6 +344,14 @@ class PolicyWorker:
             log.info("exported the final weights to %s", export)
         self._leave_group()
         self._report({"type": "stopped", "rank": self.rank})
+
+
+def frozen_names(model: torch.nn.Module, *, broadcast_all: bool) -> set[str]:
+    """The parameters a weight push sends only to a receiver's first push (those that do not
+    train: they cannot change), none with `rollout.broadcast_all_params`."""
+    if broadcast_all:
+        return set()
+    return {name for name, p in model.named_parameters() if not p.requires_grad}
 
 
 def run_policy(session: ReplicaSession, *, device: torch.device) -> None:

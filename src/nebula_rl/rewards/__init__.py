@@ -5,6 +5,7 @@ Built in: ``boxed_math`` and ``direct_math`` (math-verify), ``gsm8k``, ``format`
 ``"module.path:function"``; ``combine_rewards`` turns a config's ``reward_function`` (a name, a
 list of names, or a ``{name: weight}`` mapping) into one picklable callable.
 ``overlong_penalty`` is DAPO's length penalty; it takes a token count, so it is not registered.
+``scorer(cfg)`` builds what the training loops score with from the config's reward keys.
 
 math-verify is imported only when a math reward first runs, so importing this package is cheap.
 """
@@ -18,23 +19,30 @@ from nebula_rl.rewards.base import (
     combine_rewards,
     get_reward,
     register_reward,
+    takes_custom,
 )
 from nebula_rl.rewards.format import format_reward
 from nebula_rl.rewards.gsm8k import gsm8k_reward
 from nebula_rl.rewards.math_answer import boxed_math_reward, direct_math_reward
 from nebula_rl.rewards.overlong import overlong_penalty
+from nebula_rl.rewards.scoring import Scored, Scorer, filter_values, scorer
 
 __all__ = [
     "REWARDS",
     "CombinedReward",
     "RewardFn",
+    "Scored",
+    "Scorer",
     "arithmetic_reward",
     "boxed_math_reward",
     "combine_rewards",
     "direct_math_reward",
+    "filter_values",
     "format_reward",
     "get_reward",
     "gsm8k_reward",
     "overlong_penalty",
     "register_reward",
+    "scorer",
+    "takes_custom",
 ]

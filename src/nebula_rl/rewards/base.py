@@ -1,18 +1,20 @@
 """The reward registry and weighted combinations of rewards.
 
 A reward is a pure function ``fn(completion, reference) -> float`` of text: ``completion`` is the
-generated response and ``reference`` is the dataset's answer column as a string. Rewards are run
-in a process pool, so they must be picklable, i.e. top-level functions of an importable module;
-``register_reward`` refuses anything else.
+generated response and ``reference`` is the dataset's answer column as a string. A function that
+also takes a ``custom`` keyword (or ``**kwargs``) is given the config's free-form ``[custom]``
+table as ``custom=``. Rewards are run in a process pool, so they must be picklable, i.e.
+top-level functions of an importable module; ``register_reward`` refuses anything else.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 RewardFn = Callable[[str, str], float]
 """``fn(completion, reference) -> float``; positional because every caller passes both."""
@@ -71,20 +73,48 @@ def get_reward(name: str) -> RewardFn:
         ) from None
 
 
+def takes_custom(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` accepts a `custom` keyword argument (by name, or through `**kwargs`)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == "custom" and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+        for p in parameters
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class CombinedReward:
     """A weighted sum of rewards: ``sum(weight * fn(completion, reference))``.
 
-    Picklable as long as every term's function is (registered ones are), so it can be sent to a
-    process pool as is.
+    Functions that take a ``custom`` keyword are called with ``custom=self.custom`` (the config's
+    ``[custom]`` table). Picklable as long as every term's function is (registered ones are), so
+    it can be sent to a process pool as is.
     """
 
     terms: tuple[tuple[str, RewardFn, float], ...]
     """``(name, fn, weight)`` for each summed reward, in the order given."""
+    custom: dict[str, Any] = field(default_factory=dict)
+    """Passed as ``custom=`` to the functions that take it."""
 
     def __call__(self, completion: str, reference: str) -> float:
         """Return the weighted sum of every term's reward for one completion."""
-        return sum(weight * fn(completion, reference) for _, fn, weight in self.terms)
+        values = self.values(completion, reference)
+        return sum(weight * values[name] for name, _, weight in self.terms)
+
+    def values(self, completion: str, reference: str) -> dict[str, float]:
+        """Each term's own (unweighted) reward for one completion, by name."""
+        return {
+            name: float(
+                fn(completion, reference, custom=self.custom)  # type: ignore[call-arg]
+                if takes_custom(fn)
+                else fn(completion, reference)
+            )
+            for name, fn, _ in self.terms
+        }
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -92,12 +122,15 @@ class CombinedReward:
         return tuple(name for name, _, _ in self.terms)
 
 
-def combine_rewards(spec: str | Sequence[str] | Mapping[str, float]) -> CombinedReward:
+def combine_rewards(
+    spec: str | Sequence[str] | Mapping[str, float], *, custom: Mapping[str, Any] | None = None
+) -> CombinedReward:
     """Build the reward a config's ``reward_function`` field describes.
 
     ``spec`` is one name (``"gsm8k"``), a list of names summed with weight 1.0
     (``["gsm8k", "format"]``), or a mapping of name to weight (``{"gsm8k": 1.0, "format": 0.1}``).
-    Names are registered names or ``"module.path:function"`` import paths.
+    Names are registered names or ``"module.path:function"`` import paths. ``custom`` (the
+    config's ``[custom]`` table) goes to the functions that take a ``custom`` keyword.
     """
     if isinstance(spec, str):
         weights: dict[str, float] = {spec: 1.0}
@@ -123,7 +156,7 @@ def combine_rewards(spec: str | Sequence[str] | Mapping[str, float]) -> Combined
         if not math.isfinite(weight):
             raise ValueError(f"weight of reward {name!r} must be finite, got {weight}")
         terms.append((name, get_reward(name), float(weight)))
-    return CombinedReward(terms=tuple(terms))
+    return CombinedReward(terms=tuple(terms), custom=dict(custom or {}))
 
 
 def _qualified_name(fn: RewardFn) -> str:

@@ -43,10 +43,11 @@ NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 class SamplingParams:
     """How to sample one request's completions.
 
-    Log-probs are always of the distribution the token was actually drawn from: logits divided by
-    `temperature`, then restricted to `top_k` / `top_p` and renormalised. This is the behaviour
-    policy that off-policy corrections need. With `temperature == 0` (greedy) the token is the
-    argmax and its log-prob is taken at temperature 1 (with the same top-k/top-p restriction).
+    Log-probs are always of the distribution the token was actually drawn from: logits
+    repetition-penalised, divided by `temperature`, then restricted to `top_k` / `top_p` and
+    renormalised. This is the behaviour policy that off-policy corrections need. With
+    `temperature == 0` (greedy) the token is the argmax and its log-prob is taken at temperature 1
+    (with the same penalty and top-k/top-p restriction).
     """
 
     temperature: float = 1.0
@@ -55,6 +56,9 @@ class SamplingParams:
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1 = off."""
     top_k: int = 0
     """Keep only the k most likely tokens; 0 = off."""
+    repetition_penalty: float = 1.0
+    """CTRL's penalty on tokens already in the prompt or the completion: their positive logits
+    are divided by it, negative ones multiplied; 1 = off."""
     max_tokens: int = 16
     """Maximum number of generated tokens per completion (also capped by the engine's max_model_len)."""
     stop_token_ids: tuple[int, ...] = ()
@@ -73,6 +77,10 @@ class SamplingParams:
             raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                f"sampling.repetition_penalty must be > 0, got {self.repetition_penalty}"
+            )
         if self.max_tokens < 1:
             raise ValueError(f"sampling.max_tokens must be >= 1, got {self.max_tokens}")
         # Accept lists from callers (e.g. config) while keeping the dataclass hashable; a single

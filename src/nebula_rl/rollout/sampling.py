@@ -6,9 +6,13 @@ the cumulative probability exceeds the uniform. That is exact categorical sampli
 random number per sequence per step instead of one per vocabulary entry (the Gumbel/exponential
 trick), and makes a seeded completion independent of what else is in the batch.
 
-The returned log-probs are of the distribution the token was drawn from: temperature-scaled,
-top-k/top-p-restricted, renormalised. Greedy rows (temperature 0) take the argmax and report the
-log-prob at temperature 1 under the same restriction.
+The returned log-probs are of the distribution the token was drawn from: repetition-penalised,
+temperature-scaled, top-k/top-p-restricted, renormalised. Greedy rows (temperature 0) take the
+argmax and report the log-prob at temperature 1 under the same penalty and restriction.
+
+The repetition penalty is CTRL's (Keskar et al. 2019), as in HF and vLLM: the logit of a token
+already in the sequence (prompt or completion) is divided by the penalty when positive and
+multiplied by it when negative, before the temperature.
 """
 
 from __future__ import annotations
@@ -38,11 +42,21 @@ class BatchSampling:
     """Whether any row restricts top-p."""
     any_greedy: bool
     """Whether any row is greedy."""
+    repetition_penalty: torch.Tensor | None = None
+    """Penalty per row (1 when off), float32; None when no row has one."""
+    seen: torch.Tensor | None = None
+    """[B, V] bool: the tokens each row's sequence holds so far (with `repetition_penalty`)."""
 
 
 def sample(logits: torch.Tensor, params: BatchSampling) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of `logits` [B, V]; return (token_ids [B] int64, logprobs [B] fp32)."""
-    scaled = logits.float() * params.inv_temperature[:, None]
+    logits = logits.float()
+    if params.repetition_penalty is not None:
+        assert params.seen is not None, "a repetition penalty needs the tokens seen"
+        penalty = params.repetition_penalty[:, None]
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(params.seen, penalised, logits)
+    scaled = logits * params.inv_temperature[:, None]
     if params.use_top_p:
         return _sample_restricted(scaled, params)
     if params.max_top_k:

@@ -707,6 +707,7 @@ class TorchEngine(Engine):
             self._top_k = torch.full((num_slots,), self.vocab_size, dtype=torch.long, device=device)
             self._top_p = torch.ones(num_slots, device=device)
             self._greedy = torch.zeros(num_slots, dtype=torch.bool, device=device)
+            self._penalty = torch.ones(num_slots, device=device)
             self._stop_ids = torch.full((num_slots, 1), -1, dtype=torch.long, device=device)
             self._uniform = torch.zeros(num_slots, max_len, device=device)
             self._out_tokens = torch.zeros(num_slots, max_len, dtype=torch.long, device=device)
@@ -720,7 +721,10 @@ class TorchEngine(Engine):
         self._free = list(range(num_slots))
         self._waiting: deque[_RequestState] = deque()
         self._requests: dict[str, _RequestState] = {}
-        self._flag_counts = {"top_k": 0, "top_p": 0, "greedy": 0, "stop": 0}
+        self._flag_counts = {"top_k": 0, "top_p": 0, "greedy": 0, "stop": 0, "penalty": 0}
+        # [num_slots, vocab] bool, the tokens in each slot's sequence: allocated by the first
+        # request with a repetition penalty, kept up to date only while one runs.
+        self._seen: torch.Tensor | None = None
         self._step_count = 0
         self._version_log: list[tuple[int, int]] = [(0, policy_version)]
 
@@ -865,7 +869,15 @@ class TorchEngine(Engine):
             use_top_p=counts["top_p"] > 0,
             any_greedy=counts["greedy"] > 0,
         )
+        if counts["penalty"]:
+            assert self._seen is not None
+            params = replace(
+                params, repetition_penalty=self._penalty[slots], seen=self._seen[slots]
+            )
         tokens, logprobs = sample(logits, params)
+        if counts["penalty"]:
+            assert self._seen is not None
+            self._seen[slots, tokens] = True
         self._out_tokens[slots, columns] = tokens
         self._out_logprobs[slots, columns] = logprobs
         self._last_token[slots] = tokens
@@ -970,6 +982,7 @@ class TorchEngine(Engine):
         self._flag_counts["top_p"] += sign * (sampling.top_p < 1)
         self._flag_counts["greedy"] += sign * (sampling.temperature == 0)
         self._flag_counts["stop"] += sign * bool(sampling.stop)
+        self._flag_counts["penalty"] += sign * (sampling.repetition_penalty != 1)
 
     @staticmethod
     def _output(state: _RequestState) -> RequestOutput:
@@ -1029,6 +1042,7 @@ class TorchEngine(Engine):
         slots_t = torch.tensor(all_slots, device=self.device)
         lengths = torch.tensor(prompt_len, device=self.device)
         self._set_slot_params(group, slots_t, lengths, torch.cat(uniforms))
+        self._mark_prompt_tokens(group)
         self._active_host[all_slots] = True
         self._pos_host[all_slots] = prompt_len
         self._top_k_host[all_slots] = top_k
@@ -1041,6 +1055,21 @@ class TorchEngine(Engine):
             prompts.to(self.device), last.to(self.device), slots_t, source_t
         )
         return self._sample_and_record(logits[source_t] if shared else logits, slots_t)
+
+    def _mark_prompt_tokens(self, group: list[_Admission]) -> None:
+        """For requests with a repetition penalty: their slots' seen tokens are the prompt's."""
+        penalised = [e for e in group if e[0].request.sampling.repetition_penalty != 1]
+        if not penalised:
+            return
+        if self._seen is None:
+            self._seen = torch.zeros(
+                self.max_num_seqs, self.vocab_size, dtype=torch.bool, device=self.device
+            )
+        for state, _, slots in penalised:
+            index = torch.tensor(slots, device=self.device)
+            prompt = torch.tensor(state.request.prompt_token_ids, device=self.device)
+            self._seen[index] = False
+            self._seen[index[:, None], prompt[None, :]] = True
 
     def _draw_uniforms(self, request: GenerationRequest, indices: list[int]) -> torch.Tensor:
         """The uniforms each sample will sample its tokens with, [len(indices), max_model_len]."""
@@ -1063,6 +1092,7 @@ class TorchEngine(Engine):
         uniforms: torch.Tensor,
     ) -> None:
         inv_temperature, top_k, top_p, greedy, max_new, stops = [], [], [], [], [], []
+        penalty = []
         for state, indices, _ in batch:
             sampling = state.request.sampling
             room = self.max_model_len - len(state.request.prompt_token_ids)
@@ -1078,6 +1108,7 @@ class TorchEngine(Engine):
                 )
                 top_p.append(sampling.top_p)
                 greedy.append(sampling.temperature == 0)
+                penalty.append(sampling.repetition_penalty)
                 max_new.append(min(sampling.max_tokens, room))
                 stops.append(stop)
         width = max(1, *(len(s) for s in stops))
@@ -1093,6 +1124,7 @@ class TorchEngine(Engine):
         self._top_k[slots] = torch.tensor(top_k, device=device)
         self._top_p[slots] = torch.tensor(top_p, device=device)
         self._greedy[slots] = torch.tensor(greedy, device=device)
+        self._penalty[slots] = torch.tensor(penalty, device=device)
         self._max_new[slots] = torch.tensor(max_new, device=device)
         self._stop_ids[slots] = stop_rows.to(device)
         self._uniform[slots] = uniforms

@@ -104,6 +104,7 @@ class VLLMEngine(Engine):
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
+            repetition_penalty=s.repetition_penalty,
             max_tokens=s.max_tokens,
             stop_token_ids=list(s.stop_token_ids),
             stop=list(s.stop),

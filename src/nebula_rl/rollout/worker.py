@@ -8,14 +8,24 @@ Three things run at once in a rollout process:
   replicas come or go) and hands each push of the policy to `engine.update_weights`, which
   applies it at the next token boundary (requests in flight continue with the new weights and
   record where their version changed);
-- this module's loop: claim prompts from the job's `prompts` stream, submit each as one request of
-  `n_generation` samples (once the engine holds the prompt's `min_version`), score finished
-  requests in a process pool, and push each group before acknowledging its prompt.
+- this module's loop (:meth:`RolloutWorker.step`): claim prompts from the job's streams (the
+  validation prompts first), submit each as one request of `n_generation` samples (once the
+  engine holds the prompt's `min_version`), decode each finished completion once, score the
+  group in a process pool, and push each group before acknowledging its prompt.
 
 A group is pushed before its prompt is acknowledged, so a crash in between can only duplicate a
 group (the controller keeps the first), never lose a prompt. Dynamic sampling (DAPO) marks groups
-whose rewards are all equal as `filtered`; the controller records them and releases another prompt
-in their place.
+whose rewards (or `filter_reward_metric` values) are all equal as `filtered`; the controller
+records them and releases another prompt in their place.
+
+What the config decides here: the engine holds at most `max_num_seqs // n_generation` prompts,
+and with `rollout.prefetch_rollout` the replica claims up to `prefetch_queue_maxsize` batches of
+`batch_size` more, so the engine never waits for Redis; with `train.local_dataset` prompts come
+as indices and the replica reads each row from its own copy of the dataset;
+`rollout.include_stop_str_in_output` keeps the stop token's text in the text rewards see;
+`train_policy.collect_rollout_logprobs = false` sends no log-probs; the scoring keys are read by
+:func:`~nebula_rl.rewards.scorer`. Validation prompts (`Prompt.validation_step`) are sampled with
+`[validation]`'s settings and scored with its rewards, never filtered.
 """
 
 from __future__ import annotations
@@ -24,7 +34,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -32,41 +44,27 @@ import torch
 
 from nebula_rl.config import Config
 from nebula_rl.controller.client import ReplicaSession
-from nebula_rl.data import prompt_token_ids
+from nebula_rl.data import prompt_token_ids, rl_rows, rl_validation_rows
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
-from nebula_rl.rewards import combine_rewards, overlong_penalty
+from nebula_rl.rewards import Scored, Scorer, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
 from nebula_rl.rollout.torch_engine import TorchEngine
+from nebula_rl.validation import validation_seed
 from nebula_rl.weights import WeightReceiver
 from nebula_rl.weights.elastic import ElasticReceiver
 
-__all__ = ["RolloutWorker", "run_rollout", "sampling_params", "score_texts"]
+__all__ = [
+    "RolloutWorker",
+    "completion_text",
+    "make_completions",
+    "run_rollout",
+    "sampling_params",
+    "validation_sampling_params",
+]
 
 log = logging.getLogger(__name__)
-
-_reward_fn: Any = None
-
-
-def _init_scorer(reward_spec: Any) -> None:
-    global _reward_fn
-    _reward_fn = combine_rewards(reward_spec)
-
-
-def score_texts(
-    texts: list[str], lengths: list[int], reference: str, settings: dict[str, Any]
-) -> list[float]:
-    """Rewards of one group's completions (run in a reward process, or inline)."""
-    if _reward_fn is None:
-        _init_scorer(settings["reward_function"])
-    rewards = []
-    for text, length in zip(texts, lengths, strict=True):
-        reward = float(_reward_fn(text, reference))
-        if settings["overlong"] is not None:
-            reward += overlong_penalty(length, **settings["overlong"])
-        rewards.append(reward)
-    return rewards
 
 
 class _InlineExecutor(Executor):
@@ -88,9 +86,73 @@ def sampling_params(cfg: Config, eos_token_id: int | None) -> SamplingParams:
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=max(s.top_k, 0),
+        repetition_penalty=s.repetition_penalty,
         max_tokens=cfg.rollout.max_response_length,
         stop_token_ids=() if eos_token_id is None else (eos_token_id,),
     )
+
+
+def validation_sampling_params(
+    cfg: Config, eos_token_id: int | None, *, seed: int | None = None
+) -> SamplingParams:
+    """The sampling parameters of validation (`[validation]`; top_p None takes the rollout's,
+    top_k None or -1 keeps every token, max_response_length None takes the rollout's)."""
+    v = cfg.validation
+    top_p = v.top_p if v.top_p is not None else cfg.rollout.sampling_config.top_p
+    return SamplingParams(
+        temperature=v.temperature,
+        top_p=top_p,
+        top_k=max(v.top_k, 0) if v.top_k is not None else 0,
+        repetition_penalty=v.repetition_penalty,
+        max_tokens=v.max_response_length or cfg.rollout.max_response_length,
+        stop_token_ids=() if eos_token_id is None else (eos_token_id,),
+        seed=seed,
+    )
+
+
+def completion_text(
+    tokenizer: Any, token_ids: Sequence[int], finish_reason: str, *, include_stop: bool
+) -> str:
+    """The text of a completion, as rewards see and the group stores it (decoded once).
+
+    A completion that stopped (`finish_reason == "stop"`) ends with its stop token; its text is
+    left out unless `include_stop` (`rollout.include_stop_str_in_output`). The token ids, which
+    training uses, keep the stop token either way."""
+    ids = list(token_ids)
+    stop = ids.pop() if finish_reason == "stop" and ids else None
+    text = str(tokenizer.decode(ids, skip_special_tokens=True))
+    if include_stop and stop is not None:
+        text += str(tokenizer.decode([stop], skip_special_tokens=False))
+    return text
+
+
+def make_completions(
+    output: RequestOutput, texts: Sequence[str], scored: Sequence[Scored], *, logprobs: bool
+) -> list[Completion]:
+    """The wire completions of a finished request: tokens, texts, scores, and the log-probs when
+    `logprobs` (`train_policy.collect_rollout_logprobs`; else empty)."""
+    return [
+        Completion(
+            token_ids=list(c.token_ids),
+            logprobs=list(c.logprobs) if logprobs else [],
+            text=text,
+            finish_reason=c.finish_reason,
+            version_changes=[(i, v) for i, v in c.version_changes],
+            reward=s.reward,
+            reward_terms=s.terms,
+        )
+        for c, text, s in zip(output.completions, texts, scored, strict=True)
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class _Claimed:
+    """A prompt this replica holds: its stream id, the prompt, and its text and reference."""
+
+    msg_id: str
+    prompt: Prompt
+    text: str | list[dict[str, str]]
+    reference: str
 
 
 class RolloutWorker:
@@ -99,7 +161,6 @@ class RolloutWorker:
     def __init__(self, session: ReplicaSession, *, device: torch.device) -> None:
         self.session = session
         cfg = self.cfg = session.cfg
-        p = cfg.grpo
         path = cfg.policy.model_name_or_path
         revision = cfg.policy.model_revision
         self.tokenizer = load_tokenizer(path, revision=revision)
@@ -116,30 +177,31 @@ class RolloutWorker:
             cfg, model=model, tokenizer=self.tokenizer, seed=self._seed()
         )
         self.sampling = sampling_params(cfg, self.tokenizer.eos_token_id)
-        overlong = p.overlong_reward
-        self.score_settings = {
-            "reward_function": p.reward_function,
-            "overlong": (
-                {
-                    "max_response_length": cfg.rollout.max_response_length,
-                    "buffer_length": overlong.buffer_length,
-                    "penalty_factor": overlong.penalty_factor,
-                }
-                if overlong.enable_overlong_penalty
-                else None
-            ),
-        }
-        self.scorer: Executor = (
+        self.scorer = scorer(cfg)
+        validating = cfg.validation.enable
+        self.val_scorer = scorer(cfg, validation=True) if validating else None
+        # With local_dataset prompts arrive as indices: this replica reads its own rows.
+        local = cfg.train.local_dataset
+        self.rows = rl_rows(cfg) if local else None
+        self.val_rows = rl_validation_rows(cfg) if local and validating else None
+        self.pool: Executor = (
             ProcessPoolExecutor(
-                cfg.rollout.reward_workers,
-                mp_context=torch.multiprocessing.get_context("spawn"),
-                initializer=_init_scorer,
-                initargs=(p.reward_function,),
+                cfg.rollout.reward_workers, mp_context=torch.multiprocessing.get_context("spawn")
             )
             if cfg.rollout.reward_workers > 0
             else _InlineExecutor()
         )
-        self.capacity = max(1, cfg.rollout.max_num_seqs // cfg.rollout.n_generation)
+        r = cfg.rollout
+        self.capacity = max(1, r.max_num_seqs // r.n_generation)
+        """Prompts the engine has room for."""
+        self.claim_limit = self.capacity + (
+            r.prefetch_queue_maxsize * r.batch_size if r.prefetch_rollout else 0
+        )
+        """Prompts held at most (in the engine or waiting for it)."""
+        self.waiting: deque[_Claimed] = deque()
+        self.val_waiting: deque[_Claimed] = deque()
+        self.generating: dict[Future[RequestOutput], _Claimed] = {}
+        self.scoring: dict[Future[list[Scored]], tuple[_Claimed, RequestOutput, list[str]]] = {}
         self.num_tokens = 0
         self.num_groups = 0
         self.start_time = time.monotonic()
@@ -209,72 +271,121 @@ class RolloutWorker:
 
     def run(self) -> None:
         """Generate until the controller ends the job."""
-        state, name, n = self.session.state, self.session.name, self.cfg.rollout.n_generation
-        # Without collect_rollout_logprobs the trainer recomputes them: the group carries none.
-        collect_logprobs = self.cfg.grpo.collect_rollout_logprobs
-        waiting: deque[tuple[str, Prompt]] = deque()
-        generating: dict[Future[RequestOutput], tuple[str, Prompt, list[int]]] = {}
-        scoring: dict[Future[list[float]], tuple[str, Prompt, list[int], RequestOutput]] = {}
         self.engine.start()
         while self.session.finished() is None:
             if self._weight_error is not None:
                 raise RuntimeError("the weight thread failed") from self._weight_error
-            room = min(self.capacity - len(waiting) - len(generating), self.cfg.rollout.batch_size)
-            if room > 0:
-                idle = not (generating or scoring or waiting)
-                waiting.extend(state.claim_prompts(name, room, block_ms=200 if idle else 0))
-            version = self.engine.policy_version
-            while waiting and waiting[0][1].min_version <= version:
-                msg_id, prompt = waiting.popleft()
-                ids = prompt_token_ids(
-                    self.tokenizer, prompt.prompt, system_prompt=self.cfg.grpo.system_prompt
-                )
-                request = GenerationRequest(ids, n=n, sampling=self.sampling)
-                try:
-                    generating[self.engine.submit(request)] = (msg_id, prompt, ids)
-                except ValueError as err:  # e.g. a prompt longer than the model allows
-                    log.error("prompt %s cannot be generated: %s", prompt.prompt_id, err)
-                    self._push(msg_id, prompt, ids, [], filtered=True, error=str(err))
-            pending: list[Future[Any]] = [*generating, *scoring]
-            if not pending:
-                time.sleep(0.01)
-                continue
-            done, _ = wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
-            for future in done:
-                if future in generating:
-                    msg_id, prompt, ids = generating.pop(future)  # type: ignore[call-overload]
-                    output = future.result()
-                    texts = [self._decode(c.token_ids) for c in output.completions]
-                    lengths = [len(c.token_ids) for c in output.completions]
-                    scored = self.scorer.submit(
-                        score_texts, texts, lengths, prompt.reference, self.score_settings
-                    )
-                    scoring[scored] = (msg_id, prompt, ids, output)
-                else:
-                    msg_id, prompt, ids, output = scoring.pop(future)  # type: ignore[call-overload]
-                    completions = [
-                        Completion(
-                            token_ids=list(c.token_ids),
-                            logprobs=list(c.logprobs) if collect_logprobs else [],
-                            text=self._decode(c.token_ids),
-                            finish_reason=c.finish_reason,
-                            version_changes=[(i, v) for i, v in c.version_changes],
-                            reward=r,
-                        )
-                        for c, r in zip(output.completions, future.result(), strict=True)
-                    ]
-                    self.num_tokens += sum(len(c.token_ids) for c in completions)
-                    rewards = [c.reward for c in completions]
-                    filtered = self.cfg.grpo.dynamic_sampling_enabled and len(set(rewards)) == 1
-                    self._push(msg_id, prompt, ids, completions, filtered=filtered)
+            self.step()
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+    def step(self) -> None:
+        """One pass: claim prompts, submit those the engine's weights allow, handle finished
+        generations and scores (waiting briefly for one)."""
+        idle = not (self.generating or self.scoring or self.waiting or self.val_waiting)
+        self.claim(block_ms=200 if idle else 0)
+        self.submit_ready()
+        pending: list[Future[Any]] = [*self.generating, *self.scoring]
+        if not pending:
+            time.sleep(0.01)
+            return
+        done, _ = wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
+        for future in done:
+            if future in self.generating:
+                self._generated(self.generating.pop(future), future.result())
+            else:
+                claimed, output, texts = self.scoring.pop(future)
+                self._scored(claimed, output, texts, future.result())
+
+    def claim(self, *, block_ms: int = 0) -> int:
+        """Claim prompts up to `claim_limit` held, validation prompts first (at most
+        `validation.batch_size`, else `rollout.batch_size`, at once), then training prompts (at
+        most `rollout.batch_size` at once, less the validation prompts claimed); returns how
+        many."""
+        held = len(self.waiting) + len(self.val_waiting) + len(self.generating)
+        r, v = self.cfg.rollout, self.cfg.validation
+        room = min(self.claim_limit - held, r.batch_size)
+        state, name = self.session.state, self.session.name
+        claimed = 0
+        if self.val_scorer is not None and held < self.claim_limit:
+            val_room = min(self.claim_limit - held, v.batch_size or r.batch_size)
+            for msg_id, prompt in state.claim_validation(name, val_room):
+                self.val_waiting.append(self._resolve(msg_id, prompt))
+                claimed += 1
+        room -= claimed
+        if room > 0:
+            for msg_id, prompt in state.claim_prompts(
+                name, room, block_ms=0 if claimed else block_ms
+            ):
+                self.waiting.append(self._resolve(msg_id, prompt))
+                claimed += 1
+        return claimed
+
+    def _resolve(self, msg_id: str, prompt: Prompt) -> _Claimed:
+        """The prompt with its text and reference: as sent, or from this replica's own rows."""
+        if prompt.prompt is not None and prompt.reference is not None:
+            return _Claimed(msg_id, prompt, prompt.prompt, prompt.reference)
+        rows = self.rows if prompt.validation_step is None else self.val_rows
+        assert rows is not None, f"prompt {prompt.prompt_id} comes without its text"
+        p = self.cfg.grpo
+        row = rows[prompt.index]
+        return _Claimed(msg_id, prompt, row[p.prompt_column_name], str(row[p.response_column_name]))
+
+    def submit_ready(self) -> None:
+        """Hand the engine every held prompt whose `min_version` its weights reach."""
+        version = self.engine.policy_version
+        for queue in (self.val_waiting, self.waiting):
+            while queue and queue[0].prompt.min_version <= version:
+                self._submit(queue.popleft())
+
+    def _submit(self, claimed: _Claimed) -> None:
+        prompt = claimed.prompt
+        ids = prompt_token_ids(
+            self.tokenizer, claimed.text, system_prompt=self.cfg.grpo.system_prompt
+        )
+        if prompt.validation_step is None:
+            request = GenerationRequest(
+                ids, n=self.cfg.rollout.n_generation, sampling=self.sampling
+            )
+        else:
+            seed = validation_seed(self.cfg, prompt.validation_step, prompt.index)
+            sampling = validation_sampling_params(self.cfg, self.tokenizer.eos_token_id, seed=seed)
+            request = GenerationRequest(ids, n=self.cfg.validation.n_generation, sampling=sampling)
+        try:
+            self.generating[self.engine.submit(request)] = claimed
+        except ValueError as err:  # e.g. a prompt longer than the model allows
+            log.error("prompt %s cannot be generated: %s", prompt.prompt_id, err)
+            self._push(claimed, ids, [], filtered=True, error=str(err))
+
+    def _generated(self, claimed: _Claimed, output: RequestOutput) -> None:
+        """Decode each completion once and send the group to be scored."""
+        include_stop = self.cfg.rollout.include_stop_str_in_output
+        texts = [
+            completion_text(self.tokenizer, c.token_ids, c.finish_reason, include_stop=include_stop)
+            for c in output.completions
+        ]
+        lengths = [len(c.token_ids) for c in output.completions]
+        validating = claimed.prompt.validation_step is not None
+        score: Scorer | None = self.val_scorer if validating else self.scorer
+        assert score is not None
+        future = self.pool.submit(score.score_group, texts, lengths, claimed.reference)
+        self.scoring[future] = (claimed, output, texts)
+
+    def _scored(
+        self, claimed: _Claimed, output: RequestOutput, texts: list[str], scored: list[Scored]
+    ) -> None:
+        validating = claimed.prompt.validation_step is not None
+        logprobs = self.cfg.grpo.collect_rollout_logprobs and not validating
+        completions = make_completions(output, texts, scored, logprobs=logprobs)
+        p = self.cfg.grpo
+        filtered = False
+        if not validating:
+            self.num_tokens += sum(len(c.token_ids) for c in completions)
+            values = filter_values(completions, p.filter_reward_metric)
+            filtered = p.dynamic_sampling_enabled and len(set(values)) == 1
+        self._push(claimed, list(output.prompt_token_ids), completions, filtered=filtered)
 
     def _push(
         self,
-        msg_id: str,
-        prompt: Prompt,
+        claimed: _Claimed,
         ids: list[int],
         completions: list[Completion],
         *,
@@ -286,16 +397,22 @@ class RolloutWorker:
         extra: dict[str, Any] = {"filtered": True} if filtered else {}
         if error is not None:
             extra["error"] = error
-        group = RolloutGroup(prompt, ids, completions, replica=self.session.name, extra=extra)
-        self.session.state.push_group(group)
-        self.session.state.ack_prompts([msg_id])
+        group = RolloutGroup(
+            claimed.prompt, ids, completions, replica=self.session.name, extra=extra
+        )
+        state = self.session.state
+        state.push_group(group)
+        if claimed.prompt.validation_step is None:
+            state.ack_prompts([claimed.msg_id])
+        else:
+            state.ack_validation([claimed.msg_id])
         self.num_groups += 1
 
     def close(self) -> None:
         """Stop the weight thread, the engine loop and the reward processes."""
         self._closing = True
         self.engine.shutdown()
-        self.scorer.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def run_rollout(session: ReplicaSession, *, device: torch.device) -> None:

@@ -13,10 +13,14 @@ group broken. Both sides poll it:
   generation naming it, takes part in exactly the pushes announced for it, and hands each one to
   a callback (e.g. `engine.update_weights`).
 
-A failure never ends a replica: when a push or receive fails (a member died: gloo notices at once;
-or it hangs: the collective times out), the member leaves the group, which makes its peers'
+A lost peer never ends a replica: when a push or receive fails (a member died: gloo notices at
+once; or it hangs: the collective times out), the member leaves the group, which makes its peers'
 pending collectives fail at once too, and asks for a regroup; the controller then publishes a new
-generation among the live members and the sender pushes the current weights again.
+generation among the live members and the sender pushes the current weights again. Only such
+failures count (:func:`is_collective_failure`: torch.distributed's `DistError` family, gloo and
+NCCL errors, timeouts, a superseded generation, a corrupted transfer); anything else (an
+out-of-memory error, a bug in `make_sender` or `apply`) propagates and fails the replica with its
+traceback, since rebuilding the group would only hide it.
 
 Simplification: a sender or receiver that leaves a group while a collective is stuck in it (a peer
 that hangs without dying) does not wait for it; the stuck thread ends at the group's timeout.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -33,6 +38,7 @@ from typing import Any, Protocol
 
 import redis
 from torch import Tensor
+from torch.distributed import DistError
 
 from nebula_rl.weights.group import (
     CommBackend,
@@ -43,14 +49,21 @@ from nebula_rl.weights.group import (
     leave_group,
 )
 from nebula_rl.weights.transport import (
-    LayoutMismatchError,
+    CorruptedPushError,
     NamedTensors,
     PushHandle,
     WeightReceiver,
     WeightSender,
 )
 
-__all__ = ["KIND", "ElasticReceiver", "ElasticSender", "MembershipSource", "current_generation"]
+__all__ = [
+    "KIND",
+    "ElasticReceiver",
+    "ElasticSender",
+    "MembershipSource",
+    "current_generation",
+    "is_collective_failure",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +84,25 @@ class MembershipSource(Protocol):
     def announce_push(self, generation: int) -> int: ...
 
     def num_pushes(self, generation: int) -> int: ...
+
+
+_BACKEND_MESSAGE = re.compile(r"gloo|nccl", re.IGNORECASE)
+"""gloo raises plain RuntimeErrors whose message names its source file (`.../gloo/transport/
+tcp/pair.cc:...: Connection closed by peer`, `Timed out waiting ...`); NCCL's name NCCL."""
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """Whether `err` says that a weight group broke (a peer died or hung, the transfer was
+    corrupted, the generation was replaced), which a regroup repairs; not a bug or an
+    out-of-memory error of this replica, which must fail it."""
+    if isinstance(err, TimeoutError | GroupCancelled | DistError | CorruptedPushError):
+        return True
+    return type(err) is RuntimeError and _BACKEND_MESSAGE.search(str(err)) is not None
+
+
+_CAUGHT = (RuntimeError, TimeoutError, ValueError)
+"""What the members catch and then judge with :func:`is_collective_failure` (re-raising the
+rest)."""
 
 
 def current_generation(source: MembershipSource, kind: str = KIND) -> Generation | None:
@@ -183,7 +215,9 @@ class ElasticSender(_Member):
         try:
             self.group = self._build(generation, rank=0)
             self.sender = self.make_sender(self.group)
-        except (RuntimeError, TimeoutError) as err:  # GroupCancelled is a RuntimeError
+        except _CAUGHT as err:
+            if not is_collective_failure(err):
+                raise
             self._fail(err)
             return
         log.info(
@@ -205,7 +239,9 @@ class ElasticSender(_Member):
             self.source.announce_push(self.generation.number)
             self._pending = self.sender.push(named_tensors, version)
             self.last_version = version
-        except (RuntimeError, TimeoutError) as err:
+        except _CAUGHT as err:
+            if not is_collective_failure(err):
+                raise
             self._fail(err)
 
     def _wait_pending(self) -> bool:
@@ -232,17 +268,23 @@ class ElasticSender(_Member):
         pending, self._pending = self._pending, None
         try:
             pending.wait()
-        except (RuntimeError, TimeoutError) as err:
+        except _CAUGHT as err:
+            if not is_collective_failure(err):
+                raise
             self._fail(err)
 
     def close(self) -> None:
-        """Wait for the last push (its failure is only logged) and leave the group."""
-        if self._pending is not None:
-            try:
-                self._pending.wait()
-            except (RuntimeError, TimeoutError) as err:
-                log.warning("the last weight push failed: %s", err)
-        self._leave()
+        """Wait for the last push (a collective failure is only logged) and leave the group."""
+        try:
+            if self._pending is not None:
+                try:
+                    self._pending.wait()
+                except _CAUGHT as err:
+                    if not is_collective_failure(err):
+                        raise
+                    log.warning("the last weight push failed: %s", err)
+        finally:
+            self._leave()
 
 
 class ElasticReceiver(_Member):
@@ -275,7 +317,8 @@ class ElasticReceiver(_Member):
 
     def run(self, stopped: Callable[[], bool]) -> None:
         """Follow generations and receive pushes until `stopped()`; raises only what no regroup
-        can fix (a layout mismatch, an error of `apply`)."""
+        can fix (a layout mismatch, an error of `make_receiver` or `apply` that is no collective
+        failure)."""
         try:
             while not stopped():
                 self.follow()
@@ -295,9 +338,9 @@ class ElasticReceiver(_Member):
                 try:
                     self.group = self._build(generation, rank=rank)
                     self.receiver = self.make_receiver(self.group)
-                except LayoutMismatchError:
-                    raise
-                except (RuntimeError, TimeoutError) as err:
+                except _CAUGHT as err:
+                    if not is_collective_failure(err):
+                        raise
                     self._fail(err)
                     return
                 log.info("joined weight group generation %d as rank %d", generation.number, rank)
@@ -306,9 +349,9 @@ class ElasticReceiver(_Member):
                 return
             try:
                 version, tensors = self.receiver.receive(timeout=self.timeout)
-            except LayoutMismatchError:
-                raise
-            except (RuntimeError, TimeoutError, ValueError) as err:  # ValueError: corrupted
+            except _CAUGHT as err:  # (a LayoutMismatchError is no collective failure)
+                if not is_collective_failure(err):
+                    raise
                 self._fail(err)
                 return
             self.received += 1

@@ -2,10 +2,18 @@
 
 Both sides derive the same `BucketLayout` from their own named tensors: names sorted, tensors
 grouped by their wire dtype (the `transfer_dtype` for floating tensors when given, else their own),
-packed into flat buckets of about `bucket_bytes`. Nothing but a 4-number header travels besides
+packed into flat buckets of about `bucket_bytes`. Nothing but a 6-number header travels besides
 the buckets; the header carries a digest of the layout, so two sides that disagree (a renamed
 parameter, another shape, another `transfer_dtype` or `bucket_bytes`) both raise
 `LayoutMismatchError` instead of exchanging garbage or hanging.
+
+Frozen tensors: the sender may name tensors that never change (`frozen`, e.g. the parameters the
+policy does not train). They are sent on the first push of the sender (every receiver's first
+push: a replica that joins gets a new group and a new sender) and left out of every later one;
+the receiver then returns only the others, and what it copied the first time stays. The layout
+puts the frozen tensors in buckets of their own, after the others, so a later push broadcasts a
+prefix of the buckets. The sender tells the receivers which tensors are frozen when both are
+built.
 
 One push, in order:
   1. `WeightSender.push` (caller's thread) copies every tensor into persistent bucket buffers
@@ -40,7 +48,7 @@ import hashlib
 import os
 import secrets
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -53,6 +61,7 @@ from nebula_rl.weights.group import WeightGroup
 
 __all__ = [
     "BucketLayout",
+    "CorruptedPushError",
     "LayoutMismatchError",
     "PushHandle",
     "PushStats",
@@ -72,6 +81,10 @@ class LayoutMismatchError(ValueError):
     """The members of a weight group derived different bucket layouts."""
 
 
+class CorruptedPushError(ValueError):
+    """A push arrived with another checksum than the sender computed (a transfer failure)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Slot:
     """Where one named tensor lives in the flat buckets."""
@@ -84,6 +97,8 @@ class Slot:
     offset: int
     """In elements of `dtype`, from the start of the bucket."""
     numel: int
+    frozen: bool = False
+    """Sent on the first push only (see the module docstring)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +110,8 @@ class BucketLayout:
     bucket_numels: tuple[int, ...]
     digest: int
     """63-bit hash of everything above; equal on two sides iff their layouts are equal."""
+    num_trainable_buckets: int
+    """Buckets before the first one of frozen tensors (all of them when none is frozen)."""
 
     @classmethod
     def build(
@@ -103,8 +120,10 @@ class BucketLayout:
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         transfer_dtype: torch.dtype | None = None,
+        frozen: Collection[str] = (),
     ) -> BucketLayout:
-        """Layout of `named_tensors`; a tensor larger than `bucket_bytes` gets a bucket alone."""
+        """Layout of `named_tensors`; a tensor larger than `bucket_bytes` gets a bucket alone.
+        The `frozen` ones go into buckets of their own, after all the others."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -120,35 +139,50 @@ class BucketLayout:
         if not specs:
             raise ValueError("cannot build a weight layout from zero tensors")
 
+        unknown = sorted(set(frozen) - set(specs))
+        if unknown:
+            raise ValueError(f"frozen names {unknown[:3]} are not among the tensors")
         slots: list[Slot] = []
         dtypes: list[torch.dtype] = []
         numels: list[int] = []
-        order = sorted(specs, key=lambda n: (str(specs[n][1]), n))
+        num_trainable = None
+        order = sorted(specs, key=lambda n: (n in frozen, str(specs[n][1]), n))
         for name in order:
             shape, dtype = specs[name]
             numel = _numel(shape)
             item = dtype.itemsize
+            is_frozen = name in frozen
+            if is_frozen and num_trainable is None:
+                num_trainable = len(dtypes)
+                dtypes.append(dtype)  # the first frozen tensor opens a bucket
+                numels.append(0)
             open_bucket = bool(dtypes) and dtypes[-1] == dtype
             if not open_bucket or (numels[-1] > 0 and (numels[-1] + numel) * item > bucket_bytes):
                 dtypes.append(dtype)
                 numels.append(0)
-            slots.append(Slot(name, shape, dtype, len(dtypes) - 1, numels[-1], numel))
+            slots.append(Slot(name, shape, dtype, len(dtypes) - 1, numels[-1], numel, is_frozen))
             numels[-1] += numel
         # Pad each bucket to whole 8-byte words (zeros on both sides).
         numels = [
             -(-n * d.itemsize // _ALIGN_BYTES) * _ALIGN_BYTES // d.itemsize  # ceil to 8 bytes
             for n, d in zip(numels, dtypes, strict=True)
         ]
-        text = repr(([(s.name, s.shape, str(s.dtype), s.bucket, s.offset) for s in slots], numels))
+        text = repr(
+            ([(s.name, s.shape, str(s.dtype), s.bucket, s.offset, s.frozen) for s in slots], numels)
+        )
         digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-        return cls(tuple(slots), tuple(dtypes), tuple(numels), digest)
+        trainable = len(dtypes) if num_trainable is None else num_trainable
+        return cls(tuple(slots), tuple(dtypes), tuple(numels), digest, trainable)
 
     @property
     def num_bytes(self) -> int:
-        """Bytes on the wire per push (padding included)."""
-        return sum(
-            n * d.itemsize for n, d in zip(self.bucket_numels, self.bucket_dtypes, strict=True)
-        )
+        """Bytes on the wire of a full push (padding included)."""
+        return self.bucket_bytes(len(self.bucket_numels))
+
+    def bucket_bytes(self, num_buckets: int) -> int:
+        """Bytes of the first `num_buckets` buckets (padding included)."""
+        pairs = zip(self.bucket_numels[:num_buckets], self.bucket_dtypes[:num_buckets], strict=True)
+        return sum(n * d.itemsize for n, d in pairs)
 
     def allocate(self, device: torch.device) -> tuple[list[Tensor], dict[str, Tensor]]:
         """Zeroed bucket buffers on `device` and a view per name into them."""
@@ -210,6 +244,7 @@ class WeightSender:
 
     `named_tensors` defines the layout (names, shapes, dtypes); it is not kept. With
     `transfer_dtype` (e.g. `torch.bfloat16`) floating tensors are cast during the snapshot.
+    `frozen`: names sent on the first push only (see the module docstring).
     `checksum`: on which pushes the sender adds a checksum that receivers verify.
     `shared_memory`: offer shared-memory buckets (used when every receiver can map them; gloo
     only). Building a sender is a collective with the receivers' constructors.
@@ -224,14 +259,17 @@ class WeightSender:
         transfer_dtype: torch.dtype | None = None,
         checksum: Literal["first", "always", "never"] = "first",
         shared_memory: bool = True,
+        frozen: Collection[str] = (),
     ) -> None:
         if group.rank != 0:
             raise ValueError(f"the WeightSender must be rank 0 of its group, got rank {group.rank}")
         if checksum not in ("first", "always", "never"):
             raise ValueError(f"checksum must be 'first', 'always' or 'never', got {checksum!r}")
         self.group = group
+        named = list(_items(named_tensors))
+        frozen = _share_frozen(group, named, set(frozen))
         self.layout = BucketLayout.build(
-            named_tensors, bucket_bytes=bucket_bytes, transfer_dtype=transfer_dtype
+            named, bucket_bytes=bucket_bytes, transfer_dtype=transfer_dtype, frozen=frozen
         )
         self.checksum = checksum
         # One bucket set per in-flight push; two when shared (see the module docstring).
@@ -242,12 +280,14 @@ class WeightSender:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="nebula-weight-sender")
         self._pending: PushHandle | None = None
         self._last_version: int | None = None
+        self._frozen = frozenset(s.name for s in self.layout.slots if s.frozen)
 
     def push(self, named_tensors: NamedTensors, version: int) -> PushHandle:
         """Snapshot `named_tensors` as `version` and start broadcasting it; returns at once.
 
         Waits for the previous push first (and raises its error). Every name of the layout must be
-        given exactly once, with its shape. Versions must increase.
+        given exactly once, with its shape; after the first push the frozen ones may be left out
+        (they are not sent). Versions must increase.
         """
         self.wait()
         if self._last_version is not None and version <= self._last_version:
@@ -256,9 +296,15 @@ class WeightSender:
         seen: set[str] = set()
         slot = self._num_pushes % len(self._sets)
         views = self._set_views[slot]
+        num_buckets = len(self.layout.bucket_numels)
+        if self._num_pushes > 0:  # every receiver has the frozen tensors already
+            num_buckets = self.layout.num_trainable_buckets
+            views = {n: v for n, v in views.items() if n not in self._frozen}
         with torch.no_grad():
             for name, tensor in _items(named_tensors):
                 view = views.get(name)
+                if view is None and name in self._frozen:
+                    continue
                 if view is None:
                     raise ValueError(f"tensor {name!r} is not in the weight layout")
                 if tensor.shape != view.shape:
@@ -282,7 +328,9 @@ class WeightSender:
         )
         self._last_version = version
         self._num_pushes += 1
-        future = self._executor.submit(self._send, version, slot, with_checksum, ready, snapshot_s)
+        future = self._executor.submit(
+            self._send, version, slot, num_buckets, with_checksum, ready, snapshot_s
+        )
         self._pending = PushHandle(version, future)
         return self._pending
 
@@ -301,6 +349,7 @@ class WeightSender:
         self,
         version: int,
         slot: int,
+        num_buckets: int,
         with_checksum: bool,
         ready: torch.cuda.Event | None,
         snapshot_s: float,
@@ -308,14 +357,14 @@ class WeightSender:
         start = time.perf_counter()
         if ready is not None:  # (current_stream takes the device: this thread's may differ)
             torch.cuda.current_stream(self.group.device).wait_event(ready)
-        buffers = self._sets[slot]
+        buffers = self._sets[slot][:num_buckets]
         check = _checksum(buffers) if with_checksum else 0
-        _exchange_header(
-            self.group, self.layout, [version, self.layout.digest, int(with_checksum), check, slot]
-        )
+        header = [version, self.layout.digest, int(with_checksum), check, slot, num_buckets]
+        _exchange_header(self.group, self.layout, header)
         if not self.shared_memory:
             _broadcast(self.group, buffers)
-        return PushStats(version, self.layout.num_bytes, snapshot_s, time.perf_counter() - start)
+        num_bytes = self.layout.bucket_bytes(num_buckets)
+        return PushStats(version, num_bytes, snapshot_s, time.perf_counter() - start)
 
 
 class WeightReceiver:
@@ -340,40 +389,48 @@ class WeightReceiver:
                 "rank 0 of a weight group is the sender; a WeightReceiver needs rank > 0"
             )
         self.group = group
+        named = list(_items(named_tensors))
+        frozen = _share_frozen(group, named, set())
         self.layout = BucketLayout.build(
-            named_tensors, bucket_bytes=bucket_bytes, transfer_dtype=transfer_dtype
+            named, bucket_bytes=bucket_bytes, transfer_dtype=transfer_dtype, frozen=frozen
         )
         self._sets = _negotiate(group, self.layout, offer=shared_memory)
         self.shared_memory = len(self._sets) == 2
         self._set_views = [self.layout.views(buffers) for buffers in self._sets]
 
     def receive(self, *, timeout: timedelta | None = None) -> tuple[int, dict[str, Tensor]]:
-        """Block until the next push; its version and a view per name into this receiver's buffers.
+        """Block until the next push; its version and a view per name into this receiver's buffers
+        (every name on the first push, the tensors that are not frozen on later ones).
 
         The views are overwritten by the next `receive`. `timeout` bounds the wait for the push
         to start (default: the group's timeout); the transfer itself uses the group's timeout.
         A timeout leaves the group unusable: rebuild it.
         """
         header = _exchange_header(
-            self.group, self.layout, [-1, self.layout.digest, 0, 0, 0], timeout
+            self.group, self.layout, [-1, self.layout.digest, 0, 0, 0, 0], timeout
         )
-        version, _, with_checksum, expected, slot = header
-        buffers = self._sets[slot]
+        version, _, with_checksum, expected, slot, num_buckets = header
+        buffers = self._sets[slot][:num_buckets]
         if not self.shared_memory:
             _broadcast(self.group, buffers)
         if with_checksum and (got := _checksum(buffers)) != expected:
-            raise ValueError(
+            raise CorruptedPushError(
                 f"weights of version {version} arrived corrupted on rank {self.group.rank}: "
                 f"checksum {got} != sender's {expected}"
             )
-        return version, dict(self._set_views[slot])
+        views = self._set_views[slot]
+        if num_buckets < len(self.layout.bucket_numels):
+            return version, {s.name: views[s.name] for s in self.layout.slots if not s.frozen}
+        return version, dict(views)
 
     def receive_into(self, named_tensors: NamedTensors, *, timeout: timedelta | None = None) -> int:
-        """`receive` and copy every tensor into the same-named one of `named_tensors` (in place)."""
+        """`receive` and copy every tensor it brought into the same-named one of `named_tensors`
+        (in place)."""
         version, received = self.receive(timeout=timeout)
         with torch.no_grad():
             for name, tensor in _items(named_tensors):
-                tensor.copy_(received[name])
+                if name in received:
+                    tensor.copy_(received[name])
         return version
 
 
@@ -392,6 +449,25 @@ def _checksum(buffers: list[Tensor]) -> int:
     """Sum of all bytes read as int32 words, exact (int64 accumulation, no overflow per bucket)."""
     total = sum(int(b.view(torch.int32).sum(dtype=torch.int64)) for b in buffers)
     return total % (1 << 63)
+
+
+def _share_frozen(
+    group: WeightGroup, named: list[tuple[str, Tensor]], frozen: set[str]
+) -> set[str]:
+    """Rank 0's `frozen` names, on every member: a collective of the sender's and receivers'
+    constructors. When the members hold different names, none is frozen (their layouts differ
+    anyway, and the first push raises `LayoutMismatchError`)."""
+    names = sorted(name for name, _ in named)
+    digest = int.from_bytes(hashlib.sha256("\0".join(names).encode()).digest()[:8], "little") >> 1
+    mine = torch.tensor([len(names), digest], dtype=torch.int64, device=group.device)
+    rows = [torch.empty_like(mine) for _ in range(group.world_size)]
+    group.pg.allgather(rows, mine, group.timeout).wait()
+    if any(not torch.equal(row, mine) for row in rows):
+        return set()
+    flags = [name in frozen for name in names]
+    mask = torch.tensor(flags, dtype=torch.uint8, device=group.device)
+    group.pg.broadcast(mask, 0, group.timeout).wait()
+    return {name for name, flag in zip(names, mask.tolist(), strict=True) if flag}
 
 
 def _negotiate(group: WeightGroup, layout: BucketLayout, *, offer: bool) -> list[list[Tensor]]:

@@ -18,6 +18,10 @@ only slow pushes its group anyway), but only the first group of each `prompt_id`
 (`accepted:<epoch>` set), so it is trained once. Nothing is lost: a prompt leaves the streams only
 when its group is accepted or it is put back as a new stream entry, in one transaction.
 
+Validation prompts live beside the ledger, never in it (`validation`): their own stream and
+per-step ledger, answered exactly once by the same means, recorded as `val/*` records of the step
+they validate.
+
 Training runs as commands: the controller appends a `train` command to each policy replica's
 `commands:<replica>` stream, each replica reads its own (consumer group `policy`), trains on its
 share of the in-flight batch and appends a result to the `results` stream, which the controller
@@ -33,9 +37,10 @@ Simplifications: one controller consumes the `groups` and `results` streams; one
 is in flight at a time; staleness is judged when a group is accepted and again when it is taken
 into a batch.
 
-The state is split by concern: `ledger` (prompts, buffer, steps), `registry` (replicas and
-heartbeats), `commands` (commands and results), `groups` (elastic group generations), `snapshot`
-(checkpoints of the whole state); `JobState` combines them.
+The state is split by concern: `ledger` (prompts, buffer, steps), `validation` (validation
+prompts and answers), `registry` (replicas and heartbeats), `commands` (commands and results),
+`groups` (elastic group generations), `snapshot` (checkpoints of the whole state); `JobState`
+combines them.
 """
 
 from __future__ import annotations
@@ -53,13 +58,14 @@ from nebula_rl.controller.state.groups import Groups
 from nebula_rl.controller.state.ledger import LEDGER_STATES, Ledger
 from nebula_rl.controller.state.registry import Registry
 from nebula_rl.controller.state.snapshot import Snapshots
+from nebula_rl.controller.state.validation import Validation
 
 __all__ = ["CONTROLLER_GROUP", "LEDGER_STATES", "POLICY_GROUP", "ROLLOUT_GROUP", "JobState"]
 
 log = logging.getLogger(__name__)
 
 
-class JobState(Ledger, Registry, Commands, Groups, Snapshots):
+class JobState(Ledger, Validation, Registry, Commands, Groups, Snapshots):
     """All durable controller state of job `job`, kept in Redis (see the module docstring).
 
     `redis` must decode responses to `str` (see :func:`nebula_rl.controller.connect`). `clock`
@@ -71,12 +77,23 @@ class JobState(Ledger, Registry, Commands, Groups, Snapshots):
         the replicas of that moment are gone, unregister them and requeue the prompts they held."""
         self._restore_keys(snapshot)
         self._groups.clear()
-        for consumer in self.redis.xinfo_consumers(self.key("prompts"), ROLLOUT_GROUP):
-            self.requeue_pending(consumer["name"])
+        self._create_stream_groups()  # (a snapshot of an older version may lack one)
+        consumers = {
+            consumer["name"]
+            for stream in ("prompts", "val_prompts")
+            for consumer in self.redis.xinfo_consumers(self.key(stream), ROLLOUT_GROUP)
+        }
+        for name in sorted(consumers):
+            self.requeue_pending(name)
         for name in self.replicas():
             self.unregister_replica(name)
         # Their groups went with them (generation numbers keep growing: the counters stay).
         self.redis.delete(*(self.key(k, kind) for k in ("group", "regroup") for kind in KINDS))
+
+    def requeue_pending(self, consumer: str) -> int:
+        """Put the prompts `consumer` holds back on their streams, training prompts (see
+        :meth:`Ledger.requeue_pending`) and validation prompts alike; returns how many."""
+        return Ledger.requeue_pending(self, consumer) + self.requeue_validation(consumer)
 
     def reap_dead_replicas(self, timeout: float) -> list[str]:
         """Unregister replicas silent for `timeout` seconds and requeue their prompts."""

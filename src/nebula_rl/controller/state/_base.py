@@ -43,13 +43,18 @@ class StateBase:
         self.clock = clock
         self.prefix = f"nebula:{job}:"
         self._groups: set[tuple[str, str]] = set()
+        self._create_stream_groups()
+
+    def _create_stream_groups(self) -> None:
+        """The streams every job has, with their consumer groups (kept when they exist)."""
         for stream, group in (
             (self.key("prompts"), ROLLOUT_GROUP),
+            (self.key("val_prompts"), ROLLOUT_GROUP),
             (self.key("groups"), CONTROLLER_GROUP),
             (self.key("results"), CONTROLLER_GROUP),
         ):
             try:
-                redis.xgroup_create(stream, group, id="0", mkstream=True)
+                self.redis.xgroup_create(stream, group, id="0", mkstream=True)
             except ResponseError as err:
                 if "BUSYGROUP" not in str(err):
                     raise

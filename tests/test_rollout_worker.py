@@ -1,0 +1,253 @@
+"""The rollout replica's loop against a real controller API and Redis, without a policy: what it
+claims, what it generates and how it scores, as the config says.
+
+Each test joins one rollout replica (the real `RolloutWorker` on the tiny Qwen2 preset, its
+engine running) to a job whose prompts the test puts on the streams, and reads the groups it
+pushes back. No weights travel: the engine keeps version 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+import torch
+
+from nebula_rl.config import Config
+from nebula_rl.controller import JobState, connect, create_app, serve, start_redis
+from nebula_rl.controller.client import TOKEN_ENV, ReplicaSession
+from nebula_rl.data import rl_prompt, rl_rows, rl_validation_rows
+from nebula_rl.models import load_tokenizer
+from nebula_rl.protocol import Prompt, RolloutGroup
+from nebula_rl.rollout.worker import RolloutWorker, completion_text, sampling_params
+
+TOKEN = "rollout-worker-test-token-0123"
+TEST_REWARDS = __name__
+
+
+def reference_reward(completion: str, reference: str) -> float:
+    """The reference answer as the reward: shows which reference a group was scored against."""
+    return float(reference)
+
+
+def length_reward(completion: str, reference: str) -> float:
+    return float(len(completion))
+
+
+def constant_reward(completion: str, reference: str) -> float:
+    return 0.5
+
+
+def custom_reward(completion: str, reference: str, custom: dict[str, Any]) -> float:
+    return float(custom["bonus"])
+
+
+def failing_reward(completion: str, reference: str) -> float:
+    raise AssertionError("bypass_reward: no reward function may run")
+
+
+Worker = Callable[..., RolloutWorker]
+
+
+@pytest.fixture
+def rollout_worker(tmp_path, grpo_job_config, monkeypatch) -> Iterator[Worker]:
+    """`make(*changes)`: a job whose config is the arithmetic job with `changes`, and its
+    rollout replica (engine started); the job's state is `worker.session.state`."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    with ExitStack() as stack:
+        redis = stack.enter_context(start_redis(data_dir=tmp_path / "redis"))
+
+        def make(*changes: dict[str, Any]) -> RolloutWorker:
+            cfg = grpo_job_config(*changes)
+            state = JobState(connect(redis.url), "job")
+            app = create_app(
+                state=state,
+                config_json=cfg.model_dump(mode="json"),
+                token=TOKEN,
+                meta_extra={"redis_url": redis.url},
+            )
+            server = stack.enter_context(serve(app))
+            session = ReplicaSession.join(server.url, name="rollout-0", role="rollout")
+            stack.callback(session.leave)
+            worker = RolloutWorker(session, device=torch.device("cpu"))
+            stack.callback(worker.close)
+            worker.engine.start()
+            return worker
+
+        yield make
+
+
+def _enqueue(cfg: Config, state: JobState, num: int, **prompt: Any) -> list[Prompt]:
+    rows = rl_rows(cfg)
+    prompts = [
+        rl_prompt(cfg, rows, epoch=0, index=i, with_text=not cfg.train.local_dataset)
+        for i in range(num)
+    ]
+    prompts = [Prompt(**{**_fields(p), **prompt}) for p in prompts]
+    assert state.enqueue_prompts(prompts) == num
+    return prompts
+
+
+def _fields(p: Prompt) -> dict[str, Any]:
+    return {name: getattr(p, name) for name in Prompt.__slots__}  # type: ignore[attr-defined]
+
+
+def _groups(worker: RolloutWorker, num: int, timeout_s: float = 60.0) -> list[RolloutGroup]:
+    """Run the worker's loop until it pushed `num` groups; those groups, by prompt id."""
+    state = worker.session.state
+    deadline = time.monotonic() + timeout_s
+    while worker.num_groups < num:
+        assert time.monotonic() < deadline, f"{worker.num_groups} of {num} groups"
+        worker.step()
+    groups = [g for _, g in state.poll_groups(100)]
+    assert len(groups) == num
+    return sorted(groups, key=lambda g: g.prompt.prompt_id)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_claims_what_the_engine_has_room_for_plus_the_prefetch(rollout_worker, prefetch):
+    worker = rollout_worker(
+        {
+            "rollout": {
+                "max_num_seqs": 12,  # room for 3 prompts of n_generation 4
+                "batch_size": 2,
+                "prefetch_rollout": prefetch,
+                "prefetch_queue_maxsize": 3,
+            }
+        }
+    )
+    worker.engine.shutdown()  # (nothing is generated: the claims are counted alone)
+    _enqueue(worker.cfg, worker.session.state, 20)
+    claims = []
+    while claimed := worker.claim():
+        claims.append(claimed)
+    expected = 3 + (3 * 2 if prefetch else 0)
+    assert sum(claims) == len(worker.waiting) == expected
+    assert max(claims) == 2  # `batch_size` at a time
+    # The engine takes what it has room for; what it took makes room for no more claims.
+    worker.submit_ready()
+    assert len(worker.generating) == expected and worker.claim() == 0
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_prompt_rows_come_from_the_replicas_copy_or_with_the_prompt(rollout_worker, local):
+    """train.local_dataset: the prompt carries the row's index only and the replica reads its own
+    copy of the row; otherwise it uses the text and reference that come with the prompt (here
+    not the row's, to tell them apart)."""
+    worker = rollout_worker(
+        {
+            "train": {
+                "local_dataset": local,
+                "train_policy": {"reward_function": f"{TEST_REWARDS}:reference_reward"},
+            }
+        }
+    )
+    cfg, state = worker.cfg, worker.session.state
+    sent = {} if local else {"prompt": "1+1=", "reference": "-7"}
+    prompts = _enqueue(cfg, state, 3, **sent)
+    rows = rl_rows(cfg)
+    for prompt, group in zip(prompts, _groups(worker, 3), strict=True):
+        assert group.prompt == prompt and (prompt.prompt is None) == local
+        expected = float(rows[prompt.index]["answer"]) if local else -7.0
+        assert group.rewards == [expected] * 4
+    assert state.ledger_summary(0)["outstanding"] == 3  # pushed, acknowledged, not yet judged
+
+
+def test_scores_texts_logprobs_and_filters_as_configured(rollout_worker):
+    """Rewards with the `custom` table, per-function reward terms, dynamic sampling by the named
+    reward's values (a constant one: filtered), no log-probs without collect_rollout_logprobs;
+    each text is the decoded completion without its stop token."""
+    worker = rollout_worker(
+        {
+            "train": {
+                "train_policy": {
+                    "reward_function": {
+                        f"{TEST_REWARDS}:custom_reward": 2.0,
+                        f"{TEST_REWARDS}:length_reward": 1.0,
+                    },
+                    "filter_reward_metric": f"{TEST_REWARDS}:constant_reward",
+                    "collect_rollout_logprobs": False,
+                    "use_rollout_logprobs_for_loss": False,
+                }
+            },
+            "custom": {"bonus": 3.0},
+        }
+    )
+    _enqueue(worker.cfg, worker.session.state, 2)
+    for group in _groups(worker, 2):
+        assert group.extra == {"filtered": True}  # constant_reward never varies
+        for c in group.completions:
+            assert c.logprobs == [] and c.token_ids
+            assert c.text == completion_text(
+                worker.tokenizer, c.token_ids, c.finish_reason, include_stop=False
+            )
+            terms = {"custom_reward": 3.0, "length_reward": float(len(c.text))}
+            terms["constant_reward"] = 0.5  # a filter metric only: not in the total
+            assert c.reward_terms == {f"{TEST_REWARDS}:{k}": v for k, v in terms.items()}
+            assert c.reward == 2.0 * 3.0 + len(c.text)
+
+
+def test_bypass_reward_runs_no_reward_function(rollout_worker):
+    worker = rollout_worker(
+        {"train": {"train_policy": {"reward_function": f"{TEST_REWARDS}:failing_reward"}}},
+        {"train": {"train_policy": {"bypass_reward": True}}},
+    )
+    _enqueue(worker.cfg, worker.session.state, 2)
+    for group in _groups(worker, 2):
+        assert group.rewards == [0.0] * 4 and group.extra == {}
+        assert all(
+            c.reward_terms == {} and len(c.logprobs) == len(c.token_ids) for c in group.completions
+        )
+
+
+def test_validation_prompts_go_first_with_validation_sampling_and_rewards(rollout_worker):
+    worker = rollout_worker(
+        {
+            "train": {"train_policy": {"dataset": {"test_size": 4}}},
+            "validation": {
+                "enable": True,
+                "n_generation": 3,
+                "max_response_length": 1,
+                "reward_function": f"{TEST_REWARDS}:reference_reward",
+            },
+        }
+    )
+    cfg, state = worker.cfg, worker.session.state
+    val_rows = rl_validation_rows(cfg)
+    _enqueue(cfg, state, 2)
+    prompts = [
+        rl_prompt(cfg, val_rows, epoch=0, index=i, validation_step=0, with_text=False)
+        for i in range(4)
+    ]
+    assert state.enqueue_validation(0, prompts)
+    worker.claim()
+    assert len(worker.val_waiting) == 4 and len(worker.waiting) == 0  # validation first
+    groups = _groups(worker, 6)
+    validation = [g for g in groups if g.prompt.validation_step == 0]
+    assert len(validation) == 4
+    for g in validation:
+        # validation.n_generation, .max_response_length and .reward_function, no log-probs
+        assert g.rewards == [float(val_rows[g.prompt.index]["answer"])] * 3
+        assert all(len(c.token_ids) == 1 and c.logprobs == [] for c in g.completions)
+        assert len({tuple(c.token_ids) for c in g.completions}) == 1  # greedy (top_k 1)
+    training = [g for g in groups if g.prompt.validation_step is None]
+    assert [len(g.completions) for g in training] == [4, 4]
+    assert state.claim_validation("rollout-1", 10) == []  # acknowledged: none left pending
+
+
+def test_stop_token_text_is_kept_only_when_asked():
+    tokenizer = load_tokenizer("tiny:qwen2")
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.encode("12", add_special_tokens=False) + [eos]
+    assert completion_text(tokenizer, ids, "stop", include_stop=False) == "12"
+    assert completion_text(tokenizer, ids, "stop", include_stop=True) == "12<|im_end|>"
+    # A completion cut at max tokens ends with no stop token: nothing is left out.
+    assert completion_text(tokenizer, ids[:-1], "length", include_stop=False) == "12"
+
+
+def test_sampling_settings_follow_the_config(grpo_job_config):
+    cfg = grpo_job_config({"rollout": {"sampling_config": {"repetition_penalty": 1.3}}})
+    assert sampling_params(cfg, 2).repetition_penalty == 1.3
