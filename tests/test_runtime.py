@@ -353,3 +353,35 @@ def test_job_resumes_from_its_checkpoint(tmp_path, grpo_job_config):
         "step_4",
         "step_6",
     ]
+
+
+def test_a_preemption_signal_checkpoints_the_job_which_goes_on(tmp_path, grpo_job_config):
+    """SIGUSR1 to the launcher (as SLURM sends before it kills a job; train.save_ckpt_at_exit):
+    the policy saves a checkpoint after the next step, with the controller's snapshot of that
+    step, although checkpointing is off in the config; the job goes on to its end."""
+    import signal
+    import time
+
+    from nebula_rl.runs import complete_checkpoints
+
+    cfg = _cfg(grpo_job_config, allowed=1)
+    assert not cfg.train.ckpt.enable_checkpoint and cfg.train.save_ckpt_at_exit
+    config = tmp_path / "job.json"
+    config.write_text(cfg.model_dump_json())
+    run_dir = Path(cfg.train.output_dir) / cfg.train.timestamp
+    process = subprocess.Popen(
+        [sys.executable, "-m", "nebula_rl.cli", "train", "--config", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    process.send_signal(signal.SIGUSR1)
+    assert process.wait(timeout=600) == 0
+    _check_job(run_dir, allowed=1)  # every prompt trained once, all steps recorded
+    (step, _), *others = complete_checkpoints(run_dir)
+    assert others == [] and 2 <= step <= NUM_ROWS // BATCH
+    assert (run_dir / "checkpoints" / "controller" / f"step_{step}.json").exists()

@@ -50,6 +50,7 @@ from nebula_rl.controller.client import (
 )
 from nebula_rl.controller.redis_server import RedisServer, start_redis
 from nebula_rl.metrics_log import MetricsLogger, check_installed, open_loggers
+from nebula_rl.signals import forward_checkpoint_signals
 
 __all__ = ["Placement", "check_job", "ensure_model", "launch", "plan_placement"]
 
@@ -268,6 +269,9 @@ def launch(
 
         controller = start_controller(restart=False)
         children.append(controller)
+        # A scheduler's pre-emption signal (train.save_ckpt_at_exit): a checkpoint after the
+        # next step, through the controller; the job goes on.
+        forward_checkpoint_signals(cfg.train, lambda: _request_checkpoint(address, env[TOKEN_ENV]))
         for place in placement:
             argv = _torchrun(place.nproc) + ["replica", "--role", place.role]
             argv += ["--controller", address, "--name", place.name]
@@ -344,6 +348,14 @@ def check_job(cfg: Config) -> None:
             f"rollout.parallelism: tp_size ({rollout.tp_size}) * pp_size ({rollout.pp_size}) "
             "must be 1: the RL runtime runs each rollout replica as one process"
         )
+
+
+def _request_checkpoint(address: str, token: str) -> None:
+    client = ControllerClient(address, token, timeout=10.0)
+    try:
+        client.request_checkpoint()
+    finally:
+        client.close()
 
 
 def _total_steps(address: str, token: str) -> int:

@@ -47,6 +47,7 @@ from nebula_rl.data import (
     split_rows,
     validate_rows,
 )
+from nebula_rl.data.sft_loader import SftBatches
 from nebula_rl.metrics_log import open_loggers
 from nebula_rl.models import load_tokenizer, resolve_dtype
 from nebula_rl.models.export import export_hf
@@ -59,6 +60,7 @@ from nebula_rl.policy.setup import (
     use_deterministic,
 )
 from nebula_rl.policy.trainer import PolicyTrainer
+from nebula_rl.profiling import StepProfiler
 from nebula_rl.protocol import Prompt, RolloutGroup
 from nebula_rl.rewards import Scorer, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
@@ -71,6 +73,7 @@ from nebula_rl.rollout.worker import (
     validation_sampling_params,
 )
 from nebula_rl.runs import drop_steps_after, is_checkpoint, latest_checkpoint, resolve_run_dir
+from nebula_rl.signals import CheckpointSignal
 from nebula_rl.validation import validation_due, validation_metrics, validation_seed
 
 __all__ = ["run"]
@@ -378,6 +381,8 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
     def validate(step: int) -> dict[str, float]:
         return _validate(engine, tokenizer, cfg, val_rows, val_score, step)
 
+    profiler = StepProfiler(cfg.profiler, run_dir, name="local")
+    save_signal = CheckpointSignal(cfg.train)
     try:
         if done == 0 and validation_due(cfg, 0, total_steps=total):
             writer.write({"step": 0, **validate(0)})
@@ -389,6 +394,7 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
                 step -= 1
                 break
             metrics = trainer.grpo_step(batch)
+            profiler.step()
             engine.update_weights(model.named_parameters(), policy_version=step)
             trained = trained + [g.prompt.prompt_id for g in batch]
             num_gen_tokens = sum(len(c.token_ids) for g in batch for c in g.completions)
@@ -406,23 +412,30 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
                 record |= validate(step)
                 validated = step
             writer.write(record)
-            if checkpointer.due(step, last=step == total):
+            # A signal of train.signal_to_handle (save_ckpt_at_exit) asks for a checkpoint now;
+            # RL goes on, as in cosmos-rl.
+            if checkpointer.due(step, last=step == total) or save_signal.take():
                 position = {"epoch": prompts.epoch, "position": prompts.position}
                 checkpointer.save(step, data={**position, "trained_prompts": trained})
         if cfg.validation.enable and validated < step:  # the prompts ran out before `total`
             writer.write({"step": step, **validate(step)})
     finally:
+        profiler.close()
+        save_signal.release()
         checkpointer.close()
         writer.close()
     (run_dir / "trained_prompts.json").write_text(json.dumps(trained))
 
 
-def _sft_examples(
-    cfg: Config, p: SftConfig, tokenizer: Any, rows: list[dict[str, Any]]
-) -> list[tuple[list[int], list[int]]]:
-    """(token ids, assistant mask) of each row's conversation, truncated to the model length."""
-    examples = []
-    for row in rows:
+class _SftTokenize:
+    """A row's (token ids, assistant mask), truncated to the model length (picklable, for
+    dataloader worker processes)."""
+
+    def __init__(self, cfg: Config, p: SftConfig, tokenizer: Any) -> None:
+        self.p, self.tokenizer, self.max_length = p, tokenizer, cfg.policy.model_max_length
+
+    def __call__(self, row: dict[str, Any]) -> tuple[list[int], list[int]]:
+        p = self.p
         if p.prompt_column_name and p.response_column_name:
             messages = [
                 {"role": "user", "content": row[p.prompt_column_name]},
@@ -430,15 +443,9 @@ def _sft_examples(
             ]
         else:
             messages = row[p.conversation_column_name]
-        examples.append(
-            sft_example(
-                tokenizer,
-                messages,
-                system_prompt=p.system_prompt,
-                max_length=cfg.policy.model_max_length,
-            )
+        return sft_example(
+            self.tokenizer, messages, system_prompt=p.system_prompt, max_length=self.max_length
         )
-    return examples
 
 
 def _sft_rows(cfg: Config, p: SftConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -465,6 +472,15 @@ def _sft_rows(cfg: Config, p: SftConfig) -> tuple[list[dict[str, Any]], list[dic
             "train.train_policy.dataset.test_size"
         )
     return train, held_out[: v.max_num_prompts]
+
+
+def _agree(flag: bool) -> bool:
+    """Whether any rank's `flag` is set (every rank must take the same branch after it)."""
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor([int(flag)], device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _data_parallel(cfg: Config, model: torch.nn.Module) -> tuple[int, int, DataParallelSums | None]:
@@ -501,14 +517,21 @@ def _data_parallel(cfg: Config, model: torch.nn.Module) -> tuple[int, int, DataP
 
 def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None:
     train_rows, val_rows = _sft_rows(cfg, p)
-    examples = _sft_examples(cfg, p, tokenizer, train_rows)
-    val_examples = _sft_examples(cfg, p, tokenizer, val_rows)
+    tokenize = _SftTokenize(cfg, p, tokenizer)
+    batches = SftBatches(
+        train_rows,
+        tokenize,
+        num_workers=p.dataloader_num_workers,
+        prefetch_factor=p.dataloader_prefetch_factor,
+    )
+    val_examples = [tokenize(row) for row in val_rows]
     dp_rank, dp_size, sums = _data_parallel(cfg, model)
     # `train_batch_per_replica` conversations per data-parallel rank (as in cosmos-rl): a step
     # takes dp_size times that, each rank every dp_size-th of them; the trainer normalises by the
     # global token count, so the step is that of the whole batch.
     size = cfg.train.train_batch_per_replica * dp_size
-    per_epoch = len(examples) // size if p.dataloader_drop_last else -(-len(examples) // size)
+    num_rows = len(train_rows)
+    per_epoch = num_rows // size if p.dataloader_drop_last else -(-num_rows // size)
     total = num_train_steps(cfg, per_epoch * size, items_per_step=size)
     val_examples = val_examples[dp_rank::dp_size]
     trainer = PolicyTrainer(
@@ -521,11 +544,11 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
     if restored is not None:
         step = restored.step
         first_epoch, first_position = restored.data["epoch"], restored.data["position"]
-    writer = (
-        _MetricsWriter(cfg, run_dir, after_step=step, total_steps=total)
-        if not dist.is_initialized() or dist.get_rank() == 0  # (TP ranks share dp_rank 0)
-        else None
-    )
+    lead = not dist.is_initialized() or dist.get_rank() == 0  # (TP ranks share dp_rank 0)
+    writer = _MetricsWriter(cfg, run_dir, after_step=step, total_steps=total) if lead else None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    profiler = StepProfiler(cfg.profiler, run_dir, name="sft", rank=rank)
+    stop_signal = CheckpointSignal(cfg.train)
     try:
         if val_examples and step == 0 and cfg.validation.val_before_train:
             val_loss = trainer.sft_eval(val_examples, rows_per_forward=val_rows_per_forward)
@@ -533,26 +556,36 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
                 writer.write({"step": 0, "val_loss": val_loss})
         for epoch in range(first_epoch, cfg.train.epoch):
             order = epoch_order(
-                len(examples), epoch=epoch, shuffle=p.dataloader_shuffle, seed=p.dataloader_seed
+                num_rows, epoch=epoch, shuffle=p.dataloader_shuffle, seed=p.dataloader_seed
             )
             first = first_position if epoch == first_epoch else 0
-            for start in range(first, per_epoch * size, size):
-                if step >= total:
-                    return
+            last = min(per_epoch * size, first + (total - step) * size)
+            steps = batches.epoch(
+                order, start=first, stop=last, size=size, dp_rank=dp_rank, dp_size=dp_size
+            )
+            for position, batch in steps:
                 step += 1
                 t0 = time.perf_counter()
-                batch = [examples[i] for i in order[start : start + size]]
-                metrics = trainer.sft_step(batch[dp_rank::dp_size])
+                metrics = trainer.sft_step(batch)
                 step_time = time.perf_counter() - t0
+                profiler.step()
                 if val_examples and (step % cfg.validation.freq == 0 or step == total):
                     metrics["val_loss"] = trainer.sft_eval(
                         val_examples, rows_per_forward=val_rows_per_forward
                     )
                 if writer is not None:
                     writer.write({"step": step, "epoch": epoch, **metrics, "step_time": step_time})
-                if checkpointer.due(step, last=step == total):
-                    checkpointer.save(step, data={"epoch": epoch, "position": start + size})
+                # A signal of train.signal_to_handle (save_ckpt_at_exit): save, then stop, as
+                # cosmos-rl's SFT does.
+                signalled = _agree(stop_signal.take())
+                if checkpointer.due(step, last=step == total) or signalled:
+                    checkpointer.save(step, data={"epoch": epoch, "position": position})
+                if signalled:
+                    log.warning("stopping after step %d: a checkpoint is saved", step)
+                    return
     finally:
+        profiler.close()
+        stop_signal.release()
         checkpointer.close()
         if writer is not None:
             writer.close()

@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 
 from nebula_rl.controller.client import ReplicaSession
+from nebula_rl.signals import forward_checkpoint_signals
 
 __all__ = ["exit_now", "run_replica"]
 
@@ -34,6 +35,9 @@ def run_replica(role: Literal["policy", "rollout"], *, controller: str, name: st
     # At once, not after loading the model: a load slower than the heartbeat timeout must not
     # get the replica reaped before it starts.
     session.start_heartbeats()
+    # A scheduler's pre-emption signal (train.save_ckpt_at_exit) asks for a checkpoint; the
+    # replica goes on (SIGUSR1 would otherwise end it).
+    forward_checkpoint_signals(session.cfg.train, session.client.request_checkpoint)
     try:
         if role == "policy":
             from nebula_rl.policy.worker import run_policy

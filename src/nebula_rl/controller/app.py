@@ -317,6 +317,13 @@ def create_app(
             raise HTTPException(404, f"replica {req.name} is not registered")
         return {"ok": True}
 
+    @app.post("/api/checkpoint")
+    def request_checkpoint() -> dict[str, Any]:
+        """Save a checkpoint after the next training step (what a scheduler's pre-emption
+        signal asks for, `train.save_ckpt_at_exit`); the job goes on."""
+        state.request_checkpoint()
+        return {"ok": True}
+
     @app.get("/api/meta")
     def get_meta() -> dict[str, Any]:
         """The job's config and what replicas need to join it (e.g. the Redis URL)."""

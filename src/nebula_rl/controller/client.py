@@ -93,6 +93,10 @@ class ControllerClient:
         """Step, policy version, replicas, ledger."""
         return self._call("GET", "/api/status")
 
+    def request_checkpoint(self) -> dict[str, Any]:
+        """Ask for a checkpoint after the next training step."""
+        return self._call("POST", "/api/checkpoint")
+
     def replicas(self) -> list[dict[str, Any]]:
         """Every registered replica's registry entry."""
         return self._call("GET", "/api/replicas")["replicas"]

@@ -465,8 +465,11 @@ class Scheduler:
             "staleness_max": max(staleness),
             "push": (step % self.sync_interval == 0 and step < self.total_steps)
             or validation_due(self.cfg, step, total_steps=self.total_steps),
-            "checkpoint": ckpt.enable_checkpoint
-            and (step % ckpt.save_freq == 0 or step == self.total_steps),
+            "checkpoint": (
+                ckpt.enable_checkpoint and (step % ckpt.save_freq == 0 or step == self.total_steps)
+            )
+            # (save_ckpt_at_exit: a signal asked for one, whether or not checkpoints are on)
+            or self.state.take_checkpoint_request(),
         }
         self._sent = time.monotonic()
         self._send_step(plan, group)

@@ -58,6 +58,7 @@ from nebula_rl.policy.checkpoint import Checkpointer
 from nebula_rl.policy.replicas import CollectiveError, ReplicaGroup
 from nebula_rl.policy.setup import load_policy_model, prepare_single_process, use_deterministic
 from nebula_rl.policy.trainer import PolicyTrainer
+from nebula_rl.profiling import StepProfiler
 from nebula_rl.weights import WeightSender, build_group
 from nebula_rl.weights.elastic import ElasticSender, current_generation
 from nebula_rl.weights.group import Generation, GroupCancelled, WeightGroup, leave_group
@@ -104,6 +105,7 @@ class PolicyWorker:
             scheduler=self.trainer.scheduler,
             export=functools.partial(export_hf, self.model, self.tokenizer),
         )
+        self.profiler = StepProfiler(cfg.profiler, Path(meta["run_dir"]), name=session.name)
         self.version = 0
         """The last step the training state includes (its policy version)."""
         if meta["resume_from"] is not None:  # every replica loads it: they stay identical
@@ -292,6 +294,7 @@ class PolicyWorker:
             self._step_failed(command, self.optimizer_steps - before, err)
             return
         train_time = time.perf_counter() - start
+        self.profiler.step()
         self.version = step
         if command["push_weights"]:
             self.weights.push(self.model.named_parameters(), step)
@@ -336,6 +339,7 @@ class PolicyWorker:
 
     def stop(self) -> None:
         """Finish pushes and checkpoints, export (policy rank 0), confirm."""
+        self.profiler.close()
         self.checkpointer.close()
         self.weights.close()
         if self.rank == 0 and self.cfg.train.ckpt.export_safetensors:

@@ -368,6 +368,15 @@ class Ledger(StateBase):
         """The job's outcome once it ended, else None."""
         return self.redis.get(self.key("finished"))
 
+    def request_checkpoint(self) -> None:
+        """Ask for a checkpoint after the next step (`train.save_ckpt_at_exit`: a process of the
+        job received one of `train.signal_to_handle`)."""
+        self.redis.set(self.key("checkpoint_requested"), 1)
+
+    def take_checkpoint_request(self) -> bool:
+        """Whether a checkpoint was asked for since the last call (the request is consumed)."""
+        return self.redis.getdel(self.key("checkpoint_requested")) is not None
+
     def policy_version(self) -> int:
         """Version of the newest policy weights (0 before the first update)."""
         return int(self.redis.get(self.key("policy_version")) or 0)
