@@ -123,6 +123,8 @@ class Generation:
     """Generation number, increasing over the job (never reused, also across controller restarts)."""
     members: tuple[str, ...]
     """Replica names in rank order; for "weights" the sender comes first."""
+    sizes: tuple[int, ...]
+    """Processes of each member (its torchrun world size), in member order."""
     job: str
     """Job name, part of the group name so that two jobs never share keys."""
 
@@ -133,23 +135,41 @@ class Generation:
             kind=str(record["kind"]),
             number=int(record["generation"]),
             members=tuple(record["members"]),
+            sizes=tuple(int(record.get("sizes", {}).get(m, 1)) for m in record["members"]),
             job=str(record["job"]),
         )
 
     @property
     def world_size(self) -> int:
-        """Number of members."""
+        """Number of member replicas."""
         return len(self.members)
 
+    @property
+    def num_processes(self) -> int:
+        """Ranks of the generation's group: every process of every member."""
+        return sum(self.sizes)
+
     def rank_of(self, name: str) -> int | None:
-        """`name`'s rank in this generation, None if it is not a member."""
+        """`name`'s position among the members (its replica rank), None if it is not one."""
         return self.members.index(name) if name in self.members else None
 
-    def rendezvous(self, store: redis.Redis) -> Rendezvous:
+    def first_rank(self, name: str) -> int:
+        """The group rank of member `name`'s process 0 (its processes' ranks follow)."""
+        position = self.members.index(name)
+        return sum(self.sizes[:position])
+
+    def size_of(self, name: str) -> int:
+        """Processes of member `name`."""
+        return self.sizes[self.members.index(name)]
+
+    def rendezvous(self, store: redis.Redis, *, part: str = "") -> Rendezvous:
         """Where this generation's members build their group: in the job's Redis `store`, under
-        a fresh key prefix per generation."""
-        name = f"{self.job}-{self.kind}-g{self.number}"
-        return Rendezvous("", 0, name, self.world_size, redis=store)
+        a fresh key prefix per generation. The group has one rank per process of every member;
+        with `part` (e.g. "l1"), a group of its own for that name, of one rank per member
+        replica (the policy replicas' data-parallel group of their processes 1)."""
+        name = f"{self.job}-{self.kind}-g{self.number}" + (f"-{part}" if part else "")
+        size = self.world_size if part else self.num_processes
+        return Rendezvous("", 0, name, size, redis=store)
 
 
 class Collectives(Protocol):

@@ -17,13 +17,19 @@ class Groups(StateBase):
 
     def group_record(self, kind: str) -> dict[str, Any] | None:
         """The current generation of group `kind` ("policy" or "weights"): {kind, generation,
-        members (rank order), ids (their replica ids), job (the members meet in the job's Redis),
-        confirmed (member -> what it reported on joining)}; None before the first."""
+        members (rank order), ids (their replica ids), sizes (their processes), job (the members
+        meet in the job's Redis), confirmed (member -> what it reported on joining)}; None before
+        the first."""
         raw = self.redis.get(self.key("group", kind))
         return None if raw is None else json.loads(raw)
 
     def publish_group(
-        self, kind: str, members: list[str], *, ids: dict[str, int]
+        self,
+        kind: str,
+        members: list[str],
+        *,
+        ids: dict[str, int],
+        sizes: dict[str, int] | None = None,
     ) -> dict[str, Any]:
         """Start a new generation of group `kind` with `members` (in rank order; `ids`: their
         replica ids, which tell a member from a new process under the same name); returns its
@@ -35,6 +41,9 @@ class Groups(StateBase):
             "generation": self.redis.incr(self.key("group_seq", kind)),
             "members": members,
             "ids": {name: ids[name] for name in members},
+            # Processes of each member replica (its torchrun world): a generation's group has
+            # one rank per process, the members' ranks in member order.
+            "sizes": {name: (sizes or {}).get(name, 1) for name in members},
             "job": self.job,
             "confirmed": {},
         }
