@@ -21,16 +21,42 @@ boxes (as JSON) and each computes the same plan from them:
    messages in flight per member. Every member follows the same order and waits only on its
    oldest message, so the earliest unfinished message always has both ends posted: no deadlock.
 
-Memory: each member reuses `window` buffers of at most one bucket (plus an 8-byte checksum
-word) for the whole run, and packs/unpacks straight from/into its own tensors; nothing else is
-allocated per push (`peak_buffer_bytes`). A push blocks the policy until its messages are sent,
-since it reads the live parameters; use `WeightSender` (full copy, background send) when memory
-allows and asynchrony matters more.
+Same host, CPU (gloo): the pieces go through shared memory instead of step 3, as
+`transport.py`'s full-weight push does. Building negotiates it (`shared.share`: all members
+must read a random token in rank 0's files, or everyone uses send/recv) and maps two persistent
+sets, each laid out by the plan: every piece at its own offset, grouped by policy rank; a piece
+that several rollout ranks need from the same policy rank (a tensor every TP rank keeps whole)
+is packed once. A push then:
+
+1. `ShardedSender.push` (caller's thread, at a step boundary) copies this rank's pieces from
+   its live shards into the push's set (one copy, with the dtype cast) and returns a
+   `PushHandle`: the caller may change its parameters at once.
+2. A background thread all-gathers the header: (version, trainable_only, checksum?, set, both
+   plan digests, one checksum per rollout rank). No weights cross the group.
+3. `ShardedReceiver.receive` takes part in the header exchange, verifies the checksums when
+   asked, and copies its pieces from the set straight into its tensors (the second copy).
+
+Sets alternate push by push, and a set is written again only two pushes later: each sender's
+next push first waits for the previous header exchange, which every receiver joins only from
+its next `receive`, after it finished copying out of the other set. So a receiver reading push
+k never sees push k+1 (the other set) or k+2 (waits for it) being written. Without shared memory
+(NCCL on GPUs, another host, a member that declined) `push` keeps the send/recv path above: it
+reads the live parameters, so it returns only when its messages are sent (a finished handle).
+
+Memory: with shared memory, two sets of the distinct pieces in `/dev/shm` shared by the whole
+group (`shared_memory_bytes`, the same pages on every member): at most twice the bytes all
+rollout ranks need together; about twice the model in the wire dtype for an FSDP policy and a
+TP rollout (pieces are padded to 8 bytes; what a TP policy replicates, or HSDP's replicas, may
+be stored once per rollout rank, since replicas take turns). The files are unlinked once every member mapped them (on failure too), so
+a dying process leaves nothing behind. Nothing private, nothing allocated per push. Without:
+each member reuses `window` buffers of at most one bucket (plus an 8-byte checksum word) for the
+whole run, and packs/unpacks straight from/into its own tensors (`peak_buffer_bytes`).
 
 Trainable parameters only: the first push sends everything; later pushes with
 `trainable_only=True` send only the tensors the policy marked trainable (frozen ones cannot have
-changed). Checksums: with `checksum="first"` (default) every message of the first push carries
-the sum of its bytes, which the receiver verifies; "always" and "never" do what they say.
+changed). Checksums: with `checksum="first"` (default) the first push carries the sum of the
+bytes of every message (send/recv) or of every piece per rollout rank (shared memory), which
+the receiver verifies; "always" and "never" do what they say.
 
 Other rollout replicas: rank i of the replica that received the weights holds the same shards as
 rank i of every other replica with the same TP size, so it forwards them with `WeightSender`
@@ -42,8 +68,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -53,7 +81,14 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial
 
 from nebula_rl.weights.group import WeightGroup
-from nebula_rl.weights.transport import LayoutMismatchError, NamedTensors, _items
+from nebula_rl.weights.shared import share
+from nebula_rl.weights.transport import (
+    LayoutMismatchError,
+    NamedTensors,
+    PushHandle,
+    PushStats,
+    _items,
+)
 
 __all__ = [
     "Box",
@@ -297,8 +332,46 @@ def _checksum(payload: Tensor) -> int:
     return int(payload.view(torch.int32).sum(dtype=torch.int64)) % (1 << 63)
 
 
+@dataclass(frozen=True, slots=True)
+class _Region:
+    """Where one copy lives in a shared-memory set."""
+
+    offset: int
+    """Bytes from the start of the set; a multiple of `_REGION_ALIGN`."""
+    nbytes: int
+    """The copy's bytes, padded to a multiple of `_REGION_ALIGN` (the padding stays zero)."""
+    src: int
+    dst: int
+    dtype: torch.dtype
+    copy: _Copy
+
+
+_REGION_ALIGN = 8  # whole int64 words: any wire dtype stays aligned, checksums read int32
+
+
+def _shared_layout(messages: list[_Message]) -> tuple[list[_Region], int]:
+    """Every copy of the full plan placed in one shared-memory set; the set's size in bytes.
+
+    Regions are grouped by sender. A copy that several receivers need from the same sender (a
+    tensor the rollout keeps whole on every rank) is packed once: their regions share an offset.
+    """
+    regions: list[_Region] = []
+    offsets: dict[tuple[object, ...], int] = {}
+    size = 0
+    for src in sorted({m.src for m in messages}):
+        for message in (m for m in messages if m.src == src):
+            for copy in message.copies:
+                key = (src, copy.name, tuple((s.start, s.stop) for s in copy.src), message.dtype)
+                nbytes = -(-copy.numel * message.dtype.itemsize // _REGION_ALIGN) * _REGION_ALIGN
+                if key not in offsets:
+                    offsets[key] = size
+                    size += nbytes
+                regions.append(_Region(offsets[key], nbytes, src, message.dst, message.dtype, copy))
+    return regions, size
+
+
 class _Endpoint:
-    """What senders and receivers share: the plan, the buffers, the push loop."""
+    """What senders and receivers share: the plan, the buffers, the header, the push loop."""
 
     def __init__(
         self,
@@ -310,6 +383,7 @@ class _Endpoint:
         transfer_dtype: torch.dtype | None,
         window: int,
         checksum: Literal["first", "always", "never"],
+        shared_memory: bool,
     ) -> None:
         if not 0 < num_senders < group.world_size:
             raise ValueError(
@@ -340,55 +414,99 @@ class _Endpoint:
             mode: [m for m in msgs if group.rank in (m.src, m.dst)] for mode, msgs in plan.items()
         }
         self._digests = {mode: _digest(msgs) for mode, msgs in plan.items()}
-        largest = max((m.payload_bytes for m in self._plans[False]), default=0)
-        self._buffers = [
-            torch.zeros(largest + 8, dtype=torch.uint8, device=group.device)
-            for _ in range(min(window, max(1, len(self._plans[False]))))
-        ]
         self._num_pushes = 0
+        regions, set_bytes = _shared_layout(plan[False])
+        sets = share(group, [set_bytes] * 2, self._digests[False], offer=shared_memory)
+        self.shared_memory = sets is not None
+        """Whether pushes go through shared memory (negotiated when built: all members or none)."""
+        self._sets = sets or []
+        self._regions = [r for r in regions if group.rank in (r.src, r.dst)]
+        # What this member packs (a sender: each region once, however many receivers read it)
+        # or unpacks (a receiver), as views per set, built once.
+        own = {r.offset: r for r in self._regions} if group.rank < num_senders else None
+        moved = list(own.values()) if own is not None else self._regions
+        self._views: list[list[tuple[_Region, Tensor]]] = [
+            [(r, _region_view(s, r)) for r in moved] for s in self._sets
+        ]
+        if self.shared_memory:
+            self._buffers: list[Tensor] = []
+            self._prefault()
+        else:
+            largest = max((m.payload_bytes for m in self._plans[False]), default=0)
+            self._buffers = [
+                torch.zeros(largest + 8, dtype=torch.uint8, device=group.device)
+                for _ in range(min(window, max(1, len(self._plans[False]))))
+            ]
 
     @property
     def peak_buffer_bytes(self) -> int:
-        """Bytes of this member's message buffers: all the extra memory a push uses."""
+        """Bytes of this member's private message buffers (none with shared memory)."""
         return sum(b.numel() for b in self._buffers)
 
-    def _header(self, version: int, trainable_only: bool, timeout: timedelta | None) -> list[int]:
-        """All-gather every member's (version, mode, checksum?, plan digests); check that the
-        senders agree with rank 0 and that everyone planned the same; rank 0's row."""
-        sender = self.group.rank < self.num_senders
-        with_checksum = self.checksum == "always" or (
-            self.checksum == "first" and self._num_pushes == 0
-        )
-        mine = torch.tensor(
-            [
-                version if sender else -1,
-                int(trainable_only) if sender else -1,
-                int(with_checksum) if sender else -1,
-                self._digests[False],
-                self._digests[True],
-            ],
-            dtype=torch.int64,
-            device=self.group.device,
-        )
+    @property
+    def shared_memory_bytes(self) -> int:
+        """Bytes of the two shared-memory sets (0 without): the same pages for every member of
+        the group, so count them once per group, not per member."""
+        return sum(s.numel() for s in self._sets)
+
+    def _prefault(self) -> None:
+        """Touch this member's pages of both sets now, so that no push pays for page faults:
+        a sender writes its own regions (nobody reads them before its first push), a receiver
+        reads one byte per page of its regions."""
+        page = 4096
+        with torch.no_grad():
+            for views in self._views:
+                for region, view in views:
+                    if region.src == self.group.rank:
+                        view.zero_()
+                    else:
+                        data = view.reshape(-1).view(torch.uint8)
+                        int(data[::page].sum()) + int(data[-1])
+
+    def _exchange(self, row: list[int], timeout: timedelta | None) -> list[list[int]]:
+        """All-gather every member's header row `[version, trainable_only, checksum?, set,
+        digest, trainable digest, *checksum per receiver]` (-1 for what a receiver does not
+        know); check that the senders agree with rank 0 and that everyone planned the same."""
+        mine = torch.tensor(row, dtype=torch.int64, device=self.group.device)
         rows = [torch.empty_like(mine) for _ in range(self.group.world_size)]
         self.group.pg.allgather(rows, mine, timeout or self.group.timeout).wait()
         table = [r.tolist() for r in rows]
         head = table[0]
-        disagree = [r for r in range(self.num_senders) if table[r][:3] != head[:3]]
+        disagree = [r for r in range(self.num_senders) if table[r][:4] != head[:4]]
         if disagree:
             raise ValueError(
-                f"policy ranks {disagree} pushed (version, trainable_only, checksum) "
-                f"{[table[r][:3] for r in disagree]}, policy rank 0 pushed {head[:3]}"
+                f"policy ranks {disagree} pushed (version, trainable_only, checksum, set) "
+                f"{[table[r][:4] for r in disagree]}, policy rank 0 pushed {head[:4]}"
             )
-        bad = [r for r, row in enumerate(table) if row[3:] != head[3:]]
+        bad = [r for r, row in enumerate(table) if row[4:6] != head[4:6]]
         if bad:
             raise LayoutMismatchError(
                 f"weight group {self.group.rdzv.name!r}: rank(s) {bad} planned a different "
                 "resharding than rank 0 (tensor names, shapes, boxes, transfer_dtype or "
                 "bucket_bytes differ)"
             )
-        self._num_pushes += 1
-        return head
+        return table
+
+    def _header_row(self, head: list[int], checksums: list[int] | None = None) -> list[int]:
+        num_receivers = self.group.world_size - self.num_senders
+        return [*head, self._digests[False], self._digests[True]] + (
+            checksums or [0] * num_receivers
+        )
+
+    def _region_checksums(self, slot: int, trainable_only: bool, *, per: str) -> dict[int, int]:
+        """Per receiver (`per="dst"`, on a sender) or per sender (`per="src"`, on a receiver):
+        the checksum of the regions of this push in set `slot` that this member shares with it."""
+        sums: dict[int, int] = {}
+        by_offset: dict[int, int] = {}
+        for region in self._regions:
+            if trainable_only and not region.copy.trainable:
+                continue
+            if region.offset not in by_offset:
+                payload = self._sets[slot][region.offset : region.offset + region.nbytes]
+                by_offset[region.offset] = _checksum(payload)
+            peer = region.dst if per == "dst" else region.src
+            sums[peer] = (sums.get(peer, 0) + by_offset[region.offset]) % (1 << 63)
+        return sums
 
     def _run(
         self, messages: list[_Message], tensors: Mapping[str, Tensor], with_checksum: bool
@@ -455,6 +573,13 @@ class _Endpoint:
                 offset += copy.numel
 
 
+def _region_view(buffer: Tensor, region: _Region) -> Tensor:
+    """`region` of the uint8 set `buffer`, viewed as its copy's dtype and shape."""
+    nbytes = region.copy.numel * region.dtype.itemsize
+    flat = buffer[region.offset : region.offset + nbytes].view(region.dtype)
+    return flat.view(region.copy.shape)
+
+
 def _trainable(tensor: Tensor) -> bool:
     return bool(tensor.requires_grad) or not tensor.is_floating_point()
 
@@ -464,7 +589,8 @@ class ShardedSender(_Endpoint):
 
     `named_tensors`: the policy's parameters as it holds them: DTensors (any placements but
     Partial) or plain tensors (taken as whole). Which are trainable is read from
-    `requires_grad` now. Building is a collective with the receivers.
+    `requires_grad` now. `shared_memory=False` declines shared memory (then every member uses
+    the group's send/recv). Building is a collective with the receivers.
     """
 
     def __init__(
@@ -477,6 +603,7 @@ class ShardedSender(_Endpoint):
         transfer_dtype: torch.dtype | None = None,
         window: int = 2,
         checksum: Literal["first", "always", "never"] = "first",
+        shared_memory: bool = True,
     ) -> None:
         if group.rank >= num_senders:
             raise ValueError(f"rank {group.rank} is a receiver: senders are ranks < {num_senders}")
@@ -494,7 +621,10 @@ class ShardedSender(_Endpoint):
             transfer_dtype=transfer_dtype,
             window=window,
             checksum=checksum,
+            shared_memory=shared_memory,
         )
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="nebula-reshard-sender")
+        self._pending: PushHandle | None = None
 
     def push(
         self,
@@ -503,17 +633,89 @@ class ShardedSender(_Endpoint):
         *,
         trainable_only: bool = False,
         timeout: timedelta | None = None,
-    ) -> None:
-        """Send this rank's slices of `named_tensors` (the same tensors, by name, the sender was
-        built from) as `version`; returns when they are sent. All policy ranks call it together
-        with the same arguments; the first push must not be `trainable_only`."""
+    ) -> PushHandle:
+        """Push this rank's slices of `named_tensors` (the same tensors, by name, the sender was
+        built from) as `version`. All policy ranks call it together with the same arguments; the
+        first push must not be `trainable_only`. Waits for the previous push first (and raises
+        its error).
+
+        With shared memory it copies the slices into this push's set and returns: the caller
+        may change its parameters at once; the header goes out in the background (`wait()` on
+        the handle, or the next push, raises its errors). Without (NCCL, or a member declined)
+        it reads the live parameters, so it returns only when its messages are sent, with a
+        finished handle.
+        """
         if trainable_only and self._num_pushes == 0:
             raise ValueError("the first push must send every tensor (trainable_only=False)")
+        self.wait()
+        start = time.perf_counter()
         local = {
             name: t.to_local() if isinstance(t, DTensor) else t for name, t in _items(named_tensors)
         }
-        head = self._header(version, trainable_only, timeout)
-        self._run(self._plans[trainable_only], local, bool(head[2]))
+        with_checksum = self.checksum == "always" or (
+            self.checksum == "first" and self._num_pushes == 0
+        )
+        if not self.shared_memory:
+            table = self._exchange(
+                self._header_row([version, int(trainable_only), int(with_checksum), 0]), timeout
+            )
+            self._run(self._plans[trainable_only], local, bool(table[0][2]))
+            self._num_pushes += 1
+            elapsed = time.perf_counter() - start
+            done: Future[PushStats] = Future()
+            done.set_result(PushStats(version, self._push_bytes(trainable_only), elapsed, 0.0))
+            return PushHandle(version, done)
+        # A set is written again two pushes later: the wait above saw every receiver come back
+        # for the previous push's header, so each finished copying out of this set's last push.
+        slot = self._num_pushes % 2
+        with torch.no_grad():
+            for region, view in self._views[slot]:
+                if not trainable_only or region.copy.trainable:
+                    view.copy_(local[region.copy.name][region.copy.src])
+        self._num_pushes += 1
+        snapshot_s = time.perf_counter() - start
+        head = [version, int(trainable_only), int(with_checksum), slot]
+        future = self._executor.submit(self._send_header, head, snapshot_s, timeout)
+        self._pending = PushHandle(version, future)
+        return self._pending
+
+    def wait(self) -> PushStats | None:
+        """Block until the last push is out; its stats, or None when nothing is in flight."""
+        return None if self._pending is None else self._pending.wait()
+
+    def close(self) -> None:
+        """Finish the pending push and stop the background thread (the group stays open)."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    def _send_header(
+        self, head: list[int], snapshot_s: float, timeout: timedelta | None
+    ) -> PushStats:
+        start = time.perf_counter()
+        version, trainable_only, with_checksum, slot = head
+        checksums = None
+        if with_checksum:
+            sums = self._region_checksums(slot, bool(trainable_only), per="dst")
+            checksums = [sums.get(dst, 0) for dst in range(self.num_senders, self.group.world_size)]
+        self._exchange(self._header_row(head, checksums), timeout)
+        return PushStats(
+            version,
+            self._push_bytes(bool(trainable_only)),
+            snapshot_s,
+            time.perf_counter() - start,
+        )
+
+    def _push_bytes(self, trainable_only: bool) -> int:
+        """Bytes this rank sends (without shared memory) or packs (with) per push."""
+        if not self.shared_memory:
+            return sum(m.payload_bytes for m in self._plans[trainable_only])
+        return sum(
+            r.copy.numel * r.dtype.itemsize
+            for r, _ in self._views[0]
+            if not trainable_only or r.copy.trainable
+        )
 
 
 class ShardedReceiver(_Endpoint):
@@ -522,7 +724,8 @@ class ShardedReceiver(_Endpoint):
 
     `named_tensors` are this rank's own tensors (e.g. a TP engine's parameter shards), written in
     place by `receive`; `boxes` gives, per name, the full tensor's shape and the box this rank
-    holds (`TorchEngine.tp_boxes()`). Building is a collective with the senders.
+    holds (`TorchEngine.tp_boxes()`). `shared_memory=False` declines shared memory. Building is a
+    collective with the senders.
     """
 
     def __init__(
@@ -535,6 +738,7 @@ class ShardedReceiver(_Endpoint):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         transfer_dtype: torch.dtype | None = None,
         window: int = 2,
+        shared_memory: bool = True,
     ) -> None:
         if group.rank < num_senders:
             raise ValueError(f"rank {group.rank} is a sender: receivers are ranks >= {num_senders}")
@@ -559,12 +763,31 @@ class ShardedReceiver(_Endpoint):
             transfer_dtype=transfer_dtype,
             window=window,
             checksum="never",  # the senders decide; their header says whether to verify
+            shared_memory=shared_memory,
         )
         self._tensors = dict(named_tensors)
 
     def receive(self, *, timeout: timedelta | None = None) -> int:
         """Wait for the next push, write it into this rank's tensors in place; its version.
         `timeout` bounds the wait for the push to start."""
-        head = self._header(-1, False, timeout)
-        self._run(self._plans[bool(head[1])], self._tensors, bool(head[2]))
-        return head[0]
+        table = self._exchange(self._header_row([-1, -1, -1, -1]), timeout)
+        version, trainable_only, with_checksum, slot = table[0][:4]
+        self._num_pushes += 1
+        if not self.shared_memory:
+            self._run(self._plans[bool(trainable_only)], self._tensors, bool(with_checksum))
+            return version
+        assert slot == (self._num_pushes - 1) % 2, "sets alternate push by push"
+        if with_checksum:
+            column = 6 + self.group.rank - self.num_senders
+            got = self._region_checksums(slot, bool(trainable_only), per="src")
+            for src, checksum in sorted(got.items()):
+                if checksum != table[src][column]:
+                    raise ValueError(
+                        f"weights of version {version} from policy rank {src} arrived corrupted "
+                        f"on rank {self.group.rank}: checksum {checksum} != {table[src][column]}"
+                    )
+        with torch.no_grad():
+            for region, view in self._views[slot]:
+                if not trainable_only or region.copy.trainable:
+                    self._tensors[region.copy.name][region.copy.dst].copy_(view)
+        return version
