@@ -176,6 +176,7 @@ def _layout_body(member, layout, declining, shm_dir, policy_port, rollout_port, 
         engine.update_weights_with(receiver.receive)
         assert engine.policy_version == 2
         after_v2 = {n: t.clone() for n, t in _local(engine).items()}
+        receiver.close()
         memory = (receiver.shared_memory, receiver.peak_buffer_bytes, receiver.shared_memory_bytes)
         result = (boxes, after_v1, after_v2, generated, memory)
     dist.barrier()
@@ -276,6 +277,7 @@ def _fan_out_body(member, shm_dir, rollout_ports, weights_port):
         receiver = ShardedReceiver(group, local, engine.tp_boxes(), num_senders=1,
                                    bucket_bytes=BUCKET_BYTES)  # fmt: skip
         assert receiver.receive() == 1
+        receiver.close()
         group.close()
         sender = WeightSender(forward, local)
         sender.push(local, version=1).wait()
@@ -341,9 +343,13 @@ def _corrupt_body(member, shm_dir, port):
     try:
         if member == 0:
             sender = ShardedSender(group, weights, num_senders=1, checksum="always")
-            sender.push(weights, version=1)
-            sender.close()  # the header went out: the push is done on the sender's side
-            return sender.shared_memory
+            assert sender.shared_memory
+            handle = sender.push(weights, version=1)
+            try:
+                handle.wait()  # the rollout rank reports its failure
+            except RuntimeError as err:
+                return str(err)
+            return "no error"
         receiver = ShardedReceiver(
             group, {"w": torch.zeros(8, 8)}, {"w": ((8, 8), full_box((8, 8)))}, num_senders=1
         )
@@ -352,6 +358,7 @@ def _corrupt_body(member, shm_dir, port):
         try:
             receiver.receive()
         except ValueError as err:
+            receiver.close()  # (the failure still goes to the policy)
             return str(err)
         return "no error"
     finally:
@@ -360,7 +367,7 @@ def _corrupt_body(member, shm_dir, port):
 
 def test_corrupted_shared_memory_is_caught(members, shm_dir):
     reports = members.run(_corrupt_body, 2, shm_dir, free_port())
-    assert reports[0] is True
+    assert "rollout rank(s) [0] failed to take version 1" in reports[0]
     assert "from policy rank 0 arrived corrupted on rank 1" in reports[1]
 
 
@@ -412,8 +419,9 @@ def test_no_shared_memory_is_left_when_a_member_dies(shm_dir, when):
     finally:
         pool.close()
     assert sorted(reports) == [0, 1], reports
-    for status, payload in reports.values():
-        assert status == "ok" and payload.startswith("failed"), payload
+    assert reports[0][0] == "ok" and reports[0][1].startswith("failed"), reports[0]
+    if when == "mapping":  # building fails for all; mid-push, rollout rank 0 takes its part
+        assert reports[1][0] == "ok" and reports[1][1].startswith("failed"), reports[1]
     assert not os.listdir(shm_dir), "shared-memory files left behind"
 
 

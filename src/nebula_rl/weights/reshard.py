@@ -31,17 +31,23 @@ is packed once. A push then:
 1. `ShardedSender.push` (caller's thread, at a step boundary) copies this rank's pieces from
    its live shards into the push's set (one copy, with the dtype cast) and returns a
    `PushHandle`: the caller may change its parameters at once.
-2. A background thread all-gathers the header: (version, trainable_only, checksum?, set, both
-   plan digests, one checksum per rollout rank). No weights cross the group.
-3. `ShardedReceiver.receive` takes part in the header exchange, verifies the checksums when
-   asked, and copies its pieces from the set straight into its tensors (the second copy).
+2. A background thread sends every rollout rank a header (version, trainable_only, checksum?,
+   set, the checksum of that rank's pieces), point to point: no weights cross the group.
+3. `ShardedReceiver.receive` takes the headers of all policy ranks, checks that they agree,
+   verifies the checksums when asked, copies its pieces from the set straight into its tensors
+   (the second copy), and acknowledges (success or failure) to every policy rank. The handle is
+   done when every rollout rank acknowledged; a failure raises on both sides.
 
-Sets alternate push by push, and a set is written again only two pushes later: each sender's
-next push first waits for the previous header exchange, which every receiver joins only from
-its next `receive`, after it finished copying out of the other set. So a receiver reading push
-k never sees push k+1 (the other set) or k+2 (waits for it) being written. Without shared memory
-(NCCL on GPUs, another host, a member that declined) `push` keeps the send/recv path above: it
-reads the live parameters, so it returns only when its messages are sent (a finished handle).
+Sets alternate push by push (the same reuse rule as `transport.py`'s): push k writes set k % 2
+only after every rollout rank acknowledged push k - 2, the last one in that set (`push` waits
+for that handle). So a receiver reading push k never sees push k + 1 (the other set) or k + 2
+(not written before it acknowledged k) being written, and at most two pushes are in flight. The
+plan digests are compared when shared memory is negotiated (a member with another plan
+declines it; the send/recv path then raises `LayoutMismatchError` on its first push). Without
+shared memory (NCCL on GPUs, another host, a member that declined) `push` keeps the send/recv
+path above: it reads the live parameters, so it returns only when its messages are sent (a
+finished handle). That path is the code that already ran on NCCL; it is not exercised on GPUs
+by the CPU tests.
 
 Memory: with shared memory, two sets of the distinct pieces in `/dev/shm` shared by the whole
 group (`shared_memory_bytes`, the same pages on every member): at most twice the bytes all
@@ -78,6 +84,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+from torch.distributed import Work
 from torch.distributed.tensor import DTensor, Partial
 
 from nebula_rl.weights.group import WeightGroup
@@ -347,6 +354,7 @@ class _Region:
 
 
 _REGION_ALIGN = 8  # whole int64 words: any wire dtype stays aligned, checksums read int32
+_HEADER_TAG, _ACK_TAG = 1, 2  # shared memory: the only messages between policy and rollout
 
 
 def _shared_layout(messages: list[_Message]) -> tuple[list[_Region], int]:
@@ -463,35 +471,30 @@ class _Endpoint:
                         data = view.reshape(-1).view(torch.uint8)
                         int(data[::page].sum()) + int(data[-1])
 
-    def _exchange(self, row: list[int], timeout: timedelta | None) -> list[list[int]]:
-        """All-gather every member's header row `[version, trainable_only, checksum?, set,
-        digest, trainable digest, *checksum per receiver]` (-1 for what a receiver does not
-        know); check that the senders agree with rank 0 and that everyone planned the same."""
+    def _exchange(self, head: list[int], timeout: timedelta | None) -> list[int]:
+        """Send/recv pushes: all-gather every member's `head` (version, trainable_only,
+        checksum?; -1 on receivers) and plan digests; check that the senders agree with rank 0
+        and that everyone planned the same; rank 0's head."""
+        row = [*head, self._digests[False], self._digests[True]]
         mine = torch.tensor(row, dtype=torch.int64, device=self.group.device)
         rows = [torch.empty_like(mine) for _ in range(self.group.world_size)]
         self.group.pg.allgather(rows, mine, timeout or self.group.timeout).wait()
         table = [r.tolist() for r in rows]
-        head = table[0]
-        disagree = [r for r in range(self.num_senders) if table[r][:4] != head[:4]]
+        first = table[0]
+        disagree = [r for r in range(self.num_senders) if table[r][:3] != first[:3]]
         if disagree:
             raise ValueError(
-                f"policy ranks {disagree} pushed (version, trainable_only, checksum, set) "
-                f"{[table[r][:4] for r in disagree]}, policy rank 0 pushed {head[:4]}"
+                f"policy ranks {disagree} pushed (version, trainable_only, checksum) "
+                f"{[table[r][:3] for r in disagree]}, policy rank 0 pushed {first[:3]}"
             )
-        bad = [r for r, row in enumerate(table) if row[4:6] != head[4:6]]
+        bad = [r for r, row in enumerate(table) if row[3:] != first[3:]]
         if bad:
             raise LayoutMismatchError(
                 f"weight group {self.group.rdzv.name!r}: rank(s) {bad} planned a different "
                 "resharding than rank 0 (tensor names, shapes, boxes, transfer_dtype or "
                 "bucket_bytes differ)"
             )
-        return table
-
-    def _header_row(self, head: list[int], checksums: list[int] | None = None) -> list[int]:
-        num_receivers = self.group.world_size - self.num_senders
-        return [*head, self._digests[False], self._digests[True]] + (
-            checksums or [0] * num_receivers
-        )
+        return first[:3]
 
     def _region_checksums(self, slot: int, trainable_only: bool, *, per: str) -> dict[int, int]:
         """Per receiver (`per="dst"`, on a sender) or per sender (`per="src"`, on a receiver):
@@ -624,7 +627,7 @@ class ShardedSender(_Endpoint):
             shared_memory=shared_memory,
         )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="nebula-reshard-sender")
-        self._pending: PushHandle | None = None
+        self._handles: deque[PushHandle] = deque()  # pushes not waited for yet, oldest first
 
     def push(
         self,
@@ -636,37 +639,38 @@ class ShardedSender(_Endpoint):
     ) -> PushHandle:
         """Push this rank's slices of `named_tensors` (the same tensors, by name, the sender was
         built from) as `version`. All policy ranks call it together with the same arguments; the
-        first push must not be `trainable_only`. Waits for the previous push first (and raises
-        its error).
+        first push must not be `trainable_only`.
 
-        With shared memory it copies the slices into this push's set and returns: the caller
-        may change its parameters at once; the header goes out in the background (`wait()` on
-        the handle, or the next push, raises its errors). Without (NCCL, or a member declined)
-        it reads the live parameters, so it returns only when its messages are sent, with a
-        finished handle.
+        With shared memory it waits for the push before the previous one (whose set this one
+        overwrites; its error is raised here), copies the slices into this push's set and
+        returns: the caller may change its parameters at once. The header goes out in the
+        background; the handle's `wait()` returns once every rollout rank copied the push, and
+        raises what failed (`timeout` bounds that wait). Without shared memory (NCCL, or a
+        member declined) it waits for the previous push, then reads the live parameters, so it
+        returns only when its messages are sent, with a finished handle.
         """
         if trainable_only and self._num_pushes == 0:
             raise ValueError("the first push must send every tensor (trainable_only=False)")
-        self.wait()
-        start = time.perf_counter()
-        local = {
-            name: t.to_local() if isinstance(t, DTensor) else t for name, t in _items(named_tensors)
-        }
         with_checksum = self.checksum == "always" or (
             self.checksum == "first" and self._num_pushes == 0
         )
         if not self.shared_memory:
-            table = self._exchange(
-                self._header_row([version, int(trainable_only), int(with_checksum), 0]), timeout
-            )
-            self._run(self._plans[trainable_only], local, bool(table[0][2]))
+            self.wait()
+            start = time.perf_counter()
+            head = self._exchange([version, int(trainable_only), int(with_checksum)], timeout)
+            self._run(self._plans[trainable_only], self._local(named_tensors), bool(head[2]))
             self._num_pushes += 1
             elapsed = time.perf_counter() - start
             done: Future[PushStats] = Future()
             done.set_result(PushStats(version, self._push_bytes(trainable_only), elapsed, 0.0))
-            return PushHandle(version, done)
-        # A set is written again two pushes later: the wait above saw every receiver come back
-        # for the previous push's header, so each finished copying out of this set's last push.
+            self._handles.append(PushHandle(version, done))
+            return self._handles[-1]
+        # The reuse rule: this set last held the push before the previous one, which every
+        # rollout rank has copied out once its handle is done.
+        if len(self._handles) == 2:
+            self._handles.popleft().wait()
+        start = time.perf_counter()
+        local = self._local(named_tensors)
         slot = self._num_pushes % 2
         with torch.no_grad():
             for region, view in self._views[slot]:
@@ -675,31 +679,61 @@ class ShardedSender(_Endpoint):
         self._num_pushes += 1
         snapshot_s = time.perf_counter() - start
         head = [version, int(trainable_only), int(with_checksum), slot]
-        future = self._executor.submit(self._send_header, head, snapshot_s, timeout)
-        self._pending = PushHandle(version, future)
-        return self._pending
+        future = self._executor.submit(self._announce, head, snapshot_s, timeout)
+        self._handles.append(PushHandle(version, future))
+        return self._handles[-1]
 
     def wait(self) -> PushStats | None:
-        """Block until the last push is out; its stats, or None when nothing is in flight."""
-        return None if self._pending is None else self._pending.wait()
+        """Block until every push is done (raising the first error); the last one's stats, or
+        None when none was in flight."""
+        stats = None
+        while self._handles:
+            stats = self._handles.popleft().wait()
+        return stats
 
     def close(self) -> None:
-        """Finish the pending push and stop the background thread (the group stays open)."""
+        """Finish the pending pushes and stop the background thread (the group stays open)."""
         try:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
 
-    def _send_header(
-        self, head: list[int], snapshot_s: float, timeout: timedelta | None
-    ) -> PushStats:
+    @staticmethod
+    def _local(named_tensors: NamedTensors) -> dict[str, Tensor]:
+        with torch.no_grad():  # (to_local's autograd bookkeeping costs more than the call)
+            return {
+                name: t.to_local() if isinstance(t, DTensor) else t
+                for name, t in _items(named_tensors)
+            }
+
+    def _announce(self, head: list[int], snapshot_s: float, timeout: timedelta | None) -> PushStats:
+        """Background thread, shared memory: send the header to every rollout rank, then wait
+        for each to report that it copied the push."""
         start = time.perf_counter()
         version, trainable_only, with_checksum, slot = head
-        checksums = None
-        if with_checksum:
-            sums = self._region_checksums(slot, bool(trainable_only), per="dst")
-            checksums = [sums.get(dst, 0) for dst in range(self.num_senders, self.group.world_size)]
-        self._exchange(self._header_row(head, checksums), timeout)
+        receivers = range(self.num_senders, self.group.world_size)
+        sums = (
+            self._region_checksums(slot, bool(trainable_only), per="dst") if with_checksum else {}
+        )
+        pg = self.group.pg
+        headers = [torch.tensor([*head, sums.get(dst, 0)], dtype=torch.int64) for dst in receivers]
+        for dst, header in zip(receivers, headers, strict=True):
+            pg.send([header], dst, _HEADER_TAG).wait()  # type: ignore[attr-defined]
+        acks = [torch.zeros(2, dtype=torch.int64) for _ in receivers]
+        works = [
+            pg.recv([ack], dst, _ACK_TAG)  # type: ignore[attr-defined]
+            for dst, ack in zip(receivers, acks, strict=True)
+        ]
+        for work in works:
+            work.wait(timeout or self.group.timeout)
+        failed = [
+            dst for dst, ack in zip(receivers, acks, strict=True) if ack.tolist() != [version, 1]
+        ]
+        if failed:
+            raise RuntimeError(
+                f"rollout rank(s) {[d - self.num_senders for d in failed]} failed to take "
+                f"version {version} (see their error)"
+            )
         return PushStats(
             version,
             self._push_bytes(bool(trainable_only)),
@@ -766,28 +800,67 @@ class ShardedReceiver(_Endpoint):
             shared_memory=shared_memory,
         )
         self._tensors = dict(named_tensors)
+        self._acks: list[Work] = []  # shared memory: acknowledgements on their way
 
     def receive(self, *, timeout: timedelta | None = None) -> int:
         """Wait for the next push, write it into this rank's tensors in place; its version.
         `timeout` bounds the wait for the push to start."""
-        table = self._exchange(self._header_row([-1, -1, -1, -1]), timeout)
-        version, trainable_only, with_checksum, slot = table[0][:4]
-        self._num_pushes += 1
         if not self.shared_memory:
+            version, trainable_only, with_checksum = self._exchange([-1, -1, -1], timeout)
+            self._num_pushes += 1
             self._run(self._plans[bool(trainable_only)], self._tensors, bool(with_checksum))
             return version
-        assert slot == (self._num_pushes - 1) % 2, "sets alternate push by push"
+        senders = range(self.num_senders)
+        self.close()  # the previous push's acknowledgement, long sent by now
+        rows = [torch.zeros(5, dtype=torch.int64) for _ in senders]
+        works = [
+            self.group.pg.recv([row], src, _HEADER_TAG)  # type: ignore[attr-defined]
+            for src, row in zip(senders, rows, strict=True)
+        ]
+        for work in works:
+            work.wait(timeout or self.group.timeout)
+        table = [row.tolist() for row in rows]
+        version = table[0][0]
+        ok = False
+        try:
+            self._take(table)
+            ok = True
+        finally:  # the senders learn either way, instead of waiting out their timeout
+            self._ack = torch.tensor([version, int(ok)], dtype=torch.int64)  # (kept until sent)
+            self._acks = [
+                self.group.pg.send([self._ack], src, _ACK_TAG)  # type: ignore[attr-defined]
+                for src in senders
+            ]
+        return version
+
+    def close(self) -> None:
+        """Finish sending the last acknowledgement (shared memory); call it before leaving the
+        group, so that the policy's last push does not fail. The group stays open."""
+        for work in self._acks:
+            work.wait(self.group.timeout)
+        self._acks = []
+
+    def _take(self, table: list[list[int]]) -> None:
+        """Check the senders' headers, verify the checksums when asked, copy out of the set."""
+        head = table[0][:4]
+        disagree = [src for src, row in enumerate(table) if row[:4] != head]
+        if disagree:
+            raise ValueError(
+                f"policy ranks {disagree} pushed (version, trainable_only, checksum, set) "
+                f"{[table[r][:4] for r in disagree]}, policy rank 0 pushed {head}"
+            )
+        version, trainable_only, with_checksum, slot = head
+        assert slot == self._num_pushes % 2, "sets alternate push by push"
+        self._num_pushes += 1
         if with_checksum:
-            column = 6 + self.group.rank - self.num_senders
             got = self._region_checksums(slot, bool(trainable_only), per="src")
             for src, checksum in sorted(got.items()):
-                if checksum != table[src][column]:
+                if checksum != table[src][4]:
                     raise ValueError(
                         f"weights of version {version} from policy rank {src} arrived corrupted "
-                        f"on rank {self.group.rank}: checksum {checksum} != {table[src][column]}"
+                        f"on rank {self.group.rank}: checksum {checksum} != {table[src][4]}"
                     )
         with torch.no_grad():
             for region, view in self._views[slot]:
                 if not trainable_only or region.copy.trainable:
                     self._tensors[region.copy.name][region.copy.dst].copy_(view)
-        return version
