@@ -371,6 +371,43 @@ def test_corrupted_shared_memory_is_caught(members, shm_dir):
     assert "from policy rank 0 arrived corrupted on rank 1" in reports[1]
 
 
+def _transfer_dtype_body(member, shm_dir, port):
+    """Member 0 pushes float32 tensors (one of an odd size) and an int64 one as bfloat16 wire
+    data through shared memory; member 1 keeps float32."""
+    shared.SHM_DIR = shm_dir
+    group = build_group(Rendezvous("127.0.0.1", port, "bf16", 2), rank=member, timeout=TIMEOUT)
+    g = torch.Generator().manual_seed(5)
+    weights = {
+        "w": torch.randn(8, 6, generator=g),
+        "b": torch.randn(5, generator=g),
+        "step": torch.tensor([3, -4], dtype=torch.int64),
+    }
+    try:
+        if member == 0:
+            sender = ShardedSender(group, weights, num_senders=1, transfer_dtype=torch.bfloat16)
+            sender.push(weights, version=4).wait()
+            return weights
+        local = {n: torch.zeros_like(t) for n, t in weights.items()}
+        boxes = {n: (tuple(t.shape), full_box(t.shape)) for n, t in weights.items()}
+        receiver = ShardedReceiver(group, local, boxes, num_senders=1,
+                                   transfer_dtype=torch.bfloat16)  # fmt: skip
+        version = receiver.receive()
+        receiver.close()
+        return receiver.shared_memory, version, local
+    finally:
+        group.close()
+
+
+def test_transfer_dtype_through_shared_memory(members, shm_dir):
+    reports = members.run(_transfer_dtype_body, 2, shm_dir, free_port())
+    sent, (shm, version, got) = reports[0], reports[1]
+    assert shm and version == 4
+    assert torch.equal(got["step"], sent["step"])
+    for name in ("w", "b"):
+        assert got[name].dtype == torch.float32
+        assert torch.equal(got[name], sent[name].bfloat16().float()), name
+
+
 def _dying_body(member, shm_dir, port, when):
     """Member 0 pushes to members 1 and 2 through shared memory; member 2 is killed `when`:
     "mapping" (inside `shared.share`, after rank 0 created the files, before everyone mapped
