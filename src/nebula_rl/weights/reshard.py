@@ -29,10 +29,11 @@ that several rollout ranks need from the same policy rank (a tensor every TP ran
 is packed once. A push then:
 
 1. `ShardedSender.push` (caller's thread, at a step boundary) copies this rank's pieces from
-   its live shards into the push's set (one copy, with the dtype cast) and returns a
-   `PushHandle`: the caller may change its parameters at once.
-2. A background thread sends every rollout rank a header (version, trainable_only, checksum?,
-   set, the checksum of that rank's pieces), point to point: no weights cross the group.
+   its live shards into the push's set (one copy, with the dtype cast), sends every rollout
+   rank a header (version, trainable_only, checksum?, set, the checksum of that rank's pieces)
+   point to point, and returns a `PushHandle`: the caller may change its parameters at once.
+   No weights cross the group.
+2. A background thread waits for the rollout ranks' acknowledgements.
 3. `ShardedReceiver.receive` takes the headers of all policy ranks, checks that they agree,
    verifies the checksums when asked, copies its pieces from the set straight into its tensors
    (the second copy), and acknowledges (success or failure) to every policy rank. The handle is
@@ -642,10 +643,10 @@ class ShardedSender(_Endpoint):
         first push must not be `trainable_only`.
 
         With shared memory it waits for the push before the previous one (whose set this one
-        overwrites; its error is raised here), copies the slices into this push's set and
-        returns: the caller may change its parameters at once. The header goes out in the
-        background; the handle's `wait()` returns once every rollout rank copied the push, and
-        raises what failed (`timeout` bounds that wait). Without shared memory (NCCL, or a
+        overwrites; its error is raised here), copies the slices into this push's set, sends
+        the headers (after summing the copied bytes when this push has a checksum) and returns:
+        the caller may change its parameters at once. The handle's `wait()` returns once every
+        rollout rank copied the push, and raises what failed (`timeout` bounds that wait). Without shared memory (NCCL, or a
         member declined) it waits for the previous push, then reads the live parameters, so it
         returns only when its messages are sent, with a finished handle.
         """
@@ -677,9 +678,19 @@ class ShardedSender(_Endpoint):
                 if not trainable_only or region.copy.trainable:
                     view.copy_(local[region.copy.name][region.copy.src])
         self._num_pushes += 1
-        snapshot_s = time.perf_counter() - start
+        # The headers, in push order (gloo sends return at once; a checksum is summed first).
+        sums = self._region_checksums(slot, trainable_only, per="dst") if with_checksum else {}
         head = [version, int(trainable_only), int(with_checksum), slot]
-        future = self._executor.submit(self._announce, head, snapshot_s, timeout)
+        receivers = range(self.num_senders, self.group.world_size)
+        headers = [torch.tensor([*head, sums.get(dst, 0)], dtype=torch.int64) for dst in receivers]
+        sends = [
+            self.group.pg.send([header], dst, _HEADER_TAG)  # type: ignore[attr-defined]
+            for dst, header in zip(receivers, headers, strict=True)
+        ]
+        snapshot_s = time.perf_counter() - start
+        future = self._executor.submit(
+            self._await_acks, head, (sends, headers), snapshot_s, timeout
+        )
         self._handles.append(PushHandle(version, future))
         return self._handles[-1]
 
@@ -706,25 +717,24 @@ class ShardedSender(_Endpoint):
                 for name, t in _items(named_tensors)
             }
 
-    def _announce(self, head: list[int], snapshot_s: float, timeout: timedelta | None) -> PushStats:
-        """Background thread, shared memory: send the header to every rollout rank, then wait
-        for each to report that it copied the push."""
+    def _await_acks(
+        self,
+        head: list[int],
+        sent: tuple[list[Work], list[Tensor]],
+        snapshot_s: float,
+        timeout: timedelta | None,
+    ) -> PushStats:
+        """Background thread, shared memory: wait until every rollout rank reported that it
+        copied the push (`sent`: the header sends, with their tensors kept alive until done)."""
         start = time.perf_counter()
-        version, trainable_only, with_checksum, slot = head
+        version, trainable_only = head[:2]
         receivers = range(self.num_senders, self.group.world_size)
-        sums = (
-            self._region_checksums(slot, bool(trainable_only), per="dst") if with_checksum else {}
-        )
-        pg = self.group.pg
-        headers = [torch.tensor([*head, sums.get(dst, 0)], dtype=torch.int64) for dst in receivers]
-        for dst, header in zip(receivers, headers, strict=True):
-            pg.send([header], dst, _HEADER_TAG).wait()  # type: ignore[attr-defined]
         acks = [torch.zeros(2, dtype=torch.int64) for _ in receivers]
         works = [
-            pg.recv([ack], dst, _ACK_TAG)  # type: ignore[attr-defined]
+            self.group.pg.recv([ack], dst, _ACK_TAG)  # type: ignore[attr-defined]
             for dst, ack in zip(receivers, acks, strict=True)
         ]
-        for work in works:
+        for work in [*sent[0], *works]:
             work.wait(timeout or self.group.timeout)
         failed = [
             dst for dst, ack in zip(receivers, acks, strict=True) if ack.tolist() != [version, 1]
