@@ -66,6 +66,19 @@ def _model(args: argparse.Namespace) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
+def _together(delay_s: float = 0.02) -> float:
+    """Return on every policy rank at the same instant of the host's monotonic clock (rank 0
+    picks it, `delay_s` ahead), as the ranks would after the same training step: a barrier's
+    release is a few ms apart on a busy 2-core host, which would count as push time."""
+    at = torch.tensor([time.monotonic() + delay_s], dtype=torch.float64)
+    dist.broadcast(at, 0)
+    deadline = float(at)
+    time.sleep(max(0.0, deadline - time.monotonic() - 0.002))
+    while time.monotonic() < deadline:
+        pass
+    return time.monotonic()
+
+
 def _policy(member: int, args: argparse.Namespace, groups: dict, model: torch.nn.Module) -> dict:
     from nebula_rl.policy.parallelize import ParallelDims, parallelize_model
 
@@ -89,9 +102,8 @@ def _policy(member: int, args: argparse.Namespace, groups: dict, model: torch.nn
         group, sender = groups[shm], senders[shm]
         starts, packed, done = [], [], []
         for _ in range(args.pushes + WARMUP):
-            dist.barrier()
             group.pg.barrier().wait()  # (rollout rank 0 timed a memcpy meanwhile)
-            start = time.monotonic()
+            start = _together()
             handle = sender.push(model.named_parameters(), version)
             stats = handle.wait()
             done.append(time.monotonic())
@@ -287,32 +299,29 @@ def main() -> None:
     push_shm = med(spans("start_True", "end_True"))
     push_tcp = med(spans("start_False", "end_False"))
     gather_s = med(spans("start_gather", "end_gather"))
-    # Shared-memory profile, per push: packing (slower policy rank), until the last rollout
-    # rank has all headers, its copy, and from there until `receive` returned.
+    # Shared-memory profile: when (ms after the push started, median over pushes) the slower
+    # member of each side reached each point.
     starts = [min(t) for t in zip(*(r["start_True"] for r in policies), strict=True)]
-    packed = [max(t) for t in zip(*(r["packed_True"] for r in policies), strict=True)]
-    headed = [max(t[0] for t in ts) for ts in zip(*(r["taken"] for r in rollouts), strict=True)]
-    copied = [max(t[1] for t in ts) for ts in zip(*(r["taken"] for r in rollouts), strict=True)]
-    ended = [max(t) for t in zip(*(r["end_True"] for r in rollouts), strict=True)]
-    acked = [max(t) for t in zip(*(r["done_True"] for r in policies), strict=True)]
 
-    def between(a: list[float], b: list[float]) -> float:
-        return med([y - x for x, y in zip(a, b, strict=True)])
+    def last(key: str, index: int | None = None) -> float:
+        sides = policies if key in ("packed_True", "done_True") else rollouts
+        per_push = zip(*(r[key] for r in sides), strict=True)
+        ends = [max(t if index is None else t[index] for t in ts) for ts in per_push]
+        return med([b - a for a, b in zip(starts, ends, strict=True)])
 
     profile = {
-        "policy ranks pack (push returns)": between(starts, packed),
-        "headers reach the rollout ranks": between(packed, headed),
-        "rollout ranks copy into the engine": between(headed, copied),
-        "acknowledge, return from receive": between(copied, ended),
+        "push() returned on both policy ranks": last("packed_True"),
+        "both rollout ranks have the headers": last("taken", 0),
+        "both rollout ranks copied their pieces": last("taken", 1),
+        "receive() returned on both": last("end_True"),
+        "the policy ranks' handles are done": last("done_True"),
     }
     print(f"policy FSDP2 x2 -> rollout TP x2, fp32, {gib * 1024:.1f} MiB per rollout rank, gloo")
     print(f"memcpy                  {copy_s * 1e3:8.1f} ms  {gib / copy_s:6.2f} GiB/s")
     print(f"reshard, shared memory  {push_shm * 1e3:8.1f} ms  {gib / push_shm:6.2f} GiB/s "
           f"per rollout rank ({copy_s / push_shm:.2f}x memcpy)")  # fmt: skip
     for what, seconds in profile.items():
-        print(f"  {what:<38} {seconds * 1e3:6.1f} ms")
-    acked_s = between(starts, acked)
-    print(f"  (the policy's handle is done after    {acked_s * 1e3:6.1f} ms)")
+        print(f"  {what:<40} at {seconds * 1e3:5.1f} ms")
     print(f"reshard, send/recv      {push_tcp * 1e3:8.1f} ms  {gib / push_tcp:6.2f} GiB/s "
           f"per rollout rank ({copy_s / push_tcp:.2f}x memcpy)")  # fmt: skip
     print(f"gather + broadcast      {gather_s * 1e3:8.1f} ms  {gib / gather_s:6.2f} GiB/s")
