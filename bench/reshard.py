@@ -14,10 +14,10 @@ run:
   and each copies out its slice;
 - memcpy: one `copy_` of the bytes a rollout rank receives, between two warm buffers.
 
-A push is timed from the first policy rank's `push()` until the last rollout rank's `receive`
-returned with its slices in the engine's parameters, on the host's monotonic clock (which the
-processes share), so no closing barrier is counted.
-Goals: the shared-memory push moves at least half as many bytes per second as memcpy (bytes a
+A push is timed from the policy ranks' `push()` (both called at one agreed instant) until the
+last rollout rank's `receive` returned with its slices in the engine's parameters, on the host's
+monotonic clock (which the processes share), so no barrier is counted; the memcpy is timed by
+rollout rank 0 before each push while the others wait. Goals: the shared-memory push moves at least half as many bytes per second as memcpy (bytes a
 rollout rank receives per second of push), and resharding beats gather + broadcast (both over
 gloo's TCP, so the comparison is of the algorithms).
 
