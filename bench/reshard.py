@@ -17,9 +17,10 @@ run:
 A push is timed from the policy ranks' `push()` (both called at one agreed instant) until the
 last rollout rank's `receive` returned with its slices in the engine's parameters, on the host's
 monotonic clock (which the processes share), so no barrier is counted; the memcpy is timed by
-rollout rank 0 before each push while the others wait. Goals: the shared-memory push moves at least half as many bytes per second as memcpy (bytes a
-rollout rank receives per second of push), and resharding beats gather + broadcast (both over
-gloo's TCP, so the comparison is of the algorithms).
+rollout rank 0 before each push while the others wait. Goals: the shared-memory push moves at
+least half as many bytes per second as memcpy (bytes a rollout rank receives per second of
+push), and resharding beats gather + broadcast (both over gloo's TCP, so the comparison is of
+the algorithms).
 
 Then training steps of the FSDP2 policy (forward, backward, AdamW on a `--seq`-token batch),
 alternately without a push and starting with one (`push()` then the step, while the header and

@@ -54,8 +54,9 @@ Memory: with shared memory, two sets of the distinct pieces in `/dev/shm` shared
 group (`shared_memory_bytes`, the same pages on every member): at most twice the bytes all
 rollout ranks need together; about twice the model in the wire dtype for an FSDP policy and a
 TP rollout (pieces are padded to 8 bytes; what a TP policy replicates, or HSDP's replicas, may
-be stored once per rollout rank, since replicas take turns). The files are unlinked once every member mapped them (on failure too), so
-a dying process leaves nothing behind. Nothing private, nothing allocated per push. Without:
+be stored once per rollout rank, since replicas take turns). The files are unlinked once every
+member mapped them (on failure too), so a dying process leaves nothing behind. Nothing private,
+nothing allocated per push. Without:
 each member reuses `window` buffers of at most one bucket (plus an 8-byte checksum word) for the
 whole run, and packs/unpacks straight from/into its own tensors (`peak_buffer_bytes`).
 
@@ -646,9 +647,11 @@ class ShardedSender(_Endpoint):
         overwrites; its error is raised here), copies the slices into this push's set, sends
         the headers (after summing the copied bytes when this push has a checksum) and returns:
         the caller may change its parameters at once. The handle's `wait()` returns once every
-        rollout rank copied the push, and raises what failed (`timeout` bounds that wait). Without shared memory (NCCL, or a
-        member declined) it waits for the previous push, then reads the live parameters, so it
-        returns only when its messages are sent, with a finished handle.
+        rollout rank copied the push, and raises what failed (`timeout` bounds that wait).
+
+        Without shared memory (NCCL, or a member declined) it waits for the previous push, then
+        reads the live parameters, so it returns only when its messages are sent, with a
+        finished handle.
         """
         if trainable_only and self._num_pushes == 0:
             raise ValueError("the first push must send every tensor (trainable_only=False)")
@@ -810,7 +813,9 @@ class ShardedReceiver(_Endpoint):
             shared_memory=shared_memory,
         )
         self._tensors = dict(named_tensors)
-        self._acks: list[Work] = []  # shared memory: acknowledgements on their way
+        # Shared memory: the last acknowledgement (version, ok) and its sends, until sent.
+        self._ack = torch.zeros(2, dtype=torch.int64)
+        self._acks: list[Work] = []
 
     def receive(self, *, timeout: timedelta | None = None) -> int:
         """Wait for the next push, write it into this rank's tensors in place; its version.
@@ -836,7 +841,7 @@ class ShardedReceiver(_Endpoint):
             self._take(table)
             ok = True
         finally:  # the senders learn either way, instead of waiting out their timeout
-            self._ack = torch.tensor([version, int(ok)], dtype=torch.int64)  # (kept until sent)
+            self._ack = torch.tensor([version, int(ok)], dtype=torch.int64)
             self._acks = [
                 self.group.pg.send([self._ack], src, _ACK_TAG)  # type: ignore[attr-defined]
                 for src in senders
