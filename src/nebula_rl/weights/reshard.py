@@ -47,8 +47,8 @@ plan digests are compared when shared memory is negotiated (a member with anothe
 declines it; the send/recv path then raises `LayoutMismatchError` on its first push). Without
 shared memory (NCCL on GPUs, another host, a member that declined) `push` keeps the send/recv
 path above: it reads the live parameters, so it returns only when its messages are sent (a
-finished handle). That path is the code that already ran on NCCL; it is not exercised on GPUs
-by the CPU tests.
+finished handle). That path is unchanged by shared memory; its NCCL use has not been run (the
+tests run gloo on CPU).
 
 Memory: with shared memory, two sets of the distinct pieces in `/dev/shm` shared by the whole
 group (`shared_memory_bytes`, the same pages on every member): at most twice the bytes all
@@ -56,9 +56,9 @@ rollout ranks need together; about twice the model in the wire dtype for an FSDP
 TP rollout (pieces are padded to 8 bytes; what a TP policy replicates, or HSDP's replicas, may
 be stored once per rollout rank, since replicas take turns). The files are unlinked once every
 member mapped them (on failure too), so a dying process leaves nothing behind. Nothing private,
-nothing allocated per push. Without:
-each member reuses `window` buffers of at most one bucket (plus an 8-byte checksum word) for the
-whole run, and packs/unpacks straight from/into its own tensors (`peak_buffer_bytes`).
+nothing allocated per push. Without: each member reuses `window` buffers of at most one bucket
+(plus an 8-byte checksum word) for the whole run, and packs/unpacks straight from/into its own
+tensors (`peak_buffer_bytes`).
 
 Trainable parameters only: the first push sends everything; later pushes with
 `trainable_only=True` send only the tensors the policy marked trainable (frozen ones cannot have
