@@ -176,14 +176,16 @@ def _rollout(args: argparse.Namespace, groups: dict, model: torch.nn.Module) -> 
         for shm in (True, False)
     }
     report: dict = {"buffer_bytes": receivers[False].peak_buffer_bytes}
-    # Profile of the shared-memory receive: when the headers were in, when the copy ended.
+    # Profile of the shared-memory receive: per push, when the first policy rank's header was
+    # in (copying starts) and when the last policy rank's pieces were copied.
+    calls: list[tuple[float, float]] = []
     taken: list[tuple[float, float]] = []
     take = receivers[True]._take
 
-    def timed_take(table: list[list[int]]) -> None:
+    def timed_take(*args: object) -> None:
         start = time.monotonic()
-        take(table)
-        taken.append((start, time.monotonic()))
+        take(*args)  # type: ignore[arg-type]
+        calls.append((start, time.monotonic()))
 
     receivers[True]._take = timed_take  # type: ignore[method-assign]
     # The peer: memcpy of the bytes this rank receives, by rollout rank 0 before each push
@@ -203,6 +205,9 @@ def _rollout(args: argparse.Namespace, groups: dict, model: torch.nn.Module) -> 
             group.pg.barrier().wait()
             engine.update_weights_with(receiver.receive)
             ends.append(time.monotonic())
+            if shm:
+                taken.append((calls[0][0], calls[-1][1]))
+                calls.clear()
             group.pg.barrier().wait()
         report[f"end_{shm}"] = ends[WARMUP:]
     report["taken"] = taken[WARMUP:]
@@ -312,8 +317,8 @@ def main() -> None:
 
     profile = {
         "push() returned on both policy ranks": last("packed_True"),
-        "both rollout ranks have the headers": last("taken", 0),
-        "both rollout ranks copied their pieces": last("taken", 1),
+        "both rollout ranks start copying": last("taken", 0),
+        "both rollout ranks copied all pieces": last("taken", 1),
         "receive() returned on both": last("end_True"),
         "the policy ranks' handles are done": last("done_True"),
     }

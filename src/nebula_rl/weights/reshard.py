@@ -813,6 +813,11 @@ class ShardedReceiver(_Endpoint):
             shared_memory=shared_memory,
         )
         self._tensors = dict(named_tensors)
+        self._views_by_src: list[dict[int, list[tuple[_Region, Tensor]]]] = []
+        for views in self._views:
+            self._views_by_src.append({})
+            for region, view in views:
+                self._views_by_src[-1].setdefault(region.src, []).append((region, view))
         # Shared memory: the last acknowledgement (version, ok) and its sends, until sent.
         self._ack = torch.zeros(2, dtype=torch.int64)
         self._acks: list[Work] = []
@@ -832,21 +837,24 @@ class ShardedReceiver(_Endpoint):
             self.group.pg.recv([row], src, _HEADER_TAG)  # type: ignore[attr-defined]
             for src, row in zip(senders, rows, strict=True)
         ]
-        for work in works:
-            work.wait(timeout or self.group.timeout)
-        table = [row.tolist() for row in rows]
-        version = table[0][0]
+        heads: list[list[int]] = []
         ok = False
         try:
-            self._take(table)
+            # Each policy rank's pieces as soon as its header is in (they pack independently).
+            for src, (work, row) in enumerate(zip(works, rows, strict=True)):
+                work.wait(timeout or self.group.timeout)
+                heads.append(row.tolist())
+                self._take(src, heads[-1], heads[0])
             ok = True
-        finally:  # the senders learn either way, instead of waiting out their timeout
-            self._ack = torch.tensor([version, int(ok)], dtype=torch.int64)
-            self._acks = [
-                self.group.pg.send([self._ack], src, _ACK_TAG)  # type: ignore[attr-defined]
-                for src in senders
-            ]
-        return version
+        finally:  # once a push started, the senders learn how it went instead of timing out
+            if heads:
+                self._num_pushes += 1
+                self._ack = torch.tensor([heads[0][0], int(ok)], dtype=torch.int64)
+                self._acks = [
+                    self.group.pg.send([self._ack], src, _ACK_TAG)  # type: ignore[attr-defined]
+                    for src in senders
+                ]
+        return heads[0][0]
 
     def close(self) -> None:
         """Finish sending the last acknowledgement (shared memory); call it before leaving the
@@ -855,27 +863,24 @@ class ShardedReceiver(_Endpoint):
             work.wait(self.group.timeout)
         self._acks = []
 
-    def _take(self, table: list[list[int]]) -> None:
-        """Check the senders' headers, verify the checksums when asked, copy out of the set."""
-        head = table[0][:4]
-        disagree = [src for src, row in enumerate(table) if row[:4] != head]
-        if disagree:
+    def _take(self, src: int, row: list[int], first: list[int]) -> None:
+        """Check policy rank `src`'s header `row` against policy rank 0's (`first`), verify the
+        checksum when asked, copy its pieces out of the set."""
+        if row[:4] != first[:4]:
             raise ValueError(
-                f"policy ranks {disagree} pushed (version, trainable_only, checksum, set) "
-                f"{[table[r][:4] for r in disagree]}, policy rank 0 pushed {head}"
+                f"policy rank {src} pushed (version, trainable_only, checksum, set) {row[:4]}, "
+                f"policy rank 0 pushed {first[:4]}"
             )
-        version, trainable_only, with_checksum, slot = head
+        version, trainable_only, with_checksum, slot, checksum = row
         assert slot == self._num_pushes % 2, "sets alternate push by push"
-        self._num_pushes += 1
         if with_checksum:
-            got = self._region_checksums(slot, bool(trainable_only), per="src")
-            for src, checksum in sorted(got.items()):
-                if checksum != table[src][4]:
-                    raise ValueError(
-                        f"weights of version {version} from policy rank {src} arrived corrupted "
-                        f"on rank {self.group.rank}: checksum {checksum} != {table[src][4]}"
-                    )
+            got = self._region_checksums(slot, bool(trainable_only), per="src").get(src, 0)
+            if got != checksum:
+                raise ValueError(
+                    f"weights of version {version} from policy rank {src} arrived corrupted "
+                    f"on rank {self.group.rank}: checksum {got} != {checksum}"
+                )
         with torch.no_grad():
-            for region, view in self._views[slot]:
+            for region, view in self._views_by_src[slot].get(src, []):
                 if not trainable_only or region.copy.trainable:
                     self._tensors[region.copy.name][region.copy.dst].copy_(view)
