@@ -27,7 +27,7 @@ alternately without a push and starting with one (`push()` then the step, while 
 the rollout's copies run): goal, a step with a push in flight at least 0.95x as fast. Also
 printed: the same for the send/recv fallback, each member's buffers and the shared footprint.
 
-    python bench/reshard.py [--hidden 512] [--layers 4] [--vocab 8192] [--pushes 5] [--steps 5]
+    python bench/reshard.py [--hidden 512] [--layers 4] [--vocab 8192] [--pushes 5] [--steps 10]
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--pushes", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seq", type=int, default=128)
     args = parser.parse_args()
     ports = [free_port(), free_port(), free_port()]
