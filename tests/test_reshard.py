@@ -5,6 +5,10 @@ gloo), the ranks of each rollout replica another (the engine's TP all-reduces), 
 one weight group, as in a job. Each process reports plain data on a queue.
 """
 
+import os
+import shutil
+import signal
+import tempfile
 import time
 from datetime import timedelta
 
@@ -26,6 +30,7 @@ from nebula_rl.weights import (
     build_group,
     free_port,
     serve_store,
+    shared,
 )
 from nebula_rl.weights.reshard import (
     ShardedReceiver,
@@ -83,6 +88,15 @@ def members():
     pool.close()
 
 
+@pytest.fixture
+def shm_dir():
+    """A directory of /dev/shm (tmpfs, like /dev/shm itself) for this test's shared-memory
+    files alone, so that a leftover check does not see other tests' files."""
+    path = tempfile.mkdtemp(prefix="nebula-test-", dir=shared.SHM_DIR)
+    yield path
+    shutil.rmtree(path)
+
+
 def _world(rank: int, size: int, port: int) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size, timeout=TIMEOUT
@@ -118,34 +132,43 @@ def _local(engine: TorchEngine) -> dict[str, torch.Tensor]:
 FROZEN = "model.embed_tokens.weight"
 
 
-def _layout_body(member, layout, policy_port, rollout_port, weights_port):
+def _layout_body(member, layout, declining, shm_dir, policy_port, rollout_port, weights_port):
     """Members 0-1: the policy (FSDP2 dp_shard 2, or TP 2); members 2-3: a TP-2 rollout.
-    Push 1 sends everything; then every weight changes, the embedding included (frozen: it
-    would not change in training, so it shows what is not sent), and push 2 is trainable-only."""
-    rdzv = Rendezvous("127.0.0.1", weights_port, f"reshard-{layout}", 4)
+    Push 1 sends everything and returns before the rollout takes it (the rollout sleeps first):
+    the policy changes every weight at once, the embedding included (frozen: it would not change
+    in training, so it shows what is not sent), and push 2 is trainable-only. `declining`: the
+    member that refuses shared memory (-1: none)."""
+    shared.SHM_DIR = shm_dir
+    rdzv = Rendezvous("127.0.0.1", weights_port, f"reshard-{layout}-{declining}", 4)
     if member < 2:
         model = _policy(member, layout, policy_port)
         model.get_parameter(FROZEN).requires_grad_(False)
         group = build_group(rdzv, rank=member, timeout=TIMEOUT)
         sender = ShardedSender(
             group, model.named_parameters(), num_senders=2, bucket_bytes=BUCKET_BYTES,
-            window=WINDOW,
+            window=WINDOW, shared_memory=member != declining,
         )  # fmt: skip
-        sender.push(model.named_parameters(), version=1)
+        files_after_build = os.listdir(shm_dir)
         full_v1 = _full(model)
+        handle = sender.push(model.named_parameters(), version=1)
+        in_flight = not handle.done()
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.5)
-        sender.push(model.named_parameters(), version=2, trainable_only=True)
         full_v2 = _full(model)  # a collective: both policy ranks
-        result = (full_v1, full_v2, sender.peak_buffer_bytes) if member == 0 else None
+        sender.push(model.named_parameters(), version=2, trainable_only=True)
+        sender.close()
+        memory = (sender.shared_memory, sender.peak_buffer_bytes, sender.shared_memory_bytes)
+        result = (full_v1, full_v2, memory, in_flight, files_after_build)
     else:
         engine = _rollout_engine(member - 2, rollout_port)
         group = build_group(rdzv, rank=member, timeout=TIMEOUT)
         boxes = engine.tp_boxes()
         receiver = ShardedReceiver(
-            group, _local(engine), boxes, num_senders=2, bucket_bytes=BUCKET_BYTES, window=WINDOW
-        )
+            group, _local(engine), boxes, num_senders=2, bucket_bytes=BUCKET_BYTES, window=WINDOW,
+            shared_memory=member != declining,
+        )  # fmt: skip
+        time.sleep(0.5)  # push 1 is in flight meanwhile
         engine.update_weights_with(receiver.receive)
         assert engine.policy_version == 1
         after_v1 = {n: t.clone() for n, t in _local(engine).items()}
@@ -153,23 +176,39 @@ def _layout_body(member, layout, policy_port, rollout_port, weights_port):
         engine.update_weights_with(receiver.receive)
         assert engine.policy_version == 2
         after_v2 = {n: t.clone() for n, t in _local(engine).items()}
-        result = (boxes, after_v1, after_v2, generated, receiver.peak_buffer_bytes)
+        receiver.close()
+        memory = (receiver.shared_memory, receiver.peak_buffer_bytes, receiver.shared_memory_bytes)
+        result = (boxes, after_v1, after_v2, generated, memory)
     dist.barrier()
     dist.destroy_process_group()
     group.close()
     return result
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp"])
-def test_policy_shards_reach_a_tp2_rollout_bit_exact(members, layout):
+def _num_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.mark.parametrize(
+    ("layout", "declining"),
+    [("fsdp", -1), ("tp", -1), ("fsdp", 3), ("tp", 1)],
+    ids=["fsdp-shared-memory", "tp-shared-memory", "fsdp-rollout-declines", "tp-policy-declines"],
+)
+def test_policy_shards_reach_a_tp2_rollout_bit_exact(members, shm_dir, layout, declining):
     """Policy FSDP2 dp_shard 2 (or TP 2) -> rollout TP 2: every rollout rank's slices equal the
-    policy's weights bit for bit; a trainable-only push leaves frozen tensors alone; the TP
-    engine then generates what one process with the policy's whole weights generates."""
+    policy's weights bit for bit, also when the policy changed them right after `push`
+    returned; a trainable-only push leaves frozen tensors alone; the TP engine then generates
+    what one process with the policy's whole weights generates. Through shared memory on one
+    host, or over send/recv when any member (`declining`) refuses shared memory."""
     ports = [free_port() for _ in range(3)]
-    reports = members.run(_layout_body, 4, layout, *ports)
-    full_v1, full_v2, policy_peak = reports[0]
+    reports = members.run(_layout_body, 4, layout, declining, shm_dir, *ports)
+    full_v1, full_v2, policy_memory, in_flight, files_after_build = reports[0]
+    use_shm = declining == -1
+    assert files_after_build == [], "shared-memory files must be unlinked once mapped"
+    assert not os.listdir(shm_dir)
+    needs = []
     for member in (2, 3):
-        boxes, after_v1, after_v2, _, peak = reports[member]
+        boxes, after_v1, after_v2, _, memory = reports[member]
         assert set(after_v1) == set(full_v1)
         for name, (shape, box) in boxes.items():
             index = tuple(slice(lo, hi) for lo, hi in box)
@@ -183,9 +222,23 @@ def test_policy_shards_reach_a_tp2_rollout_bit_exact(members, layout):
         half = member - 2
         assert q_box[0] == (half * q_shape[0] // 2, (half + 1) * q_shape[0] // 2)
         assert o_box[1] == (half * o_shape[1] // 2, (half + 1) * o_shape[1] // 2)
-        # Memory: the message buffers are all a push adds: `WINDOW` buckets (+ checksum words).
-        assert 0 < peak <= WINDOW * (BUCKET_BYTES + 8)
-    assert 0 < policy_peak <= WINDOW * (BUCKET_BYTES + 8)
+        assert memory[0] == use_shm
+        assert memory[2] == policy_memory[2]  # one footprint, the same pages on every member
+        if not use_shm:  # `WINDOW` buckets (+ checksum words) are all a push adds
+            assert 0 < memory[1] <= WINDOW * (BUCKET_BYTES + 8)
+        needs.append(_num_bytes(after_v1))
+    shm, peak, shm_bytes = policy_memory
+    assert shm == use_shm
+    if use_shm:
+        assert in_flight, "a shared-memory push must return before the rollout takes it"
+        # Memory: two sets of the distinct pieces, nothing private. At most twice what the
+        # rollout ranks need together; here about twice the model (pieces are padded to 8
+        # bytes; with a TP policy its replicated norms come from both ranks).
+        assert peak == 0
+        assert 2 * _num_bytes(full_v1) <= shm_bytes <= 2 * sum(needs)
+        assert shm_bytes <= 2.01 * _num_bytes(full_v1)
+    else:
+        assert 0 < peak <= WINDOW * (BUCKET_BYTES + 8) and shm_bytes == 0
     # Both TP ranks sampled the same tokens; one process with the whole weights agrees.
     generated_2, generated_3 = reports[2][3], reports[3][3]
     assert generated_2 == generated_3
@@ -199,9 +252,10 @@ def test_policy_shards_reach_a_tp2_rollout_bit_exact(members, layout):
         )
 
 
-def _fan_out_body(member, rollout_ports, weights_port):
+def _fan_out_body(member, shm_dir, rollout_ports, weights_port):
     """Member 0: a plain (unsharded) policy; members 1-2: rollout replica A (TP 2), which
     receives from the policy; members 3-4: replica B (TP 2), which rank i of A forwards to."""
+    shared.SHM_DIR = shm_dir
     push = Rendezvous("127.0.0.1", weights_port, "fan-out-policy", 3, hosted=True)
     if member == 0:
         model = _policy_model(seed=2)
@@ -209,6 +263,7 @@ def _fan_out_body(member, rollout_ports, weights_port):
         sender = ShardedSender(group, model.named_parameters(), num_senders=1,
                                bucket_bytes=BUCKET_BYTES, checksum="always")  # fmt: skip
         sender.push(model.named_parameters(), version=1)
+        sender.close()
         group.close()
         return {n: p.detach().clone() for n, p in model.named_parameters()}
     replica, tp_rank = divmod(member - 1, 2)
@@ -222,6 +277,7 @@ def _fan_out_body(member, rollout_ports, weights_port):
         receiver = ShardedReceiver(group, local, engine.tp_boxes(), num_senders=1,
                                    bucket_bytes=BUCKET_BYTES)  # fmt: skip
         assert receiver.receive() == 1
+        receiver.close()
         group.close()
         sender = WeightSender(forward, local)
         sender.push(local, version=1).wait()
@@ -236,13 +292,13 @@ def _fan_out_body(member, rollout_ports, weights_port):
     return result
 
 
-def test_fan_out_to_a_second_tp_replica(members):
+def test_fan_out_to_a_second_tp_replica(members, shm_dir):
     """The replica that received the policy's slices forwards them rank by rank to a second
     replica with the same TP layout: both hold the policy's weights exactly, and generate alike."""
     ports = [free_port(), free_port()]
     store_port = free_port()
     store = serve_store("127.0.0.1", store_port)  # one store for all three groups, as in a job
-    reports = members.run(_fan_out_body, 5, ports, store_port)
+    reports = members.run(_fan_out_body, 5, shm_dir, ports, store_port)
     del store
     policy = reports[0]
     for member in (1, 2, 3, 4):
@@ -276,6 +332,134 @@ def test_layout_mismatch_is_an_error_on_every_member(members):
     reports = members.run(_mismatch_body, 2, free_port(), free_port())
     for message in reports.values():
         assert message is not None and "no policy rank has it" in message
+
+
+def _corrupt_body(member, shm_dir, port):
+    """Member 0 pushes one tensor to member 1 through shared memory with a checksum; member 1
+    flips a byte of the set after the sender computed it, before receiving."""
+    shared.SHM_DIR = shm_dir
+    group = build_group(Rendezvous("127.0.0.1", port, "corrupt", 2), rank=member, timeout=TIMEOUT)
+    weights = {"w": torch.arange(64.0).view(8, 8)}
+    try:
+        if member == 0:
+            sender = ShardedSender(group, weights, num_senders=1, checksum="always")
+            assert sender.shared_memory
+            handle = sender.push(weights, version=1)
+            try:
+                handle.wait()  # the rollout rank reports its failure
+            except RuntimeError as err:
+                return str(err)
+            return "no error"
+        receiver = ShardedReceiver(
+            group, {"w": torch.zeros(8, 8)}, {"w": ((8, 8), full_box((8, 8)))}, num_senders=1
+        )
+        time.sleep(0.5)  # the sender packed and checksummed set 0 meanwhile
+        receiver._sets[0][100] += 1
+        try:
+            receiver.receive()
+        except ValueError as err:
+            receiver.close()  # (the failure still goes to the policy)
+            return str(err)
+        return "no error"
+    finally:
+        group.close()
+
+
+def test_corrupted_shared_memory_is_caught(members, shm_dir):
+    reports = members.run(_corrupt_body, 2, shm_dir, free_port())
+    assert "rollout rank(s) [0] failed to take version 1" in reports[0]
+    assert "from policy rank 0 arrived corrupted on rank 1" in reports[1]
+
+
+def _transfer_dtype_body(member, shm_dir, port):
+    """Member 0 pushes float32 tensors (one of an odd size) and an int64 one as bfloat16 wire
+    data through shared memory; member 1 keeps float32."""
+    shared.SHM_DIR = shm_dir
+    group = build_group(Rendezvous("127.0.0.1", port, "bf16", 2), rank=member, timeout=TIMEOUT)
+    g = torch.Generator().manual_seed(5)
+    weights = {
+        "w": torch.randn(8, 6, generator=g),
+        "b": torch.randn(5, generator=g),
+        "step": torch.tensor([3, -4], dtype=torch.int64),
+    }
+    try:
+        if member == 0:
+            sender = ShardedSender(group, weights, num_senders=1, transfer_dtype=torch.bfloat16)
+            sender.push(weights, version=4).wait()
+            return weights
+        local = {n: torch.zeros_like(t) for n, t in weights.items()}
+        boxes = {n: (tuple(t.shape), full_box(t.shape)) for n, t in weights.items()}
+        receiver = ShardedReceiver(group, local, boxes, num_senders=1,
+                                   transfer_dtype=torch.bfloat16)  # fmt: skip
+        version = receiver.receive()
+        receiver.close()
+        return receiver.shared_memory, version, local
+    finally:
+        group.close()
+
+
+def test_transfer_dtype_through_shared_memory(members, shm_dir):
+    reports = members.run(_transfer_dtype_body, 2, shm_dir, free_port())
+    sent, (shm, version, got) = reports[0], reports[1]
+    assert shm and version == 4
+    assert torch.equal(got["step"], sent["step"])
+    for name in ("w", "b"):
+        assert got[name].dtype == torch.float32
+        assert torch.equal(got[name], sent[name].bfloat16().float()), name
+
+
+def _dying_body(member, shm_dir, port, when):
+    """Member 0 pushes to members 1 and 2 through shared memory; member 2 is killed `when`:
+    "mapping" (inside `shared.share`, after rank 0 created the files, before everyone mapped
+    them) or "pushing" (a push in flight). What happened to the others is reported."""
+    shared.SHM_DIR = shm_dir
+    rdzv = Rendezvous("127.0.0.1", port, f"dying-{when}", 3)
+    group = build_group(rdzv, rank=member, timeout=timedelta(seconds=20))
+    weights = {"w": torch.arange(64.0).view(8, 8)}
+    boxes = {"w": ((8, 8), full_box((8, 8)))}
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if member == 2 and when == "mapping":
+        shared.torch.from_file = die  # (this process dies: nothing else maps here)
+    try:
+        if member == 0:
+            sender = ShardedSender(group, weights, num_senders=1)
+            sender.push(weights, version=1).wait()
+        else:
+            receiver = ShardedReceiver(group, {"w": torch.zeros(8, 8)}, boxes, num_senders=1)
+            if member == 2:
+                die()
+            receiver.receive()
+    except RuntimeError as err:  # the dead member's connections closed
+        return f"failed: {err}"
+    finally:
+        group.close()
+    return "no error"
+
+
+@pytest.mark.parametrize("when", ["mapping", "pushing"])
+def test_no_shared_memory_is_left_when_a_member_dies(shm_dir, when):
+    """Whenever a member dies, nothing is left in /dev/shm: the files are unlinked as soon as
+    every member mapped them, and by every member when building fails."""
+    port = free_port()
+    pool = MemberPool(3)  # (its member 2 dies: not the module's pool)
+    try:
+        for member in range(3):
+            pool.inboxes[member].put((_dying_body, (shm_dir, port, when)))
+        reports = {}
+        deadline = time.monotonic() + 60
+        while len(reports) < 2 and time.monotonic() < deadline:
+            member, status, payload = pool.out.get(timeout=max(deadline - time.monotonic(), 0.1))
+            reports[member] = (status, payload)
+    finally:
+        pool.close()
+    assert sorted(reports) == [0, 1], reports
+    assert reports[0][0] == "ok" and reports[0][1].startswith("failed"), reports[0]
+    if when == "mapping":  # building fails for all; mid-push, rollout rank 0 takes its part
+        assert reports[1][0] == "ok" and reports[1][1].startswith("failed"), reports[1]
+    assert not os.listdir(shm_dir), "shared-memory files left behind"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Moving parameters between replicas: process groups between separately started processes
-(`group`) and a bucketed, non-blocking broadcast from the policy to rollouts (`transport`)."""
+(`group`), a bucketed, non-blocking broadcast from the policy to rollouts (`transport`), slices
+between parallel layouts (`reshard`) and the shared memory both use on one host (`shared`)."""
 
 from nebula_rl.weights.group import Rendezvous, WeightGroup, build_group, free_port, serve_store
 from nebula_rl.weights.transport import (

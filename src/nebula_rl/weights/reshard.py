@@ -21,16 +21,50 @@ boxes (as JSON) and each computes the same plan from them:
    messages in flight per member. Every member follows the same order and waits only on its
    oldest message, so the earliest unfinished message always has both ends posted: no deadlock.
 
-Memory: each member reuses `window` buffers of at most one bucket (plus an 8-byte checksum
-word) for the whole run, and packs/unpacks straight from/into its own tensors; nothing else is
-allocated per push (`peak_buffer_bytes`). A push blocks the policy until its messages are sent,
-since it reads the live parameters; use `WeightSender` (full copy, background send) when memory
-allows and asynchrony matters more.
+Same host, CPU (gloo): the pieces go through shared memory instead of step 3, as
+`transport.py`'s full-weight push does. Building negotiates it (`shared.share`: all members
+must read a random token in rank 0's files, or everyone uses send/recv) and maps two persistent
+sets, each laid out by the plan: every piece at its own offset, grouped by policy rank; a piece
+that several rollout ranks need from the same policy rank (a tensor every TP rank keeps whole)
+is packed once. A push then:
+
+1. `ShardedSender.push` (caller's thread, at a step boundary) copies this rank's pieces from
+   its live shards into the push's set (one copy, with the dtype cast), sends every rollout
+   rank a header (version, trainable_only, checksum?, set, the checksum of that rank's pieces)
+   point to point, and returns a `PushHandle`: the caller may change its parameters at once.
+   No weights cross the group.
+2. A background thread waits for the rollout ranks' acknowledgements.
+3. `ShardedReceiver.receive` takes the headers of all policy ranks, checks that they agree,
+   verifies the checksums when asked, copies its pieces from the set straight into its tensors
+   (the second copy), and acknowledges (success or failure) to every policy rank. The handle is
+   done when every rollout rank acknowledged; a failure raises on both sides.
+
+Sets alternate push by push (the same reuse rule as `transport.py`'s): push k writes set k % 2
+only after every rollout rank acknowledged push k - 2, the last one in that set (`push` waits
+for that handle). So a receiver reading push k never sees push k + 1 (the other set) or k + 2
+(not written before it acknowledged k) being written, and at most two pushes are in flight. The
+plan digests are compared when shared memory is negotiated (a member with another plan
+declines it; the send/recv path then raises `LayoutMismatchError` on its first push). Without
+shared memory (NCCL on GPUs, another host, a member that declined) `push` keeps the send/recv
+path above: it reads the live parameters, so it returns only when its messages are sent (a
+finished handle). That path is unchanged by shared memory; its NCCL use has not been run (the
+tests run gloo on CPU).
+
+Memory: with shared memory, two sets of the distinct pieces in `/dev/shm` shared by the whole
+group (`shared_memory_bytes`, the same pages on every member): at most twice the bytes all
+rollout ranks need together; about twice the model in the wire dtype for an FSDP policy and a
+TP rollout (pieces are padded to 8 bytes; what a TP policy replicates, or HSDP's replicas, may
+be stored once per rollout rank, since replicas take turns). The files are unlinked once every
+member mapped them (on failure too), so a dying process leaves nothing behind. Nothing private,
+nothing allocated per push. Without: each member reuses `window` buffers of at most one bucket
+(plus an 8-byte checksum word) for the whole run, and packs/unpacks straight from/into its own
+tensors (`peak_buffer_bytes`).
 
 Trainable parameters only: the first push sends everything; later pushes with
 `trainable_only=True` send only the tensors the policy marked trainable (frozen ones cannot have
-changed). Checksums: with `checksum="first"` (default) every message of the first push carries
-the sum of its bytes, which the receiver verifies; "always" and "never" do what they say.
+changed). Checksums: with `checksum="first"` (default) the first push carries the sum of the
+bytes of every message (send/recv) or of every piece per rollout rank (shared memory), which
+the receiver verifies; "always" and "never" do what they say.
 
 Other rollout replicas: rank i of the replica that received the weights holds the same shards as
 rank i of every other replica with the same TP size, so it forwards them with `WeightSender`
@@ -42,18 +76,28 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
 import torch
 from torch import Tensor
+from torch.distributed import Work
 from torch.distributed.tensor import DTensor, Partial
 
 from nebula_rl.weights.group import WeightGroup
-from nebula_rl.weights.transport import LayoutMismatchError, NamedTensors, _items
+from nebula_rl.weights.shared import share
+from nebula_rl.weights.transport import (
+    LayoutMismatchError,
+    NamedTensors,
+    PushHandle,
+    PushStats,
+    _items,
+)
 
 __all__ = [
     "Box",
@@ -297,8 +341,47 @@ def _checksum(payload: Tensor) -> int:
     return int(payload.view(torch.int32).sum(dtype=torch.int64)) % (1 << 63)
 
 
+@dataclass(frozen=True, slots=True)
+class _Region:
+    """Where one copy lives in a shared-memory set."""
+
+    offset: int
+    """Bytes from the start of the set; a multiple of `_REGION_ALIGN`."""
+    nbytes: int
+    """The copy's bytes, padded to a multiple of `_REGION_ALIGN` (the padding stays zero)."""
+    src: int
+    dst: int
+    dtype: torch.dtype
+    copy: _Copy
+
+
+_REGION_ALIGN = 8  # whole int64 words: any wire dtype stays aligned, checksums read int32
+_HEADER_TAG, _ACK_TAG = 1, 2  # shared memory: the only messages between policy and rollout
+
+
+def _shared_layout(messages: list[_Message]) -> tuple[list[_Region], int]:
+    """Every copy of the full plan placed in one shared-memory set; the set's size in bytes.
+
+    Regions are grouped by sender. A copy that several receivers need from the same sender (a
+    tensor the rollout keeps whole on every rank) is packed once: their regions share an offset.
+    """
+    regions: list[_Region] = []
+    offsets: dict[tuple[object, ...], int] = {}
+    size = 0
+    for src in sorted({m.src for m in messages}):
+        for message in (m for m in messages if m.src == src):
+            for copy in message.copies:
+                key = (src, copy.name, tuple((s.start, s.stop) for s in copy.src), message.dtype)
+                nbytes = -(-copy.numel * message.dtype.itemsize // _REGION_ALIGN) * _REGION_ALIGN
+                if key not in offsets:
+                    offsets[key] = size
+                    size += nbytes
+                regions.append(_Region(offsets[key], nbytes, src, message.dst, message.dtype, copy))
+    return regions, size
+
+
 class _Endpoint:
-    """What senders and receivers share: the plan, the buffers, the push loop."""
+    """What senders and receivers share: the plan, the buffers, the header, the push loop."""
 
     def __init__(
         self,
@@ -310,6 +393,7 @@ class _Endpoint:
         transfer_dtype: torch.dtype | None,
         window: int,
         checksum: Literal["first", "always", "never"],
+        shared_memory: bool,
     ) -> None:
         if not 0 < num_senders < group.world_size:
             raise ValueError(
@@ -340,55 +424,94 @@ class _Endpoint:
             mode: [m for m in msgs if group.rank in (m.src, m.dst)] for mode, msgs in plan.items()
         }
         self._digests = {mode: _digest(msgs) for mode, msgs in plan.items()}
-        largest = max((m.payload_bytes for m in self._plans[False]), default=0)
-        self._buffers = [
-            torch.zeros(largest + 8, dtype=torch.uint8, device=group.device)
-            for _ in range(min(window, max(1, len(self._plans[False]))))
-        ]
         self._num_pushes = 0
+        regions, set_bytes = _shared_layout(plan[False])
+        sets = share(group, [set_bytes] * 2, self._digests[False], offer=shared_memory)
+        self.shared_memory = sets is not None
+        """Whether pushes go through shared memory (negotiated when built: all members or none)."""
+        self._sets = sets or []
+        self._regions = [r for r in regions if group.rank in (r.src, r.dst)]
+        # What this member packs (a sender: each region once, however many receivers read it)
+        # or unpacks (a receiver), as views per set, built once.
+        own = {r.offset: r for r in self._regions} if group.rank < num_senders else None
+        moved = list(own.values()) if own is not None else self._regions
+        self._views: list[list[tuple[_Region, Tensor]]] = [
+            [(r, _region_view(s, r)) for r in moved] for s in self._sets
+        ]
+        if self.shared_memory:
+            self._buffers: list[Tensor] = []
+            self._prefault()
+        else:
+            largest = max((m.payload_bytes for m in self._plans[False]), default=0)
+            self._buffers = [
+                torch.zeros(largest + 8, dtype=torch.uint8, device=group.device)
+                for _ in range(min(window, max(1, len(self._plans[False]))))
+            ]
 
     @property
     def peak_buffer_bytes(self) -> int:
-        """Bytes of this member's message buffers: all the extra memory a push uses."""
+        """Bytes of this member's private message buffers (none with shared memory)."""
         return sum(b.numel() for b in self._buffers)
 
-    def _header(self, version: int, trainable_only: bool, timeout: timedelta | None) -> list[int]:
-        """All-gather every member's (version, mode, checksum?, plan digests); check that the
-        senders agree with rank 0 and that everyone planned the same; rank 0's row."""
-        sender = self.group.rank < self.num_senders
-        with_checksum = self.checksum == "always" or (
-            self.checksum == "first" and self._num_pushes == 0
-        )
-        mine = torch.tensor(
-            [
-                version if sender else -1,
-                int(trainable_only) if sender else -1,
-                int(with_checksum) if sender else -1,
-                self._digests[False],
-                self._digests[True],
-            ],
-            dtype=torch.int64,
-            device=self.group.device,
-        )
+    @property
+    def shared_memory_bytes(self) -> int:
+        """Bytes of the two shared-memory sets (0 without): the same pages for every member of
+        the group, so count them once per group, not per member."""
+        return sum(s.numel() for s in self._sets)
+
+    def _prefault(self) -> None:
+        """Touch this member's pages of both sets now, so that no push pays for page faults:
+        a sender writes its own regions (nobody reads them before its first push), a receiver
+        reads one byte per page of its regions."""
+        page = 4096
+        with torch.no_grad():
+            for views in self._views:
+                for region, view in views:
+                    if region.src == self.group.rank:
+                        view.zero_()
+                    else:
+                        data = view.reshape(-1).view(torch.uint8)
+                        int(data[::page].sum()) + int(data[-1])
+
+    def _exchange(self, head: list[int], timeout: timedelta | None) -> list[int]:
+        """Send/recv pushes: all-gather every member's `head` (version, trainable_only,
+        checksum?; -1 on receivers) and plan digests; check that the senders agree with rank 0
+        and that everyone planned the same; rank 0's head."""
+        row = [*head, self._digests[False], self._digests[True]]
+        mine = torch.tensor(row, dtype=torch.int64, device=self.group.device)
         rows = [torch.empty_like(mine) for _ in range(self.group.world_size)]
         self.group.pg.allgather(rows, mine, timeout or self.group.timeout).wait()
         table = [r.tolist() for r in rows]
-        head = table[0]
-        disagree = [r for r in range(self.num_senders) if table[r][:3] != head[:3]]
+        first = table[0]
+        disagree = [r for r in range(self.num_senders) if table[r][:3] != first[:3]]
         if disagree:
             raise ValueError(
                 f"policy ranks {disagree} pushed (version, trainable_only, checksum) "
-                f"{[table[r][:3] for r in disagree]}, policy rank 0 pushed {head[:3]}"
+                f"{[table[r][:3] for r in disagree]}, policy rank 0 pushed {first[:3]}"
             )
-        bad = [r for r, row in enumerate(table) if row[3:] != head[3:]]
+        bad = [r for r, row in enumerate(table) if row[3:] != first[3:]]
         if bad:
             raise LayoutMismatchError(
                 f"weight group {self.group.rdzv.name!r}: rank(s) {bad} planned a different "
                 "resharding than rank 0 (tensor names, shapes, boxes, transfer_dtype or "
                 "bucket_bytes differ)"
             )
-        self._num_pushes += 1
-        return head
+        return first[:3]
+
+    def _region_checksums(self, slot: int, trainable_only: bool, *, per: str) -> dict[int, int]:
+        """Per receiver (`per="dst"`, on a sender) or per sender (`per="src"`, on a receiver):
+        the checksum of the regions of this push in set `slot` that this member shares with it."""
+        sums: dict[int, int] = {}
+        by_offset: dict[int, int] = {}
+        for region in self._regions:
+            if trainable_only and not region.copy.trainable:
+                continue
+            if region.offset not in by_offset:
+                payload = self._sets[slot][region.offset : region.offset + region.nbytes]
+                by_offset[region.offset] = _checksum(payload)
+            peer = region.dst if per == "dst" else region.src
+            sums[peer] = (sums.get(peer, 0) + by_offset[region.offset]) % (1 << 63)
+        return sums
 
     def _run(
         self, messages: list[_Message], tensors: Mapping[str, Tensor], with_checksum: bool
@@ -455,6 +578,13 @@ class _Endpoint:
                 offset += copy.numel
 
 
+def _region_view(buffer: Tensor, region: _Region) -> Tensor:
+    """`region` of the uint8 set `buffer`, viewed as its copy's dtype and shape."""
+    nbytes = region.copy.numel * region.dtype.itemsize
+    flat = buffer[region.offset : region.offset + nbytes].view(region.dtype)
+    return flat.view(region.copy.shape)
+
+
 def _trainable(tensor: Tensor) -> bool:
     return bool(tensor.requires_grad) or not tensor.is_floating_point()
 
@@ -464,7 +594,8 @@ class ShardedSender(_Endpoint):
 
     `named_tensors`: the policy's parameters as it holds them: DTensors (any placements but
     Partial) or plain tensors (taken as whole). Which are trainable is read from
-    `requires_grad` now. Building is a collective with the receivers.
+    `requires_grad` now. `shared_memory=False` declines shared memory (then every member uses
+    the group's send/recv). Building is a collective with the receivers.
     """
 
     def __init__(
@@ -477,6 +608,7 @@ class ShardedSender(_Endpoint):
         transfer_dtype: torch.dtype | None = None,
         window: int = 2,
         checksum: Literal["first", "always", "never"] = "first",
+        shared_memory: bool = True,
     ) -> None:
         if group.rank >= num_senders:
             raise ValueError(f"rank {group.rank} is a receiver: senders are ranks < {num_senders}")
@@ -494,7 +626,10 @@ class ShardedSender(_Endpoint):
             transfer_dtype=transfer_dtype,
             window=window,
             checksum=checksum,
+            shared_memory=shared_memory,
         )
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="nebula-reshard-sender")
+        self._handles: deque[PushHandle] = deque()  # pushes not waited for yet, oldest first
 
     def push(
         self,
@@ -503,17 +638,131 @@ class ShardedSender(_Endpoint):
         *,
         trainable_only: bool = False,
         timeout: timedelta | None = None,
-    ) -> None:
-        """Send this rank's slices of `named_tensors` (the same tensors, by name, the sender was
-        built from) as `version`; returns when they are sent. All policy ranks call it together
-        with the same arguments; the first push must not be `trainable_only`."""
+    ) -> PushHandle:
+        """Push this rank's slices of `named_tensors` (the same tensors, by name, the sender was
+        built from) as `version`. All policy ranks call it together with the same arguments; the
+        first push must not be `trainable_only`.
+
+        With shared memory it waits for the push before the previous one (whose set this one
+        overwrites; its error is raised here), copies the slices into this push's set, sends
+        the headers (after summing the copied bytes when this push has a checksum) and returns:
+        the caller may change its parameters at once. The handle's `wait()` returns once every
+        rollout rank copied the push, and raises what failed (`timeout` bounds that wait).
+
+        Without shared memory (NCCL, or a member declined) it waits for the previous push, then
+        reads the live parameters, so it returns only when its messages are sent, with a
+        finished handle.
+        """
         if trainable_only and self._num_pushes == 0:
             raise ValueError("the first push must send every tensor (trainable_only=False)")
-        local = {
-            name: t.to_local() if isinstance(t, DTensor) else t for name, t in _items(named_tensors)
-        }
-        head = self._header(version, trainable_only, timeout)
-        self._run(self._plans[trainable_only], local, bool(head[2]))
+        with_checksum = self.checksum == "always" or (
+            self.checksum == "first" and self._num_pushes == 0
+        )
+        if not self.shared_memory:
+            self.wait()
+            start = time.perf_counter()
+            head = self._exchange([version, int(trainable_only), int(with_checksum)], timeout)
+            self._run(self._plans[trainable_only], self._local(named_tensors), bool(head[2]))
+            self._num_pushes += 1
+            elapsed = time.perf_counter() - start
+            done: Future[PushStats] = Future()
+            done.set_result(PushStats(version, self._push_bytes(trainable_only), elapsed, 0.0))
+            self._handles.append(PushHandle(version, done))
+            return self._handles[-1]
+        # The reuse rule: this set last held the push before the previous one, which every
+        # rollout rank has copied out once its handle is done.
+        if len(self._handles) == 2:
+            self._handles.popleft().wait()
+        start = time.perf_counter()
+        local = self._local(named_tensors)
+        slot = self._num_pushes % 2
+        with torch.no_grad():
+            for region, view in self._views[slot]:
+                if not trainable_only or region.copy.trainable:
+                    view.copy_(local[region.copy.name][region.copy.src])
+        self._num_pushes += 1
+        # The headers, in push order (gloo sends return at once; a checksum is summed first).
+        sums = self._region_checksums(slot, trainable_only, per="dst") if with_checksum else {}
+        head = [version, int(trainable_only), int(with_checksum), slot]
+        receivers = range(self.num_senders, self.group.world_size)
+        headers = [torch.tensor([*head, sums.get(dst, 0)], dtype=torch.int64) for dst in receivers]
+        sends = [
+            self.group.pg.send([header], dst, _HEADER_TAG)  # type: ignore[attr-defined]
+            for dst, header in zip(receivers, headers, strict=True)
+        ]
+        snapshot_s = time.perf_counter() - start
+        future = self._executor.submit(
+            self._await_acks, head, (sends, headers), snapshot_s, timeout
+        )
+        self._handles.append(PushHandle(version, future))
+        return self._handles[-1]
+
+    def wait(self) -> PushStats | None:
+        """Block until every push is done (raising the first error); the last one's stats, or
+        None when none was in flight."""
+        stats = None
+        while self._handles:
+            stats = self._handles.popleft().wait()
+        return stats
+
+    def close(self) -> None:
+        """Finish the pending pushes and stop the background thread (the group stays open)."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    @staticmethod
+    def _local(named_tensors: NamedTensors) -> dict[str, Tensor]:
+        with torch.no_grad():  # (to_local's autograd bookkeeping costs more than the call)
+            return {
+                name: t.to_local() if isinstance(t, DTensor) else t
+                for name, t in _items(named_tensors)
+            }
+
+    def _await_acks(
+        self,
+        head: list[int],
+        sent: tuple[list[Work], list[Tensor]],
+        snapshot_s: float,
+        timeout: timedelta | None,
+    ) -> PushStats:
+        """Background thread, shared memory: wait until every rollout rank reported that it
+        copied the push (`sent`: the header sends, with their tensors kept alive until done)."""
+        start = time.perf_counter()
+        version, trainable_only = head[:2]
+        receivers = range(self.num_senders, self.group.world_size)
+        acks = [torch.zeros(2, dtype=torch.int64) for _ in receivers]
+        works = [
+            self.group.pg.recv([ack], dst, _ACK_TAG)  # type: ignore[attr-defined]
+            for dst, ack in zip(receivers, acks, strict=True)
+        ]
+        for work in [*sent[0], *works]:
+            work.wait(timeout or self.group.timeout)
+        failed = [
+            dst for dst, ack in zip(receivers, acks, strict=True) if ack.tolist() != [version, 1]
+        ]
+        if failed:
+            raise RuntimeError(
+                f"rollout rank(s) {[d - self.num_senders for d in failed]} failed to take "
+                f"version {version} (see their error)"
+            )
+        return PushStats(
+            version,
+            self._push_bytes(bool(trainable_only)),
+            snapshot_s,
+            time.perf_counter() - start,
+        )
+
+    def _push_bytes(self, trainable_only: bool) -> int:
+        """Bytes this rank sends (without shared memory) or packs (with) per push."""
+        if not self.shared_memory:
+            return sum(m.payload_bytes for m in self._plans[trainable_only])
+        return sum(
+            r.copy.numel * r.dtype.itemsize
+            for r, _ in self._views[0]
+            if not trainable_only or r.copy.trainable
+        )
 
 
 class ShardedReceiver(_Endpoint):
@@ -522,7 +771,8 @@ class ShardedReceiver(_Endpoint):
 
     `named_tensors` are this rank's own tensors (e.g. a TP engine's parameter shards), written in
     place by `receive`; `boxes` gives, per name, the full tensor's shape and the box this rank
-    holds (`TorchEngine.tp_boxes()`). Building is a collective with the senders.
+    holds (`TorchEngine.tp_boxes()`). `shared_memory=False` declines shared memory. Building is a
+    collective with the senders.
     """
 
     def __init__(
@@ -535,6 +785,7 @@ class ShardedReceiver(_Endpoint):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         transfer_dtype: torch.dtype | None = None,
         window: int = 2,
+        shared_memory: bool = True,
     ) -> None:
         if group.rank < num_senders:
             raise ValueError(f"rank {group.rank} is a sender: receivers are ranks >= {num_senders}")
@@ -559,12 +810,77 @@ class ShardedReceiver(_Endpoint):
             transfer_dtype=transfer_dtype,
             window=window,
             checksum="never",  # the senders decide; their header says whether to verify
+            shared_memory=shared_memory,
         )
         self._tensors = dict(named_tensors)
+        self._views_by_src: list[dict[int, list[tuple[_Region, Tensor]]]] = []
+        for views in self._views:
+            self._views_by_src.append({})
+            for region, view in views:
+                self._views_by_src[-1].setdefault(region.src, []).append((region, view))
+        # Shared memory: the last acknowledgement (version, ok) and its sends, until sent.
+        self._ack = torch.zeros(2, dtype=torch.int64)
+        self._acks: list[Work] = []
 
     def receive(self, *, timeout: timedelta | None = None) -> int:
         """Wait for the next push, write it into this rank's tensors in place; its version.
         `timeout` bounds the wait for the push to start."""
-        head = self._header(-1, False, timeout)
-        self._run(self._plans[bool(head[1])], self._tensors, bool(head[2]))
-        return head[0]
+        if not self.shared_memory:
+            version, trainable_only, with_checksum = self._exchange([-1, -1, -1], timeout)
+            self._num_pushes += 1
+            self._run(self._plans[bool(trainable_only)], self._tensors, bool(with_checksum))
+            return version
+        senders = range(self.num_senders)
+        self.close()  # the previous push's acknowledgement, long sent by now
+        rows = [torch.zeros(5, dtype=torch.int64) for _ in senders]
+        works = [
+            self.group.pg.recv([row], src, _HEADER_TAG)  # type: ignore[attr-defined]
+            for src, row in zip(senders, rows, strict=True)
+        ]
+        heads: list[list[int]] = []
+        ok = False
+        try:
+            # Each policy rank's pieces as soon as its header is in (they pack independently).
+            for src, (work, row) in enumerate(zip(works, rows, strict=True)):
+                work.wait(timeout or self.group.timeout)
+                heads.append(row.tolist())
+                self._take(src, heads[-1], heads[0])
+            ok = True
+        finally:  # once a push started, the senders learn how it went instead of timing out
+            if heads:
+                self._num_pushes += 1
+                self._ack = torch.tensor([heads[0][0], int(ok)], dtype=torch.int64)
+                self._acks = [
+                    self.group.pg.send([self._ack], src, _ACK_TAG)  # type: ignore[attr-defined]
+                    for src in senders
+                ]
+        return heads[0][0]
+
+    def close(self) -> None:
+        """Finish sending the last acknowledgement (shared memory); call it before leaving the
+        group, so that the policy's last push does not fail. The group stays open."""
+        for work in self._acks:
+            work.wait(self.group.timeout)
+        self._acks = []
+
+    def _take(self, src: int, row: list[int], first: list[int]) -> None:
+        """Check policy rank `src`'s header `row` against policy rank 0's (`first`), verify the
+        checksum when asked, copy its pieces out of the set."""
+        if row[:4] != first[:4]:
+            raise ValueError(
+                f"policy rank {src} pushed (version, trainable_only, checksum, set) {row[:4]}, "
+                f"policy rank 0 pushed {first[:4]}"
+            )
+        version, trainable_only, with_checksum, slot, checksum = row
+        assert slot == self._num_pushes % 2, "sets alternate push by push"
+        if with_checksum:
+            got = self._region_checksums(slot, bool(trainable_only), per="src").get(src, 0)
+            if got != checksum:
+                raise ValueError(
+                    f"weights of version {version} from policy rank {src} arrived corrupted "
+                    f"on rank {self.group.rank}: checksum {got} != {checksum}"
+                )
+        with torch.no_grad():
+            for region, view in self._views_by_src[slot].get(src, []):
+                if not trainable_only or region.copy.trainable:
+                    self._tensors[region.copy.name][region.copy.dst].copy_(view)

@@ -30,10 +30,10 @@ only the header goes over the group; `receive` returns views straight into that 
 rollout's own copy into its model is the only other copy (two memcpys per push instead of a
 copy, a TCP transfer and a copy). A set is reused two pushes later, and the sender's next push
 waits for every receiver to come back for the previous header, so views stay valid until the
-receiver's next `receive`. Both sides negotiate it when built: the sender offers files in
-`/dev/shm` with a random token, and shared memory is used only if every receiver can read the
-token (another container on the same host cannot); the files are unlinked as soon as all members
-mapped them, so nothing is left behind even if a process dies.
+receiver's next `receive`. Both sides negotiate it when built (`shared.share`): the sender
+offers files in `/dev/shm` with a random token, and shared memory is used only if every receiver
+can read the token (another container on the same host cannot); the files are unlinked as soon
+as all members mapped them, so nothing is left behind even if a process dies.
 
 Simplifications, on purpose: full (unsharded) tensors only (mapping shards between parallel
 layouts is a separate step); one sender; buffers are allocated once (a full copy of the weights in
@@ -45,8 +45,6 @@ misplacement between buckets, not a permutation inside one.
 from __future__ import annotations
 
 import hashlib
-import os
-import secrets
 import time
 from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +56,7 @@ import torch
 from torch import Tensor
 
 from nebula_rl.weights.group import WeightGroup
+from nebula_rl.weights.shared import share
 
 __all__ = [
     "BucketLayout",
@@ -198,16 +197,6 @@ class BucketLayout:
             s.name: buffers[s.bucket][s.offset : s.offset + s.numel].view(s.shape)
             for s in self.slots
         }
-
-    def map_shared(self, prefix: str) -> list[Tensor]:
-        """Bucket buffers backed by the shared-memory files `<prefix>-b<i>` (created zeroed when
-        missing), mapped shared: every process that maps them sees the same bytes."""
-        return [
-            torch.from_file(
-                f"{prefix}-b{i}", shared=True, size=n * d.itemsize, dtype=torch.uint8
-            ).view(d)
-            for i, (n, d) in enumerate(zip(self.bucket_numels, self.bucket_dtypes, strict=True))
-        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -472,60 +461,22 @@ def _share_frozen(
 
 def _negotiate(group: WeightGroup, layout: BucketLayout, *, offer: bool) -> list[list[Tensor]]:
     """Every member's bucket sets: two shared-memory sets when all members (gloo, `offer`, the
-    same layout) can map the sender's files, else one private set for the broadcast. A
-    collective: all members of the group call it once, sender and receivers alike."""
-
-    def gather(values: list[int]) -> list[list[int]]:
-        mine = torch.tensor(values, dtype=torch.int64)
-        rows = [torch.empty_like(mine) for _ in range(group.world_size)]
-        group.pg.allgather(rows, mine, group.timeout).wait()
-        return [r.tolist() for r in rows]
-
-    if group.backend != "gloo":  # NCCL moves GPU memory itself
+    same layout) can map the sender's files (`shared.share`), else one private set for the
+    broadcast. A collective: all members of the group call it once, sender and receivers alike."""
+    sizes = [
+        n * d.itemsize for n, d in zip(layout.bucket_numels, layout.bucket_dtypes, strict=True)
+    ]
+    files = share(group, sizes * 2, layout.digest, offer=offer)
+    if files is None:
         return [layout.allocate(group.device)[0]]
-    name_id = token = 0
-    sets: list[list[Tensor]] = []
-    paths: list[str] = []
-    try:
-        if group.rank == 0 and offer:
-            # Files named by a random id; a random token in the probe proves a receiver sees them.
-            name_id, token = secrets.randbits(62), secrets.randbits(62)
-            paths = _shm_files(name_id, layout)
-            sets = [layout.map_shared(f"{_shm_prefix(name_id)}-s{i}") for i in range(2)]
-            with open(paths[0], "wb") as f:
-                f.write(token.to_bytes(8, "little"))
-        name_id, token, digest = gather([name_id, token, layout.digest])[0]
-        sees = group.rank == 0 or (offer and name_id != 0 and digest == layout.digest)
-        if sees and group.rank != 0:
-            probe_path, *bucket_paths = _shm_files(name_id, layout)
-            try:
-                with open(probe_path, "rb") as probe:
-                    sees = int.from_bytes(probe.read(8), "little") == token
-            except OSError:  # another container, or /dev/shm not shared
-                sees = False
-            # Map only files the sender made: never create one here.
-            sees = sees and all(os.path.exists(path) for path in bucket_paths)
-        shared = name_id != 0 and all(row[0] for row in gather([int(sees)]))
-        if shared and group.rank != 0:
-            sets = [layout.map_shared(f"{_shm_prefix(name_id)}-s{i}") for i in range(2)]
-        gather([1])  # every member mapped the files (or gave up): the names can go
-    finally:
-        for path in paths:  # on success and on failure alike: nothing is left in /dev/shm
-            if os.path.exists(path):
-                os.unlink(path)
-    return sets if shared else [layout.allocate(group.device)[0]]
-
-
-def _shm_prefix(name_id: int) -> str:
-    return f"/dev/shm/nebula-weights-{name_id:x}"
-
-
-def _shm_files(name_id: int, layout: BucketLayout) -> list[str]:
-    """The probe file, then every bucket file of both sets (as `BucketLayout.map_shared` names
-    them under `<prefix>-s<set>`)."""
-    prefix = _shm_prefix(name_id)
-    buckets = range(len(layout.bucket_numels))
-    return [f"{prefix}-probe"] + [f"{prefix}-s{i}-b{b}" for i in range(2) for b in buckets]
+    num = len(sizes)
+    return [
+        [
+            b.view(d)
+            for b, d in zip(files[i * num : (i + 1) * num], layout.bucket_dtypes, strict=True)
+        ]
+        for i in range(2)
+    ]
 
 
 def _exchange_header(
