@@ -553,7 +553,7 @@ def _lockstep_body(member, port):
         engine.stop_followers()
         engine.shutdown()
     else:
-        outputs = engine.follow(_nudge(engine))
+        outputs = engine.follow(lambda note: _nudge(engine)())
     dist.barrier()
     dist.destroy_process_group()
     return {

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -385,3 +386,15 @@ def test_a_preemption_signal_checkpoints_the_job_which_goes_on(tmp_path, grpo_jo
     (step, _), *others = complete_checkpoints(run_dir)
     assert others == [] and 2 <= step <= NUM_ROWS // BATCH
     assert (run_dir / "checkpoints" / "controller" / f"step_{step}.json").exists()
+
+
+def test_tensor_parallel_rollout_replica_runs_the_job(tmp_path, grpo_job_config):
+    """A rollout replica of 2 ranks (`rollout.parallelism.tp_size = 2`, the lock-step engine):
+    both ranks take every weight push; the job trains every prompt once."""
+    tp2 = {"rollout": {"parallelism": {"tp_size": 2}}}
+    run_dir = _run_job(tmp_path, _cfg(grpo_job_config, allowed=1, changes=tp2))
+    _check_job(run_dir, allowed=1)
+    log = (run_dir / "logs" / "rollout-0.log").read_text()
+    # The weight group's ranks: policy 0, the rollout's ranks 1 and 2.
+    assert re.search(r"\[rank 0\] joined weight group generation \d+ as rank 1", log)
+    assert re.search(r"\[rank 1\] joined weight group generation \d+ as rank 2", log)

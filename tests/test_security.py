@@ -355,10 +355,6 @@ def test_invalid_model_path_and_impossible_parallel_sizes_fail_at_start(tmp_path
             {"policy": {"parallelism": {"dp_shard_size": 2}}},
             r"policy.parallelism: .* = 2 must equal the world size \(1\): the RL runtime",
         ),
-        (
-            {"rollout": {"backend": "torch", "parallelism": {"tp_size": 2}}},
-            r"rollout.parallelism: tp_size \(2\)",
-        ),
         ({"rollout": {"backend": "vllm"}}, r'rollout.backend = "vllm" .*needs the vllm package'),
     ]
     for change, message in cases:

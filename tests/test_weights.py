@@ -13,7 +13,6 @@ import torch
 
 from member_pool import MemberPool
 from nebula_rl.controller import JobState, connect, start_redis
-from nebula_rl.policy.worker import frozen_names
 from nebula_rl.weights import (
     BucketLayout,
     LayoutMismatchError,
@@ -26,9 +25,15 @@ from nebula_rl.weights import (
 )
 from nebula_rl.weights.elastic import ElasticReceiver, ElasticSender, is_collective_failure
 from nebula_rl.weights.group import Generation, leave_group
+from nebula_rl.weights.reshard import ShardedReceiver, ShardedSender, full_box
 
 TIMEOUT = timedelta(seconds=30)  # a failing test errors out instead of hanging
 BUCKET_BYTES = 4096  # small, so the test state dict spans several buckets per dtype
+
+
+def _full_boxes(tensors: dict[str, torch.Tensor]) -> dict:
+    """Each tensor held whole (a rollout without tensor parallelism)."""
+    return {name: (tuple(t.shape), full_box(t.shape)) for name, t in tensors.items()}
 
 
 def _state_dict(version: int) -> dict[str, torch.Tensor]:
@@ -350,34 +355,45 @@ def test_frozen_tensors_are_sent_on_the_first_push_only(members, broadcast_all, 
         assert sent[1] == sent[2] < full_bytes / 2  # lm_head and embed are most of the bytes
 
 
-def test_frozen_names_follow_requires_grad_unless_all_params_are_pushed():
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    model[0].requires_grad_(False)
-    assert frozen_names(model, broadcast_all=False) == {"0.weight", "0.bias"}
-    assert frozen_names(model, broadcast_all=True) == set()
-
-
 ELASTIC_TIMEOUT = timedelta(seconds=5)
 
 
+def _trained(version: int) -> dict[str, torch.Tensor]:
+    """`_state_dict(version)` as a policy holds it: the tensors outside FROZEN train."""
+    return {
+        name: t.requires_grad_(name not in FROZEN and t.is_floating_point())
+        for name, t in _state_dict(version).items()
+    }
+
+
 def _elastic_body(rank, redis_url, job, fault):
-    """policy-0 (rank 0: an ElasticSender) pushes version 1 to rollout-0 (rank 1: an
+    """policy-0 (rank 0: an ElasticSender) pushes versions 1 and 2 to rollout-0 (rank 1: an
     ElasticReceiver, or with fault "peer_left" a receiver that leaves before the push); `fault`
-    injects an error into `make_sender` or `apply`. Reports what each side raised."""
+    injects an error into `make_sender` or `apply` ("all_params": none, but every tensor is
+    pushed every time). Reports what each side raised or received."""
     state = JobState(connect(redis_url), job)
+    pushes = 1 if fault in ("apply", "make_sender", "peer_left") else 2
     if rank == 0:
 
-        def make_sender(group):
+        def make_sender(group, num_senders):
             if fault == "make_sender":
                 raise RuntimeError("injected bug in make_sender")
-            return WeightSender(group, _state_dict(0), bucket_bytes=BUCKET_BYTES)
+            return ShardedSender(group, _trained(0), num_senders=num_senders)
 
-        sender = ElasticSender(state, "policy-0", make_sender=make_sender, timeout=ELASTIC_TIMEOUT)
+        sender = ElasticSender(
+            state,
+            "policy-0",
+            make_sender=make_sender,
+            all_params=fault == "all_params",
+            timeout=ELASTIC_TIMEOUT,
+        )
         try:
-            sender.refresh(lambda: _state_dict(1), 1)
+            sender.refresh(lambda: _trained(1), 1)
+            if pushes == 2:
+                sender.push(_trained(2), 2)
             while sender._busy():
                 time.sleep(0.05)
-            sender.refresh(lambda: _state_dict(1), 1)  # looks at the finished push
+            sender.refresh(lambda: _trained(1), 1)  # looks at the finished push
             outcome = ("ok", sender.sender is not None)
         except Exception as err:  # the injected fault must come out here, with its traceback
             outcome = ("raised", f"{type(err).__name__}: {err}")
@@ -386,30 +402,35 @@ def _elastic_body(rank, redis_url, job, fault):
     if fault == "peer_left":
         generation = Generation.from_record(state.group_record("weights"))
         group = build_group(generation.rendezvous(state.redis), rank=1, timeout=ELASTIC_TIMEOUT)
-        WeightReceiver(group, _state_dict(0), bucket_bytes=BUCKET_BYTES)
+        ShardedReceiver(group, _state_dict(0), _full_boxes(_state_dict(0)), num_senders=1)
         leave_group(group)  # gone before the push
         return ("left", None)
     received = []
+    tensors = _state_dict(0)
 
-    def apply(version, tensors):
+    def apply(receive):
         if fault == "apply":
             raise RuntimeError("injected out of memory in apply")
+        version = receive()
         received.append(
-            (version, all(torch.equal(tensors[k], v) for k, v in _state_dict(1).items()))
+            (
+                version,
+                sorted(k for k, v in _state_dict(version).items() if torch.equal(tensors[k], v)),
+            )
         )
 
     receiver = ElasticReceiver(
         state,
         "rollout-0",
-        make_receiver=lambda group: WeightReceiver(
-            group, _state_dict(0), bucket_bytes=BUCKET_BYTES
+        make_receiver=lambda group, num_senders: ShardedReceiver(
+            group, tensors, _full_boxes(tensors), num_senders=num_senders
         ),
         apply=apply,
         timeout=ELASTIC_TIMEOUT,
     )
     deadline = time.monotonic() + 30
     try:
-        while not received and time.monotonic() < deadline:
+        while len(received) < pushes and time.monotonic() < deadline:
             if state.regroup_requested("weights") >= 0:
                 break  # (the group broke: a new generation would follow in a job)
             receiver.follow()
@@ -427,10 +448,12 @@ def redis_url(tmp_path_factory):
         yield server.url
 
 
-@pytest.mark.parametrize("fault", ["none", "apply", "make_sender", "peer_left"])
+@pytest.mark.parametrize("fault", ["none", "all_params", "apply", "make_sender", "peer_left"])
 def test_only_collective_failures_regroup_the_weight_group(members, redis_url, fault):
     """A lost peer makes the weight group be rebuilt; a fault of the replica itself (a bug, an
-    out-of-memory error in `make_sender` or `apply`) propagates instead of passing for one."""
+    out-of-memory error in `make_sender` or `apply`) propagates instead of passing for one.
+    Tensors that do not train travel on a generation's first push only, unless every tensor is
+    pushed (`rollout.broadcast_all_params`)."""
     job = f"elastic-{fault.replace('_', '-')}"
     state = JobState(connect(redis_url), job)
     record = state.publish_group(
@@ -440,12 +463,16 @@ def test_only_collective_failures_regroup_the_weight_group(members, redis_url, f
         r for _, r in sorted(members.run_on([0, 1], _elastic_body, redis_url, job, fault).items())
     )
     regrouped = state.regroup_requested("weights") == record["generation"]
-    if fault == "none":
-        assert sender == ("ok", True) and receiver == ("ok", [(1, True)])
+    everything = sorted(_state_dict(0))
+    if fault in ("none", "all_params"):
+        second = everything if fault == "all_params" else sorted(set(everything) - FROZEN)
+        assert sender == ("ok", True) and receiver == ("ok", [(1, everything), (2, second)])
         assert not regrouped
     elif fault == "apply":
+        # the receiver fails (its replica would end) before taking the push, which breaks the
+        # push: the sender, not the faulty receiver, asks for a generation without it
         assert receiver == ("raised", "RuntimeError: injected out of memory in apply")
-        assert not regrouped  # the push itself went through
+        assert sender == ("ok", False) and regrouped
     elif fault == "make_sender":
         assert sender == ("raised", "RuntimeError: injected bug in make_sender")
     else:  # the receiver left: the push fails on a gloo error, which asks for a new generation

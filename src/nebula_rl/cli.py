@@ -34,9 +34,12 @@ __all__ = ["main"]
 def _setup_logging(level: str) -> None:
     from rich.logging import RichHandler
 
+    # (the ranks of a replica share its log file)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    prefix = f"[rank {os.environ.get('RANK', '0')}] " if world_size > 1 else ""
     logging.basicConfig(
         level=level.upper(),
-        format="%(message)s",
+        format=prefix + "%(message)s",
         datefmt="[%X]",
         handlers=[RichHandler(show_path=False, rich_tracebacks=False)],
     )
@@ -223,10 +226,19 @@ def _cmd_replica(args: argparse.Namespace) -> int:
         args.parser.error("starting a replica needs --role and --controller (or use ls / show)")
     import socket
 
+    from nebula_rl.ranks import RANKS_ENV
     from nebula_rl.replica import exit_now, run_replica
 
-    _setup_torch()
     name = args.name or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
+    if RANKS_ENV not in os.environ and "WORLD_SIZE" not in os.environ:  # not a rank yet
+        nproc = args.nproc or _replica_nproc(args.role, args.controller)
+        if nproc > 1:  # this process supervises the replica's ranks
+            from nebula_rl.launch import run_ranks
+
+            argv = [sys.executable, "-m", "nebula_rl.cli", "replica", "--role", args.role]
+            argv += ["--controller", args.controller, "--name", name]
+            return run_ranks(argv, nproc)
+    _setup_torch()
     try:
         code = run_replica(args.role, controller=args.controller, name=name)
     except Exception:
@@ -234,6 +246,23 @@ def _cmd_replica(args: argparse.Namespace) -> int:
         code = 1
     exit_now(code)
     return code
+
+
+def _replica_nproc(role: str, controller: str) -> int:
+    """Ranks of a replica of `role` in the job at `controller`, from the job's parallel sizes
+    and this machine's visible GPUs."""
+    from nebula_rl.config import config_from_dict
+    from nebula_rl.controller.client import ControllerClient, read_token
+    from nebula_rl.launch import replica_nproc
+    from nebula_rl.preflight import visible_gpus
+
+    client = ControllerClient(controller, read_token())
+    try:
+        meta = client.meta()
+    finally:
+        client.close()
+    cfg = config_from_dict(meta["config"], source=f"{controller}/api/meta")
+    return replica_nproc(cfg, role, num_gpus=visible_gpus() or 0)
 
 
 def _connection(args: argparse.Namespace) -> tuple[str, str]:
@@ -410,12 +439,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     replica = sub.add_parser(
         "replica",
-        help="run one replica process (under torchrun); `replica ls` / `replica show NAME` "
-        "inspect a running job's replicas",
+        help="run one replica (its ranks as processes of this host); `replica ls` / "
+        "`replica show NAME` inspect a running job's replicas",
     )
     replica.add_argument("--role", choices=["policy", "rollout"], help="start a replica of it")
     replica.add_argument("--controller", help="the controller's HOST:PORT")
     replica.add_argument("--name", help="unique replica name (default: role-host-pid)")
+    replica.add_argument(
+        "--nproc",
+        type=int,
+        help="ranks of the replica (default: from the job's [policy|rollout.parallelism] and "
+        "the visible GPUs)",
+    )
     replica.set_defaults(func=_cmd_replica, parser=replica)
     inspect = replica.add_subparsers(dest="replica_command", metavar="{ls,show}")
     ls = inspect.add_parser("ls", help="list the replicas of a running job")

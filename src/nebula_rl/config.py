@@ -1719,6 +1719,12 @@ def _rule_refusals(cfg: Config) -> list[str]:
             else ("MXFP4 rollout weights are not supported")
         )
         out.append(f"rollout.quantization = {json.dumps(r.quantization)}: {why}")
+    if r.backend == "torch" and r.parallelism.pp_size > 1:
+        out.append(
+            f"rollout.parallelism.pp_size = {r.parallelism.pp_size}: nebula-rl's torch engine "
+            "splits a rollout replica by tensor parallelism only (tp_size); pipeline-parallel "
+            "generation is not built"
+        )
     if r.backend == "torch":
         defaults = RolloutConfig()
         for key in ("gpu_memory_utilization", "enforce_eager", "enable_chunked_prefill"):

@@ -4,8 +4,9 @@
 
 1. builds the warm-start model if the config asks for one and it is missing;
 2. starts Redis (a private server with a password, unless `redis` names an external one);
-3. starts the controller (`nebula-rl controller`), then each replica as its own `torchrun` group
-   (`nebula-rl replica`): policy replicas first, then rollout replicas;
+3. starts the controller (`nebula-rl controller`), then each replica (`nebula-rl replica`, which
+   starts the replica's ranks with :func:`run_ranks`): policy replicas first, then rollout
+   replicas;
 4. supervises: prints each training step as the controller records it, forwards SIGINT/SIGTERM
    to every child, and stops everything when the controller ends.
 
@@ -52,7 +53,15 @@ from nebula_rl.controller.redis_server import RedisServer, start_redis
 from nebula_rl.metrics_log import MetricsLogger, check_installed, open_loggers
 from nebula_rl.signals import forward_checkpoint_signals
 
-__all__ = ["Placement", "check_job", "ensure_model", "launch", "plan_placement"]
+__all__ = [
+    "Placement",
+    "check_job",
+    "ensure_model",
+    "launch",
+    "plan_placement",
+    "replica_nproc",
+    "run_ranks",
+]
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +101,7 @@ def _start(
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one replica runs: its processes (torchrun ranks) and, on GPUs, their devices."""
+    """Where one replica runs: its processes (ranks) and, on GPUs, their devices."""
 
     role: str
     """"policy" or "rollout"."""
@@ -149,16 +158,94 @@ def plan_placement(
     return placed
 
 
-def _torchrun(nproc: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "nebula_rl.cli",
-    ]
+def replica_nproc(cfg: Config, role: str, *, num_gpus: int) -> int:
+    """Ranks of one replica of `role` started on its own (`nebula-rl replica`): its parallel
+    sizes; a policy's `dp_shard_size = -1` takes all `num_gpus` (1 on CPU)."""
+    if role == "rollout":
+        return cfg.rollout.parallelism.tp_size * cfg.rollout.parallelism.pp_size
+    return plan_placement(cfg, num_policy=1, num_rollout=0, num_gpus=num_gpus)[0].nproc
+
+
+_RANK_POLL_S = 0.1
+
+
+def _die_with_parent() -> None:
+    """In a rank, before exec: be killed when the process that started it dies (Linux), so a
+    killed `run_ranks` leaves no rank behind."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def run_ranks(argv: list[str], nproc: int, *, grace_s: float = _STOP_GRACE_S) -> int:
+    """Run `argv` as `nproc` ranks on this host and supervise them, as torchrun would; the exit
+    code: 0 when every rank exited with 0, else the first failure's (128 + signal when one was
+    killed).
+
+    The ranks meet in a `FileStore` in a private temporary folder (:mod:`nebula_rl.ranks`), so no
+    port is opened for them. When one rank fails, the others get SIGTERM and, `grace_s` later,
+    SIGKILL: a replica never keeps running with a rank missing (its peers would hang in their
+    next collective). SIGINT, SIGTERM and SIGUSR1/2 sent to this process are passed on to every
+    rank.
+    """
+    import tempfile
+
+    from nebula_rl.ranks import RANKS_ENV
+
+    folder = tempfile.mkdtemp(prefix="nebula-ranks-")  # (mode 0700)
+    base = {
+        **os.environ,
+        RANKS_ENV: os.path.join(folder, "store"),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+    }
+    ranks: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        for process in ranks:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signum)
+
+    relayed = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    previous = {s: signal.signal(s, forward) for s in relayed}
+    code = 0
+    try:
+        for rank in range(nproc):
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            ranks.append(
+                subprocess.Popen(
+                    argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+                )
+            )
+        while code == 0 and any(p.poll() is None for p in ranks):
+            failed = [p.returncode for p in ranks if p.returncode not in (None, 0)]
+            if failed:
+                code = failed[0]
+            time.sleep(_RANK_POLL_S)
+        if code == 0:
+            code = next((p.returncode for p in ranks if p.returncode), 0)
+        if code != 0:
+            log.warning("a rank exited with %d: stopping the other ranks", code)
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + grace_s
+        for process in ranks:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+    return 128 - code if code < 0 else code
 
 
 class _MetricsTail:
@@ -273,8 +360,8 @@ def launch(
         # next step, through the controller; the job goes on.
         forward_checkpoint_signals(cfg.train, lambda: _request_checkpoint(address, env[TOKEN_ENV]))
         for place in placement:
-            argv = _torchrun(place.nproc) + ["replica", "--role", place.role]
-            argv += ["--controller", address, "--name", place.name]
+            argv = [sys.executable, "-m", "nebula_rl.cli", "replica", "--role", place.role]
+            argv += ["--controller", address, "--name", place.name, "--nproc", str(place.nproc)]
             devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, place.devices))}
             child_env = {**env, **devices} if place.devices else env
             children.append(_start(place.name, argv, env=child_env, logs=logs, role=place.role))
@@ -342,12 +429,6 @@ def check_job(cfg: Config) -> None:
         ParallelDims.from_config(cfg.policy.parallelism, world_size=1)
     except ValueError as err:
         raise ValueError(f"{err}: the RL runtime runs each policy replica as one process") from None
-    rollout = cfg.rollout.parallelism
-    if rollout.tp_size * rollout.pp_size != 1:
-        raise ValueError(
-            f"rollout.parallelism: tp_size ({rollout.tp_size}) * pp_size ({rollout.pp_size}) "
-            "must be 1: the RL runtime runs each rollout replica as one process"
-        )
 
 
 def _request_checkpoint(address: str, token: str) -> None:

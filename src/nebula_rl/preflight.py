@@ -20,7 +20,7 @@ from typing import Any
 from nebula_rl.config import Config, DatasetConfig, GrpoConfig, ParallelismConfig
 from nebula_rl.hub import is_hub_id
 
-__all__ = ["Preflight", "preflight", "replica_world_size"]
+__all__ = ["Preflight", "preflight", "replica_world_size", "visible_gpus"]
 
 
 @dataclass
@@ -69,7 +69,7 @@ def _local_model_config(cfg: Config) -> dict[str, Any] | None:
     return data.get("text_config", data) if isinstance(data, dict) else None
 
 
-def _visible_gpus() -> int | None:
+def visible_gpus() -> int | None:
     """CUDA devices this machine shows (CUDA_VISIBLE_DEVICES, else nvidia-smi); None if unknown
     or none."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -122,7 +122,7 @@ def _layout(cfg: Config, num_policy: int, num_rollout: int, p: Preflight) -> Non
     if rl:
         parts += f" + rollout {num_rollout} x {rollout_world}"
     p.notes.append(f"layout: {need} device(s) or CPU processes ({parts})")
-    gpus = _visible_gpus()
+    gpus = visible_gpus()
     if gpus is not None and need > gpus:
         p.errors.append(
             f"the layout needs {need} GPUs ({parts}: policy.parallelism, "

@@ -1,4 +1,12 @@
-"""Entry of a replica process (`nebula-rl replica`), run by torchrun: join the job, work, leave."""
+"""Entry of a replica's processes (`nebula-rl replica`): join the job, work, leave.
+
+A replica of several ranks (`[policy.parallelism]`, `[rollout.parallelism]`) is that many
+processes, started by :func:`nebula_rl.launch.run_ranks`. They first build their own process
+group (:func:`nebula_rl.ranks.init_ranks`); rank 0 then registers the replica with the controller
+(with its number of ranks, so weight groups give each rank a place) and sends the heartbeats; the
+other ranks read the job's config and state from the same controller and Redis, and take their
+orders from rank 0 (see the policy and rollout workers).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +18,7 @@ from typing import Literal
 import torch
 
 from nebula_rl.controller.client import ReplicaSession
+from nebula_rl.ranks import Ranks, broadcast_object, close_ranks, init_ranks, rank_env
 from nebula_rl.signals import forward_checkpoint_signals
 
 __all__ = ["exit_now", "run_replica"]
@@ -17,21 +26,34 @@ __all__ = ["exit_now", "run_replica"]
 log = logging.getLogger(__name__)
 
 
+def _join(
+    role: Literal["policy", "rollout"], controller: str, name: str, ranks: Ranks
+) -> ReplicaSession:
+    """Rank 0 registers the replica; the others attach to it with rank 0's registration."""
+    if ranks.world_size == 1:
+        return ReplicaSession.join(controller, name=name, role=role)
+    if ranks.rank == 0:
+        session = ReplicaSession.join(controller, name=name, role=role, world_size=ranks.world_size)
+        broadcast_object(session.registration)
+        return session
+    registration = broadcast_object(None)
+    return ReplicaSession.attach(
+        controller, name=name, role=role, registration=registration, world_size=ranks.world_size
+    )
+
+
 def run_replica(role: Literal["policy", "rollout"], *, controller: str, name: str) -> int:
-    """Join the job at `controller` (HOST:PORT) as `name` and run `role` until the job ends."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size != 1:
-        raise ValueError(
-            f"replica {name}: {world_size} processes per replica are not wired into the runtime "
-            "yet; run each replica as one process (parallelism inside a replica is in progress)"
-        )
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    """Join the job at `controller` (HOST:PORT) as (a rank of) replica `name` and run `role`
+    until the job ends."""
+    ranks = rank_env()
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(ranks.local_rank)
+        device = torch.device("cuda", ranks.local_rank)
     else:
         device = torch.device("cpu")
-    session = ReplicaSession.join(controller, name=name, role=role, world_size=world_size)
+    if ranks.world_size > 1:
+        init_ranks("nccl" if device.type == "cuda" else "gloo")
+    session = _join(role, controller, name, ranks)
     # At once, not after loading the model: a load slower than the heartbeat timeout must not
     # get the replica reaped before it starts.
     session.start_heartbeats()
@@ -49,6 +71,8 @@ def run_replica(role: Literal["policy", "rollout"], *, controller: str, name: st
             run_rollout(session, device=device)
     finally:
         session.leave()
+    if ranks.world_size > 1:
+        close_ranks()
     log.info("replica %s done: %s", name, session.finished())
     return 0
 

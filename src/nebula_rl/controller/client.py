@@ -153,7 +153,10 @@ class ReplicaSession:
     stats: Callable[[], dict[str, float]] = dict
     """Reports numbers for the dashboard."""
     world_size: int = 1
-    """Processes in the replica's torchrun group."""
+    """Processes (ranks) of the replica."""
+    leader: bool = True
+    """Whether this is the replica's rank 0, the one registered with the controller (the other
+    ranks only read the job's config and state, see :meth:`attach`)."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _ready: bool = False
@@ -176,17 +179,39 @@ class ReplicaSession:
         log.info("%s joined job %s as %s", name, meta["job"], role)
         return session
 
+    @classmethod
+    def attach(
+        cls,
+        address: str,
+        *,
+        name: str,
+        role: Literal["policy", "rollout"],
+        registration: dict[str, Any],
+        world_size: int,
+    ) -> ReplicaSession:
+        """A rank other than 0 of replica `name`, which its rank 0 registered (`registration`, the
+        controller's answer): the job's config and state, no registration or heartbeats."""
+        client = ControllerClient(address, read_token())
+        meta = client.meta()
+        cfg = config_from_dict(meta["config"], source=f"{address}/api/meta")
+        state = JobState(connect(meta["redis_url"]), meta["job"])
+        return cls(
+            name, role, client, meta, registration, cfg, state, world_size=world_size, leader=False
+        )
+
     def start_heartbeats(self) -> None:
         """Send heartbeats from a daemon thread until :meth:`leave` (once: later calls do
-        nothing)."""
-        if self._thread is not None:
+        nothing; none from ranks other than 0)."""
+        if self._thread is not None or not self.leader:
             return
         self._thread = threading.Thread(target=self._beat, name="nebula-heartbeat", daemon=True)
         self._thread.start()
 
     def mark_ready(self) -> None:
         """The replica's model is loaded: the controller may put it into groups and give it work
-        that needs them (weights, data parallelism)."""
+        that needs them (weights, data parallelism). Rank 0 says so for the whole replica."""
+        if not self.leader:
+            return
         self._ready = True
         self.state.set_ready(self.name)
 
@@ -233,6 +258,9 @@ class ReplicaSession:
     def leave(self) -> None:
         """Stop heartbeats and unregister (best effort: the controller may be gone already)."""
         self._stop.set()
+        if not self.leader:
+            self.client.close()
+            return
         try:
             self.client.unregister(self.name)
         except httpx.HTTPError as err:

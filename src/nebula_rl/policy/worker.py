@@ -33,9 +33,8 @@ A `train` command may ask for a checkpoint after its step (policy rank 0 writes 
 replicas are identical). With `meta["resume_from"]` every replica loads that checkpoint first.
 
 Simplification: one process per policy replica here (data, tensor and pipeline parallelism inside
-a replica come with the parallelism work); the full state is pushed, not shards. Parameters that
-do not train are pushed to a rollout replica once, on its first push, unless
-`rollout.broadcast_all_params` (see :func:`frozen_names`).
+a replica come with the parallelism work). Parameters that do not train are pushed to a rollout
+replica once, on its first push, unless `rollout.broadcast_all_params`.
 """
 
 from __future__ import annotations
@@ -59,11 +58,12 @@ from nebula_rl.policy.replicas import CollectiveError, ReplicaGroup
 from nebula_rl.policy.setup import load_policy_model, prepare_single_process, use_deterministic
 from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.profiling import StepProfiler
-from nebula_rl.weights import WeightSender, build_group
+from nebula_rl.weights import build_group
 from nebula_rl.weights.elastic import ElasticSender, current_generation
 from nebula_rl.weights.group import Generation, GroupCancelled, WeightGroup, leave_group
+from nebula_rl.weights.reshard import ShardedSender
 
-__all__ = ["PolicyWorker", "frozen_names", "run_policy"]
+__all__ = ["PolicyWorker", "run_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,7 @@ class PolicyWorker:
             session.state,
             session.name,
             make_sender=self._make_sender,
+            all_params=cfg.rollout.broadcast_all_params,
             backend=self.backend,
             timeout=self.timeout,
         )
@@ -131,13 +132,15 @@ class PolicyWorker:
     def _count_step(self, *args: Any) -> None:
         self.optimizer_steps += 1
 
-    def _make_sender(self, group: WeightGroup) -> WeightSender:
+    def _make_sender(self, group: WeightGroup, num_senders: int) -> ShardedSender:
+        """This process's shards to every rollout rank that needs them (shared memory on one
+        host); frozen tensors only on a group's first push (`rollout.broadcast_all_params`)."""
         transfer = self.cfg.train.transfer_dtype
-        return WeightSender(
+        return ShardedSender(
             group,
             self.model.named_parameters(),
+            num_senders=num_senders,
             transfer_dtype=resolve_dtype(transfer) if transfer else None,
-            frozen=frozen_names(self.model, broadcast_all=self.cfg.rollout.broadcast_all_params),
         )
 
     @property
@@ -348,14 +351,6 @@ class PolicyWorker:
             log.info("exported the final weights to %s", export)
         self._leave_group()
         self._report({"type": "stopped", "rank": self.rank})
-
-
-def frozen_names(model: torch.nn.Module, *, broadcast_all: bool) -> set[str]:
-    """The parameters a weight push sends only to a receiver's first push (those that do not
-    train: they cannot change), none with `rollout.broadcast_all_params`."""
-    if broadcast_all:
-        return set()
-    return {name for name, p in model.named_parameters() if not p.requires_grad}
 
 
 def run_policy(session: ReplicaSession, *, device: torch.device) -> None:

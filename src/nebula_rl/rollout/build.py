@@ -58,17 +58,20 @@ def build_engine(
     check_backend(cfg)
     r = cfg.rollout
     if r.backend == "torch":
+        from nebula_rl.rollout.lockstep import LockstepEngine
         from nebula_rl.rollout.torch_engine import TorchEngine
 
-        return TorchEngine(
-            model,
+        kwargs: dict[str, Any] = dict(
             max_num_seqs=r.max_num_seqs,
             max_model_len=max_model_len(cfg, model.config),  # type: ignore[union-attr]
             tokenizer=tokenizer,
             seed=seed,
             forward="hf" if cfg.train.force_use_hf else "auto",
-            tensor_parallel=tensor_parallel,
         )
+        if tensor_parallel is not None and tensor_parallel.size > 1:
+            # (the ranks of a tensor-parallel replica step together, led by rank 0)
+            return LockstepEngine(model, tensor_parallel=tensor_parallel, **kwargs)
+        return TorchEngine(model, **kwargs)
     from nebula_rl.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(

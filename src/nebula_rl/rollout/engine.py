@@ -201,6 +201,7 @@ class Engine(ABC):
         # Guards the small flags below; the loop waits on it.
         self._signal = threading.Condition()
         self._paused = False
+        self._damaged = False
         self._num_waiting_updates = 0
         self._intake: deque[GenerationRequest] = deque()
         # Ids of requests added and not yet returned (queued or running): ids must be unique
@@ -291,7 +292,7 @@ class Engine(ABC):
         step; futures from `submit()` of the finished requests are resolved.
         """
         with self._step_lock:
-            if self._paused:
+            if self._paused or self._damaged:
                 return []
             outputs: list[RequestOutput] = []
             while self._intake:
@@ -345,21 +346,40 @@ class Engine(ABC):
 
         self.update_weights_with(load)
 
-    def update_weights_with(self, write: Callable[[], int]) -> None:
+    def update_weights_with(self, write: Callable[[], int | None]) -> None:
         """Run `write` at the next token boundary, generation paused: it writes new weights into
         the model's own tensors in place (e.g. `ShardedReceiver.receive`, which receives each
         slice straight into the parameters, with no staging copy) and returns their policy
-        version, which every token sampled afterwards records. Callable from any thread."""
+        version, which every token sampled afterwards records. Callable from any thread.
+
+        `write` returns None when the update failed part-way (e.g. the sender died): the weights
+        may then be a mix of two versions, so the engine generates nothing (`damaged`) until an
+        update completes."""
         with self._signal:
             self._num_waiting_updates += 1
         try:
             with self._step_lock, torch.no_grad():
-                self._policy_version = write()
-                self._on_version_change()
+                version = write()
+                self._damaged = version is None
+                if version is not None:
+                    self._policy_version = version
+                    self._on_version_change()
         finally:
             with self._signal:
                 self._num_waiting_updates -= 1
                 self._signal.notify_all()
+
+    @property
+    def damaged(self) -> bool:
+        """Whether the last weight update failed part-way (nothing is generated until one
+        completes)."""
+        return self._damaged
+
+    _idle_s: float | None = None
+    """Seconds the background loop waits for work before it calls `_on_idle` (None: forever)."""
+
+    def _on_idle(self) -> None:  # noqa: B027 (optional hook)
+        """Hook: the background loop had nothing to do for `_idle_s` seconds."""
 
     def _on_version_change(self) -> None:  # noqa: B027 (optional hook)
         """Hook for backends that keep a version log (called under the step lock)."""
@@ -401,11 +421,14 @@ class Engine(ABC):
         self._thread.join()
         self._thread = None
 
+    def _running(self) -> bool:
+        return not (self._paused or self._damaged)
+
     def _ready(self) -> bool:
         return (
             self._stopping
-            or (not self._paused and self._num_waiting_updates == 0 and self.has_unfinished())
-            or bool(self._abort_intake and not self._paused)
+            or (self._running() and self._num_waiting_updates == 0 and self.has_unfinished())
+            or bool(self._abort_intake and self._running())
         )
 
     def _loop(self) -> None:
@@ -413,10 +436,13 @@ class Engine(ABC):
         try:
             while True:
                 with self._signal:
-                    self._signal.wait_for(self._ready)
+                    ready = self._signal.wait_for(self._ready, timeout=self._idle_s)
                     if self._stopping:
                         return
-                self.step()
+                if ready:
+                    self.step()
+                else:
+                    self._on_idle()
         except BaseException as error:  # supervised: fail every waiter loudly, never hang them
             with self._signal:
                 self._loop_error = error

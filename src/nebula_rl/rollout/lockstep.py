@@ -13,10 +13,14 @@ all-reduced residual stream) and the generators start from the same seed and dra
 numbers, so every rank samples the same tokens; only rank 0's outputs are reported.
 
 Cost: one small object broadcast per token step (requests are pickled once, when they join).
+While rank 0 has nothing to generate it sends an "idle" record every `IDLE_S` seconds, so the
+other ranks, blocked in their broadcast, never reach the group's timeout in a long wait for
+prompts or weights.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +34,9 @@ __all__ = ["LockstepEngine"]
 
 _Op = tuple[str, Any]
 
+IDLE_S = 10.0
+"""Seconds between rank 0's keep-alive records while it has nothing to generate."""
+
 
 class LockstepEngine(TorchEngine):
     """`TorchEngine` with tensor parallelism, kept in lock step across its ranks (see above).
@@ -37,6 +44,8 @@ class LockstepEngine(TorchEngine):
     Build it on every rank with the same arguments (and seed). On rank 0 use it as any engine;
     on the others call `follow(receive)`.
     """
+
+    _idle_s = IDLE_S
 
     def __init__(self, model: Any, *, tensor_parallel: TensorParallel, **kwargs: Any) -> None:
         super().__init__(model, tensor_parallel=tensor_parallel, **kwargs)
@@ -64,23 +73,28 @@ class LockstepEngine(TorchEngine):
             self._records.append(("abort", request_id))
         return super()._abort(request_id)
 
-    def _flush(self, kind: str) -> None:
+    def _flush(self, kind: str, note: Any = None) -> None:
         records, self._records = self._records, []
-        self._broadcast((kind, records))
+        self._broadcast((kind, records, note))
+
+    def _on_idle(self) -> None:
+        with self._step_lock:
+            self._flush("idle")
 
     def _step(self) -> list[RequestOutput]:
         if self.leader:
             self._flush("step")
         return super()._step()
 
-    def update_weights_with(self, write: Callable[[], int]) -> None:
-        """Rank 0: tell the other ranks to run their receive at this same boundary, then run
-        `write` (a collective with theirs, such as `ShardedReceiver.receive`)."""
+    def update_weights_with(self, write: Callable[[], int | None], *, note: Any = None) -> None:
+        """Rank 0: tell the other ranks to run their receive at this same boundary (handing it
+        `note`, e.g. which push to take), then run `write` (a collective with theirs, such as
+        `ShardedReceiver.receive`)."""
         if not self.leader:
             raise RuntimeError("only rank 0 of a tensor-parallel replica takes weight updates")
 
-        def marked() -> int:
-            self._flush("update")
+        def marked() -> int | None:
+            self._flush("update", note)
             return write()
 
         super().update_weights_with(marked)
@@ -91,15 +105,15 @@ class LockstepEngine(TorchEngine):
             self._flush("stop")
 
     # ------------------------------------------------------------------ ranks > 0: replay
-    def follow(self, receive: Callable[[], int]) -> list[RequestOutput]:
-        """Ranks > 0: replay rank 0's requests, steps and weight updates (calling `receive` for
-        each update) until it calls `stop_followers`; the outputs this rank produced (the same
-        as rank 0's), mostly for tests."""
+    def follow(self, receive: Callable[[Any], int | None]) -> list[RequestOutput]:
+        """Ranks > 0: replay rank 0's requests, steps and weight updates (calling `receive(note)`
+        for each update, with rank 0's `note`) until it calls `stop_followers`; the outputs this
+        rank produced (the same as rank 0's), mostly for tests."""
         if self.leader:
             raise RuntimeError("rank 0 drives the engine; only the other ranks follow")
         outputs: list[RequestOutput] = []
         while True:
-            kind, records = self._broadcast(None)
+            kind, records, note = self._broadcast(None)
             for op, arg in records:
                 if op == "add":
                     super()._add_request(arg)
@@ -108,6 +122,6 @@ class LockstepEngine(TorchEngine):
             if kind == "stop":
                 return outputs
             if kind == "update":
-                super().update_weights_with(receive)
-            else:
+                super().update_weights_with(functools.partial(receive, note))
+            elif kind == "step":
                 outputs.extend(super()._step())

@@ -26,6 +26,13 @@ as indices and the replica reads each row from its own copy of the dataset;
 `train_policy.collect_rollout_logprobs = false` sends no log-probs; the scoring keys are read by
 :func:`~nebula_rl.rewards.scorer`. Validation prompts (`Prompt.validation_step`) are sampled with
 `[validation]`'s settings and scored with its rewards, never filtered.
+
+A replica of `rollout.parallelism.tp_size` ranks runs the tensor-parallel engine in lock step
+(:class:`~nebula_rl.rollout.lockstep.LockstepEngine`): rank 0 is the worker above; the other
+ranks only replay its engine's steps (:func:`run_rollout`) and take each weight push with it, each
+rank receiving its own slices straight from the policy ranks that hold them. A push that fails
+part-way leaves the engine generating nothing until the next push completes (the first push of a
+rebuilt weight group carries every tensor).
 """
 
 from __future__ import annotations
@@ -34,11 +41,11 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -47,13 +54,17 @@ from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.data import prompt_token_ids, rl_rows, rl_validation_rows
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
+from nebula_rl.ranks import Ranks, broadcast_object, rank_env
 from nebula_rl.rewards import Scored, Scorer, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
+from nebula_rl.rollout.lockstep import LockstepEngine
+from nebula_rl.rollout.tensor_parallel import TensorParallel
 from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.validation import validation_seed
-from nebula_rl.weights import WeightReceiver
 from nebula_rl.weights.elastic import ElasticReceiver
+from nebula_rl.weights.group import WeightGroup
+from nebula_rl.weights.reshard import ShardedReceiver
 
 __all__ = [
     "RolloutWorker",
@@ -158,24 +169,16 @@ class _Claimed:
 class RolloutWorker:
     """One rollout replica's generation loop (see the module docstring)."""
 
-    def __init__(self, session: ReplicaSession, *, device: torch.device) -> None:
+    def __init__(
+        self,
+        session: ReplicaSession,
+        *,
+        device: torch.device,
+        tensor_parallel: TensorParallel | None = None,
+    ) -> None:
         self.session = session
         cfg = self.cfg = session.cfg
-        path = cfg.policy.model_name_or_path
-        revision = cfg.policy.model_revision
-        self.tokenizer = load_tokenizer(path, revision=revision)
-        dtype = resolve_dtype(cfg.train.param_dtype)
-        model = load_model(
-            path, dtype=dtype, device=device, seed=cfg.train.seed or 0, revision=revision
-        )
-        if cfg.rollout.backend != "torch":
-            raise ValueError(
-                f"rollout.backend = {cfg.rollout.backend!r} is not wired into the runtime's "
-                'rollout replicas yet; use "torch"'
-            )
-        self.engine: Engine = build_engine(
-            cfg, model=model, tokenizer=self.tokenizer, seed=self._seed()
-        )
+        self.tokenizer, self.engine = _engine(session, device, tensor_parallel)
         self.sampling = sampling_params(cfg, self.tokenizer.eos_token_id)
         self.scorer = scorer(cfg)
         validating = cfg.validation.enable
@@ -210,11 +213,6 @@ class RolloutWorker:
         session.policy_version = lambda: self.engine.policy_version
         session.stats = self.stats
 
-    def _seed(self) -> int:
-        """Sampling seed: `rollout.seed` (else `train.seed`), distinct per replica."""
-        base = self.cfg.rollout.seed if self.cfg.rollout.seed is not None else self.cfg.train.seed
-        return (base or 0) + 1000 * self.session.registration["replica_id"]
-
     def stats(self) -> dict[str, float]:
         """Heartbeat numbers."""
         elapsed = max(time.monotonic() - self.start_time, 1e-9)
@@ -229,25 +227,21 @@ class RolloutWorker:
         """Follow the weight group's generations and apply every push the policy makes, in a
         daemon thread (:class:`~nebula_rl.weights.elastic.ElasticReceiver`: a push that fails
         makes the group be rebuilt, not the replica fail)."""
-        backend: Literal["gloo", "nccl"] = "nccl" if self.engine_device.type == "cuda" else "gloo"
-        params = list(self._model.named_parameters())
-        transfer = self.cfg.train.transfer_dtype
-        transfer_dtype = resolve_dtype(transfer) if transfer else None
+        engine = self.engine
+        assert isinstance(engine, TorchEngine)
 
-        def apply(version: int, tensors: dict[str, torch.Tensor]) -> None:
-            self.engine.update_weights(tensors, policy_version=version)
-            log.info("weights of version %d in place", version)
+        def apply(receive: Callable[[], int | None]) -> None:
+            if isinstance(engine, LockstepEngine):  # (the other ranks take the same push)
+                assert receiver.generation is not None
+                engine.update_weights_with(receive, note=receiver.generation.number)
+            else:
+                engine.update_weights_with(receive)  # at the next token boundary
+            if engine.damaged:
+                log.warning("a weight push failed part-way: generating nothing until the next")
+            else:
+                log.info("weights of version %d in place", engine.policy_version)
 
-        receiver = ElasticReceiver(
-            self.session.state,
-            self.session.name,
-            make_receiver=lambda group: WeightReceiver(
-                group, params, transfer_dtype=transfer_dtype
-            ),
-            apply=apply,
-            backend=backend,
-            timeout=timedelta(seconds=self.cfg.controller.collective_timeout),
-        )
+        receiver = _receiver(self.session, engine, apply=apply)
 
         def receive_forever() -> None:
             try:
@@ -409,19 +403,118 @@ class RolloutWorker:
         self.num_groups += 1
 
     def close(self) -> None:
-        """Stop the weight thread, the engine loop and the reward processes."""
+        """Stop the weight thread, the engine loop (and the other ranks') and the reward
+        processes."""
         self._closing = True
         self.engine.shutdown()
+        if isinstance(self.engine, LockstepEngine):
+            self.engine.stop_followers()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _engine(
+    session: ReplicaSession, device: torch.device, tensor_parallel: TensorParallel | None
+) -> tuple[Any, Engine]:
+    """The tokenizer and the engine of a rollout rank: the policy's starting weights, sampling
+    seeded by `rollout.seed` (else `train.seed`), distinct per replica, alike on its ranks."""
+    cfg = session.cfg
+    path, revision = cfg.policy.model_name_or_path, cfg.policy.model_revision
+    tokenizer = load_tokenizer(path, revision=revision)
+    dtype = resolve_dtype(cfg.train.param_dtype)
+    model = load_model(
+        path, dtype=dtype, device=device, seed=cfg.train.seed or 0, revision=revision
+    )
+    if cfg.rollout.backend != "torch":
+        raise ValueError(
+            f"rollout.backend = {cfg.rollout.backend!r} is not wired into the runtime's "
+            'rollout replicas yet; use "torch"'
+        )
+    base = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed
+    seed = (base or 0) + 1000 * session.registration["replica_id"]
+    engine = build_engine(
+        cfg, model=model, tokenizer=tokenizer, seed=seed, tensor_parallel=tensor_parallel
+    )
+    return tokenizer, engine
+
+
+def _receiver(
+    session: ReplicaSession,
+    engine: TorchEngine,
+    *,
+    apply: Callable[[Callable[[], int | None]], None] | None = None,
+    local_rank: int = 0,
+) -> ElasticReceiver:
+    """This rank's member of the weight group: the policy's slices go straight into the
+    engine's parameters (its TP shards). Without `apply` (ranks > 0 of a TP replica) it only
+    joins and leaves generations; the pushes are taken with `receive_for`."""
+    cfg = session.cfg
+    params = dict(engine.model.named_parameters())
+    transfer = cfg.train.transfer_dtype
+    transfer_dtype = resolve_dtype(transfer) if transfer else None
+
+    def make_receiver(group: WeightGroup, num_senders: int) -> ShardedReceiver:
+        return ShardedReceiver(
+            group, params, engine.tp_boxes(), num_senders=num_senders, transfer_dtype=transfer_dtype
+        )
+
+    return ElasticReceiver(
+        session.state,
+        session.name,
+        make_receiver=make_receiver,
+        apply=apply or (lambda receive: None),
+        local_rank=local_rank,
+        membership_only=apply is None,
+        backend="nccl" if next(engine.model.parameters()).is_cuda else "gloo",
+        timeout=timedelta(seconds=cfg.controller.collective_timeout),
+    )
+
+
 def run_rollout(session: ReplicaSession, *, device: torch.device) -> None:
-    """Body of a rollout replica process."""
-    worker = RolloutWorker(session, device=device)
+    """Body of a rollout replica's processes (rank 0: the worker; the others follow it)."""
+    ranks = rank_env()
+    tensor_parallel = TensorParallel.of() if ranks.world_size > 1 else None
+    if ranks.rank > 0:
+        _follow(session, device, tensor_parallel, ranks)
+        return
+    worker = RolloutWorker(session, device=device, tensor_parallel=tensor_parallel)
     worker.start_weight_thread()
+    if ranks.world_size > 1:
+        broadcast_object("loaded")  # every rank holds its shards
     session.start_heartbeats()
     session.mark_ready()  # the controller adds it to the weight group now
     try:
         worker.run()
     finally:
         worker.close()
+
+
+def _follow(
+    session: ReplicaSession,
+    device: torch.device,
+    tensor_parallel: TensorParallel | None,
+    ranks: Ranks,
+) -> None:
+    """Ranks > 0 of a TP replica: replay rank 0's engine, taking the same weight pushes."""
+    _, engine = _engine(session, device, tensor_parallel)
+    assert isinstance(engine, LockstepEngine)
+    receiver = _receiver(session, engine, local_rank=ranks.local_rank)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def follow_generations() -> None:
+        try:
+            receiver.run(stopped=done.is_set)
+        except BaseException as err:  # supervised: reported below
+            errors.append(err)
+
+    thread = threading.Thread(target=follow_generations, name="nebula-weights", daemon=True)
+    thread.start()
+    broadcast_object(None)  # loaded
+    timeout_s = session.cfg.controller.collective_timeout
+    try:
+        engine.follow(lambda generation: receiver.receive_for(generation, timeout_s=timeout_s))
+    finally:
+        done.set()
+    thread.join(timeout=timeout_s)
+    if errors:
+        raise RuntimeError("the weight thread failed") from errors[0]

@@ -37,7 +37,6 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 import redis
-from torch import Tensor
 from torch.distributed import DistError
 
 from nebula_rl.weights.group import (
@@ -48,13 +47,8 @@ from nebula_rl.weights.group import (
     build_group,
     leave_group,
 )
-from nebula_rl.weights.transport import (
-    CorruptedPushError,
-    NamedTensors,
-    PushHandle,
-    WeightReceiver,
-    WeightSender,
-)
+from nebula_rl.weights.reshard import ShardedReceiver, ShardedSender
+from nebula_rl.weights.transport import CorruptedPushError, NamedTensors, PushHandle
 
 __all__ = [
     "KIND",
@@ -130,6 +124,7 @@ class _Member:
         return _number(current_generation(self.source)) != generation.number
 
     def _build(self, generation: Generation, rank: int) -> WeightGroup:
+        """Join `generation`'s group as `rank` (a collective with every member's processes)."""
         return build_group(
             generation.rendezvous(self.source.redis),
             rank=rank,
@@ -171,10 +166,16 @@ class _Member:
 
 
 class ElasticSender(_Member):
-    """Policy rank 0's side: the sender of whichever generation names this replica first.
+    """The sender side, on every process of a policy replica: the processes of whichever replica
+    a generation names first are its senders (group ranks 0..P-1, P = that replica's processes).
 
-    `make_sender` builds the :class:`WeightSender` on a new group (e.g. with the model's named
-    parameters and the transfer dtype); building it is a collective with the receivers.
+    `make_sender(group, num_senders)` builds the :class:`~nebula_rl.weights.reshard.
+    ShardedSender` on a new group (with this process's parameters, DTensor shards included);
+    building it is a collective with the receivers. `local_rank` is this process's rank in its
+    replica. Every process of the replica calls `refresh` and `push` together.
+
+    The first push of a generation sends every tensor; later ones only the trainable ones,
+    unless `all_params` (`rollout.broadcast_all_params`).
     """
 
     def __init__(
@@ -182,13 +183,15 @@ class ElasticSender(_Member):
         source: MembershipSource,
         name: str,
         *,
-        make_sender: Callable[[WeightGroup], WeightSender],
+        make_sender: Callable[[WeightGroup, int], ShardedSender],
+        local_rank: int = 0,
+        all_params: bool = False,
         backend: CommBackend = "gloo",
         timeout: timedelta = timedelta(minutes=5),
     ) -> None:
         super().__init__(source, name, backend=backend, timeout=timeout)
-        self.make_sender = make_sender
-        self.sender: WeightSender | None = None
+        self.make_sender, self.local_rank, self.all_params = make_sender, local_rank, all_params
+        self.sender: ShardedSender | None = None
         self._pending: PushHandle | None = None
         self.last_version: int | None = None
         """Version of the last push started on the current group (None: none yet)."""
@@ -197,7 +200,9 @@ class ElasticSender(_Member):
         return self._pending is not None and not self._pending.done()
 
     def _drop(self) -> None:
-        self.sender, self._pending, self.last_version = None, None, None
+        sender, self.sender, self._pending, self.last_version = self.sender, None, None, None
+        if sender is not None:
+            sender.abandon()
 
     def refresh(self, named_tensors: Callable[[], NamedTensors], version: int) -> None:
         """Follow the published generation: on a new one, leave the old group and, if this
@@ -213,31 +218,37 @@ class ElasticSender(_Member):
         if generation.world_size < 2:
             return  # no rollout replica to send to
         try:
-            self.group = self._build(generation, rank=0)
-            self.sender = self.make_sender(self.group)
+            self.group = self._build(generation, rank=self.local_rank)
+            self.sender = self.make_sender(self.group, generation.size_of(self.name))
         except _CAUGHT as err:
             if not is_collective_failure(err):
                 raise
             self._fail(err)
             return
         log.info(
-            "weight group generation %d: sending to %d rollout replica(s)",
+            "weight group generation %d: sending to %d rollout replica(s) (%d processes)",
             generation.number,
             generation.world_size - 1,
+            generation.num_processes - generation.size_of(self.name),
         )
         self.push(named_tensors(), version)
 
     def push(self, named_tensors: NamedTensors, version: int) -> None:
         """Announce and start pushing `named_tensors` as `version` to the current generation's
-        receivers; returns at once. A no-op without receivers or when `version` was pushed."""
+        receivers; returns once the tensors are copied out (shared memory) or sent. A no-op
+        without receivers or when `version` was pushed."""
         if not self._wait_pending():
             return
         if self.sender is None or (self.last_version is not None and version <= self.last_version):
             return
         assert self.generation is not None
         try:
-            self.source.announce_push(self.generation.number)
-            self._pending = self.sender.push(named_tensors, version)
+            if self.local_rank == 0:
+                self.source.announce_push(self.generation.number)
+            first = self.last_version is None
+            self._pending = self.sender.push(
+                named_tensors, version, trainable_only=not first and not self.all_params
+            )
             self.last_version = version
         except _CAUGHT as err:
             if not is_collective_failure(err):
@@ -288,11 +299,18 @@ class ElasticSender(_Member):
 
 
 class ElasticReceiver(_Member):
-    """A rollout replica's side: joins each generation naming it and receives every push.
+    """The receiver side, on a process of a rollout replica: joins each generation naming the
+    replica (group rank: the replica's first rank plus `local_rank`) and takes every push.
 
-    `make_receiver` builds the :class:`WeightReceiver` on a new group (a collective with the
-    sender); `apply(version, tensors)` takes each push (the tensors are views valid until the
-    next receive).
+    `make_receiver(group, num_senders)` builds the :class:`~nebula_rl.weights.reshard.
+    ShardedReceiver` on a new group (a collective with the senders); `apply(receive)` takes each
+    announced push, calling `receive()` (which writes the weights in place and returns their
+    version, or None when the push failed part-way) where the engine can take them, e.g.
+    `engine.update_weights_with(receive)`.
+
+    With `membership_only`, `run`/`follow` only join and leave generations and never receive:
+    the processes of a tensor-parallel replica other than its first take their pushes when their
+    engine replays the first one's weight update (:meth:`receive_for`).
     """
 
     def __init__(
@@ -300,20 +318,29 @@ class ElasticReceiver(_Member):
         source: MembershipSource,
         name: str,
         *,
-        make_receiver: Callable[[WeightGroup], WeightReceiver],
-        apply: Callable[[int, dict[str, Tensor]], None],
+        make_receiver: Callable[[WeightGroup, int], ShardedReceiver],
+        apply: Callable[[Callable[[], int | None]], None],
+        local_rank: int = 0,
+        membership_only: bool = False,
         backend: CommBackend = "gloo",
         timeout: timedelta = timedelta(minutes=5),
         poll_s: float = 0.05,
     ) -> None:
         super().__init__(source, name, backend=backend, timeout=timeout)
         self.make_receiver, self.apply, self.poll_s = make_receiver, apply, poll_s
-        self.receiver: WeightReceiver | None = None
+        self.local_rank, self.membership_only = local_rank, membership_only
+        self.receiver: ShardedReceiver | None = None
         self.received = 0
         """Pushes received in the current generation."""
 
     def _drop(self) -> None:
-        self.receiver, self.received = None, 0
+        receiver, self.receiver, self.received = self.receiver, None, 0
+        if receiver is not None:
+            try:
+                receiver.close()  # (the last acknowledgement, so the sender's push ends well)
+            except _CAUGHT as err:
+                if not is_collective_failure(err):
+                    raise
 
     def run(self, stopped: Callable[[], bool]) -> None:
         """Follow generations and receive pushes until `stopped()`; raises only what no regroup
@@ -327,32 +354,71 @@ class ElasticReceiver(_Member):
             self._leave()
 
     def follow(self) -> None:
-        """One poll: join a new generation if it names this replica, then receive the pushes
-        announced so far."""
+        """One poll: join a new generation if it names this replica, then (unless
+        `membership_only`) receive the pushes announced so far."""
         generation = current_generation(self.source)
         if _number(generation) != _number(self.generation):
             self._leave()
             self.generation = generation
-            rank = None if generation is None else generation.rank_of(self.name)
-            if generation is not None and rank is not None and rank > 0:
+            position = None if generation is None else generation.rank_of(self.name)
+            if generation is not None and position is not None and position > 0:
+                rank = generation.first_rank(self.name) + self.local_rank
                 try:
                     self.group = self._build(generation, rank=rank)
-                    self.receiver = self.make_receiver(self.group)
+                    self.receiver = self.make_receiver(self.group, generation.sizes[0])
                 except _CAUGHT as err:
                     if not is_collective_failure(err):
                         raise
                     self._fail(err)
                     return
                 log.info("joined weight group generation %d as rank %d", generation.number, rank)
+        if self.membership_only:
+            return
         while self.receiver is not None and self.generation is not None:
             if self.received >= self.source.num_pushes(self.generation.number):
                 return
+            if not self._take(self.receiver):
+                return
+
+    def _take(self, receiver: ShardedReceiver) -> bool:
+        """Receive one push through `apply`; False when the group broke."""
+        failure: list[BaseException] = []
+
+        def receive() -> int | None:
             try:
-                version, tensors = self.receiver.receive(timeout=self.timeout)
+                return receiver.receive(timeout=self.timeout)
             except _CAUGHT as err:  # (a LayoutMismatchError is no collective failure)
                 if not is_collective_failure(err):
                     raise
-                self._fail(err)
-                return
-            self.received += 1
-            self.apply(version, tensors)
+                failure.append(err)
+                return None
+
+        self.apply(receive)
+        if failure:
+            self._fail(failure[0])
+            return False
+        self.received += 1
+        return True
+
+    def receive_for(self, generation: int, *, timeout_s: float) -> int | None:
+        """`membership_only` processes: receive the next push of `generation` (the one the
+        replica's first process is taking), once this process has joined it. None when it
+        cannot (the generation broke or was replaced: the first process fails its receive
+        alike), also when the push failed part-way."""
+        deadline = time.monotonic() + timeout_s
+        while (followed := _number(self.generation)) != generation or self.receiver is None:
+            if followed is not None and followed > generation:
+                return None
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.005)
+        receiver = self.receiver
+        try:
+            version = receiver.receive(timeout=self.timeout)
+        except _CAUGHT as err:
+            if not is_collective_failure(err):
+                raise
+            self._fail(err)
+            return None
+        self.received += 1
+        return version

@@ -712,6 +712,12 @@ class ShardedSender(_Endpoint):
         finally:
             self._executor.shutdown(wait=True)
 
+    def abandon(self) -> None:
+        """Stop taking pushes without waiting for the one in flight (its group is being left:
+        the push ends with the group's failure or timeout)."""
+        self._handles.clear()
+        self._executor.shutdown(wait=False)
+
     @staticmethod
     def _local(named_tensors: NamedTensors) -> dict[str, Tensor]:
         with torch.no_grad():  # (to_local's autograd bookkeeping costs more than the call)
