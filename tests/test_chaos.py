@@ -90,32 +90,29 @@ class Job:
     def steps(self) -> int:
         return self.state.step()
 
-    def pid(self, *needles: str) -> int:
-        """The launcher's descendant whose command line has all `needles` (not torchrun)."""
+    def pid(self, *needles: str, rank: int | None = None) -> int:
+        """The launcher's descendant whose command line has all `needles`; with `rank`, the
+        process of that rank of a replica of several (not the process supervising them)."""
         found = [
             pid
             for pid, argv in _descendants(self.process.pid).items()
-            if all(n in argv for n in needles) and "torch.distributed.run" not in argv
+            if all(n in argv for n in needles) and (rank is None or _rank_of(pid) == rank)
         ]
         assert len(found) == 1, (needles, found)
         return found[0]
 
-    def kill(self, *needles: str) -> int:
-        pid = self.pid(*needles)
+    def kill(self, *needles: str, rank: int | None = None) -> int:
+        pid = self.pid(*needles, rank=rank)
         os.kill(pid, signal.SIGKILL)
         return pid
 
     def add_replica(self, role: str, name: str) -> subprocess.Popen[bytes]:
-        """Start `nebula-rl replica` under torchrun, as an operator would, with the job's token."""
+        """Start `nebula-rl replica`, as an operator would, with the job's token."""
         env = {**os.environ, TOKEN_ENV: (self.run_dir / "token").read_text().strip()}
         log_file = (self.run_dir / "logs" / f"{name}.log").open("ab")
         process = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node=1",
                 "-m",
                 "nebula_rl.cli",
                 "replica",
@@ -157,6 +154,18 @@ class Job:
         for process in self.extra:  # replicas started by the test leave once the job ends
             assert process.wait(timeout=60) == 0, self.logs()
         return json.loads((self.run_dir / "ledger.json").read_text())
+
+
+def _rank_of(pid: int) -> int | None:
+    """RANK of a process started by `run_ranks` (None for any other)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    values = dict(item.split(b"=", 1) for item in environ if b"=" in item)
+    if b"NEBULA_RANKS" not in values:
+        return None
+    return int(values[b"RANK"])
 
 
 def _descendants(root: int) -> dict[int, str]:
