@@ -204,7 +204,9 @@ class Scheduler:
 
     def _publish(self, kind: str, members: list[str], ids: dict[str, int]) -> dict[str, Any]:
         replicas = self.state.replicas()
-        sizes = {name: int(replicas[name]["world_size"]) if name in replicas else 1 for name in members}
+        sizes = {
+            name: int(replicas[name]["world_size"]) if name in replicas else 1 for name in members
+        }
         record = self.state.publish_group(kind, members, ids=ids, sizes=sizes)
         self._due.pop(kind, None)
         log.info("%s group generation %d: %s", kind, record["generation"], ", ".join(members))

@@ -60,6 +60,7 @@ __all__ = [
     "pipeline_stage_layers",
     "split_pipeline",
     "split_pipeline_stage",
+    "total_grad_norm",
 ]
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -561,6 +562,21 @@ SCHEDULE_CACHE_SIZE = 8
 """Pipeline schedules kept per ParallelModel, one per batch shape (see `_pipeline_run`)."""
 
 
+def total_grad_norm(grads: Sequence[Tensor]) -> Tensor:
+    """The 2-norm of `grads` together (over all shards of DTensors: a collective), accumulated
+    in float64: float32 norms of tensors of 1e5 elements are off by ~1e-5 on CPU."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
+    norm = torch.linalg.vector_norm(torch.stack(norms))
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _full(param: Tensor) -> Tensor:
+    """`param` whole and detached (gathered if it is a sharded DTensor: a collective)."""
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+
+
 def _pad_rows_columns(tensor: Tensor, rows: int, columns: int) -> Tensor:
     """`tensor` [b, l, ...] right-padded with zeros to [rows, columns, ...]."""
     if tensor.shape[0] == rows and tensor.shape[1] == columns:
@@ -822,6 +838,35 @@ class ParallelModel:
             values = box[0]
         return values
 
+    def full_named_parameters(self) -> Iterator[tuple[str, Tensor]]:
+        """Every parameter of the whole model under its name, gathered whole, on every rank: a
+        collective over the process group, which every rank must run to the end. Under PP the
+        stages take turns (pp rank 0's parameters first), each tensor broadcast over the pp
+        group; a tied embedding then appears under both of its names."""
+        mine = list(self.module.named_parameters())
+        if self.dims.pp == 1:
+            for name, param in mine:
+                yield name, _full(param)
+            return
+        group = self.mesh["pp"].get_group()
+        metas: list[Any] = [None] * self.dims.pp
+        shapes = [(name, tuple(param.shape), param.dtype) for name, param in mine]
+        dist.all_gather_object(metas, shapes, group=group)
+        rank = self.mesh["pp"].get_local_rank()
+        device = (
+            torch.device(self.mesh.device_type, torch.cuda.current_device())
+            if (self.mesh.device_type == "cuda")
+            else torch.device("cpu")
+        )
+        for source, entries in enumerate(metas):
+            for i, (name, shape, dtype) in enumerate(entries):
+                if source == rank:
+                    tensor = _full(mine[i][1]).to(device)
+                else:
+                    tensor = torch.empty(shape, dtype=dtype, device=device)
+                dist.broadcast(tensor, group=group, group_src=source)
+                yield name, tensor
+
     def _tied_head(self) -> nn.Parameter | None:
         """The last stage's copy of a tied embedding (counted once by `clip_grad_norm_`)."""
         if self._tied_group is None or self.mesh["pp"].get_local_rank() != self.dims.pp - 1:
@@ -852,13 +897,10 @@ class ParallelModel:
         norm over the whole model (every shard and stage, a tied embedding once), returned."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         head = self._tied_head()
-        grads = [p.grad for p in params if p is not head]
-        norm: Tensor = torch.nn.utils.get_total_norm(grads, norm_type=2.0)  # type: ignore[arg-type]
-        if isinstance(norm, DTensor):  # sharded gradients: the norm over all shards
-            norm = norm.full_tensor()
+        norm = total_grad_norm([p.grad for p in params if p is not head and p.grad is not None])
         if self.dims.pp > 1:
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            squared = (norm.float() ** 2).to(device)
+            squared = (norm**2).to(device)
             dist.all_reduce(squared, group=self.mesh["pp"].get_group())
             norm = squared.sqrt()
         if max_norm < float("inf"):
