@@ -108,7 +108,7 @@ def _worker(rank: int, world_size: int, port: int, settings: dict, out) -> None:
             rank=rank,
             world_size=world_size,
         )
-        cfg = ParallelismConfig(**{"dp_shard_size": -1, **options})
+        cfg = ParallelismConfig(**{"dp_shard_size": -1, "pp_schedule": "1F1B", **options})
         dims = ParallelDims.from_config(cfg, world_size=world_size)
         mesh = dims.build_mesh(device)
         model = parallelize_model(
@@ -116,6 +116,8 @@ def _worker(rank: int, world_size: int, port: int, settings: dict, out) -> None:
             dims,
             mesh,
             pp_micro_batch_size=cfg.pp_micro_batch_size,
+            pp_schedule=cfg.pp_schedule,
+            pp_layers_per_stage=cfg.pp_layers_per_stage,
             activation_checkpointing=ac,
         )
         optimizer = _optimizer(model.parameters())
@@ -173,17 +175,22 @@ def _spawn(world_size: int, settings: dict) -> dict[int, tuple[list[float], dict
     return reports
 
 
+INTERLEAVED = dict(pp_schedule="Interleaved1F1B", pp_layers_per_stage=1)
+
 CASES = {
     "ddp": (2, dict(dp_replicate_size=2, dp_shard_size=1)),
     "fsdp": (2, dict()),
     "hsdp": (4, dict(dp_replicate_size=2, dp_shard_size=2)),
     "tp": (2, dict(tp_size=2, dp_shard_size=1)),
-    "pp": (2, dict(pp_size=2, dp_shard_size=1)),  # 4 micro-batches: 1F1B
-    "pp_gpipe": (2, dict(pp_size=2, dp_shard_size=1, pp_micro_batch_size=4)),  # 1: GPipe
+    "pp": (2, dict(pp_size=2, dp_shard_size=1)),  # 1F1B, 4 micro-batches
+    "pp_gpipe": (2, dict(pp_size=2, dp_shard_size=1, pp_micro_batch_size=4, pp_schedule="GPipe")),
+    # 4 stages of one layer, two per rank
+    "pp_interleaved": (2, dict(pp_size=2, dp_shard_size=1, **INTERLEAVED)),
     "fsdp_ac": (2, dict(activation_checkpointing=True)),
     "fsdp_x_tp": (4, dict(tp_size=2)),
     "pp_x_fsdp": (4, dict(pp_size=2, pp_micro_batch_size=1)),
     "pp_x_tp": (4, dict(pp_size=2, tp_size=2, dp_shard_size=1)),
+    "pp_interleaved_x_fsdp": (4, dict(pp_size=2, **INTERLEAVED)),
     "tp_qwen3": (2, dict(tp_size=2, dp_shard_size=1, arch="qwen3")),
 }
 

@@ -256,12 +256,22 @@ def _arithmetic_sft(tmp_path: Path, name: str, **parallelism: int) -> Path:
 
 
 @pytest.mark.parametrize(
-    "parallelism", [{"dp_shard_size": 2}, {"dp_replicate_size": 2}, {"tp_size": 2}]
+    "parallelism",
+    [
+        {"dp_shard_size": 2},
+        {"dp_replicate_size": 2},
+        {"tp_size": 2},
+        {"pp_size": 2, "pp_schedule": "1F1B"},
+        {"pp_size": 2, "pp_schedule": "GPipe", "pp_micro_batch_size": 2},
+        {"pp_size": 2, "pp_schedule": "Interleaved1F1B", "pp_layers_per_stage": 1},
+    ],
+    ids=["fsdp", "ddp", "tp", "pp_1f1b", "pp_gpipe", "pp_interleaved"],
 )
 def test_sft_on_two_processes_steps_like_one(tmp_path, parallelism):
-    """`torchrun --nproc-per-node 2 ... train` (FSDP2, DDP, or TP+SP): under data parallelism
-    each rank takes its half of every batch, under TP both take all of it; the losses and the
-    exported weights are those of one process with the whole batch."""
+    """`torchrun --nproc-per-node 2 ... train` (FSDP2, DDP, TP+SP, or two pipeline stages with
+    each schedule): under data parallelism each rank takes its half of every batch, under TP
+    and PP both take all of it; the losses and the exported weights are those of one process
+    with the whole batch."""
     import os
     import subprocess
     import sys

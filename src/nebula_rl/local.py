@@ -49,12 +49,13 @@ from nebula_rl.data import (
 )
 from nebula_rl.data.sft_loader import SftBatches
 from nebula_rl.metrics_log import open_loggers
-from nebula_rl.models import load_tokenizer, resolve_dtype
+from nebula_rl.models import load_tokenizer
 from nebula_rl.models.export import export_hf
 from nebula_rl.policy.checkpoint import Checkpointer, Restored
-from nebula_rl.policy.replicas import DataParallelSums
+from nebula_rl.policy.parallelize import ParallelModel
 from nebula_rl.policy.setup import (
     load_policy_model,
+    parallelize_policy,
     prepare_single_process,
     rollout_copy,
     use_deterministic,
@@ -124,12 +125,13 @@ def run(cfg: Config) -> Path:
     # The weights the optimiser updates, in train.master_dtype; forward runs in param_dtype.
     model = load_policy_model(cfg, device=device, seed=seed)
     policy = cfg.train.train_policy
+    parallel = None
     if isinstance(policy, GrpoConfig):
         _run_grpo(cfg, policy, model, tokenizer, run_dir)
     else:
-        _run_sft(cfg, policy, model, tokenizer, run_dir)
+        parallel = _run_sft(cfg, policy, model, tokenizer, run_dir)
     if cfg.train.ckpt.export_safetensors:
-        export_hf(model, tokenizer, run_dir / "safetensors" / "final")
+        export_hf(model, tokenizer, run_dir / "safetensors" / "final", parallel=parallel)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
@@ -139,8 +141,8 @@ def run(cfg: Config) -> Path:
 def _init_distributed(cfg: Config) -> bool:
     """Join the process group torchrun describes (WORLD_SIZE > 1); whether there is one.
 
-    Only SFT runs on several processes here: each rank takes a share of every batch and the
-    model is split by `[policy.parallelism]` (data parallel: FSDP2, HSDP or DDP)."""
+    Only SFT runs on several processes here: each data-parallel rank takes a share of every
+    batch and the model is split by `[policy.parallelism]` (`parallelize_policy`)."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return False
     if isinstance(cfg.train.train_policy, GrpoConfig):
@@ -296,12 +298,12 @@ def _checkpointer(
     return Checkpointer(
         cfg.train.ckpt,
         run_dir,
-        model=model,
+        model=trainer.model,  # (this rank's modules: under PP, its stages')
         optimizer=trainer.optimizer,
         scheduler=trainer.scheduler,
         # (the built-in engine's sampling generator is saved; vLLM's is its own)
         engine=engine if isinstance(engine, TorchEngine) else None,
-        export=functools.partial(export_hf, model, tokenizer),
+        export=functools.partial(export_hf, model, tokenizer, parallel=trainer.parallel),
     )
 
 
@@ -483,39 +485,8 @@ def _agree(flag: bool) -> bool:
     return bool(value.item())
 
 
-def _data_parallel(cfg: Config, model: torch.nn.Module) -> tuple[int, int, DataParallelSums | None]:
-    """Split `model` over this process group as `[policy.parallelism]` says (in place), or,
-    without one, prepare it for one process; this rank's data-parallel rank and size, and the
-    sums over the data-parallel ranks."""
-    if not dist.is_initialized():
-        prepare_single_process(model, cfg)
-        return 0, 1, None
-    from nebula_rl.policy.parallelize import ParallelDims, parallelize_model
-
-    dims = ParallelDims.from_config(cfg.policy.parallelism, world_size=dist.get_world_size())
-    if dims.pp > 1 or dims.cp > 1:
-        raise ValueError(
-            "policy.parallelism: the SFT loop runs data and tensor parallel (dp_replicate_size, "
-            "dp_shard_size, tp_size); pp_size and cp_size must be 1 here for now"
-        )
-    mesh = dims.build_mesh("cuda" if torch.cuda.is_available() else "cpu")
-    t = cfg.train
-    parallel = parallelize_model(
-        model,
-        dims,
-        mesh,
-        activation_checkpointing=cfg.policy.model_gradient_checkpointing,
-        compile=t.compile,
-        # FSDP2 gathers the parameters in param_dtype itself (no autocast then).
-        param_dtype=None if t.param_dtype == t.master_dtype else resolve_dtype(t.param_dtype),
-        reduce_dtype=resolve_dtype(t.fsdp_reduce_dtype),
-        reshard_after_forward=t.fsdp_reshard_after_forward,
-        offload=t.fsdp_offload,
-    )
-    return parallel.dp_rank, dims.dp, DataParallelSums(mesh["dp"].get_group())
-
-
-def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None:
+def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> ParallelModel | None:
+    """The SFT loop; the ParallelModel the model became under torchrun (None in one process)."""
     train_rows, val_rows = _sft_rows(cfg, p)
     tokenize = _SftTokenize(cfg, p, tokenizer)
     batches = SftBatches(
@@ -525,7 +496,10 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
         prefetch_factor=p.dataloader_prefetch_factor,
     )
     val_examples = [tokenize(row) for row in val_rows]
-    dp_rank, dp_size, sums = _data_parallel(cfg, model)
+    # Split by [policy.parallelism] under torchrun (data parallel ranks take shares of every
+    # batch; TP, PP and CP ranks of one data-parallel rank take the same).
+    policy = parallelize_policy(model, cfg)
+    dp_rank, dp_size = policy.dp_rank, policy.dp_size
     # `train_batch_per_replica` conversations per data-parallel rank (as in cosmos-rl): a step
     # takes dp_size times that, each rank every dp_size-th of them; the trainer normalises by the
     # global token count, so the step is that of the whole batch.
@@ -535,7 +509,11 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
     total = num_train_steps(cfg, per_epoch * size, items_per_step=size)
     val_examples = val_examples[dp_rank::dp_size]
     trainer = PolicyTrainer(
-        model, cfg, total_steps=total, pad_id=tokenizer.pad_token_id, data_parallel=sums
+        policy.model,
+        cfg,
+        total_steps=total,
+        pad_id=tokenizer.pad_token_id,
+        data_parallel=policy.data_parallel,
     )
     checkpointer = _checkpointer(cfg, run_dir, model, tokenizer, trainer)
     val_rows_per_forward = cfg.validation.batch_size or p.mini_batch
@@ -582,10 +560,11 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> None
                     checkpointer.save(step, data={"epoch": epoch, "position": position})
                 if signalled:
                     log.warning("stopping after step %d: a checkpoint is saved", step)
-                    return
+                    return trainer.parallel
     finally:
         profiler.close()
         stop_signal.release()
         checkpointer.close()
         if writer is not None:
             writer.close()
+    return trainer.parallel

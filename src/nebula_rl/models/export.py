@@ -3,28 +3,46 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from nebula_rl.policy.parallelize import ParallelModel
+
 __all__ = ["export_hf"]
 
 
-def export_hf(model: torch.nn.Module, tokenizer: Any, path: Path) -> None:
+def export_hf(
+    model: torch.nn.Module, tokenizer: Any, path: Path, *, parallel: ParallelModel | None = None
+) -> None:
     """Write a Hugging Face folder (config, safetensors, tokenizer) that `from_pretrained` loads.
 
     Under torch.distributed every rank must call it (sharded parameters are gathered); rank 0
-    writes."""
-    state = None
-    if dist.is_initialized():
+    writes. Under pipeline parallelism `model` (the HF model the stages were split from) gives
+    the config and `parallel` the weights, gathered from every stage."""
+    state: dict[str, Any] | None = None
+    if parallel is not None and parallel.dims.pp > 1:
+        lead = dist.get_rank() == 0
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        state = {
+            name: tensor.cpu().clone()
+            for name, tensor in parallel.full_named_parameters()
+            # (save_pretrained keeps one name of a tied embedding)
+            if lead and not (tied and name == "lm_head.weight")
+        }
+        if not lead:
+            dist.barrier()
+            return
+    elif dist.is_initialized():
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(model, options=options)
+        full = get_model_state_dict(model, options=options)
         # Tied weights appear under both names; keep the one save_pretrained keeps by itself.
         unique = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-        state = {k: v for k, v in state.items() if k in unique}
+        state = {k: v for k, v in full.items() if k in unique}
         if dist.get_rank() != 0:
             dist.barrier()
             return

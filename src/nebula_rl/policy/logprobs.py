@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["LOGPROB_CHUNK_ELEMENTS", "token_logprobs"]
+__all__ = ["LOGPROB_CHUNK_ELEMENTS", "logits_logprobs", "token_logprobs"]
 
 LOGPROB_CHUNK_ELEMENTS = 2**26
 """Logits per chunk (tokens x vocabulary): 256 MiB in float32, ~450 tokens at a 150k vocabulary."""
@@ -45,6 +45,56 @@ def _chunk(
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp.exp() * logp).sum(-1)
     return target_logp, entropy
+
+
+def logits_logprobs(
+    logits: Tensor,
+    targets: Tensor,
+    selected: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    logprob_dtype: torch.dtype = torch.float32,
+    chunk_tokens: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-prob of each target token, [B, T], and optionally the entropy [B, T], from logits
+    [B, T, V] aligned with `targets` [B, T] (position t's logits score targets[:, t]).
+
+    Args:
+        selected: [B, T] bool: compute only there (0 elsewhere); None: everywhere.
+        logprob_dtype: the logits are cast to it before the log-softmax (`train.logprob_dtype`).
+        with_entropy: also return the entropy; `entropy_grad`: let it carry gradient.
+        chunk_tokens: positions per chunk; None: `LOGPROB_CHUNK_ELEMENTS` // vocabulary.
+    """
+    if selected is None:
+        selected = torch.ones_like(targets, dtype=torch.bool)
+    flat_logits = logits[selected]  # [N, V], N = selected positions
+    flat_targets = targets[selected]
+    size = chunk_tokens or max(1, LOGPROB_CHUNK_ELEMENTS // logits.shape[-1])
+    compute = functools.partial(
+        _chunk,
+        temperature=temperature,
+        dtype=logprob_dtype,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+    )
+    pieces = []
+    for chunk, chunk_targets in zip(flat_logits.split(size), flat_targets.split(size), strict=True):
+        if torch.is_grad_enabled() and chunk.requires_grad:
+            pieces.append(
+                checkpoint(
+                    compute, chunk, chunk_targets, use_reentrant=False, preserve_rng_state=False
+                )
+            )
+        else:
+            pieces.append(compute(chunk, chunk_targets))
+    zeros = torch.zeros(targets.shape, dtype=logprob_dtype, device=logits.device)
+    logprobs = zeros.masked_scatter(selected, torch.cat([lp for lp, _ in pieces]))
+    if not with_entropy:
+        return logprobs, None
+    entropy = zeros.masked_scatter(selected, torch.cat([ent for _, ent in pieces]))
+    return logprobs, entropy
 
 
 def token_logprobs(
@@ -84,33 +134,13 @@ def token_logprobs(
         logits = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         ).logits
-    targets = input_ids[:, 1:]
-    selected = (
-        torch.ones_like(targets, dtype=torch.bool) if target_mask is None else target_mask.bool()
-    )
-    flat_logits = logits[:, :-1][selected]  # [N, V], N = selected positions
-    flat_targets = targets[selected]
-    size = chunk_tokens or max(1, LOGPROB_CHUNK_ELEMENTS // logits.shape[-1])
-    compute = functools.partial(
-        _chunk,
+    return logits_logprobs(
+        logits[:, :-1],
+        input_ids[:, 1:],
+        None if target_mask is None else target_mask.bool(),
         temperature=temperature,
-        dtype=logprob_dtype,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
+        logprob_dtype=logprob_dtype,
+        chunk_tokens=chunk_tokens,
     )
-    pieces = []
-    for chunk, chunk_targets in zip(flat_logits.split(size), flat_targets.split(size), strict=True):
-        if torch.is_grad_enabled() and chunk.requires_grad:
-            pieces.append(
-                checkpoint(
-                    compute, chunk, chunk_targets, use_reentrant=False, preserve_rng_state=False
-                )
-            )
-        else:
-            pieces.append(compute(chunk, chunk_targets))
-    zeros = torch.zeros(targets.shape, dtype=logprob_dtype, device=input_ids.device)
-    logprobs = zeros.masked_scatter(selected, torch.cat([lp for lp, _ in pieces]))
-    if not with_entropy:
-        return logprobs, None
-    entropy = zeros.masked_scatter(selected, torch.cat([ent for _, ent in pieces]))
-    return logprobs, entropy

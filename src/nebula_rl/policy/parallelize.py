@@ -4,23 +4,26 @@
 the model and is the one place that builds the DeviceMesh, with axes
 ("pp", "dp_replicate", "dp_shard", "cp", "tp"). `parallelize_model` applies one `apply_*` per
 parallelism in torchtitan's order (see its comments) and returns a :class:`ParallelModel`, whose
-`forward_backward` runs one batch the way the parallelism needs: a plain forward and backward, a
-pipeline schedule (PP), or inside `context_parallel` (CP).
+`run` / `forward_backward` runs one batch the way the parallelism needs: a plain forward (and
+backward), a pipeline schedule (PP: GPipe, 1F1B, or Interleaved1F1B with several stages per
+rank), or inside `context_parallel` (CP).
 
 Loss convention (STYLE rule 3): `loss_fn` returns its tokens' *share of the global loss*: a sum
 over the tokens it sees divided by a global count that the caller passes in. Shares then add up
 exactly, so gradients are summed, never averaged, over the data axes (dp_replicate, dp_shard, cp)
 and over pipeline micro-batches, and the result does not depend on how the batch was split.
 
-Simplifications: one pipeline stage per rank (GPipe or 1F1B, no interleaving); batches are
-unpadded or right-padded (the causal mask alone is exact there, so no attention mask is taken);
-CP needs SDPA attention and cannot be combined with PP; the TP plan covers the Llama, Qwen2 and
-Qwen3 families.
+Simplifications: pipeline stages hold whole decoder layers, in equal numbers; under PP and CP
+batches are unpadded or right-padded (the causal mask alone is exact there, so no attention mask
+is taken); CP needs SDPA attention and CUDA, and cannot be combined with PP; the TP plan covers
+the Llama, Qwen2 and Qwen3 families.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -43,6 +46,7 @@ from nebula_rl.config import ParallelismConfig
 
 __all__ = [
     "MESH_AXES",
+    "PP_SCHEDULES",
     "TP_PLANS",
     "LossFn",
     "ParallelDims",
@@ -53,7 +57,10 @@ __all__ = [
     "apply_fsdp",
     "apply_tp",
     "parallelize_model",
+    "pipeline_stage_layers",
+    "split_pipeline",
     "split_pipeline_stage",
+    "total_grad_norm",
 ]
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -270,28 +277,50 @@ def _has(model: nn.Module, name: str) -> bool:
 # Pipeline parallel
 
 
-class _PipelineStageModule(nn.Module):
-    """Decoder layers [start, stop) of an HF causal LM, plus the embedding on the first stage and
-    the final norm and head on the last. Parameter names are those of the full model."""
+class _DecoderPart(nn.Module):
+    """Some decoder layers of an HF decoder (one pipeline stage of several on a rank), with its
+    embedding, final norm and rotary embedding where the stage needs them; the attribute names
+    are the decoder's, so the parameters keep their names in the full model."""
 
-    def __init__(self, model: nn.Module, layer_ids: range, *, tp_mesh: DeviceMesh | None) -> None:
+    def __init__(self, decoder: Any, layer_ids: Sequence[int], *, first: bool, last: bool) -> None:
         super().__init__()
-        self.config = _config(model)
-        num_layers = self.config.num_hidden_layers
-        self.tp_mesh = tp_mesh
-        decoder = _decoder(model)
-        # A ModuleDict keyed by the layer's index keeps the names "model.layers.<i>.*".
-        decoder.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in layer_ids})
-        if layer_ids.start > 0:
-            decoder.embed_tokens = None
-        if layer_ids.stop < num_layers:
-            decoder.norm = None
+        self.embed_tokens = decoder.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): decoder.layers[str(i)] for i in layer_ids})
+        self.norm = decoder.norm if last else None
+        self.rotary_emb = decoder.rotary_emb
+
+
+class _PipelineStageModule(nn.Module):
+    """Decoder layers of an HF causal LM (`decoder.layers`, keyed by their index), plus the
+    embedding where they include the first layer and the final norm and head (`lm_head`) where
+    they include the last. Parameter names are those of the full model.
+
+    `split_pipeline` makes one per rank holding all of the rank's layers
+    (`ParallelModel.module`); with several stages per rank (Interleaved1F1B), each stage is
+    another one sharing that module's layers."""
+
+    def __init__(
+        self, config: Any, decoder: Any, lm_head: Any, *, tp_mesh: DeviceMesh | None
+    ) -> None:
+        super().__init__()
+        self.config, self.tp_mesh = config, tp_mesh
+        self.compute_dtype: torch.dtype | None = None
+        """Autocast dtype of the forward (mixed precision without FSDP); set by ParallelModel."""
         self.model: Any = decoder
-        self.lm_head: Any = model.lm_head if layer_ids.stop == num_layers else None
+        self.lm_head: Any = lm_head
 
     def forward(self, h: Tensor) -> Tensor:
         """Token ids [b, l] (first stage) or hidden states [b, l, H] -> hidden states, or logits
         [b, l, V] on the last stage."""
+        autocast = (
+            torch.autocast(h.device.type, dtype=self.compute_dtype)
+            if self.compute_dtype is not None
+            else nullcontext()
+        )
+        with autocast:
+            return self._forward(h)
+
+    def _forward(self, h: Tensor) -> Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         decoder = self.model
@@ -323,17 +352,96 @@ class _PipelineStageModule(nn.Module):
         return self.lm_head(decoder.norm(h))
 
 
+PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+"""`policy.parallelism.pp_schedule` values: one stage per rank (1F1B, GPipe) or several
+(Interleaved1F1B)."""
+
+
+def pipeline_stage_layers(
+    num_layers: int, *, pp: int, schedule: str, layers_per_stage: int | None = None
+) -> list[range]:
+    """The decoder layers of every pipeline stage, in order; stage s runs on pp rank s % pp.
+
+    1F1B and GPipe: one stage per rank, the layers shared as evenly as they divide.
+    Interleaved1F1B: stages of `layers_per_stage` layers (`pp_layers_per_stage`), which must
+    divide the layers into a multiple of `pp` stages, at least two per rank (with one, use
+    1F1B); other layer counts are refused, naming the keys.
+    """
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"{KEY}.pp_schedule must be one of {PP_SCHEDULES}, got {schedule!r}")
+    if pp > num_layers:
+        raise ValueError(
+            f"{KEY}.pp_size ({pp}) must not exceed num_hidden_layers ({num_layers}): every "
+            "stage needs a decoder layer"
+        )
+    if schedule != "Interleaved1F1B":
+        return [range(s * num_layers // pp, (s + 1) * num_layers // pp) for s in range(pp)]
+    k = layers_per_stage
+    if k is None or num_layers % k:
+        raise ValueError(
+            f"{KEY}.pp_layers_per_stage ({k}) must divide num_hidden_layers ({num_layers}) "
+            "with pp_schedule = 'Interleaved1F1B'"
+        )
+    num_stages = num_layers // k
+    if num_stages % pp or num_stages < 2 * pp:
+        raise ValueError(
+            f"{KEY}: pp_schedule = 'Interleaved1F1B' needs a multiple of pp_size ({pp}) stages, "
+            f"at least 2 per rank; num_hidden_layers ({num_layers}) / pp_layers_per_stage ({k}) "
+            f"gives {num_stages}. Choose another pp_layers_per_stage, or pp_schedule = '1F1B'"
+        )
+    return [range(s * k, (s + 1) * k) for s in range(num_stages)]
+
+
+def split_pipeline(
+    model: nn.Module,
+    stage_layers: Sequence[range],
+    *,
+    pp_mesh: DeviceMesh,
+    tp_mesh: DeviceMesh | None = None,
+) -> tuple[_PipelineStageModule, list[tuple[int, nn.Module]]]:
+    """This rank's part of `model` and its pipeline stages: (the module of all its layers,
+    [(stage index, stage module)]). Stage s of `stage_layers` runs on pp rank s % pp; with one
+    stage per rank the stage module is the rank's module.
+
+    `model` is consumed: the rank's module takes its modules and the rest is dropped.
+    """
+    rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
+    config = _config(model)
+    last = config.num_hidden_layers - 1
+    mine = [(s, layers) for s, layers in enumerate(stage_layers) if s % pp == rank]
+    layer_ids = [i for _, layers in mine for i in layers]
+    decoder = _decoder(model)
+    # The HF decoder keeps only this rank's modules from here on; a ModuleDict keyed by the
+    # layer's index keeps the names "model.layers.<i>.*".
+    decoder.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in layer_ids})
+    if 0 not in layer_ids:
+        decoder.embed_tokens = None
+    if last not in layer_ids:
+        decoder.norm = None
+    head = model.lm_head if last in layer_ids else None
+    whole = _PipelineStageModule(config, decoder, head, tp_mesh=tp_mesh)
+    if len(mine) == 1:
+        return whole, [(mine[0][0], whole)]
+    stages: list[tuple[int, nn.Module]] = []
+    for s, layers in mine:
+        first, final = layers.start == 0, layers.stop == last + 1
+        part = _DecoderPart(decoder, layers, first=first, last=final)
+        stages.append(
+            (s, _PipelineStageModule(config, part, head if final else None, tp_mesh=tp_mesh))
+        )
+    return whole, stages
+
+
 def split_pipeline_stage(
     model: nn.Module, *, pp_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None
 ) -> nn.Module:
-    """This rank's pipeline stage of `model`: an equal share of the decoder layers (in order).
-
-    `model` is consumed: the stage takes its modules and the rest is dropped.
-    """
-    num_layers = _config(model).num_hidden_layers
-    stage, num_stages = pp_mesh.get_local_rank(), pp_mesh.size()
-    layer_ids = range(stage * num_layers // num_stages, (stage + 1) * num_layers // num_stages)
-    return _PipelineStageModule(model, layer_ids, tp_mesh=tp_mesh)
+    """This rank's pipeline stage of `model` with one stage per rank (an equal share of the
+    decoder layers, in order). `model` is consumed."""
+    layers = pipeline_stage_layers(
+        _config(model).num_hidden_layers, pp=pp_mesh.size(), schedule="1F1B"
+    )
+    whole, _ = split_pipeline(model, layers, pp_mesh=pp_mesh, tp_mesh=tp_mesh)
+    return whole
 
 
 def _tied_embedding_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
@@ -450,12 +558,47 @@ def apply_ddp(
 # ---------------------------------------------------------------------------------------------
 # Composition
 
+SCHEDULE_CACHE_SIZE = 8
+"""Pipeline schedules kept per ParallelModel, one per batch shape (see `_pipeline_run`)."""
+
+
+def total_grad_norm(grads: Sequence[Tensor]) -> Tensor:
+    """The 2-norm of `grads` together (over all shards of DTensors: a collective), accumulated
+    in float64: float32 norms of tensors of 1e5 elements are off by ~1e-5 on CPU."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
+    norm = torch.linalg.vector_norm(torch.stack(norms))
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _full(param: Tensor) -> Tensor:
+    """`param` whole and detached (gathered if it is a sharded DTensor: a collective)."""
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+
+
+def _pad_rows_columns(tensor: Tensor, rows: int, columns: int) -> Tensor:
+    """`tensor` [b, l, ...] right-padded with zeros to [rows, columns, ...]."""
+    if tensor.shape[0] == rows and tensor.shape[1] == columns:
+        return tensor
+    out = tensor.new_zeros((rows, columns, *tensor.shape[2:]))
+    out[: tensor.shape[0], : tensor.shape[1]] = tensor
+    return out
+
 
 class ParallelModel:
     """One rank's part of a parallelised model, and how a training step runs on it.
 
-    A step is `forward_backward` (once per batch, or several times to accumulate), then
-    `reduce_tied_grads`, then the optimiser over `parameters()`.
+    A step is `forward_backward` (or `run`; once per batch, or several times to accumulate),
+    then `reduce_tied_grads`, `clip_grad_norm_` and the optimiser over `parameters()`.
+
+    Pipeline batches: every call is cut into micro-batches of `pp_micro_batch_size` rows, and
+    all data-parallel ranks run the same number of them on the same shape (FSDP's collectives
+    pair up across them): a call's rows and columns are padded with zeros to the largest over
+    the data-parallel ranks, and its micro-batches to a count the schedule can run (1F1B: at
+    least pp_size; Interleaved1F1B: a multiple of its rounds, max(1, n // pp_size)). A padded
+    row has labels of zero, so `loss_fn` must give it no loss (the trainer's losses weigh
+    tokens by a mask carried in the labels).
     """
 
     def __init__(
@@ -464,103 +607,202 @@ class ParallelModel:
         dims: ParallelDims,
         mesh: DeviceMesh,
         *,
+        stages: Sequence[tuple[int, nn.Module]] = (),
+        num_stages: int = 1,
+        pp_schedule: str = "1F1B",
         pp_micro_batch_size: int = 1,
         tied_group: dist.ProcessGroup | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.module, self.dims, self.mesh = module, dims, mesh
+        self.stages = list(stages)
+        """(stage index, stage module) of this rank under PP."""
+        self.num_stages, self.pp_schedule = num_stages, pp_schedule
         self.pp_micro_batch_size = pp_micro_batch_size
+        self.compute_dtype = compute_dtype
+        """Autocast dtype of forward passes (`train.param_dtype` where no FSDP casts the
+        parameters); None: the parameters' own."""
         self._tied_group = tied_group
-        self._schedules: dict[int, object] = {}
-        self._stage: object | None = None
+        self._schedules: OrderedDict[tuple, Any] = OrderedDict()
         self._loss_fn: LossFn | None = None
-        if dims.pp > 1:
-            from torch.distributed.pipelining import PipelineStage
-
-            device = next(module.parameters()).device
-            self._stage = PipelineStage(
-                module,
-                mesh["pp"].get_local_rank(),
-                dims.pp,
-                device,
-                group=mesh["pp"].get_group(),
-            )
+        for _, stage in self.stages:
+            stage.compute_dtype = compute_dtype  # type: ignore[assignment]
 
     @property
     def dp_rank(self) -> int:
         """Which of the `dims.dp` shares of the batch's rows this rank takes."""
         return self.mesh["dp"].get_local_rank()
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks (shares of the batch's rows)."""
+        return self.dims.dp
+
+    @property
+    def computes_loss(self) -> bool:
+        """Whether `loss_fn` runs on this rank: every rank without PP, the last stage's with."""
+        return self.dims.pp == 1 or any(i == self.num_stages - 1 for i, _ in self.stages)
+
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (DTensors where sharded), for the optimiser."""
         return self.module.parameters()
 
-    def forward_backward(self, input_ids: Tensor, labels: Tensor, loss_fn: LossFn) -> Tensor:
-        """Forward and backward of this rank's rows; returns the global batch's loss.
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their names in the full model."""
+        return self.module.named_parameters()
+
+    def _autocast(self, device_type: str) -> Any:
+        if self.compute_dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type, dtype=self.compute_dtype)
+
+    def run(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        loss_fn: LossFn,
+        *,
+        backward: bool,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+    ) -> list[Tensor]:
+        """Forward (and with `backward`, backward) of this rank's rows; the losses `loss_fn`
+        returned on this rank (one per pipeline micro-batch on the last stage, none on the
+        other stages; one otherwise), unreduced and as returned.
 
         `input_ids` [b, l] are this rank's rows (`dp_rank`), all of their columns; `labels`
         [b, l, ...] is any per-token tensor aligned with them (e.g. the next token ids), cut the
         same way as the inputs (micro-batches under PP, sequence shards under CP) before
-        `loss_fn(logits, labels)` sees it. The returned loss is summed over micro-batches,
-        sequence shards and data-parallel ranks, the same on every rank.
+        `loss_fn(logits, labels)` sees it. Without `backward` it runs under no_grad. A prepared
+        `attention_mask` (packed rows, with their `position_ids`) only goes to an unsplit
+        forward: PP and CP take right-padded rows, for which the causal mask is exact.
         """
-        if self._stage is not None:
-            loss = self._pipeline_step(input_ids, labels, loss_fn)
-        elif self.dims.cp > 1:
-            loss = self._context_parallel_step(input_ids, labels, loss_fn)
-        else:
-            logits = self.module(input_ids=input_ids, use_cache=False).logits
+        if attention_mask is not None and (self.dims.pp > 1 or self.dims.cp > 1):
+            raise ValueError(
+                "train.sequence_packing (packed rows with a block-diagonal attention mask) is "
+                "not supported with policy.parallelism.pp_size > 1 or cp_size > 1: pipeline "
+                "and context parallel take right-padded rows"
+            )
+        with torch.enable_grad() if backward else torch.no_grad():
+            if self.dims.pp > 1:
+                return self._pipeline_run(input_ids, labels, loss_fn, backward=backward)
+            if self.dims.cp > 1:
+                return [self._context_parallel_run(input_ids, labels, loss_fn, backward=backward)]
+            with self._autocast(input_ids.device.type):
+                logits = self.module(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=False,
+                ).logits
             loss = loss_fn(logits, labels)
-            loss.backward()
-        loss = loss.detach().clone()
+            if backward:
+                loss.backward()
+            return [loss]
+
+    def forward_backward(self, input_ids: Tensor, labels: Tensor, loss_fn: LossFn) -> Tensor:
+        """`run` with backward; returns the global batch's loss: summed over micro-batches,
+        sequence shards and data-parallel ranks, the same on every rank."""
+        pieces = self.run(input_ids, labels, loss_fn, backward=True)
+        loss = torch.zeros((), device=input_ids.device)
+        if pieces:
+            loss = torch.stack([p.detach().float() for p in pieces]).sum()
         if self.dims.pp > 1:  # only the last stage has it; the others hold 0
             dist.all_reduce(loss, group=self.mesh["pp"].get_group())
         dist.all_reduce(loss, group=self.mesh["dp_cp"].get_group())
         return loss
 
-    def _pipeline_step(self, input_ids: Tensor, labels: Tensor, loss_fn: LossFn) -> Tensor:
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    def _usable_micro_batches(self, n: int) -> int:
+        """The smallest count >= n that the schedule runs (see the class docstring)."""
+        pp = self.dims.pp
+        if self.pp_schedule == "1F1B":
+            return max(n, pp)
+        if self.pp_schedule == "Interleaved1F1B":
+            while n % max(1, n // pp):
+                n += 1
+        return n
+
+    def _pipeline_run(
+        self, input_ids: Tensor, labels: Tensor, loss_fn: LossFn, *, backward: bool
+    ) -> list[Tensor]:
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
 
         size = self.pp_micro_batch_size
-        if input_ids.shape[0] % size:
-            raise ValueError(
-                f"{KEY}.pp_micro_batch_size ({size}) must divide the rows per data-parallel rank "
-                f"({input_ids.shape[0]})"
-            )
-        num_micro_batches = input_ids.shape[0] // size
-        schedule = self._schedules.get(num_micro_batches)
+        # Every data-parallel rank runs the same micro-batches on the same shape: FSDP gathers
+        # and reduces per micro-batch, and a new shape builds a new schedule, whose metadata
+        # inference runs a forward of its own.
+        wanted = torch.tensor([-(-input_ids.shape[0] // size), input_ids.shape[1]])
+        if self.dims.dp > 1:
+            staged = wanted.to(input_ids.device)
+            dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=self.mesh["dp"].get_group())
+            wanted = staged.cpu()
+        n = self._usable_micro_batches(max(int(wanted[0]), 1))
+        rows, columns = n * size, max(int(wanted[1]), 1)
+        input_ids = _pad_rows_columns(input_ids, rows, columns)
+        labels = _pad_rows_columns(labels, rows, columns)
+        key = (rows, columns, tuple(labels.shape[2:]), labels.dtype, backward)
+        schedule = self._schedules.get(key)
+        fresh = schedule is None
         if schedule is None:
-            # 1F1B holds fewer micro-batches' activations but needs one per stage at least.
-            kind = Schedule1F1B if num_micro_batches >= self.dims.pp else ScheduleGPipe
+            # Stages are built per shape: torch's PipelineStage infers its send/receive buffers
+            # from the first batch it sees.
+            device = input_ids.device
+            group = self.mesh["pp"].get_group()
+            stages = [
+                PipelineStage(module, index, self.num_stages, device, group=group)
+                for index, module in self.stages
+            ]
+            kind: Any = {
+                "GPipe": ScheduleGPipe,
+                "1F1B": Schedule1F1B,
+                "Interleaved1F1B": ScheduleInterleaved1F1B,
+            }[self.pp_schedule]
             schedule = kind(
-                self._stage,  # type: ignore[arg-type]
-                num_micro_batches,
+                stages if self.pp_schedule == "Interleaved1F1B" else stages[0],
+                n,
                 loss_fn=lambda logits, target: self._loss_fn(logits, target),  # type: ignore[misc]
                 scale_grads=False,  # the shares of the global loss already add up
             )
-            self._schedules[num_micro_batches] = schedule
+            self._schedules[key] = schedule
+            if len(self._schedules) > SCHEDULE_CACHE_SIZE:
+                self._schedules.popitem(last=False)
+        self._schedules.move_to_end(key)
         self._loss_fn = loss_fn
-        stage = self.mesh["pp"].get_local_rank()
-        first, last = stage == 0, stage == self.dims.pp - 1
+        first = any(index == 0 for index, _ in self.stages)
         losses: list[Tensor] = []
         args = (input_ids,) if first else ()
-        schedule.step(  # type: ignore[attr-defined]
-            *args, target=labels if last else None, losses=losses, return_outputs=False
-        )
-        if last:
-            return torch.stack(losses).sum()
-        return torch.zeros((), device=input_ids.device)
+        target = labels if self.computes_loss else None
+        # A new schedule's metadata inference runs a forward and backward of its own and then
+        # clears the gradients of FSDP's parameters: keep those of earlier calls aside.
+        saved = [(p, p.grad) for p in self.module.parameters()] if fresh else []
+        for p, _ in saved:
+            p.grad = None
+        if backward:
+            schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        else:
+            schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+        for p, grad in saved:
+            if grad is not None:
+                p.grad = grad if p.grad is None else p.grad + grad
+        return losses
 
-    def _context_parallel_step(self, input_ids: Tensor, labels: Tensor, loss_fn: LossFn) -> Tensor:
+    def _context_parallel_run(
+        self, input_ids: Tensor, labels: Tensor, loss_fn: LossFn, *, backward: bool
+    ) -> Tensor:
         from torch.distributed.tensor.experimental import context_parallel
 
-        length = input_ids.shape[1]
-        if length % (2 * self.dims.cp):
-            raise ValueError(
-                f"{KEY}.cp_size ({self.dims.cp}): sequence length {length} must be a multiple of "
-                f"2 * cp_size (each rank takes one chunk from each end, for balance)"
-            )
-        # context_parallel shards its buffers in place: work on copies.
-        input_ids, labels = input_ids.clone(), labels.clone()
+        # Each rank takes one chunk of the sequence from each end (for balance): pad the
+        # columns (right padding is exact under the causal mask) to a multiple of 2 * cp_size.
+        multiple = 2 * self.dims.cp
+        length = -(-input_ids.shape[1] // multiple) * multiple
+        # context_parallel shards its buffers in place: work on (padded) copies.
+        input_ids = _pad_rows_columns(input_ids, input_ids.shape[0], length).clone()
+        labels = _pad_rows_columns(labels, labels.shape[0], length).clone()
         position_ids = torch.arange(length, device=input_ids.device).repeat(input_ids.shape[0], 1)
         buffers = [input_ids, labels, position_ids]
         with context_parallel(
@@ -569,12 +811,67 @@ class ParallelModel:
             buffer_seq_dims=[1, 1, 1],
             no_restore_buffers=set(buffers),
         ):
-            logits = self.module(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False
-            ).logits
+            with self._autocast(input_ids.device.type):
+                logits = self.module(
+                    input_ids=input_ids, position_ids=position_ids, use_cache=False
+                ).logits
             loss = loss_fn(logits, labels)
-            loss.backward()
+            if backward:
+                loss.backward()
         return loss
+
+    def gather_loss_metrics(self, values: dict[str, float]) -> dict[str, float]:
+        """Metrics of the losses this rank computed (`run`), made its data-parallel rank's:
+        summed over the sequence shards (CP), and under PP the last stage's, on every stage.
+        CP ranks must pass the same keys."""
+        if self.dims.cp > 1 and values:
+            keys = sorted(values)
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            totals = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+            dist.all_reduce(totals, group=self.mesh["cp"].get_group())
+            values = dict(zip(keys, totals.tolist(), strict=True))
+        if self.dims.pp > 1:
+            box: list[dict[str, float]] = [values if self.computes_loss else {}]
+            dist.broadcast_object_list(
+                box, group=self.mesh["pp"].get_group(), group_src=self.dims.pp - 1
+            )
+            values = box[0]
+        return values
+
+    def full_named_parameters(self) -> Iterator[tuple[str, Tensor]]:
+        """Every parameter of the whole model under its name, gathered whole, on every rank: a
+        collective over the process group, which every rank must run to the end. Under PP the
+        stages take turns (pp rank 0's parameters first), each tensor broadcast over the pp
+        group; a tied embedding then appears under both of its names."""
+        mine = list(self.module.named_parameters())
+        if self.dims.pp == 1:
+            for name, param in mine:
+                yield name, _full(param)
+            return
+        group = self.mesh["pp"].get_group()
+        metas: list[Any] = [None] * self.dims.pp
+        shapes = [(name, tuple(param.shape), param.dtype) for name, param in mine]
+        dist.all_gather_object(metas, shapes, group=group)
+        rank = self.mesh["pp"].get_local_rank()
+        device = (
+            torch.device(self.mesh.device_type, torch.cuda.current_device())
+            if (self.mesh.device_type == "cuda")
+            else torch.device("cpu")
+        )
+        for source, entries in enumerate(metas):
+            for i, (name, shape, dtype) in enumerate(entries):
+                if source == rank:
+                    tensor = _full(mine[i][1]).to(device)
+                else:
+                    tensor = torch.empty(shape, dtype=dtype, device=device)
+                dist.broadcast(tensor, group=group, group_src=source)
+                yield name, tensor
+
+    def _tied_head(self) -> nn.Parameter | None:
+        """The last stage's copy of a tied embedding (counted once by `clip_grad_norm_`)."""
+        if self._tied_group is None or self.mesh["pp"].get_local_rank() != self.dims.pp - 1:
+            return None
+        return self.module.lm_head.weight  # type: ignore[union-attr, return-value]
 
     def reduce_tied_grads(self) -> None:
         """Sum the gradients of a tied embedding's two copies (first and last pipeline stage).
@@ -584,8 +881,9 @@ class ParallelModel:
         stage = self.mesh["pp"].get_local_rank()
         module: Any = self.module
         weight = module.model.embed_tokens.weight if stage == 0 else module.lm_head.weight
+        if weight.grad is None:  # (frozen, or no batch reached it)
+            weight.grad = torch.zeros_like(weight)
         grad = weight.grad
-        assert grad is not None
         if isinstance(grad, DTensor):
             # Under TP the embedding's gradient comes back replicated while the head's is
             # sharded like the weight; the copies' local pieces must match to be summed.
@@ -594,6 +892,21 @@ class ParallelModel:
             grad = grad.to_local()
         dist.all_reduce(grad, group=self._tied_group)
 
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale the gradients down to a total 2-norm of at most `max_norm` (none: inf); the
+        norm over the whole model (every shard and stage, a tied embedding once), returned."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        head = self._tied_head()
+        norm = total_grad_norm([p.grad for p in params if p is not head and p.grad is not None])
+        if self.dims.pp > 1:
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            squared = (norm**2).to(device)
+            dist.all_reduce(squared, group=self.mesh["pp"].get_group())
+            norm = squared.sqrt()
+        if max_norm < float("inf"):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return float(norm)
+
 
 def parallelize_model(
     model: nn.Module,
@@ -601,6 +914,8 @@ def parallelize_model(
     mesh: DeviceMesh,
     *,
     pp_micro_batch_size: int = 1,
+    pp_schedule: str = "1F1B",
+    pp_layers_per_stage: int | None = None,
     activation_checkpointing: bool = False,
     compile: bool = False,
     param_dtype: torch.dtype | None = None,
@@ -610,20 +925,37 @@ def parallelize_model(
 ) -> ParallelModel:
     """Split `model` (an HF causal LM, the same weights on every rank) over `mesh`, in place.
 
-    The order is torchtitan's; each step needs what the previous one leaves. The last four
-    arguments are `[train]`'s FSDP2 settings: the compute dtype (None: the parameters' own),
+    The order is torchtitan's; each step needs what the previous one leaves. `pp_*` are
+    `[policy.parallelism]`'s pipeline keys (`pipeline_stage_layers`). The last four arguments
+    are `[train]`'s precision and FSDP2 settings: the compute dtype (None: the parameters' own;
+    FSDP2 and DDP cast the parameters to it, otherwise forward passes autocast to it),
     `fsdp_reduce_dtype`, `fsdp_reshard_after_forward` and `fsdp_offload` (see `apply_fsdp`).
     """
     if offload and not dims.fsdp_enabled:
         raise ValueError(
             "train.fsdp_offload needs sharded parameters (policy.parallelism.dp_shard_size > 1)"
         )
-    dims.check_model(_config(model))
+    if dims.cp > 1 and mesh.device_type != "cuda":
+        raise ValueError(
+            f"{KEY}.cp_size > 1 needs CUDA devices: context parallel replaces the flash / "
+            "memory-efficient SDPA kernels by ring attention, and torch's CPU SDPA kernel has "
+            f"no sharding rule (this mesh is on {mesh.device_type!r})"
+        )
+    config = _config(model)
+    dims.check_model(config)
     tied = _tied(model)
     tp_mesh = mesh["tp"] if dims.tp > 1 else None
-    # 1. PP first: every later step applies to this rank's stage only.
+    stage_layers = [range(config.num_hidden_layers)]
+    stages: list[tuple[int, nn.Module]] = []
+    # 1. PP first: every later step applies to this rank's stages only.
     if dims.pp > 1:
-        model = split_pipeline_stage(model, pp_mesh=mesh["pp"], tp_mesh=tp_mesh)
+        stage_layers = pipeline_stage_layers(
+            config.num_hidden_layers,
+            pp=dims.pp,
+            schedule=pp_schedule,
+            layers_per_stage=pp_layers_per_stage,
+        )
+        model, stages = split_pipeline(model, stage_layers, pp_mesh=mesh["pp"], tp_mesh=tp_mesh)
     # 2. TP(+SP) on the plain modules: the plan names HF modules, and FSDP below must see the
     #    TP-sharded DTensor parameters to shard them further (2-D parameters).
     if tp_mesh is not None:
@@ -635,24 +967,39 @@ def parallelize_model(
     # 4. torch.compile per layer, after AC so that the recomputed region is the compiled one.
     if compile:
         apply_compile(model)
-    # 5. Data parallel last: it wraps whatever the layers have become. CP ranks are FSDP ranks
-    #    (dp_shard_cp): they hold different tokens, so their gradients are summed like DP's.
+    # 5. Data parallel last: it wraps whatever the layers have become, one root per pipeline
+    #    stage. CP ranks are FSDP ranks (dp_shard_cp): they hold different tokens, so their
+    #    gradients are summed like DP's.
+    roots = [stage for _, stage in stages] or [model]
     if dims.fsdp_enabled:
         axes = ("dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else ("dp_shard_cp",)
-        apply_fsdp(
-            model,
-            mesh[axes],
-            reshard_after_forward=reshard_after_forward,
-            pipelined=dims.pp > 1,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            offload=offload,
-        )
+        for root in roots:
+            apply_fsdp(
+                root,
+                mesh[axes],
+                reshard_after_forward=reshard_after_forward,
+                pipelined=dims.pp > 1,
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+                offload=offload,
+            )
     elif dims.dp_replicate > 1:
-        apply_ddp(model, mesh["dp_replicate"], param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for root in roots:
+            apply_ddp(
+                root, mesh["dp_replicate"], param_dtype=param_dtype, reduce_dtype=reduce_dtype
+            )
+    data_parallel = dims.fsdp_enabled or dims.dp_replicate > 1
     # A tied embedding's copies live on the first and last stage; their gradients are summed
     # by ParallelModel.reduce_tied_grads.
     tied_group = _tied_embedding_group(mesh) if tied and dims.pp > 1 else None
     return ParallelModel(
-        model, dims, mesh, pp_micro_batch_size=pp_micro_batch_size, tied_group=tied_group
+        model,
+        dims,
+        mesh,
+        stages=stages,
+        num_stages=len(stage_layers),
+        pp_schedule=pp_schedule,
+        pp_micro_batch_size=pp_micro_batch_size,
+        tied_group=tied_group,
+        compute_dtype=None if data_parallel else param_dtype,
     )

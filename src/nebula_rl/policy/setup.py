@@ -6,8 +6,11 @@ policy replicas (`policy/worker.py`) both do before they build a `PolicyTrainer`
    trainable flags (`apply_trainable`).
 2. The caller takes the copies that must stay plain now: the reference policy, and the local
    rollout engine's copy in `param_dtype` (`rollout_copy`).
-3. `prepare_single_process`: activation checkpointing and torch.compile of the decoder blocks,
-   which `parallelize.parallelize_model` applies instead when the model is split over a mesh.
+3. `parallelize_policy`: under torch.distributed with several ranks, the split of
+   `[policy.parallelism]` (`parallelize.parallelize_model`, with every `[train]` and `[policy]`
+   key it honours) and this rank's data-parallel place; in one process,
+   `prepare_single_process`: activation checkpointing and torch.compile of the decoder blocks.
+   The reference policy is split the same way (`parallelize_reference`).
 
 `use_deterministic` switches torch to deterministic kernels for `train.deterministic`.
 """
@@ -17,17 +20,27 @@ from __future__ import annotations
 import copy
 import os
 import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from nebula_rl.config import Config, PolicyConfig, TrainingConfig
 from nebula_rl.models import load_model, resolve_dtype
 
+if TYPE_CHECKING:
+    from nebula_rl.policy.parallelize import ParallelDims, ParallelModel
+    from nebula_rl.policy.replicas import DataParallelSums
+
 __all__ = [
+    "PolicyParallel",
     "apply_trainable",
     "compute_dtype",
     "load_policy_model",
+    "parallelize_policy",
+    "parallelize_reference",
     "prepare_single_process",
     "rollout_copy",
     "use_deterministic",
@@ -129,6 +142,122 @@ def prepare_single_process(model: nn.Module, cfg: Config) -> None:
         apply_ac(model)
     if cfg.train.compile:
         apply_compile(model)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyParallel:
+    """A policy prepared for training on this rank: what `PolicyTrainer` takes, and this rank's
+    place among the data-parallel ranks (which share of the batch it trains on)."""
+
+    model: nn.Module | ParallelModel
+    """The ParallelModel of this rank over the process group, or, in one process, the model."""
+    dp_rank: int
+    """This rank's data-parallel rank (TP, PP and CP ranks of one data-parallel rank share it)."""
+    dp_size: int
+    """Data-parallel ranks."""
+    data_parallel: DataParallelSums | None
+    """Sums over the data-parallel ranks (None with one)."""
+
+
+def _param_dtype(train: TrainingConfig) -> torch.dtype | None:
+    """The compute dtype FSDP2 casts the parameters to (or forward passes autocast to); None
+    when it is the master copy's own."""
+    return None if train.param_dtype == train.master_dtype else resolve_dtype(train.param_dtype)
+
+
+def _check_pipeline_micro_batches(cfg: Config, dims: ParallelDims) -> None:
+    """Refuse, naming the keys, a full forward pass of `mini_batch` rows that the pipeline
+    schedule could not run as `pp_micro_batch_size`-row micro-batches (smaller passes, the
+    remainder of a batch or of a data-parallel share, are padded, see `ParallelModel`)."""
+    par = cfg.policy.parallelism
+    p = cfg.train.train_policy
+    if dims.pp == 1 or getattr(p, "max_token_len_per_mini_batch", None) is not None:
+        return
+    rows, size = p.mini_batch, par.pp_micro_batch_size
+    keys = "train.train_policy.mini_batch and policy.parallelism.pp_micro_batch_size"
+    if rows % size:
+        raise ValueError(
+            f"{keys}: pp_micro_batch_size ({size}) must divide mini_batch ({rows}), the rows "
+            "of a forward pass"
+        )
+    n = rows // size
+    if par.pp_schedule == "1F1B" and n < dims.pp:
+        raise ValueError(
+            f"{keys}: pp_schedule = '1F1B' needs at least pp_size ({dims.pp}) micro-batches "
+            f"per forward pass; mini_batch / pp_micro_batch_size = {n}"
+        )
+    if par.pp_schedule == "Interleaved1F1B" and n % max(1, n // dims.pp):
+        raise ValueError(
+            f"{keys}: pp_schedule = 'Interleaved1F1B' runs micro-batches in rounds of pp_size "
+            f"({dims.pp}): mini_batch / pp_micro_batch_size = {n} must be a multiple of "
+            f"{max(1, n // dims.pp)}"
+        )
+
+
+def parallelize_policy(model: nn.Module, cfg: Config) -> PolicyParallel:
+    """Prepare the policy `model` (loaded on every rank alike) for training on this rank.
+
+    Under torch.distributed with several ranks: the mesh of `[policy.parallelism]` over the
+    default process group (on CUDA when available), and the model split over it in place
+    (`parallelize_model`: PP with `pp_schedule`, `pp_layers_per_stage` and
+    `pp_micro_batch_size`, TP, activation checkpointing (`policy.model_gradient_checkpointing`),
+    torch.compile (`train.compile`), FSDP2/HSDP/DDP with `train.param_dtype`,
+    `fsdp_reduce_dtype`, `fsdp_reshard_after_forward` and `fsdp_offload`); the model is
+    consumed under PP (use `PolicyParallel.model`). In one process: `prepare_single_process`.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        prepare_single_process(model, cfg)
+        return PolicyParallel(model, 0, 1, None)
+    from nebula_rl.policy.parallelize import ParallelDims, parallelize_model
+    from nebula_rl.policy.replicas import DataParallelSums
+
+    par, t = cfg.policy.parallelism, cfg.train
+    dims = ParallelDims.from_config(par, world_size=dist.get_world_size())
+    _check_pipeline_micro_batches(cfg, dims)
+    mesh = dims.build_mesh("cuda" if torch.cuda.is_available() else "cpu")
+    parallel = parallelize_model(
+        model,
+        dims,
+        mesh,
+        pp_micro_batch_size=par.pp_micro_batch_size,
+        pp_schedule=par.pp_schedule,
+        pp_layers_per_stage=par.pp_layers_per_stage,
+        activation_checkpointing=cfg.policy.model_gradient_checkpointing,
+        compile=t.compile,
+        param_dtype=_param_dtype(t),
+        reduce_dtype=resolve_dtype(t.fsdp_reduce_dtype),
+        reshard_after_forward=t.fsdp_reshard_after_forward,
+        offload=t.fsdp_offload,
+    )
+    sums = DataParallelSums(mesh["dp"].get_group()) if dims.dp > 1 else None
+    return PolicyParallel(parallel, parallel.dp_rank, dims.dp, sums)
+
+
+def parallelize_reference(
+    ref: nn.Module, policy: PolicyParallel, cfg: Config
+) -> nn.Module | ParallelModel:
+    """The reference policy `ref` (a copy of the policy taken before `parallelize_policy`),
+    frozen, and split like `policy` on the same mesh (forward only: no activation
+    checkpointing or compile; FSDP2 frees the gathered parameters after every forward)."""
+    from nebula_rl.policy.parallelize import ParallelModel, parallelize_model
+
+    ref.eval().requires_grad_(False)
+    parallel = policy.model
+    if not isinstance(parallel, ParallelModel):
+        return ref
+    t = cfg.train
+    return parallelize_model(
+        ref,
+        parallel.dims,
+        parallel.mesh,
+        pp_micro_batch_size=parallel.pp_micro_batch_size,
+        pp_schedule=parallel.pp_schedule,
+        pp_layers_per_stage=cfg.policy.parallelism.pp_layers_per_stage,
+        param_dtype=_param_dtype(t),
+        reduce_dtype=resolve_dtype(t.fsdp_reduce_dtype),
+        reshard_after_forward="always",
+        offload=t.fsdp_offload,
+    )
 
 
 def use_deterministic(train: TrainingConfig) -> None:

@@ -29,10 +29,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from nebula_rl.algorithms import (
     ALGORITHMS,
@@ -53,8 +56,10 @@ from nebula_rl.policy.batching import (
     pad_batch,
     token_budget_micro_batches,
 )
-from nebula_rl.policy.logprobs import token_logprobs
+from nebula_rl.policy.logprobs import logits_logprobs, token_logprobs
 from nebula_rl.policy.optim import build_optimizer, lr_lambda
+from nebula_rl.policy.parallelize import LossFn as ParallelLossFn
+from nebula_rl.policy.parallelize import ParallelModel, total_grad_norm
 from nebula_rl.policy.replicas import DataParallelSums, ReplicaGroup
 from nebula_rl.policy.setup import compute_dtype
 from nebula_rl.protocol import RolloutGroup
@@ -113,34 +118,164 @@ def _eos_ids(model: nn.Module) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
 
 
+# Per-token labels: `labels[..., c]` at input position t describes the prediction of token t + 1
+# (the last position predicts nothing: its mask is 0). Token ids travel as float32, exact below
+# 2**24, far above any vocabulary.
+TARGET, MASK = 0, 1
+"""Channels of every batch's labels: the next token id and the trained-token mask."""
+OLD, ADVANTAGE, BEHAVIOUR, REF, POSITIVE = 2, 3, 4, 5, 6
+"""Channels of an RL batch's labels: proximal, rollout and reference log-probs, the sequence's
+advantage and whether its reward is > 0."""
+ROW, POSITION = 2, 3
+"""Channels of a log-prob recomputation's labels: where each token's log-prob goes."""
+
+
+def _labels(mb: TokenBatch, extra: Sequence[Tensor] = ()) -> Tensor:
+    """[b, L, 2 + len(extra)] labels of `mb`: next-token ids, target mask, then `extra`, each
+    [b, L-1] in target space or [b] per sequence."""
+    b, length = mb.input_ids.shape
+    columns = [F.pad(mb.input_ids[:, 1:].float(), (0, 1)), F.pad(mb.target_mask.float(), (0, 1))]
+    for values in extra:
+        if values.dim() == 1:
+            columns.append(values.float()[:, None].expand(b, length))
+        else:
+            columns.append(F.pad(values.float(), (0, 1)))
+    return torch.stack(columns, dim=-1)
+
+
+def _attach(loss: Tensor, payload: Any) -> Tensor:
+    """`loss` carrying `payload` (metrics, log-probs): a pipeline schedule hands back the loss
+    objects `loss_fn` returned, and its metadata inference calls `loss_fn` once more, so a
+    `loss_fn` passes what it computed along with the loss rather than by a side effect."""
+    loss.payload = payload  # type: ignore[attr-defined]
+    return loss
+
+
+def _payload(loss: Tensor) -> Any:
+    return loss.payload  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class _Forward:
+    """How batches go through one model (the policy, or the reference): split by a
+    ParallelModel, or whole in this process."""
+
+    module: nn.Module
+    parallel: ParallelModel | None
+    compute_dtype: torch.dtype | None
+
+    def run(
+        self,
+        mb: TokenBatch,
+        labels: Tensor,
+        loss_fn: ParallelLossFn,
+        *,
+        backward: bool,
+        device: torch.device,
+    ) -> list[Tensor]:
+        """The losses `loss_fn(logits, labels)` of `mb` on this rank (see `ParallelModel.run`),
+        backpropagated with `backward`, else computed under no_grad."""
+        attention_mask, position_ids = None, None
+        if mb.segment_ids is not None:  # packed rows: a block-diagonal mask
+            segment_ids = mb.segment_ids.to(device)
+            attention_mask = packed_attention_mask(segment_ids, self.module.config)
+            position_ids = segment_positions(segment_ids)
+        # Right-padded rows need no attention mask: the causal mask alone is exact for the
+        # real tokens (and PP and CP take none).
+        input_ids, labels = mb.input_ids.to(device), labels.to(device)
+        if self.parallel is not None:
+            return self.parallel.run(
+                input_ids,
+                labels,
+                loss_fn,
+                backward=backward,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+            )
+        autocast = (
+            torch.autocast(device.type, dtype=self.compute_dtype)
+            if self.compute_dtype is not None
+            else nullcontext()
+        )
+        with torch.enable_grad() if backward else torch.no_grad():
+            with autocast:
+                logits = self.module(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=False,
+                ).logits
+            loss = loss_fn(logits, labels)
+            if backward:
+                loss.backward()
+        return [loss]
+
+
 class PolicyTrainer:
-    """Model + optimiser + schedule, and the two kinds of update."""
+    """Model + optimiser + schedule, and the two kinds of update.
+
+    `model` is an HF causal LM trained whole in this process, or a :class:`ParallelModel`
+    (`policy/setup.py`'s `parallelize_policy`), split over this process group: then every rank
+    calls `grpo_step` with the same groups and `sft_step` with its own data-parallel share, and
+    `ref_model` is split the same way (`parallelize_reference`).
+    """
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | ParallelModel,
         cfg: Config,
         *,
         total_steps: int,
         pad_id: int,
-        ref_model: nn.Module | None = None,
+        ref_model: nn.Module | ParallelModel | None = None,
         replicas: ReplicaGroup | None = None,
         data_parallel: DataParallelSums | None = None,
     ) -> None:
-        self.model, self.cfg, self.pad_id, self.ref_model = model, cfg, pad_id, ref_model
-        self.replicas, self.data_parallel = replicas, data_parallel
+        self.parallel = model if isinstance(model, ParallelModel) else None
+        self.model: nn.Module = model.module if isinstance(model, ParallelModel) else model
+        """This rank's modules (under PP, its stages' layers; parameters keep their names)."""
+        self.cfg, self.pad_id = cfg, pad_id
+        self.replicas = replicas
+        if data_parallel is None and self.parallel is not None and self.parallel.dp_size > 1:
+            data_parallel = DataParallelSums(self.parallel.mesh["dp"].get_group())
+        self.data_parallel = data_parallel
         t = cfg.train
-        self.compute_dtype = compute_dtype(t, sharded=_sharded(model))
+        self.compute_dtype = (
+            self.parallel.compute_dtype
+            if self.parallel is not None
+            else compute_dtype(t, sharded=_sharded(self.model))
+        )
         self.logprob_dtype = resolve_dtype(t.logprob_dtype)
-        self.optimizer = build_optimizer(model, t)
+        self.optimizer = build_optimizer(self.model, t)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(t, total_steps)
         )
-        self.device = next(model.parameters()).device
-        self.eos_token_ids = _eos_ids(model)
+        self.device = next(self.model.parameters()).device
+        self.eos_token_ids = _eos_ids(self.model)
+        self._policy = _Forward(self.model, self.parallel, self.compute_dtype)
+        self._reference: _Forward | None = None
+        self.ref_model: nn.Module | None = None
+        if isinstance(ref_model, ParallelModel):
+            self.ref_model = ref_model.module
+            self._reference = _Forward(ref_model.module, ref_model, ref_model.compute_dtype)
+        elif ref_model is not None:
+            self.ref_model = ref_model
+            self._reference = _Forward(ref_model, None, self.compute_dtype)
         self.planned_updates: int | None = None
         """Optimiser updates the step in progress (or the last one) takes, once every replica
         agreed on it; None before."""
+        if isinstance(t.train_policy, GrpoConfig) and self.parallel and self.parallel.dims.cp > 1:
+            _check_context_parallel_loss(loss_settings(cfg), t.train_policy)
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's share of an RL step's sequences (rows dp_rank::dp_size of each slice)."""
+        return 0 if self.parallel is None else self.parallel.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks of this replica (1 without a ParallelModel)."""
+        return 1 if self.parallel is None else self.parallel.dp_size
 
     # -- collectives over data-parallel ranks and replicas -----------------------------------------
 
@@ -167,19 +302,31 @@ class PolicyTrainer:
         ranks = 1 if self.data_parallel is None else self.data_parallel.size
         return ranks * (1 if self.replicas is None else self.replicas.size)
 
+    def _loss_metrics(self, values: dict[str, float]) -> dict[str, float]:
+        """Metrics of the losses this rank computed, made its data-parallel rank's (CP shards
+        summed, PP's last stage's on every stage)."""
+        return values if self.parallel is None else self.parallel.gather_loss_metrics(values)
+
     # -- pieces of a step ------------------------------------------------------------------------
 
     def _optimizer_step(self) -> float:
+        if self.parallel is not None:
+            self.parallel.reduce_tied_grads()
         if self.replicas is not None:
             self.replicas.all_reduce_grads(self.model.parameters())
         clip = self.cfg.train.optm_grad_norm_clip
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        if isinstance(norm, DTensor):  # sharded gradients (FSDP2): the norm over all shards
-            norm = norm.full_tensor()
+        max_norm = clip if clip > 0 else float("inf")
+        if self.parallel is not None:
+            norm = self.parallel.clip_grad_norm_(max_norm)
+        else:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            total = total_grad_norm([p.grad for p in params if p.grad is not None])
+            if max_norm < float("inf"):
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+            norm = float(total)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
     def _micro_batches(self, batch: TokenBatch, rows: Sequence[int]) -> list[list[int]]:
         """`rows` of `batch` cut into forward passes: by `max_token_len_per_mini_batch` tokens
@@ -192,11 +339,30 @@ class PolicyTrainer:
         parts = token_budget_micro_batches([lengths[r] for r in rows], max_tokens=budget)
         return [[rows[i] for i in part] for part in parts]
 
+    def _in_step(self, plan: list[list[list[int]]]) -> list[list[list[int]]]:
+        """`plan` (forward passes per update) padded with empty passes to the largest count
+        over the data-parallel ranks: FSDP and DDP pair their collectives up pass by pass, so
+        every rank runs as many (an empty pass runs a dummy row that carries no loss)."""
+        if self.data_parallel is None or self.data_parallel.size == 1:
+            return plan
+        counts = torch.tensor([len(passes) for passes in plan], dtype=torch.float64)
+        self.data_parallel.max_(counts)
+        return [
+            passes + [[] for _ in range(int(n) - len(passes))]
+            for passes, n in zip(plan, counts.tolist(), strict=True)
+        ]
+
+    def _dummy(self, width: int) -> tuple[TokenBatch, Tensor]:
+        """One row of padding without targets and its (zero) labels of `width` channels."""
+        mb = pad_batch([([self.pad_id] * 2, [0, 0], [0.0, 0.0])], torch.zeros(1), self.pad_id)
+        return mb, torch.zeros((1, 2, width))
+
     def target_logprobs(self, batch: TokenBatch) -> tuple[Tensor, Tensor]:
         """Log-probs and entropy [N, L-1] of the policy at `batch`'s target tokens (0 off
         `target_mask`), as the RL loss sees them: at `train_policy.temperature`, computed in the
-        compute dtype and cast to the log-prob dtype. The entropy carries gradient only when
-        the loss has an entropy bonus (`entropy_coeff` > 0); otherwise it is only logged."""
+        compute dtype and cast to the log-prob dtype (a model trained whole in this process).
+        The entropy carries gradient only when the loss has an entropy bonus
+        (`entropy_coeff` > 0); otherwise it is only logged."""
         p = self.cfg.grpo
         logprobs, entropy = token_logprobs(
             self.model,
@@ -212,22 +378,42 @@ class PolicyTrainer:
         assert entropy is not None
         return logprobs, entropy
 
-    @torch.no_grad()
-    def _logprobs_no_grad(self, model: nn.Module, batch: TokenBatch, temperature: float) -> Tensor:
-        """[N, L-1] log-probs of `model` at `batch`'s target tokens, in float32 on the CPU."""
+    def _recompute_logprobs(
+        self,
+        forward: _Forward,
+        batch: TokenBatch,
+        plan: list[list[list[int]]],
+        temperature: float,
+    ) -> Tensor:
+        """[N, L-1] log-probs of `forward`'s model at `batch`'s target tokens, in float32 on the
+        CPU, where this rank computes a loss over them (its rows; under PP on the last stage
+        only, under CP at its sequence shard's positions), forward passes as in `plan`."""
         out = torch.zeros_like(batch.target_mask)
-        for rows in self._micro_batches(batch, range(batch.input_ids.shape[0])):
-            mb = batch.select(rows)
-            lp, _ = token_logprobs(
-                model,
-                mb.input_ids.to(self.device),
-                mb.attention_mask.to(self.device),
-                temperature=temperature,
-                target_mask=mb.target_mask.to(self.device),
-                logprob_dtype=self.logprob_dtype,
-                compute_dtype=self.compute_dtype,
-            )
-            out[torch.tensor(rows), : lp.shape[1]] = lp.float().cpu()
+
+        def logprobs(logits: Tensor, labels: Tensor) -> Tensor:
+            with torch.autocast(logits.device.type, enabled=False):
+                lp, _ = logits_logprobs(
+                    logits,
+                    labels[..., TARGET].long(),
+                    labels[..., MASK] > 0,
+                    temperature=temperature,
+                    logprob_dtype=self.logprob_dtype,
+                )
+            return _attach(lp.new_zeros(()), (labels, lp))
+
+        for rows in (rows for passes in plan for rows in passes):
+            if rows:
+                mb = batch.select(rows)
+                where = torch.tensor(rows, dtype=torch.float32)[:, None].expand_as(mb.target_mask)
+                positions = torch.arange(mb.target_mask.shape[1], dtype=torch.float32)
+                labels = _labels(mb, [where, positions.expand_as(mb.target_mask)])
+            else:
+                mb, labels = self._dummy(4)
+            for piece in forward.run(mb, labels, logprobs, backward=False, device=self.device):
+                labels_seen, lp = _payload(piece)
+                keep = labels_seen[..., MASK] > 0
+                index = labels_seen[..., ROW][keep].long().cpu(), labels_seen[..., POSITION][keep]
+                out[index[0], index[1].long().cpu()] = lp[keep].float().cpu()
         return out
 
     def _reset_reference(self) -> None:
@@ -249,10 +435,13 @@ class PolicyTrainer:
     def grpo_step(self, groups: Sequence[RolloutGroup]) -> dict[str, float]:
         """One training step of the configured RL variant over scored groups.
 
-        Metrics are those of the first pass (`mu_iterations`), each slice's a share of that
-        slice's mean, averaged over the slices; `positive_nll` (with `positive_nll_coef`) is
-        reported apart from `loss`, which does not include it; `planned_updates` holds the
-        number of optimiser updates the step takes."""
+        With a ParallelModel every rank passes the same groups: each computes the advantages
+        and collates all sequences, then trains on its data-parallel share of every slice
+        (rows dp_rank::dp_size); counts are summed over the data-parallel ranks and replicas,
+        so the step is the one of the whole batch. Metrics are those of the first pass
+        (`mu_iterations`), each slice's a share of that slice's mean, averaged over the slices;
+        `positive_nll` (with `positive_nll_coef`) is reported apart from `loss`, which does not
+        include it; `planned_updates` holds the number of optimiser updates the step takes."""
         p: GrpoConfig = self.cfg.grpo
         settings = loss_settings(self.cfg)
         loss_fn = policy_loss(p.variant, settings)
@@ -262,6 +451,8 @@ class PolicyTrainer:
                 "train.train_policy.aipo_rho (AIPO weighs tokens by the rollout's log-probs) "
                 "needs train.train_policy.collect_rollout_logprobs = true"
             )
+        if p.kl_beta > 0 and self._reference is None:
+            raise ValueError("train.train_policy.kl_beta > 0 needs a reference model")
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         advantages = ALGORITHMS[p.variant].advantages(rewards, settings)
         batch = collate_groups(
@@ -273,28 +464,31 @@ class PolicyTrainer:
             eos_token_ids=self.eos_token_ids,
         )
         positive = rewards.flatten() > 0
-        # The proximal policy: the rollout's log-probs, or recomputed now (decoupled PPO and
-        # AIPO weigh by pi_prox / pi_behaviour, so they need both).
-        recompute = use_behaviour or not p.use_rollout_logprobs_for_loss
-        old = (
-            self._logprobs_no_grad(self.model, batch, p.temperature)
-            if recompute
-            else batch.behaviour_logprobs
-        )
-        ref = None
-        if p.kl_beta > 0:
-            if self.ref_model is None:
-                raise ValueError("train.train_policy.kl_beta > 0 needs a reference model")
-            ref = self._logprobs_no_grad(self.ref_model, batch, p.temperature)
 
         # Slices of `batch_size_per_optimize` sequences, one update each; every rank and replica
         # takes as many updates as the one with the most slices (the others' extra slices are
-        # empty: their gradients are summed in as zeros).
+        # empty: their gradients are summed in as zeros). Each data-parallel rank trains on its
+        # share of every slice.
         num_rows = batch.input_ids.shape[0]
         slices = list(_chunks(num_rows, p.batch_size_per_optimize or max(num_rows, 1)))
         num_slices = self._global_max(len(slices))
         slices += [[] for _ in range(num_slices - len(slices))]
+        slices = [rows[self.dp_rank :: self.dp_size] for rows in slices]
+        plan = self._in_step([self._micro_batches(batch, rows) for rows in slices])
         self.planned_updates = num_slices * p.mu_iterations
+        # The proximal policy: the rollout's log-probs, or recomputed now (decoupled PPO and
+        # AIPO weigh by pi_prox / pi_behaviour, so they need both).
+        recompute = use_behaviour or not p.use_rollout_logprobs_for_loss
+        old = (
+            self._recompute_logprobs(self._policy, batch, plan, p.temperature)
+            if recompute
+            else batch.behaviour_logprobs
+        )
+        ref = (
+            None
+            if self._reference is None or p.kl_beta == 0
+            else self._recompute_logprobs(self._reference, batch, plan, p.temperature)
+        )
         local = [
             (
                 float(batch.target_mask[rows].sum()),
@@ -310,38 +504,44 @@ class PolicyTrainer:
         sums: dict[str, float] = {}
         grad_norm = 0.0
         for iteration in range(p.mu_iterations):
-            for k, rows in enumerate(slices):
+            for k, passes in enumerate(plan):
                 num_tokens, num_sequences, num_positive = counts[3 * k : 3 * k + 3]
                 if token_mean_local:  # this rank's own mean; the summed gradients average them
                     num_tokens = local[k][0] * self._num_ranks()
-                for mb_rows in self._micro_batches(batch, rows):
-                    metrics = self._grpo_micro_batch(
-                        batch.select(mb_rows),
-                        old[mb_rows],
-                        None if ref is None else ref[mb_rows],
-                        positive[mb_rows],
-                        loss_fn,
-                        settings,
-                        use_behaviour=use_behaviour,
-                        num_tokens=num_tokens,
-                        num_sequences=num_sequences,
-                        num_positive=num_positive,
+                compute = self._grpo_loss(
+                    loss_fn,
+                    settings,
+                    use_behaviour=use_behaviour,
+                    with_ref=ref is not None,
+                    num_tokens=num_tokens,
+                    num_sequences=num_sequences,
+                    num_positive=num_positive,
+                )
+                for rows in passes:
+                    mb, labels = self._grpo_inputs(batch, rows, old, ref, positive)
+                    pieces = self._policy.run(
+                        mb, labels, compute, backward=True, device=self.device
                     )
                     if iteration == 0:
-                        for key, value in metrics.items():
-                            sums[key] = sums.get(key, 0.0) + value / num_slices
+                        for piece in pieces:
+                            for key, value in _payload(piece).items():
+                                sums[key] = sums.get(key, 0.0) + float(value) / num_slices
                 grad_norm = self._optimizer_step()
         self.scheduler.step()
         self._reset_reference()
+        sums = self._loss_metrics(sums)
+        # Token-normalised metrics are already this rank's share of the global mean. Rewards
+        # and lengths describe the groups, which every data-parallel rank holds: rank 0 counts
+        # them.
+        whole = float(self.dp_rank == 0)
         lengths = [len(c.token_ids) for g in groups for c in g.completions]
-        # Token-normalised metrics are already this replica's share of the global mean.
         keys = sorted(sums)
         totals = self._global_sums(
             *(sums[k] for k in keys),
-            float(rewards.sum()),
-            float((rewards**2).sum()),
-            float(rewards.numel()),
-            float(sum(lengths)),
+            whole * float(rewards.sum()),
+            whole * float((rewards**2).sum()),
+            whole * float(rewards.numel()),
+            whole * float(sum(lengths)),
         )
         reward_sum, reward_sq, count, length_sum = totals[len(keys) :]
         variance = (reward_sq - reward_sum**2 / count) / (count - 1) if count > 1 else 0.0
@@ -357,42 +557,81 @@ class PolicyTrainer:
             "num_sequences": num_sequences_total,
         }
 
-    def _grpo_micro_batch(
+    def _grpo_inputs(
         self,
-        mb: TokenBatch,
+        batch: TokenBatch,
+        rows: list[int],
         old: Tensor,
         ref: Tensor | None,
         positive: Tensor,
+    ) -> tuple[TokenBatch, Tensor]:
+        """One forward pass's rows and their labels (channels TARGET ... POSITIVE)."""
+        if not rows:
+            return self._dummy(POSITIVE + 1)
+        mb = batch.select(rows)
+        width = mb.target_mask.shape[1]
+        index = torch.tensor(rows)
+        labels = _labels(
+            mb,
+            [
+                old[index, :width],
+                mb.advantages,
+                mb.behaviour_logprobs,
+                torch.zeros_like(mb.target_mask) if ref is None else ref[index, :width],
+                positive[index],
+            ],
+        )
+        return mb, labels
+
+    def _grpo_loss(
+        self,
         loss_fn: LossFn,
         settings: LossSettings,
         *,
         use_behaviour: bool,
+        with_ref: bool,
         num_tokens: float,
         num_sequences: float,
         num_positive: float,
-    ) -> dict[str, float]:
-        """Forward and backward of one micro-batch; its metrics (shares of the update's)."""
+    ) -> ParallelLossFn:
+        """The RL loss of one slice as a function of (logits, labels): the variant's loss (plus
+        `positive_nll_coef` times VAPO's positive-example NLL), carrying its metrics (shares of
+        the slice's)."""
         p = self.cfg.grpo
-        dev, width = self.device, mb.target_mask.shape[1]
-        logprobs, entropy = self.target_logprobs(mb)
-        mask = mb.target_mask.to(dev)
-        batch = PolicyBatch(
-            logprobs=logprobs,
-            old_logprobs=old[:, :width].to(dev),
-            advantages=mb.advantages.to(dev),
-            mask=mask,
-            behaviour_logprobs=mb.behaviour_logprobs.to(dev) if use_behaviour else None,
-            ref_logprobs=None if ref is None else ref[:, :width].to(dev),
-            entropy=entropy,
-        )
-        loss, metrics = loss_fn(batch, settings, num_tokens=num_tokens, num_sequences=num_sequences)
-        out = {"loss": loss.item(), **{k: float(v) for k, v in metrics.items()}}
-        if p.positive_nll_coef is not None:
-            nll = positive_nll(logprobs, mask, positive.to(dev), num_tokens=num_positive)
-            loss = loss + p.positive_nll_coef * nll
-            out["positive_nll"] = nll.item()
-        loss.backward()
-        return out
+
+        def compute(logits: Tensor, labels: Tensor) -> Tensor:
+            with torch.autocast(logits.device.type, enabled=False):
+                mask = labels[..., MASK]
+                logprobs, entropy = logits_logprobs(
+                    logits,
+                    labels[..., TARGET].long(),
+                    mask > 0,
+                    temperature=p.temperature,
+                    with_entropy=True,
+                    entropy_grad=p.entropy_coeff > 0,
+                    logprob_dtype=self.logprob_dtype,
+                )
+                batch = PolicyBatch(
+                    logprobs=logprobs,
+                    old_logprobs=labels[..., OLD],
+                    advantages=labels[:, 0, ADVANTAGE],
+                    mask=mask,
+                    behaviour_logprobs=labels[..., BEHAVIOUR] if use_behaviour else None,
+                    ref_logprobs=labels[..., REF] if with_ref else None,
+                    entropy=entropy,
+                )
+                loss, metrics = loss_fn(
+                    batch, settings, num_tokens=num_tokens, num_sequences=num_sequences
+                )
+                values = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+                if p.positive_nll_coef is not None:
+                    positive = labels[:, 0, POSITIVE] > 0
+                    nll = positive_nll(logprobs, mask, positive, num_tokens=num_positive)
+                    loss = loss + p.positive_nll_coef * nll
+                    values["positive_nll"] = nll.detach()
+            return _attach(loss, values)
+
+        return compute
 
     # -- SFT ---------------------------------------------------------------------------------------
 
@@ -411,40 +650,39 @@ class PolicyTrainer:
     def _sft_loss_sum(
         self, batch: TokenBatch, *, num_tokens: float, rows_per_forward: int, backward: bool
     ) -> float:
-        """Sum over micro-batches of the SFT loss (normalised by `num_tokens`), backpropagated
-        micro-batch by micro-batch when `backward`."""
+        """Sum over micro-batches of the SFT loss (normalised by `num_tokens`) that this rank
+        computed, backpropagated micro-batch by micro-batch when `backward`."""
+
+        def compute(logits: Tensor, labels: Tensor) -> Tensor:
+            with torch.autocast(logits.device.type, enabled=False):
+                mask = labels[..., MASK]
+                logprobs, _ = logits_logprobs(
+                    logits, labels[..., TARGET].long(), mask > 0, logprob_dtype=self.logprob_dtype
+                )
+                return sft_loss_from_logprobs(logprobs, mask, num_tokens=num_tokens)
+
+        (passes,) = self._in_step([list(_chunks(batch.input_ids.shape[0], rows_per_forward))])
         total = 0.0
-        for rows in _chunks(batch.input_ids.shape[0], rows_per_forward):
-            mb = batch.select(rows)
-            attention_mask, position_ids = mb.attention_mask.to(self.device), None
-            if mb.segment_ids is not None:
-                segment_ids = mb.segment_ids.to(self.device)
-                attention_mask = packed_attention_mask(segment_ids, self.model.config)
-                position_ids = segment_positions(segment_ids)
-            mask = mb.target_mask.to(self.device)
-            logprobs, _ = token_logprobs(
-                self.model,
-                mb.input_ids.to(self.device),
-                attention_mask,
-                position_ids=position_ids,
-                target_mask=mask,
-                logprob_dtype=self.logprob_dtype,
-                compute_dtype=self.compute_dtype,
+        for rows in passes:
+            mb, labels = (
+                (batch.select(rows), _labels(batch.select(rows))) if rows else self._dummy(2)
             )
-            loss = sft_loss_from_logprobs(logprobs, mask, num_tokens=num_tokens)
-            if backward:
-                loss.backward()
-            total += loss.item()
+            for loss in self._policy.run(
+                mb, labels, compute, backward=backward, device=self.device
+            ):
+                total += loss.item()
         return total
 
     def sft_step(self, examples: Sequence[tuple[list[int], list[int]]]) -> dict[str, float]:
         """One optimiser step of next-token cross-entropy on the masked (assistant) tokens.
 
-        The loss is normalised by the assistant tokens of the whole step over every
-        data-parallel rank (`balance_dp_token`), or by this rank's own, the summed gradients
-        then averaging the ranks' means. Metrics: `loss`, `grad_norm`, `lr`, `num_tokens`
-        (assistant target tokens of the step) and `num_rows` (rows forwarded: fewer than the
-        examples when packed)."""
+        `examples` are this rank's share (with a ParallelModel: its data-parallel rank's; TP,
+        PP and CP ranks of one data-parallel rank pass the same). The loss is normalised by the
+        assistant tokens of the whole step over every data-parallel rank
+        (`balance_dp_token`), or by this rank's own, the summed gradients then averaging the
+        ranks' means. Metrics: `loss`, `grad_norm`, `lr`, `num_tokens` (assistant target
+        tokens of the step) and `num_rows` (rows forwarded: fewer than the examples when
+        packed)."""
         batch = self._sft_batch(examples)
         local_tokens = float(batch.target_mask.sum())
         num_tokens, num_rows = self._global_sums(local_tokens, float(batch.input_ids.shape[0]))
@@ -458,7 +696,7 @@ class PolicyTrainer:
         )
         grad_norm = self._optimizer_step()
         self.scheduler.step()
-        (total,) = self._global_sums(total)
+        (total,) = self._global_sums(self._loss_metrics({"loss": total})["loss"])
         return {
             "loss": total,
             "grad_norm": grad_norm,
@@ -473,12 +711,29 @@ class PolicyTrainer:
     ) -> float:
         """Mean next-token cross-entropy over the assistant tokens of `examples`, in eval mode and
         without gradients. With a :class:`ReplicaGroup` every replica passes its share and all
-        get the mean over the union."""
+        get the mean over the union (with a ParallelModel, every data-parallel rank its own)."""
         batch = self._sft_batch(examples)
         (num_tokens,) = self._global_sums(float(batch.target_mask.sum()))
         self.model.eval()
         total = self._sft_loss_sum(
             batch, num_tokens=num_tokens, rows_per_forward=rows_per_forward, backward=False
         )
-        (total,) = self._global_sums(total)
+        (total,) = self._global_sums(self._loss_metrics({"loss": total})["loss"])
         return total
+
+
+def _check_context_parallel_loss(settings: LossSettings, p: GrpoConfig) -> None:
+    """Under CP a sequence's tokens are spread over ranks: losses that reduce over a whole
+    sequence first are refused, naming their keys."""
+    per_sequence = []
+    if p.variant == "gspo":
+        per_sequence.append("variant = 'gspo' (a sequence-level ratio)")
+    if settings.loss_type == "seq-mean-token-mean" and settings.max_tokens is None:
+        per_sequence.append("loss_type = 'seq-mean-token-mean' (a per-sequence token mean)")
+    if settings.off_policy_masking_delta is not None:
+        per_sequence.append("off_policy_masking_delta (a per-sequence mean)")
+    if per_sequence:
+        raise ValueError(
+            "policy.parallelism.cp_size > 1 spreads each sequence over ranks; "
+            f"train.train_policy.{', '.join(per_sequence)} needs whole sequences"
+        )
