@@ -350,11 +350,14 @@ def test_invalid_model_path_and_impossible_parallel_sizes_fail_at_start(tmp_path
     assert not (tmp_path / "out").exists()  # nothing started: no run folder, no logs
 
     cases = [
-        ({"policy": {"parallelism": {"tp_size": 3}}}, r"tp_size \(3\) = 3 must equal the world"),
+        # (tiny:qwen2 has 4 attention heads and 4 layers)
+        ({"policy": {"parallelism": {"tp_size": 3}}}, r"tp_size \(3\) must divide num_attention"),
+        ({"policy": {"parallelism": {"pp_size": 5}}}, r"pp_size \(5\) must not exceed num_hidden"),
         (
-            {"policy": {"parallelism": {"dp_shard_size": 2}}},
-            r"policy.parallelism: .* = 2 must equal the world size \(1\): the RL runtime",
+            {"policy": {"parallelism": {"pp_size": 2, "pp_micro_batch_size": 8}}},
+            r"pp_micro_batch_size \(8\) must divide mini_batch",
         ),
+        ({"policy": {"parallelism": {"cp_size": 2}}}, r"cp_size > 1 needs CUDA devices"),
         ({"rollout": {"backend": "vllm"}}, r'rollout.backend = "vllm" .*needs the vllm package'),
     ]
     for change, message in cases:

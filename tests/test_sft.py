@@ -268,10 +268,10 @@ def _arithmetic_sft(tmp_path: Path, name: str, **parallelism: int) -> Path:
     ids=["fsdp", "ddp", "tp", "pp_1f1b", "pp_gpipe", "pp_interleaved"],
 )
 def test_sft_on_two_processes_steps_like_one(tmp_path, parallelism):
-    """`torchrun --nproc-per-node 2 ... train` (FSDP2, DDP, TP+SP, or two pipeline stages with
-    each schedule): under data parallelism each rank takes its half of every batch, under TP
-    and PP both take all of it; the losses and the exported weights are those of one process
-    with the whole batch."""
+    """`nebula-rl train` with two ranks (FSDP2, DDP, TP+SP, or two pipeline stages with each
+    schedule; it starts its ranks itself, DDP's under torchrun instead): under data parallelism
+    each rank takes its half of every batch, under TP and PP both take all of it; the losses
+    and the exported weights are those of one process with the whole batch."""
     import os
     import subprocess
     import sys
@@ -279,21 +279,10 @@ def test_sft_on_two_processes_steps_like_one(tmp_path, parallelism):
     from safetensors.torch import load_file
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name, launcher in (
-        ("one", [sys.executable, "-m", "nebula_rl.cli"]),
-        (
-            "two",
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node=2",
-                "-m",
-                "nebula_rl.cli",
-            ],
-        ),
-    ):
+    cli = [sys.executable, "-m", "nebula_rl.cli"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    two = [*torchrun, "-m", "nebula_rl.cli"] if "dp_replicate_size" in parallelism else cli
+    for name, launcher in (("one", cli), ("two", two)):
         config = _arithmetic_sft(tmp_path, name, **(parallelism if name == "two" else {}))
         result = subprocess.run(
             [*launcher, "train", "--config", str(config)],

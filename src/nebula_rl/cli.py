@@ -24,9 +24,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nebula_rl import __version__
+
+if TYPE_CHECKING:
+    from nebula_rl.config import Config
 
 __all__ = ["main"]
 
@@ -115,19 +118,39 @@ def _wait_for_model(path: str, timeout_s: float = 3600.0) -> None:
         time.sleep(1.0)
 
 
+def _sft_nproc(cfg: Config) -> int:
+    """Ranks of an SFT job's policy (`[policy.parallelism]`; `dp_shard_size = -1` takes every
+    visible GPU, 1 on CPU)."""
+    from nebula_rl.launch import replica_nproc
+    from nebula_rl.preflight import visible_gpus
+
+    return replica_nproc(cfg, "policy", num_gpus=visible_gpus() or 0)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
     if args.output_dir:
         cfg.train.output_dir = args.output_dir
     if args.max_num_steps:
         cfg.train.max_num_steps = args.max_num_steps
-    _setup_torch()
+    if args.timestamp:
+        cfg.train.timestamp = args.timestamp
     from nebula_rl.config import GrpoConfig
-    from nebula_rl.launch import ensure_model
+    from nebula_rl.launch import run_ranks
+    from nebula_rl.ranks import RANKS_ENV
     from nebula_rl.runs import resolve_run_dir
 
-    log = logging.getLogger("nebula_rl")
     distributed = isinstance(cfg.train.train_policy, GrpoConfig) and not args.local
+    if not distributed and RANKS_ENV not in os.environ and "WORLD_SIZE" not in os.environ:
+        nproc = _sft_nproc(cfg)
+        if nproc > 1:  # this process supervises the ranks that split the policy
+            argv = [sys.executable, "-m", "nebula_rl.cli", *args.argv]
+            # (every rank writes in one run folder: fix its name now)
+            return run_ranks([*argv, "--timestamp", resolve_run_dir(cfg).name], nproc)
+    _setup_torch()
+    from nebula_rl.launch import ensure_model
+
+    log = logging.getLogger("nebula_rl")
     rank = int(os.environ.get("RANK", "0"))
     run_dir = resolve_run_dir(cfg)
     trace, file_log = _file_log(
@@ -416,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--output-dir", help="override train.output_dir")
     train.add_argument("--max-num-steps", type=int, help="override train.max_num_steps")
     train.add_argument(
+        "--timestamp", help="override train.timestamp (the run folder's name under output_dir)"
+    )
+    train.add_argument(
         "--policy", type=int, help="policy replicas (policy.parallelism.n_init_replicas)"
     )
     train.add_argument(
@@ -484,7 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `nebula-rl` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     _setup_logging(args.log_level)
     return args.func(args)
 

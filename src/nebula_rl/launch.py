@@ -410,11 +410,15 @@ def ensure_model(cfg: Config) -> None:
 def check_job(cfg: Config) -> None:
     """Raise, before any process starts, the errors a replica would otherwise hit only once the
     job runs: a model that is neither a local model folder, a Hub id that can be fetched, nor a
-    preset, a rollout backend that cannot run here, and parallel sizes the runtime cannot give a
-    replica (it runs each replica as one process for now). A Hub model is fetched into the
-    Hugging Face cache here, once, so that the replicas find it there."""
-    from nebula_rl.models import load_tokenizer
+    preset, a rollout backend that cannot run here, and policy parallel sizes that cannot run
+    (pipeline micro-batches, CP without CUDA). A Hub model is fetched into the Hugging Face
+    cache here, once, so that the replicas find it there."""
+    import torch
+
+    from nebula_rl.models import load_model_config, load_tokenizer
     from nebula_rl.policy.parallelize import ParallelDims
+    from nebula_rl.policy.setup import check_pipeline_micro_batches
+    from nebula_rl.preflight import replica_world_size
     from nebula_rl.rollout.build import check_backend
 
     check_backend(cfg)
@@ -425,10 +429,19 @@ def check_job(cfg: Config) -> None:
         )
     # (raises naming the key and the path)
     load_tokenizer(cfg.policy.model_name_or_path, revision=cfg.policy.model_revision)
-    try:
-        ParallelDims.from_config(cfg.policy.parallelism, world_size=1)
-    except ValueError as err:
-        raise ValueError(f"{err}: the RL runtime runs each policy replica as one process") from None
+    par = cfg.policy.parallelism
+    others = par.pp_size * par.dp_replicate_size * par.cp_size * par.tp_size
+    dims = ParallelDims.from_config(par, world_size=replica_world_size(par) or others)
+    check_pipeline_micro_batches(cfg, dims)
+    config = load_model_config(cfg.policy.model_name_or_path, revision=cfg.policy.model_revision)
+    # (tp_size must divide the heads, pp_size not exceed the layers; models load with SDPA)
+    config._attn_implementation = config._attn_implementation or "sdpa"
+    dims.check_model(config)
+    if dims.cp > 1 and not torch.cuda.is_available():
+        raise ValueError(
+            "policy.parallelism.cp_size > 1 needs CUDA devices (torch's context parallel has no "
+            "CPU attention kernel) and this machine has none"
+        )
 
 
 def _request_checkpoint(address: str, token: str) -> None:

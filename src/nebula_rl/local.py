@@ -63,6 +63,7 @@ from nebula_rl.policy.setup import (
 from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.profiling import StepProfiler
 from nebula_rl.protocol import Prompt, RolloutGroup
+from nebula_rl.ranks import init_ranks
 from nebula_rl.rewards import Scorer, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
@@ -139,7 +140,8 @@ def run(cfg: Config) -> Path:
 
 
 def _init_distributed(cfg: Config) -> bool:
-    """Join the process group torchrun describes (WORLD_SIZE > 1); whether there is one.
+    """Join the process group of this job's ranks (started by `nebula-rl train` itself, see
+    `nebula_rl.launch.run_ranks`, or by torchrun); whether there is one.
 
     Only SFT runs on several processes here: each data-parallel rank takes a share of every
     batch and the model is split by `[policy.parallelism]` (`parallelize_policy`)."""
@@ -147,12 +149,10 @@ def _init_distributed(cfg: Config) -> bool:
         return False
     if isinstance(cfg.train.train_policy, GrpoConfig):
         raise ValueError(
-            "train.train_policy.type = grpo runs one process per policy replica here; "
-            "several processes per replica are not wired into RL yet"
+            "nebula-rl train --local runs RL in one process; without --local the job splits "
+            "each policy replica over the ranks [policy.parallelism] asks for"
         )
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    init_ranks("nccl" if torch.cuda.is_available() else "gloo")
     return True
 
 

@@ -19,6 +19,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
@@ -34,6 +35,7 @@ __all__ = [
     "count_parameters",
     "is_hub_id",
     "load_model",
+    "load_model_config",
     "load_tokenizer",
     "resolve_dtype",
     "resolve_model",
@@ -131,6 +133,23 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
+def _tiny_config(
+    preset: str, *, vocab_size: int, pad_token_id: int | None, eos_token_id: int | None
+) -> PretrainedConfig:
+    if preset not in TINY_PRESETS:
+        raise ValueError(f"unknown tiny preset {preset!r}; choose from {sorted(TINY_PRESETS)}")
+    settings = dict(TINY_PRESETS[preset])
+    model_type = settings.pop("model_type")
+    return AutoConfig.for_model(
+        model_type,
+        vocab_size=(vocab_size + 63) // 64 * 64,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        **settings,
+    )
+
+
 def build_tiny_model(
     preset: str,
     *,
@@ -140,17 +159,8 @@ def build_tiny_model(
     eos_token_id: int | None = None,
 ) -> PreTrainedModel:
     """A randomly initialised model of the named preset (see :data:`TINY_PRESETS`)."""
-    if preset not in TINY_PRESETS:
-        raise ValueError(f"unknown tiny preset {preset!r}; choose from {sorted(TINY_PRESETS)}")
-    settings = dict(TINY_PRESETS[preset])
-    model_type = settings.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=(vocab_size + 63) // 64 * 64,
-        pad_token_id=pad_token_id,
-        eos_token_id=eos_token_id,
-        bos_token_id=None,
-        **settings,
+    config = _tiny_config(
+        preset, vocab_size=vocab_size, pad_token_id=pad_token_id, eos_token_id=eos_token_id
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -226,6 +236,22 @@ def load_model(
             resolve_model(name_or_path, revision=revision), dtype=dtype, local_files_only=True
         )
     return model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
+
+
+def load_model_config(name_or_path: str, *, revision: str | None = None) -> PretrainedConfig:
+    """The config of the model `load_model` would load (no weights read)."""
+    preset = _preset_name(name_or_path)
+    if preset is not None:
+        tok = build_char_tokenizer()
+        return _tiny_config(
+            preset,
+            vocab_size=len(tok),
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    return AutoConfig.from_pretrained(
+        resolve_model(name_or_path, revision=revision), local_files_only=True
+    )
 
 
 def count_parameters(model: torch.nn.Module) -> int:

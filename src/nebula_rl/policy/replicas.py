@@ -19,6 +19,10 @@ first agree on one state with :meth:`ReplicaGroup.sync_state`: the replica with 
 state (weights, optimiser and schedule, and the policy version) sends it to the others, so a
 joining replica starts from the live ones' state and survivors of a step that failed half-way
 agree again. A collective that fails raises :class:`CollectiveError`.
+
+Replicas of several ranks: each local rank `i` of every replica is in one such group (ranks `i`
+hold the same shards of the same layout), so gradients and training state move shard by shard,
+as their local tensors, never gathered.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ReduceOp
+from torch.distributed.tensor import DTensor
 
 from nebula_rl.weights.group import WeightGroup
 
@@ -39,6 +44,41 @@ __all__ = ["CollectiveError", "DataParallelSums", "ReplicaGroup"]
 # Gradient bucket size: large enough that the per-call cost vanishes, small enough that the
 # flat copy is a small fraction of the model.
 BUCKET_BYTES = 32 * 2**20
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (an alias: writing it writes the DTensor), else `tensor`."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _to_local_state(state: Any) -> Any:
+    """An optimizer state dict with every DTensor replaced by its local shard (to pickle)."""
+    if isinstance(state, DTensor):
+        return state.to_local()
+    if isinstance(state, dict):
+        return {k: _to_local_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_to_local_state(v) for v in state]
+    return state
+
+
+def _from_local_state(state: dict[str, Any], params: list[nn.Parameter]) -> dict[str, Any]:
+    """The inverse of `_to_local_state` for `optimizer.state_dict()`'s layout: a per-parameter
+    state tensor shaped like the parameter's shard becomes a DTensor laid out like it."""
+    for index, values in state["state"].items():
+        param = params[int(index)]
+        if not isinstance(param, DTensor):
+            continue
+        for key, value in values.items():
+            if isinstance(value, Tensor) and value.shape == param.to_local().shape:
+                values[key] = DTensor.from_local(
+                    value.to(param.device),
+                    param.device_mesh,
+                    param.placements,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+    return state
 
 
 class CollectiveError(RuntimeError):
@@ -86,7 +126,7 @@ class ReplicaGroup:
 
     def broadcast_tensors(self, tensors: Iterable[Tensor], source: int) -> None:
         """Overwrite `tensors` (in the same order on every replica) with rank `source`'s."""
-        for tensor in tensors:
+        for tensor in map(_local, tensors):
             staged = tensor.detach().to(self.group.device)
             self._broadcast(staged, source)
             if staged is not tensor:
@@ -141,10 +181,15 @@ class ReplicaGroup:
         source = -neg_rank
         self.broadcast_tensors([*model.parameters(), *model.buffers()], source)
         state = self.broadcast_object(
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, source
+            {
+                "optimizer": _to_local_state(optimizer.state_dict()),
+                "scheduler": scheduler.state_dict(),
+            },
+            source,
         )
         if self.rank != source:
-            optimizer.load_state_dict(state["optimizer"])
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            optimizer.load_state_dict(_from_local_state(state["optimizer"], params))
             scheduler.load_state_dict(state["scheduler"])
         optimizer.zero_grad(set_to_none=True)
         return best
@@ -179,7 +224,7 @@ class ReplicaGroup:
         by_kind: dict[torch.dtype, list[Tensor]] = {}
         for p in trainable:
             assert p.grad is not None
-            by_kind.setdefault(p.grad.dtype, []).append(p.grad)
+            by_kind.setdefault(p.grad.dtype, []).append(_local(p.grad))
         for dtype, grads in by_kind.items():
             limit = max(1, BUCKET_BYTES * 8 // torch.finfo(dtype).bits)
             bucket: list[Tensor] = []

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PolicyParallel",
     "apply_trainable",
+    "check_pipeline_micro_batches",
     "compute_dtype",
     "load_policy_model",
     "parallelize_policy",
@@ -165,7 +166,7 @@ def _param_dtype(train: TrainingConfig) -> torch.dtype | None:
     return None if train.param_dtype == train.master_dtype else resolve_dtype(train.param_dtype)
 
 
-def _check_pipeline_micro_batches(cfg: Config, dims: ParallelDims) -> None:
+def check_pipeline_micro_batches(cfg: Config, dims: ParallelDims) -> None:
     """Refuse, naming the keys, a full forward pass of `mini_batch` rows that the pipeline
     schedule could not run as `pp_micro_batch_size`-row micro-batches (smaller passes, the
     remainder of a batch or of a data-parallel share, are padded, see `ParallelModel`)."""
@@ -213,7 +214,7 @@ def parallelize_policy(model: nn.Module, cfg: Config) -> PolicyParallel:
 
     par, t = cfg.policy.parallelism, cfg.train
     dims = ParallelDims.from_config(par, world_size=dist.get_world_size())
-    _check_pipeline_micro_batches(cfg, dims)
+    check_pipeline_micro_batches(cfg, dims)
     mesh = dims.build_mesh("cuda" if torch.cuda.is_available() else "cpu")
     parallel = parallelize_model(
         model,

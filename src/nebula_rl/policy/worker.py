@@ -32,9 +32,20 @@ Between commands, every policy replica follows the weight group's generations
 A `train` command may ask for a checkpoint after its step (policy rank 0 writes it; the
 replicas are identical). With `meta["resume_from"]` every replica loads that checkpoint first.
 
-Simplification: one process per policy replica here (data, tensor and pipeline parallelism inside
-a replica come with the parallelism work). Parameters that do not train are pushed to a rollout
-replica once, on its first push, unless `rollout.broadcast_all_params`.
+A replica of several ranks (`[policy.parallelism]`: dp_replicate x dp_shard x cp x tp x pp
+processes, see `nebula_rl.replica`) splits the model over its ranks (`parallelize_policy`:
+FSDP2/HSDP, TP+SP, PP, CP, activation checkpointing, compile). Its rank 0 alone talks to the
+controller: each loop tick it reads whether the job finished, the weight group's generation and
+the commands, and hands them to the other ranks (`broadcast_object` on the replica's gloo control
+group), together with each step's batch; every rank then carries out the same commands in the
+same order, training on its data-parallel share. Across replicas, local rank `i` of every replica
+is in one data-parallel group of its own (ranks `i` hold the same shards), and every rank pushes
+its own shards to the rollout ranks that need them (`ShardedSender`): nothing is gathered. After
+a step or a regroup the ranks agree on its outcome (any rank's collective failure is the
+replica's); only rank 0 reports and acknowledges.
+
+Parameters that do not train are pushed to a rollout replica once, on its first push, unless
+`rollout.broadcast_all_params`.
 """
 
 from __future__ import annotations
@@ -44,22 +55,31 @@ import functools
 import gc
 import logging
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.models import load_tokenizer, resolve_dtype
 from nebula_rl.models.export import export_hf
 from nebula_rl.policy.checkpoint import Checkpointer
 from nebula_rl.policy.replicas import CollectiveError, ReplicaGroup
-from nebula_rl.policy.setup import load_policy_model, prepare_single_process, use_deterministic
+from nebula_rl.policy.setup import (
+    load_policy_model,
+    parallelize_policy,
+    parallelize_reference,
+    use_deterministic,
+)
 from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.profiling import StepProfiler
+from nebula_rl.protocol import RolloutGroup
+from nebula_rl.ranks import broadcast_object, control_group, rank_env
 from nebula_rl.weights import build_group
-from nebula_rl.weights.elastic import ElasticSender, current_generation
+from nebula_rl.weights.elastic import KIND, ElasticSender, current_generation
 from nebula_rl.weights.group import Generation, GroupCancelled, WeightGroup, leave_group
 from nebula_rl.weights.reshard import ShardedSender
 
@@ -71,12 +91,27 @@ POLICY_GROUP = "policy"
 """Kind of the policy replicas' data-parallel group in the job's state."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Tick:
+    """What rank 0 read from the job's state in one turn of the loop, for every rank."""
+
+    finished: str | None
+    weights: Generation | None
+    """The weight group's published generation."""
+    commands: list[tuple[str, dict[str, Any]]]
+
+
 class PolicyWorker:
-    """One policy replica: its model and trainer, and the loop over its commands."""
+    """One policy replica (this process: one of its ranks): its model and trainer, and the loop
+    over its commands."""
 
     def __init__(self, session: ReplicaSession, *, device: torch.device) -> None:
         self.session = session
         cfg, meta = self.cfg, self.meta = session.cfg, session.meta
+        ranks = rank_env()
+        self.local_rank, self.num_ranks = ranks.rank, ranks.world_size
+        self.lead = ranks.rank == 0
+        """Whether this is the replica's rank 0 (the one that talks to the controller)."""
         p = cfg.grpo
         path = cfg.policy.model_name_or_path
         self.backend: Literal["gloo", "nccl"] = "nccl" if device.type == "cuda" else "gloo"
@@ -84,28 +119,36 @@ class PolicyWorker:
         revision = cfg.policy.model_revision
         self.tokenizer = load_tokenizer(path, revision=revision)
         use_deterministic(cfg.train)
-        # Every replica loads the same weights with the same seed, so they start identical; in
-        # train.master_dtype, the optimiser's copy (forward runs in param_dtype).
-        self.model = load_policy_model(cfg, device=device, seed=cfg.train.seed or 0)
-        # (the reference only runs forward: copied before the blocks are checkpointed/compiled)
-        ref = copy.deepcopy(self.model).eval().requires_grad_(False) if p.kl_beta > 0 else None
-        prepare_single_process(self.model, cfg)
+        # Every rank of every replica loads the same weights with the same seed, so replicas
+        # start identical; in train.master_dtype, the optimiser's copy (forward runs in
+        # param_dtype). The reference only runs forward: copied before the blocks are
+        # checkpointed, compiled or split.
+        self.hf_model = load_policy_model(cfg, device=device, seed=cfg.train.seed or 0)
+        ref = copy.deepcopy(self.hf_model) if p.kl_beta > 0 else None
+        split = parallelize_policy(self.hf_model, cfg)
         self.trainer = PolicyTrainer(
-            self.model,
+            split.model,
             cfg,
             total_steps=meta["total_steps"],
             pad_id=self.tokenizer.pad_token_id,
-            ref_model=ref,
+            ref_model=None if ref is None else parallelize_reference(ref, split, cfg),
+            data_parallel=split.data_parallel,
         )
+        self.model = self.trainer.model
+        """This rank's modules (under PP its stages'); parameters keep their names and are
+        DTensor shards where the layout shards them."""
         self.checkpointer = Checkpointer(
             cfg.train.ckpt,
             Path(meta["run_dir"]),
             model=self.model,
             optimizer=self.trainer.optimizer,
             scheduler=self.trainer.scheduler,
-            export=functools.partial(export_hf, self.model, self.tokenizer),
+            export=functools.partial(
+                export_hf, self.hf_model, self.tokenizer, parallel=self.trainer.parallel
+            ),
         )
-        self.profiler = StepProfiler(cfg.profiler, Path(meta["run_dir"]), name=session.name)
+        profile_name = session.name if self.num_ranks == 1 else f"{session.name}-r{ranks.rank}"
+        self.profiler = StepProfiler(cfg.profiler, Path(meta["run_dir"]), name=profile_name)
         self.version = 0
         """The last step the training state includes (its policy version)."""
         if meta["resume_from"] is not None:  # every replica loads it: they stay identical
@@ -124,6 +167,7 @@ class PolicyWorker:
             session.state,
             session.name,
             make_sender=self._make_sender,
+            local_rank=self.local_rank,
             all_params=cfg.rollout.broadcast_all_params,
             backend=self.backend,
             timeout=self.timeout,
@@ -148,20 +192,52 @@ class PolicyWorker:
         """This replica's rank in the policy group it is a member of."""
         return None if self.generation is None else self.generation.rank_of(self.session.name)
 
+    # -- the replica's ranks ------------------------------------------------------------------------
+
+    def _share(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank of the replica."""
+        return value if self.num_ranks == 1 else broadcast_object(value)
+
+    def _gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order, on every rank of the replica."""
+        if self.num_ranks == 1:
+            return [value]
+        values: list[Any] = [None] * self.num_ranks
+        dist.all_gather_object(values, value, group=control_group())
+        return values
+
+    def _tick(self) -> _Tick:
+        """Rank 0 reads the job's state (waiting up to half a second for a command); every rank
+        gets what it read."""
+        tick = None
+        if self.lead:
+            state = self.session.state
+            finished = self.session.finished()
+            weights = current_generation(state, KIND)
+            commands = [] if finished else state.read_commands(self.session.name, block_ms=500)
+            tick = _Tick(finished, weights, list(commands))
+        return self._share(tick)
+
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self) -> None:
         """Carry out commands until `stop` or the end of the job."""
-        session, state = self.session, self.session.state
+        session = self.session
         session.policy_version = lambda: self.version
         session.start_heartbeats()
         session.mark_ready()
-        while session.finished() is None:
+        while True:
+            tick = self._tick()
+            if tick.finished is not None:
+                return
             if self.in_sync and self.clean:
-                self.weights.refresh(self.model.named_parameters, self.version)
-            for msg_id, command in state.read_commands(session.name, block_ms=500):
+                self.weights.refresh(
+                    self.model.named_parameters, self.version, generation=tick.weights
+                )
+            for msg_id, command in tick.commands:
                 stopped = self.handle(command)
-                state.ack_command(session.name, msg_id)
+                if self.lead:
+                    session.state.ack_command(session.name, msg_id)
                 if stopped:
                     return
 
@@ -193,9 +269,12 @@ class PolicyWorker:
         return current is not None and current.number > generation.number
 
     def regroup(self, generation: Generation) -> None:
-        """Join `generation` of the policy group and agree on the training state; report."""
+        """Join `generation` of the policy group and agree on the training state; report.
+
+        Local rank `i` joins the group of every replica's rank `i` (a group per local rank,
+        where the replicas' ranks `i` hold the same shards)."""
         name = self.session.name
-        if self._superseded(generation):
+        if self._share(self._superseded(generation) if self.lead else None):
             return  # a newer regroup command follows
         if self.generation is not None and generation.number == self.generation.number:
             if self.in_sync:  # a restarted controller asks again
@@ -205,10 +284,11 @@ class PolicyWorker:
         assert rank is not None, f"{name} is not in policy group generation {generation.number}"
         self._leave_group()
         self.generation, self.in_sync = generation, False
+        outcome: str | None = None  # None: joined; "cancelled"; else the error
         try:
             if generation.world_size > 1:
                 self.group = build_group(
-                    generation.rendezvous(self.session.state.redis),
+                    generation.rendezvous(self.session.state.redis, part=f"l{self.local_rank}"),
                     rank=rank,
                     backend=self.backend,
                     timeout=self.timeout,
@@ -229,17 +309,22 @@ class PolicyWorker:
                     "updates; resume the job from a checkpoint"
                 )
         except GroupCancelled:
-            self._leave_group()
-            return
+            outcome = "cancelled"
         except (CollectiveError, TimeoutError) as err:
-            log.warning("joining policy group generation %d failed: %s", generation.number, err)
+            outcome = str(err) or type(err).__name__
+        outcomes = [o for o in self._gather(outcome) if o is not None]
+        if outcomes:  # (any rank's failure is the replica's)
             self._leave_group()
+            errors = [o for o in outcomes if o != "cancelled"]
+            if not errors:
+                return
+            log.warning("joining policy group generation %d failed: %s", generation.number, errors)
             self._report(
                 {
                     "type": "regroup_failed",
                     "generation": generation.number,
                     "rank": rank,
-                    "error": str(err),
+                    "error": errors[0],
                 }
             )
             return
@@ -253,12 +338,14 @@ class PolicyWorker:
         )
         self._report(self._regrouped())
         # The state may have moved on (a sync, or a step whose push failed): the rollouts get it.
-        self.weights.refresh(self.model.named_parameters, self.version)
+        weights = self._share(current_generation(self.session.state, KIND) if self.lead else None)
+        self.weights.refresh(self.model.named_parameters, self.version, generation=weights)
         self.weights.push(self.model.named_parameters(), self.version)
 
     def _report(self, result: dict[str, Any]) -> None:
-        """Hand `result` to the controller, signed with this replica's name."""
-        self.session.state.push_result({**result, "name": self.session.name})
+        """Hand `result` to the controller, signed with this replica's name (rank 0 only)."""
+        if self.lead:
+            self.session.state.push_result({**result, "name": self.session.name})
 
     def _regrouped(self) -> dict[str, Any]:
         assert self.generation is not None
@@ -274,9 +361,19 @@ class PolicyWorker:
 
     # -- training -------------------------------------------------------------------------------
 
+    def _batch(self, command: dict[str, Any]) -> list[RolloutGroup]:
+        """The step's scored groups, in the command's order (read by rank 0, handed to all)."""
+        groups = None
+        if self.lead:
+            by_id = {g.prompt.prompt_id: g for g in self.session.state.inflight_batch()}
+            missing = [i for i in command["prompt_ids"] if i not in by_id]
+            if missing:
+                raise RuntimeError(f"step {command['step']}: {missing} are not in flight")
+            groups = [by_id[i] for i in command["prompt_ids"]]
+        return self._share(groups)
+
     def train(self, command: dict[str, Any]) -> None:
         """Train this replica's share of the step in flight; report the result or the failure."""
-        state = self.session.state
         current = self.generation is not None and command["generation"] == self.generation.number
         if not (current and self.in_sync):
             return  # a superseded generation's: the controller re-issues the step after a regroup
@@ -285,16 +382,18 @@ class PolicyWorker:
             if self.last_result is not None and self.last_result["step"] == step:
                 self._report({**self.last_result, "generation": command["generation"]})
             return
-        by_id = {g.prompt.prompt_id: g for g in state.inflight_batch()}
-        missing = [i for i in command["prompt_ids"] if i not in by_id]
-        if missing:
-            raise RuntimeError(f"step {step}: {missing} are not in flight")
+        groups = self._batch(command)
         before = self.optimizer_steps
         start = time.perf_counter()
+        error: str | None = None
         try:
-            metrics = self.trainer.grpo_step([by_id[i] for i in command["prompt_ids"]])
+            metrics = self.trainer.grpo_step(groups)
         except CollectiveError as err:
-            self._step_failed(command, self.optimizer_steps - before, err)
+            error = str(err) or type(err).__name__
+        outcomes = self._gather((error, self.optimizer_steps - before))
+        errors = [e for e, _ in outcomes if e is not None]
+        if errors:  # (any rank's failure is the replica's)
+            self._step_failed(command, [n for _, n in outcomes], errors[0])
             return
         train_time = time.perf_counter() - start
         self.profiler.step()
@@ -314,19 +413,23 @@ class PolicyWorker:
         }
         self._report(self.last_result)
 
-    def _step_failed(self, command: dict[str, Any], updates: int, err: CollectiveError) -> None:
-        """A collective of step `command["step"]` failed after `updates` optimiser updates."""
+    def _step_failed(self, command: dict[str, Any], updates: list[int], error: str) -> None:
+        """A collective of step `command["step"]` failed after `updates` optimiser updates
+        (per rank of the replica)."""
         step = command["step"]
         self.trainer.optimizer.zero_grad(set_to_none=True)
-        if updates > 0 and updates == self.trainer.planned_updates:  # only the metric sums failed
+        planned = self.trainer.planned_updates
+        if all(n == 0 for n in updates):
+            pass  # the state is the one before the step
+        elif all(n == planned for n in updates):  # only the metric sums failed
             self.version = step
-        elif updates > 0:
+        else:
             self.clean = False
         log.warning(
-            "step %d failed after %d optimiser update(s): %s; waiting for a regroup",
+            "step %d failed after %s optimiser update(s): %s; waiting for a regroup",
             step,
-            updates,
-            err,
+            "/".join(map(str, updates)),
+            error,
         )
         self.in_sync = False
         self._leave_group()
@@ -336,23 +439,25 @@ class PolicyWorker:
                 "generation": command["generation"],
                 "rank": self.rank,
                 "step": step,
-                "error": str(err),
+                "error": error,
             }
         )
 
     def stop(self) -> None:
-        """Finish pushes and checkpoints, export (policy rank 0), confirm."""
+        """Finish pushes and checkpoints, export (policy rank 0's ranks), confirm."""
         self.profiler.close()
         self.checkpointer.close()
         self.weights.close()
         if self.rank == 0 and self.cfg.train.ckpt.export_safetensors:
             export = Path(self.meta["run_dir"]) / "safetensors" / "final"
-            export_hf(self.model, self.tokenizer, export)
-            log.info("exported the final weights to %s", export)
+            # (a collective of the replica's ranks when the model is split; rank 0 writes)
+            export_hf(self.hf_model, self.tokenizer, export, parallel=self.trainer.parallel)
+            if self.lead:
+                log.info("exported the final weights to %s", export)
         self._leave_group()
         self._report({"type": "stopped", "rank": self.rank})
 
 
 def run_policy(session: ReplicaSession, *, device: torch.device) -> None:
-    """Body of a policy replica process."""
+    """Body of a policy replica process (one of its ranks)."""
     PolicyWorker(session, device=device).run()

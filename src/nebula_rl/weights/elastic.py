@@ -105,6 +105,10 @@ def current_generation(source: MembershipSource, kind: str = KIND) -> Generation
     return None if record is None else Generation.from_record(record)
 
 
+_PUBLISHED = object()
+"""`ElasticSender.refresh`'s default: follow the generation published now."""
+
+
 def _number(generation: Generation | None) -> int | None:
     return None if generation is None else generation.number
 
@@ -204,11 +208,23 @@ class ElasticSender(_Member):
         if sender is not None:
             sender.abandon()
 
-    def refresh(self, named_tensors: Callable[[], NamedTensors], version: int) -> None:
+    def refresh(
+        self,
+        named_tensors: Callable[[], NamedTensors],
+        version: int,
+        *,
+        generation: Generation | object | None = _PUBLISHED,
+    ) -> None:
         """Follow the published generation: on a new one, leave the old group and, if this
-        replica is its sender, build the group and push `named_tensors()` as `version`."""
+        replica is its sender, build the group and push `named_tensors()` as `version`.
+
+        The processes of a replica of several ranks must follow the same generation: their
+        first reads it and hands it to the others as `generation` (by default each reads the
+        published one itself)."""
         self._check_pending()
-        generation = current_generation(self.source)
+        if generation is _PUBLISHED:
+            generation = current_generation(self.source)
+        assert generation is None or isinstance(generation, Generation)
         if _number(generation) == _number(self.generation):
             return
         self._leave()
