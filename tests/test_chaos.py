@@ -37,8 +37,10 @@ def _cfg(
     *,
     num_rows: int,
     max_response_length: int = 3,
+    layout: dict | None = None,
 ) -> Config:
-    """The arithmetic job (conftest) on the test's Redis, with short heartbeats."""
+    """The arithmetic job (conftest) on the test's Redis, with short heartbeats, and `layout`'s
+    changes (e.g. `[policy.parallelism]`)."""
     return grpo_job_config(
         {
             "rollout": {"max_response_length": max_response_length},
@@ -49,6 +51,7 @@ def _cfg(
             },
             "redis": redis_url,
         },
+        layout or {},
         timestamp="chaos",
         num_rows=num_rows,
         groups=BATCH,
@@ -391,3 +394,57 @@ def test_policy_replica_joins_mid_run(start_job):
     assert joined_at and int(joined_at[0].split("at version ")[1].split()[0]) == at_join
     rollout = (job.run_dir / "logs" / "rollout-0.log").read_text()
     assert "registering again" in rollout
+
+
+TWO_RANKS = {
+    "policy": {"parallelism": {"dp_shard_size": 2}},
+    "rollout": {"parallelism": {"tp_size": 2}},
+}
+"""Replicas of two ranks: FSDP2 policy replicas, tensor-parallel rollout replicas."""
+
+
+@pytest.mark.slow
+def test_rank_of_a_two_rank_policy_replica_killed_mid_step(start_job):
+    """Two policy replicas of two FSDP2 ranks, a rollout replica of two TP ranks; kill -9 rank 1
+    of policy-1 while a step is in flight: its rank 0 goes down with it, the survivor's ranks
+    fail their data-parallel sums together, and the step is trained again by the survivor
+    alone; every prompt is trained once."""
+    num_rows = 64
+    job = start_job(num_rows=num_rows, policy=2, rollout=1, layout=TWO_RANKS)
+
+    def step_in_flight() -> bool:
+        plan = job.state.step_plan()
+        return job.steps() >= 1 and plan is not None and "policy-1" not in plan["results"]
+
+    job.wait_for("a step in flight after step 1", step_in_flight)
+    job.kill("replica", "--name policy-1", rank=1)
+    ledger = job.finish()
+    _assert_exactly_once(ledger, num_rows)
+    steps = _metrics(job)
+    assert [m["step"] for m in steps] == list(range(1, num_rows // (2 * BATCH) + 1))
+    assert steps[0]["num_policy_replicas"] == 2 and steps[-1]["num_policy_replicas"] == 1
+    assert "policy-1 exited with" in job.stdout
+    log = (job.run_dir / "logs" / "policy-0.log").read_text()
+    assert "[rank 1] policy group generation 2: rank 0 of 1" in log
+
+
+@pytest.mark.slow
+def test_rank_of_a_two_rank_rollout_replica_killed(start_job):
+    """The same layout with two rollout replicas; kill -9 rank 1 of rollout-1 while it holds
+    prompts: the replica goes down whole, its prompts go back to the queue, the weight group is
+    rebuilt with rollout-0's two ranks, and the job finishes."""
+    num_rows = 48
+    job = start_job(num_rows=num_rows, policy=1, rollout=2, layout=TWO_RANKS)
+    pending = job.state.key("prompts")
+
+    def holds_prompts() -> bool:
+        held = job.state.redis.xpending_range(pending, "rollout", "-", "+", 100, "rollout-1")
+        return job.steps() >= 1 and len(held) > 0
+
+    job.wait_for("rollout-1 holding prompts after step 1", holds_prompts)
+    job.kill("replica", "--name rollout-1", rank=1)
+    ledger = job.finish()
+    _assert_exactly_once(ledger, num_rows)
+    assert [m["step"] for m in _metrics(job)] == list(range(1, num_rows // BATCH + 1))
+    assert "rollout-1 exited with" in job.stdout
+    assert ledger["0"]["summary"]["requeue_events"] >= 1

@@ -51,3 +51,35 @@ def test_a_layout_larger_than_the_machine_is_refused_naming_the_keys() -> None:
     cfg = _cfg({"dp_shard_size": 2}, {"tp_size": 2})
     with pytest.raises(ValueError, match=r"needs 6 GPUs .*policy.parallelism.*rollout.parallelism"):
         plan_placement(cfg, num_policy=2, num_rollout=1, num_gpus=4)
+
+
+RANK_BODY = """
+import os, signal, sys, time
+from pathlib import Path
+folder = Path(sys.argv[1])
+(folder / f"rank{os.environ['RANK']}").write_text(str(os.getpid()))
+if os.environ["RANK"] == "1":
+    time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(120)
+"""
+
+
+def test_a_rank_killed_takes_its_siblings_down(tmp_path) -> None:
+    """`run_ranks`: when rank 1 of 3 dies (SIGKILL), ranks 0 and 2 are stopped at once (not when
+    they exit by themselves, 120 s later), and the exit code says which signal."""
+    import os
+    import sys
+    import time
+
+    from nebula_rl.launch import run_ranks
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_BODY)
+    start = time.monotonic()
+    code = run_ranks([sys.executable, str(script), str(tmp_path)], 3, grace_s=5.0)
+    assert code == 128 + 9
+    assert time.monotonic() - start < 30
+    for rank in (0, 2):
+        pid = int((tmp_path / f"rank{rank}").read_text())
+        assert not os.path.exists(f"/proc/{pid}")  # stopped and reaped

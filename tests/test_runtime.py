@@ -398,3 +398,33 @@ def test_tensor_parallel_rollout_replica_runs_the_job(tmp_path, grpo_job_config)
     # The weight group's ranks: policy 0, the rollout's ranks 1 and 2.
     assert re.search(r"\[rank 0\] joined weight group generation \d+ as rank 1", log)
     assert re.search(r"\[rank 1\] joined weight group generation \d+ as rank 2", log)
+
+
+def test_policy_replicas_of_two_ranks_run_the_job(tmp_path, grpo_job_config):
+    """`--policy 2` replicas of two FSDP2 ranks each (`dp_shard_size = 2`) and a rollout of two
+    tensor-parallel ranks: rank 0 of each replica hands its commands to rank 1, ranks `i` of the
+    two replicas form a data-parallel group of their own, every policy rank pushes its shards;
+    the job trains every prompt once, on the global batch, and exports once."""
+    layout = {
+        "policy": {"parallelism": {"dp_shard_size": 2}},
+        "rollout": {"parallelism": {"tp_size": 2}},
+    }
+    run_dir = _run_job(tmp_path, _cfg(grpo_job_config, allowed=1, changes=layout), "--policy", "2")
+    _check_job(run_dir, allowed=1, num_policy=2)
+    logs = [(run_dir / "logs" / f"policy-{r}.log").read_text() for r in range(2)]
+    places = []
+    for log in logs:  # both ranks of a replica join the policy group at the replica's place
+        found = {
+            int(rank): int(place)
+            for rank, place in re.findall(
+                r"\[rank (\d)\] policy group generation \d+: rank (\d) of 2", log
+            )
+        }
+        assert found.keys() == {0, 1} and found[0] == found[1], found
+        places.append(found[0])
+    assert sorted(places) == [0, 1]
+    # The weight group: both ranks of the policy group's rank 0 send.
+    sender = logs[places.index(0)]
+    assert "[rank 0] weight group generation" in sender
+    assert "[rank 1] weight group generation" in sender
+    assert sum("exported" in log for log in logs) == 1

@@ -220,8 +220,11 @@ def run_ranks(argv: list[str], nproc: int, *, grace_s: float = _STOP_GRACE_S) ->
                     argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
                 )
             )
-        while code == 0 and any(p.poll() is None for p in ranks):
-            failed = [p.returncode for p in ranks if p.returncode not in (None, 0)]
+        while code == 0:
+            codes = [p.poll() for p in ranks]  # (every rank: `any` would stop at the first)
+            if all(c is not None for c in codes):
+                break
+            failed = [c for c in codes if c not in (None, 0)]
             if failed:
                 code = failed[0]
             time.sleep(_RANK_POLL_S)
