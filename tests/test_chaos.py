@@ -360,13 +360,16 @@ def test_controller_killed_and_restarted(start_job):
 
 
 @pytest.mark.slow
-def test_policy_replica_joins_mid_run(start_job):
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one_rank", "two_ranks"])
+def test_policy_replica_joins_mid_run(start_job, ranks):
     """A policy replica started by hand while the job runs receives the weights and optimiser
-    state of the live one and trains data parallel with it. The rollout replica is frozen
-    (SIGSTOP) meanwhile, so the job waits for the newcomer; frozen past the heartbeat timeout it
-    is removed, and when it thaws it registers again and goes on."""
+    state of the live one and trains data parallel with it (with two FSDP2 ranks per replica:
+    each rank takes the shards of the live replica's rank of the same place). The rollout
+    replica is frozen (SIGSTOP) meanwhile, so the job waits for the newcomer; frozen past the
+    heartbeat timeout it is removed, and when it thaws it registers again and goes on."""
     num_rows = 48
-    job = start_job(num_rows=num_rows, policy=1, rollout=1)
+    layout = {"policy": {"parallelism": {"dp_shard_size": ranks}}}
+    job = start_job(num_rows=num_rows, policy=1, rollout=1, layout=layout)
     job.wait_for("step 2", lambda: job.steps() >= 2)
     frozen = job.pid("replica", "--name rollout-0")
     os.kill(frozen, signal.SIGSTOP)
@@ -391,7 +394,9 @@ def test_policy_replica_joins_mid_run(start_job):
     assert {m["num_policy_replicas"] for m in steps[at_join:]} == {2}
     log = (job.run_dir / "logs" / "policy-new.log").read_text()
     joined_at = [line for line in log.splitlines() if "rank 1 of 2 at version" in line]
-    assert joined_at and int(joined_at[0].split("at version ")[1].split()[0]) == at_join
+    assert len(joined_at) >= ranks  # (every rank of the newcomer joined)
+    for line in joined_at[:ranks]:
+        assert int(line.split("at version ")[1].split()[0]) == at_join
     rollout = (job.run_dir / "logs" / "rollout-0.log").read_text()
     assert "registering again" in rollout
 

@@ -6,7 +6,7 @@
     nebula-rl train --config FILE [--policy N] [--rollout M] [--local]
                                                     run a job (RL: controller + replicas)
     nebula-rl controller --config FILE              only the controller (multi-node)
-    nebula-rl replica --role R --controller H:P     one replica process (under torchrun)
+    nebula-rl replica --role R --controller H:P     one replica (it starts its ranks itself)
     nebula-rl status | replica ls | replica show N  inspect a running job (tables)
     nebula-rl plot RUN_DIR [--out FILE]             reward and length curves as a PNG
     nebula-rl config-reference [--write|--check F]  the config reference, from config.py

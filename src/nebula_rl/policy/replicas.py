@@ -1,7 +1,7 @@
 """Data parallelism across policy replicas: one optimiser step over the union of their batches.
 
-Each policy replica is its own process group (its own `torchrun`), so replicas cannot share a
-DDP/FSDP world. They are joined instead by a group built from a controller-served rendezvous
+Each policy replica is its own process group (its ranks), so replicas cannot share a DDP/FSDP
+world. They are joined instead by a group that meets in the job's Redis
 (:func:`nebula_rl.weights.build_group`), and :class:`ReplicaGroup` does what DDP would across it:
 
 - `sum_` adds up small tensors (token counts for the loss normaliser, metric sums), so every

@@ -1,6 +1,6 @@
 """Process groups between separately started processes, for moving weights.
 
-A policy replica and the rollout replicas are started on their own (not by one `torchrun`), so
+A policy replica and the rollout replicas are started on their own (each its own ranks), so
 they cannot share torch.distributed's default world. Instead each member gets a `Rendezvous` (a
 group name, the group's size and where to meet) plus its rank, and calls `build_group`. In a job
 the members meet in the job's Redis (`Rendezvous.redis`, a :class:`~nebula_rl.weights.store.
@@ -124,7 +124,7 @@ class Generation:
     members: tuple[str, ...]
     """Replica names in rank order; for "weights" the sender comes first."""
     sizes: tuple[int, ...]
-    """Processes of each member (its torchrun world size), in member order."""
+    """Processes of each member (its ranks), in member order."""
     job: str
     """Job name, part of the group name so that two jobs never share keys."""
 
