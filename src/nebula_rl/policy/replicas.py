@@ -28,7 +28,8 @@ as their local tensors, never gathered.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -86,11 +87,43 @@ class CollectiveError(RuntimeError):
 
 
 class ReplicaGroup:
-    """Sum tensors and gradients over the policy replicas of one job (rank = replica rank)."""
+    """Sum tensors and gradients over the policy replicas of one job (rank = replica rank).
 
-    def __init__(self, group: WeightGroup) -> None:
-        self.group = group
+    Replicas of several ranks: `siblings` is a gloo group of this replica's ranks. Each public
+    method then ends with the siblings agreeing whether any of them failed its part, and all
+    raise `CollectiveError` if one did: otherwise a rank whose peer replica died in the middle
+    of a step would go on to the replica's next collective (an FSDP all-gather) while its
+    sibling, whose part failed, waits elsewhere, and both would hang. (The methods are called as
+    often on every rank; the collectives inside them need not be: a pipeline stage has its own
+    number of gradient buckets.)
+    """
+
+    def __init__(self, group: WeightGroup, *, siblings: dist.ProcessGroup | None = None) -> None:
+        self.group, self.siblings = group, siblings
         self._buckets: dict[torch.dtype, Tensor] = {}
+        self._depth = 0
+
+    @contextmanager
+    def _replica_wide(self) -> Iterator[None]:
+        """Run a public method's collectives; with siblings, agree on its outcome at the end."""
+        self._depth += 1
+        failed: CollectiveError | None = None
+        try:
+            yield
+        except CollectiveError as err:
+            failed = err
+        finally:
+            self._depth -= 1
+        if self._depth == 0 and self.siblings is not None:
+            flag = torch.tensor([int(failed is not None)], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.siblings)
+            if flag.item() and failed is None:
+                failed = CollectiveError(
+                    f"policy replica group {self.group.rdzv.name}: another rank of this "
+                    "replica failed its part of the collective"
+                )
+        if failed is not None:
+            raise failed
 
     @property
     def size(self) -> int:
@@ -118,14 +151,21 @@ class ReplicaGroup:
         """Every replica's `values` (same length everywhere), by rank."""
         mine = torch.tensor(values, dtype=torch.int64, device=self.group.device)
         rows = [torch.empty_like(mine) for _ in range(self.size)]
-        try:
-            self.group.pg.allgather(rows, mine, self.group.timeout).wait()
-        except RuntimeError as err:
-            raise CollectiveError(f"policy replica group {self.group.rdzv.name}: {err}") from err
+        with self._replica_wide():
+            try:
+                self.group.pg.allgather(rows, mine, self.group.timeout).wait()
+            except RuntimeError as err:
+                raise CollectiveError(
+                    f"policy replica group {self.group.rdzv.name}: {err}"
+                ) from err
         return [r.tolist() for r in rows]
 
     def broadcast_tensors(self, tensors: Iterable[Tensor], source: int) -> None:
         """Overwrite `tensors` (in the same order on every replica) with rank `source`'s."""
+        with self._replica_wide():
+            self._broadcast_tensors(tensors, source)
+
+    def _broadcast_tensors(self, tensors: Iterable[Tensor], source: int) -> None:
         for tensor in map(_local, tensors):
             staged = tensor.detach().to(self.group.device)
             self._broadcast(staged, source)
@@ -136,6 +176,10 @@ class ReplicaGroup:
     def broadcast_object(self, obj: Any, source: int) -> Any:
         """Rank `source`'s `obj` (tensors, numbers, strings, lists and dicts of them), on every
         replica; the others' `obj` is ignored."""
+        with self._replica_wide():
+            return self._broadcast_object(obj, source)
+
+    def _broadcast_object(self, obj: Any, source: int) -> Any:
         payload = torch.empty(0, dtype=torch.uint8)
         if self.rank == source:
             buffer = io.BytesIO()
@@ -168,6 +212,18 @@ class ReplicaGroup:
         lowest-ranked clean replica of the highest version sends its weights, optimiser state
         and schedule. Raises `CollectiveError` if no replica is clean.
         """
+        with self._replica_wide():
+            return self._sync_state(model, optimizer, scheduler, version=version, clean=clean)
+
+    def _sync_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        *,
+        version: int,
+        clean: bool,
+    ) -> int:
         reports = self.gather_ints([version, int(clean)])
         clean_versions = [(v, -r) for r, (v, ok) in enumerate(reports) if ok]
         if not clean_versions:
@@ -203,12 +259,13 @@ class ReplicaGroup:
         return self._reduce_(values, ReduceOp.MAX)
 
     def _reduce_(self, values: Tensor, op: ReduceOp.RedOpType) -> Tensor:
-        if values.device == self.group.device:
-            self._allreduce(values, op)
-            return values
-        staged = values.to(self.group.device)
-        self._allreduce(staged, op)
-        values.copy_(staged)
+        with self._replica_wide():
+            if values.device == self.group.device:
+                self._allreduce(values, op)
+                return values
+            staged = values.to(self.group.device)
+            self._allreduce(staged, op)
+            values.copy_(staged)
         return values
 
     def all_reduce_grads(self, params: Iterable[nn.Parameter]) -> None:
@@ -217,6 +274,10 @@ class ReplicaGroup:
         A parameter without a gradient here contributes zeros (another replica's batch may
         have reached it), so every replica ends with a gradient for every trainable parameter.
         """
+        with self._replica_wide():
+            self._all_reduce_grads(params)
+
+    def _all_reduce_grads(self, params: Iterable[nn.Parameter]) -> None:
         trainable = [p for p in params if p.requires_grad]
         for p in trainable:
             if p.grad is None:

@@ -135,6 +135,8 @@ class PolicyWorker:
             data_parallel=split.data_parallel,
         )
         self.model = self.trainer.model
+        self.siblings = dist.new_group(backend="gloo") if self.num_ranks > 1 else None
+        """This replica's ranks, to agree on the outcome of each collective across replicas."""
         """This rank's modules (under PP its stages'); parameters keep their names and are
         DTensor shards where the layout shards them."""
         self.checkpointer = Checkpointer(
@@ -294,7 +296,7 @@ class PolicyWorker:
                     timeout=self.timeout,
                     cancelled=lambda: self._superseded(generation),
                 )
-                replicas = ReplicaGroup(self.group)
+                replicas = ReplicaGroup(self.group, siblings=self.siblings)
                 self.version = replicas.sync_state(
                     self.model,
                     self.trainer.optimizer,
