@@ -385,6 +385,8 @@ def test_policy_replica_joins_mid_run(start_job, ranks):
 
         job.wait_for("a policy group of policy-0 and policy-new", joined)
         at_join = job.steps()
+        # (frozen past the heartbeat timeout: removed, whichever came first)
+        job.wait_for("rollout-0 removed", lambda: "rollout-0" not in job.state.replicas())
     finally:
         os.kill(frozen, signal.SIGCONT)
     ledger = job.finish()
