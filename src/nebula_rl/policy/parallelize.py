@@ -61,6 +61,7 @@ __all__ = [
     "split_pipeline",
     "split_pipeline_stage",
     "total_grad_norm",
+    "whole_model_loss",
 ]
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -577,6 +578,38 @@ def _full(param: Tensor) -> Tensor:
     return (param.full_tensor() if isinstance(param, DTensor) else param).detach()
 
 
+def whole_model_loss(
+    module: nn.Module,
+    input_ids: Tensor,
+    labels: Tensor,
+    loss_fn: LossFn,
+    *,
+    backward: bool,
+    compute_dtype: torch.dtype | None,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+) -> Tensor:
+    """`loss_fn(logits, labels)` of `module` (an HF causal LM) run on this rank's whole rows,
+    forward autocast to `compute_dtype` (None: the parameters' own), backpropagated with
+    `backward`; the caller sets grad mode."""
+    autocast = (
+        nullcontext()
+        if compute_dtype is None
+        else torch.autocast(input_ids.device.type, dtype=compute_dtype)
+    )
+    with autocast:
+        logits = module(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).logits
+    loss = loss_fn(logits, labels)
+    if backward:
+        loss.backward()
+    return loss
+
+
 def _pad_rows_columns(tensor: Tensor, rows: int, columns: int) -> Tensor:
     """`tensor` [b, l, ...] right-padded with zeros to [rows, columns, ...]."""
     if tensor.shape[0] == rows and tensor.shape[1] == columns:
@@ -688,17 +721,18 @@ class ParallelModel:
                 return self._pipeline_run(input_ids, labels, loss_fn, backward=backward)
             if self.dims.cp > 1:
                 return [self._context_parallel_run(input_ids, labels, loss_fn, backward=backward)]
-            with self._autocast(input_ids.device.type):
-                logits = self.module(
-                    input_ids=input_ids,
+            return [
+                whole_model_loss(
+                    self.module,
+                    input_ids,
+                    labels,
+                    loss_fn,
+                    backward=backward,
+                    compute_dtype=self.compute_dtype,
                     attention_mask=attention_mask,
                     position_ids=position_ids,
-                    use_cache=False,
-                ).logits
-            loss = loss_fn(logits, labels)
-            if backward:
-                loss.backward()
-            return [loss]
+                )
+            ]
 
     def forward_backward(self, input_ids: Tensor, labels: Tensor, loss_fn: LossFn) -> Tensor:
         """`run` with backward; returns the global batch's loss: summed over micro-batches,

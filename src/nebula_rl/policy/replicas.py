@@ -27,10 +27,11 @@ as their local tensors, never gathered.
 
 from __future__ import annotations
 
+import functools
 import io
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,24 @@ def _from_local_state(state: dict[str, Any], params: list[nn.Parameter]) -> dict
     return state
 
 
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _replica_wide(
+    method: Callable[Concatenate[ReplicaGroup, _P], _T],
+) -> Callable[Concatenate[ReplicaGroup, _P], _T]:
+    """A public method of `ReplicaGroup` whose outcome the replica's ranks agree on (see
+    `ReplicaGroup._agreed`)."""
+
+    @functools.wraps(method)
+    def agreed(self: ReplicaGroup, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        with self._agreed():
+            return method(self, *args, **kwargs)
+
+    return agreed
+
+
 class CollectiveError(RuntimeError):
     """A collective between policy replicas failed or timed out (a replica died or hangs)."""
 
@@ -90,11 +109,11 @@ class ReplicaGroup:
     """Sum tensors and gradients over the policy replicas of one job (rank = replica rank).
 
     Replicas of several ranks: `siblings` is a gloo group of this replica's ranks. Each public
-    method then ends with the siblings agreeing whether any of them failed its part, and all
-    raise `CollectiveError` if one did: otherwise a rank whose peer replica died in the middle
-    of a step would go on to the replica's next collective (an FSDP all-gather) while its
-    sibling, whose part failed, waits elsewhere, and both would hang. (The methods are called as
-    often on every rank; the collectives inside them need not be: a pipeline stage has its own
+    method (`@_replica_wide`) then ends with the siblings agreeing whether any of them failed its
+    part, and all raise `CollectiveError` if one did: otherwise a rank whose peer replica died in
+    the middle of a step would go on to the replica's next collective (an FSDP all-gather) while
+    its sibling, whose part failed, waits elsewhere, and both would hang. (The methods are called
+    as often on every rank; the collectives inside them need not be: a pipeline stage has its own
     number of gradient buckets.)
     """
 
@@ -104,7 +123,7 @@ class ReplicaGroup:
         self._depth = 0
 
     @contextmanager
-    def _replica_wide(self) -> Iterator[None]:
+    def _agreed(self) -> Iterator[None]:
         """Run a public method's collectives; with siblings, agree on its outcome at the end."""
         self._depth += 1
         failed: CollectiveError | None = None
@@ -147,25 +166,20 @@ class ReplicaGroup:
         except RuntimeError as err:
             raise CollectiveError(f"policy replica group {self.group.rdzv.name}: {err}") from err
 
+    @_replica_wide
     def gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every replica's `values` (same length everywhere), by rank."""
         mine = torch.tensor(values, dtype=torch.int64, device=self.group.device)
         rows = [torch.empty_like(mine) for _ in range(self.size)]
-        with self._replica_wide():
-            try:
-                self.group.pg.allgather(rows, mine, self.group.timeout).wait()
-            except RuntimeError as err:
-                raise CollectiveError(
-                    f"policy replica group {self.group.rdzv.name}: {err}"
-                ) from err
+        try:
+            self.group.pg.allgather(rows, mine, self.group.timeout).wait()
+        except RuntimeError as err:
+            raise CollectiveError(f"policy replica group {self.group.rdzv.name}: {err}") from err
         return [r.tolist() for r in rows]
 
+    @_replica_wide
     def broadcast_tensors(self, tensors: Iterable[Tensor], source: int) -> None:
         """Overwrite `tensors` (in the same order on every replica) with rank `source`'s."""
-        with self._replica_wide():
-            self._broadcast_tensors(tensors, source)
-
-    def _broadcast_tensors(self, tensors: Iterable[Tensor], source: int) -> None:
         for tensor in map(_local, tensors):
             staged = tensor.detach().to(self.group.device)
             self._broadcast(staged, source)
@@ -173,13 +187,10 @@ class ReplicaGroup:
                 with torch.no_grad():
                     tensor.copy_(staged)
 
+    @_replica_wide
     def broadcast_object(self, obj: Any, source: int) -> Any:
         """Rank `source`'s `obj` (tensors, numbers, strings, lists and dicts of them), on every
         replica; the others' `obj` is ignored."""
-        with self._replica_wide():
-            return self._broadcast_object(obj, source)
-
-    def _broadcast_object(self, obj: Any, source: int) -> Any:
         payload = torch.empty(0, dtype=torch.uint8)
         if self.rank == source:
             buffer = io.BytesIO()
@@ -195,6 +206,7 @@ class ReplicaGroup:
             return obj
         return torch.load(io.BytesIO(staged.cpu().numpy().tobytes()), weights_only=True)
 
+    @_replica_wide
     def sync_state(
         self,
         model: nn.Module,
@@ -212,18 +224,6 @@ class ReplicaGroup:
         lowest-ranked clean replica of the highest version sends its weights, optimiser state
         and schedule. Raises `CollectiveError` if no replica is clean.
         """
-        with self._replica_wide():
-            return self._sync_state(model, optimizer, scheduler, version=version, clean=clean)
-
-    def _sync_state(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
-        *,
-        version: int,
-        clean: bool,
-    ) -> int:
         reports = self.gather_ints([version, int(clean)])
         clean_versions = [(v, -r) for r, (v, ok) in enumerate(reports) if ok]
         if not clean_versions:
@@ -258,26 +258,23 @@ class ReplicaGroup:
         """Elementwise maximum of `values` over the replicas, in place."""
         return self._reduce_(values, ReduceOp.MAX)
 
+    @_replica_wide
     def _reduce_(self, values: Tensor, op: ReduceOp.RedOpType) -> Tensor:
-        with self._replica_wide():
-            if values.device == self.group.device:
-                self._allreduce(values, op)
-                return values
-            staged = values.to(self.group.device)
-            self._allreduce(staged, op)
-            values.copy_(staged)
+        if values.device == self.group.device:
+            self._allreduce(values, op)
+            return values
+        staged = values.to(self.group.device)
+        self._allreduce(staged, op)
+        values.copy_(staged)
         return values
 
+    @_replica_wide
     def all_reduce_grads(self, params: Iterable[nn.Parameter]) -> None:
         """Replace each trainable parameter's gradient by its sum over the replicas.
 
         A parameter without a gradient here contributes zeros (another replica's batch may
         have reached it), so every replica ends with a gradient for every trainable parameter.
         """
-        with self._replica_wide():
-            self._all_reduce_grads(params)
-
-    def _all_reduce_grads(self, params: Iterable[nn.Parameter]) -> None:
         trainable = [p for p in params if p.requires_grad]
         for p in trainable:
             if p.grad is None:

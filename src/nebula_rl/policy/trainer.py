@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +58,7 @@ from nebula_rl.policy.batching import (
 from nebula_rl.policy.logprobs import logits_logprobs, token_logprobs
 from nebula_rl.policy.optim import build_optimizer, lr_lambda
 from nebula_rl.policy.parallelize import LossFn as ParallelLossFn
-from nebula_rl.policy.parallelize import ParallelModel, total_grad_norm
+from nebula_rl.policy.parallelize import ParallelModel, total_grad_norm, whole_model_loss
 from nebula_rl.policy.replicas import DataParallelSums, ReplicaGroup
 from nebula_rl.policy.setup import compute_dtype
 from nebula_rl.protocol import RolloutGroup
@@ -192,22 +191,17 @@ class _Forward:
                 attention_mask=attention_mask,
                 position_ids=position_ids,
             )
-        autocast = (
-            torch.autocast(device.type, dtype=self.compute_dtype)
-            if self.compute_dtype is not None
-            else nullcontext()
-        )
         with torch.enable_grad() if backward else torch.no_grad():
-            with autocast:
-                logits = self.module(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    use_cache=False,
-                ).logits
-            loss = loss_fn(logits, labels)
-            if backward:
-                loss.backward()
+            loss = whole_model_loss(
+                self.module,
+                input_ids,
+                labels,
+                loss_fn,
+                backward=backward,
+                compute_dtype=self.compute_dtype,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+            )
         return [loss]
 
 
