@@ -4,9 +4,10 @@ Four processes on this host: two policy ranks (FSDP2 over gloo) and the two rank
 tensor-parallel rollout replica, all in one weight group, as in a job. Measured, per push, in one
 run:
 
-- reshard, shared memory (the default on one host): `ShardedSender.push` copies each policy
-  rank's pieces into a shared-memory set, only a header crosses the group, and each rollout rank
-  copies its pieces from the set into the engine's parameters;
+- reshard, shared memory (the default on one host, as a job runs it): `ShardedSender.push`
+  copies each policy rank's pieces into a shared-memory set laid out like the rollout engine's
+  own tensors, only a header crosses the group, and each rollout rank, once every policy rank's
+  header is in, takes its parameters as views of that set (`zero_copy`: one copy per push);
 - reshard, send/recv (the fallback, `shared_memory=False`; what NCCL uses on GPUs): every policy
   rank sends each rollout rank only the slices it needs over gloo point-to-point;
 - gather + broadcast (the peer: what a framework without resharding does): the policy gathers
@@ -172,12 +173,14 @@ def _rollout(args: argparse.Namespace, groups: dict, model: torch.nn.Module) -> 
     params = dict(engine.model.named_parameters())
     boxes = engine.tp_boxes()
     receivers = {
-        shm: ShardedReceiver(groups[shm], params, boxes, num_senders=2, shared_memory=shm)
+        shm: ShardedReceiver(
+            groups[shm], params, boxes, num_senders=2, shared_memory=shm, zero_copy=shm
+        )
         for shm in (True, False)
     }
     report: dict = {"buffer_bytes": receivers[False].peak_buffer_bytes}
     # Profile of the shared-memory receive: per push, when the first policy rank's header was
-    # in (copying starts) and when the last policy rank's pieces were copied.
+    # in and when the last one's was checked.
     calls: list[tuple[float, float]] = []
     taken: list[tuple[float, float]] = []
     take = receivers[True]._take
@@ -317,9 +320,9 @@ def main() -> None:
 
     profile = {
         "push() returned on both policy ranks": last("packed_True"),
-        "both rollout ranks start copying": last("taken", 0),
-        "both rollout ranks copied all pieces": last("taken", 1),
-        "receive() returned on both": last("end_True"),
+        "both rollout ranks have a header": last("taken", 0),
+        "both rollout ranks have every header": last("taken", 1),
+        "receive() returned on both (engine relinked)": last("end_True"),
         "the policy ranks' handles are done": last("done_True"),
     }
     print(f"policy FSDP2 x2 -> rollout TP x2, fp32, {gib * 1024:.1f} MiB per rollout rank, gloo")
@@ -327,7 +330,7 @@ def main() -> None:
     print(f"reshard, shared memory  {push_shm * 1e3:8.1f} ms  {gib / push_shm:6.2f} GiB/s "
           f"per rollout rank ({copy_s / push_shm:.2f}x memcpy)")  # fmt: skip
     for what, seconds in profile.items():
-        print(f"  {what:<40} at {seconds * 1e3:5.1f} ms")
+        print(f"  {what:<46} at {seconds * 1e3:5.1f} ms")
     print(f"reshard, send/recv      {push_tcp * 1e3:8.1f} ms  {gib / push_tcp:6.2f} GiB/s "
           f"per rollout rank ({copy_s / push_tcp:.2f}x memcpy)")  # fmt: skip
     print(f"gather + broadcast      {gather_s * 1e3:8.1f} ms  {gib / gather_s:6.2f} GiB/s")

@@ -132,14 +132,18 @@ def _local(engine: TorchEngine) -> dict[str, torch.Tensor]:
 FROZEN = "model.embed_tokens.weight"
 
 
-def _layout_body(member, layout, declining, shm_dir, policy_port, rollout_port, weights_port):
+def _layout_body(member, layout, declining, zero_copy, shm_dir, policy_port, rollout_port,
+                 weights_port):  # fmt: skip
     """Members 0-1: the policy (FSDP2 dp_shard 2, or TP 2); members 2-3: a TP-2 rollout.
     Push 1 sends everything and returns before the rollout takes it (the rollout sleeps first):
-    the policy changes every weight at once, the embedding included (frozen: it would not change
-    in training, so it shows what is not sent), and push 2 is trainable-only. `declining`: the
-    member that refuses shared memory (-1: none)."""
+    the policy changes every weight at once, and push 2 is trainable-only. Copying receivers:
+    the embedding changes too (frozen: it would not change in training, so it shows what is not
+    sent). Zero-copy receivers: push 2 still carries every tensor (the first into its set), and
+    a third, trainable-only push follows. `declining`: the member that refuses shared memory
+    (-1: none)."""
     shared.SHM_DIR = shm_dir
-    rdzv = Rendezvous("127.0.0.1", weights_port, f"reshard-{layout}-{declining}", 4)
+    rdzv = Rendezvous("127.0.0.1", weights_port, f"reshard-{layout}-{declining}-{zero_copy}", 4)
+    pushes = 3 if zero_copy else 2
     if member < 2:
         model = _policy(member, layout, policy_port)
         model.get_parameter(FROZEN).requires_grad_(False)
@@ -149,36 +153,48 @@ def _layout_body(member, layout, declining, shm_dir, policy_port, rollout_port, 
             window=WINDOW, shared_memory=member != declining,
         )  # fmt: skip
         files_after_build = os.listdir(shm_dir)
-        full_v1 = _full(model)
-        handle = sender.push(model.named_parameters(), version=1)
-        in_flight = not handle.done()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.5)
-        full_v2 = _full(model)  # a collective: both policy ranks
-        sender.push(model.named_parameters(), version=2, trainable_only=True)
+        fulls = [_full(model)]
+        handles = [sender.push(model.named_parameters(), version=1)]
+        in_flight = not handles[0].done()
+        for version in range(2, pushes + 1):
+            with torch.no_grad():  # (push 1 may still be in flight)
+                for p in model.parameters():
+                    if not zero_copy or p.requires_grad:
+                        p.add_(0.5 / version)
+            fulls.append(_full(model))  # a collective: both policy ranks
+            push = sender.push(model.named_parameters(), version=version, trainable_only=True)
+            handles.append(push)
+        pushed = [handle.wait().num_bytes for handle in handles]
         sender.close()
         memory = (sender.shared_memory, sender.peak_buffer_bytes, sender.shared_memory_bytes)
-        result = (full_v1, full_v2, memory, in_flight, files_after_build)
+        result = (fulls, memory, in_flight, files_after_build, pushed, sender.zero_copy)
     else:
         engine = _rollout_engine(member - 2, rollout_port)
         group = build_group(rdzv, rank=member, timeout=TIMEOUT)
         boxes = engine.tp_boxes()
         receiver = ShardedReceiver(
             group, _local(engine), boxes, num_senders=2, bucket_bytes=BUCKET_BYTES, window=WINDOW,
-            shared_memory=member != declining,
+            shared_memory=member != declining, zero_copy=zero_copy,
         )  # fmt: skip
         time.sleep(0.5)  # push 1 is in flight meanwhile
         engine.update_weights_with(receiver.receive)
         assert engine.policy_version == 1
-        after_v1 = {n: t.clone() for n, t in _local(engine).items()}
-        generated = _generate(engine)
-        engine.update_weights_with(receiver.receive)
-        assert engine.policy_version == 2
-        after_v2 = {n: t.clone() for n, t in _local(engine).items()}
+        afters = [{n: t.clone() for n, t in _local(engine).items()}]
+        generated = [_generate(engine)]
+        for version in range(2, pushes + 1):
+            engine.update_weights_with(receiver.receive)
+            assert engine.policy_version == version
+            afters.append({n: t.clone() for n, t in _local(engine).items()})
+        generated.append(_generate(engine))
+        # Zero-copy: every parameter is a view of the set the last push wrote.
+        last = receiver._sets[(pushes - 1) % 2] if receiver.zero_copy else None
+        in_set = last is not None and all(
+            last.data_ptr() <= t.data_ptr() < last.data_ptr() + last.numel()
+            for t in _local(engine).values()
+        )
         receiver.close()
         memory = (receiver.shared_memory, receiver.peak_buffer_bytes, receiver.shared_memory_bytes)
-        result = (boxes, after_v1, after_v2, generated, memory)
+        result = (boxes, afters, generated, memory, in_set)
     dist.barrier()
     dist.destroy_process_group()
     group.close()
@@ -189,33 +205,45 @@ def _num_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def _reference(weights: dict[str, torch.Tensor]) -> dict[str, tuple[list[int], list[float]]]:
+    model = load_model("tiny:qwen2", seed=99)
+    model.load_state_dict(weights, strict=False)
+    return _generate(TorchEngine(model, max_num_seqs=4, max_model_len=32))
+
+
 @pytest.mark.parametrize(
-    ("layout", "declining"),
-    [("fsdp", -1), ("tp", -1), ("fsdp", 3), ("tp", 1)],
-    ids=["fsdp-shared-memory", "tp-shared-memory", "fsdp-rollout-declines", "tp-policy-declines"],
-)
-def test_policy_shards_reach_a_tp2_rollout_bit_exact(members, shm_dir, layout, declining):
+    ("layout", "declining", "zero_copy"),
+    [("fsdp", -1, False), ("tp", -1, False), ("fsdp", -1, True), ("tp", -1, True),
+     ("fsdp", 3, True), ("tp", 1, False)],
+    ids=["fsdp-shared-memory", "tp-shared-memory", "fsdp-zero-copy", "tp-zero-copy",
+         "fsdp-rollout-declines", "tp-policy-declines"],
+)  # fmt: skip
+def test_policy_shards_reach_a_tp2_rollout_bit_exact(members, shm_dir, layout, declining,
+                                                     zero_copy):  # fmt: skip
     """Policy FSDP2 dp_shard 2 (or TP 2) -> rollout TP 2: every rollout rank's slices equal the
     policy's weights bit for bit, also when the policy changed them right after `push`
     returned; a trainable-only push leaves frozen tensors alone; the TP engine then generates
     what one process with the policy's whole weights generates. Through shared memory on one
-    host, or over send/recv when any member (`declining`) refuses shared memory."""
+    host (the rollout copying out of it, or using it in place: zero-copy), or over send/recv
+    when any member (`declining`) refuses shared memory."""
     ports = [free_port() for _ in range(3)]
-    reports = members.run(_layout_body, 4, layout, declining, shm_dir, *ports)
-    full_v1, full_v2, policy_memory, in_flight, files_after_build = reports[0]
+    reports = members.run(_layout_body, 4, layout, declining, zero_copy, shm_dir, *ports)
+    fulls, policy_memory, in_flight, files_after_build, pushed, policy_zero_copy = reports[0]
     use_shm = declining == -1
+    assert policy_zero_copy == (zero_copy and use_shm)
     assert files_after_build == [], "shared-memory files must be unlinked once mapped"
     assert not os.listdir(shm_dir)
     needs = []
     for member in (2, 3):
-        boxes, after_v1, after_v2, _, memory = reports[member]
-        assert set(after_v1) == set(full_v1)
-        for name, (shape, box) in boxes.items():
-            index = tuple(slice(lo, hi) for lo, hi in box)
-            assert tuple(full_v1[name].shape) == tuple(shape)
-            assert torch.equal(after_v1[name], full_v1[name][index]), name
-            expected_v2 = full_v1[name] if name == FROZEN else full_v2[name]
-            assert torch.equal(after_v2[name], expected_v2[index]), name
+        boxes, afters, _, memory, in_set = reports[member]
+        assert in_set == (zero_copy and use_shm)
+        for version, (after, full) in enumerate(zip(afters, fulls, strict=True), start=1):
+            assert set(after) == set(full)
+            for name, (shape, box) in boxes.items():
+                index = tuple(slice(lo, hi) for lo, hi in box)
+                assert tuple(full[name].shape) == tuple(shape)
+                expected = fulls[0] if name == FROZEN else full  # (sent once, then frozen)
+                assert torch.equal(after[name], expected[name][index]), (version, name)
         # Column- and row-parallel weights really are split: rank 1 holds the second half.
         q_shape, q_box = boxes["model.layers.0.self_attn.q_proj.weight"]
         o_shape, o_box = boxes["model.layers.0.self_attn.o_proj.weight"]
@@ -226,30 +254,34 @@ def test_policy_shards_reach_a_tp2_rollout_bit_exact(members, shm_dir, layout, d
         assert memory[2] == policy_memory[2]  # one footprint, the same pages on every member
         if not use_shm:  # `WINDOW` buckets (+ checksum words) are all a push adds
             assert 0 < memory[1] <= WINDOW * (BUCKET_BYTES + 8)
-        needs.append(_num_bytes(after_v1))
+        needs.append(_num_bytes(afters[0]))
+    # Trainable-only pushes skip the frozen embedding; a zero-copy set's first push does not.
+    frozen_share = pushed[0] - pushed[-1]
+    assert frozen_share > 0
+    if zero_copy and use_shm:
+        assert pushed[1] == pushed[0]
     shm, peak, shm_bytes = policy_memory
     assert shm == use_shm
     if use_shm:
         assert in_flight, "a shared-memory push must return before the rollout takes it"
-        # Memory: two sets of the distinct pieces, nothing private. At most twice what the
-        # rollout ranks need together; here about twice the model (pieces are padded to 8
-        # bytes; with a TP policy its replicated norms come from both ranks).
+        # Memory: two sets laid out like the rollout ranks' tensors, nothing private. A tensor
+        # both TP ranks keep whole is stored once: about twice the model (blocks are padded).
         assert peak == 0
-        assert 2 * _num_bytes(full_v1) <= shm_bytes <= 2 * sum(needs)
-        assert shm_bytes <= 2.01 * _num_bytes(full_v1)
+        assert 2 * _num_bytes(fulls[0]) <= shm_bytes <= 2 * sum(needs)
+        assert shm_bytes <= 2.01 * _num_bytes(fulls[0])
     else:
         assert 0 < peak <= WINDOW * (BUCKET_BYTES + 8) and shm_bytes == 0
-    # Both TP ranks sampled the same tokens; one process with the whole weights agrees.
-    generated_2, generated_3 = reports[2][3], reports[3][3]
-    assert generated_2 == generated_3
-    model = load_model("tiny:qwen2", seed=99)
-    model.load_state_dict(full_v1, strict=False)
-    reference = _generate(TorchEngine(model, max_num_seqs=4, max_model_len=32))
-    for rid, (tokens, logprobs) in reference.items():
-        assert generated_2[rid][0] == tokens
-        torch.testing.assert_close(
-            torch.tensor(generated_2[rid][1]), torch.tensor(logprobs), atol=1e-5, rtol=0
-        )
+    # Both TP ranks sampled the same tokens; one process with the whole weights agrees, after
+    # the first push and after the last.
+    last = {**fulls[-1], FROZEN: fulls[0][FROZEN]}
+    for when, full in ((0, fulls[0]), (1, last)):
+        generated_2, generated_3 = reports[2][2][when], reports[3][2][when]
+        assert generated_2 == generated_3
+        for rid, (tokens, logprobs) in _reference(full).items():
+            assert generated_2[rid][0] == tokens
+            torch.testing.assert_close(
+                torch.tensor(generated_2[rid][1]), torch.tensor(logprobs), atol=1e-5, rtol=0
+            )
 
 
 def _fan_out_body(member, shm_dir, rollout_ports, weights_port):
@@ -332,6 +364,74 @@ def test_layout_mismatch_is_an_error_on_every_member(members):
     reports = members.run(_mismatch_body, 2, free_port(), free_port())
     for message in reports.values():
         assert message is not None and "no policy rank has it" in message
+
+
+def _zero_copy_body(member, shm_dir, port):
+    """Member 0: a plain policy with a frozen tensor; members 1-2: two one-rank rollout replicas
+    receiving zero-copy, each holding "a" and "b" as consecutive views of one fused tensor (as
+    the engine fuses q/k/v) and "frozen" on its own. Three pushes, the last two trainable-only;
+    after each, every receiver reports its tensors, whether "a" and "b" are still consecutive
+    views of one storage, and where that storage lives."""
+    shared.SHM_DIR = shm_dir
+    group = build_group(Rendezvous("127.0.0.1", port, "zero-copy", 3), rank=member, timeout=TIMEOUT)
+    g = torch.Generator().manual_seed(3)
+    weights = {"a": torch.randn(4, 6, generator=g), "b": torch.randn(2, 6, generator=g),
+               "frozen": torch.randn(5, generator=g)}  # fmt: skip
+    weights["frozen"].requires_grad_(False)
+    boxes = {n: (tuple(t.shape), full_box(t.shape)) for n, t in weights.items()}
+    try:
+        if member == 0:
+            for t in (weights["a"], weights["b"]):
+                t.requires_grad_(True)
+            sender = ShardedSender(group, weights, num_senders=1, checksum="always")
+            sent, pushed = [], []
+            for version in (1, 2, 3):
+                with torch.no_grad():
+                    weights["a"].add_(1.0)
+                    weights["b"].sub_(1.0)
+                sent.append({n: t.detach().clone() for n, t in weights.items()})
+                handle = sender.push(weights, version, trainable_only=version > 1)
+                pushed.append(handle.wait().num_bytes)
+            sender.close()
+            return sent, pushed, sender.zero_copy, sender.shared_memory_bytes
+        fused = torch.zeros(6, 6)
+        local = {"a": fused[:4], "b": fused[4:], "frozen": torch.zeros(5)}
+        receiver = ShardedReceiver(group, local, boxes, num_senders=1, zero_copy=True)
+        got = []
+        for version in (1, 2, 3):
+            assert receiver.receive() == version
+            a, b = local["a"], local["b"]
+            consecutive = (
+                a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                and b.storage_offset() == a.storage_offset() + a.numel()
+            )
+            base = receiver._sets[(version - 1) % 2]
+            in_set = base.data_ptr() <= a.data_ptr() < base.data_ptr() + base.numel()
+            got.append(({n: t.clone() for n, t in local.items()}, consecutive, in_set,
+                        a.data_ptr() - base.data_ptr()))  # fmt: skip
+        receiver.close()
+        return got
+    finally:
+        group.close()
+
+
+def test_zero_copy_receivers_use_the_set_and_share_identical_blocks(members, shm_dir):
+    """Zero-copy receivers end each push holding views of the set the policy wrote, with their
+    fused tensors still consecutive; each set's first push carries the frozen tensor too, later
+    trainable-only ones do not; two replicas with identical layouts share one copy in the set."""
+    reports = members.run(_zero_copy_body, 3, shm_dir, free_port())
+    sent, pushed, zero_copy, shm_bytes = reports[0]
+    assert zero_copy
+    assert pushed[0] == pushed[1] > pushed[2]  # push 2 is the first into set 1: every tensor
+    model_bytes = 4 * (24 + 12 + 5)
+    assert 2 * model_bytes <= shm_bytes < 2 * 2 * model_bytes  # one copy for both replicas
+    for member in (1, 2):
+        for version, (tensors, consecutive, in_set, _) in enumerate(reports[member], 1):
+            assert consecutive and in_set, version
+            for name, tensor in tensors.items():
+                assert torch.equal(tensor, sent[version - 1][name]), (member, version, name)
+        assert [r[3] for r in reports[member]] == [r[3] for r in reports[1]]  # the same block
+    assert not os.listdir(shm_dir)
 
 
 def _corrupt_body(member, shm_dir, port):

@@ -349,8 +349,9 @@ class Engine(ABC):
     def update_weights_with(self, write: Callable[[], int | None]) -> None:
         """Run `write` at the next token boundary, generation paused: it writes new weights into
         the model's own tensors in place (e.g. `ShardedReceiver.receive`, which receives each
-        slice straight into the parameters, with no staging copy) and returns their policy
-        version, which every token sampled afterwards records. Callable from any thread.
+        slice straight into the parameters, with no staging copy) or re-points them at new
+        storage (a zero-copy `ShardedReceiver`), and returns their policy version, which every
+        token sampled afterwards records. Callable from any thread.
 
         `write` returns None when the update failed part-way (e.g. the sender died): the weights
         may then be a mix of two versions, so the engine generates nothing (`damaged`) until an
@@ -359,7 +360,10 @@ class Engine(ABC):
             self._num_waiting_updates += 1
         try:
             with self._step_lock, torch.no_grad():
-                version = write()
+                try:
+                    version = write()
+                finally:
+                    self._weights_written()
                 self._damaged = version is None
                 if version is not None:
                     self._policy_version = version
@@ -368,6 +372,10 @@ class Engine(ABC):
             with self._signal:
                 self._num_waiting_updates -= 1
                 self._signal.notify_all()
+
+    def _weights_written(self) -> None:  # noqa: B027 (optional hook)
+        """Hook: `update_weights_with`'s `write` ran (it may have re-pointed parameters at new
+        storage instead of writing into them)."""
 
     @property
     def damaged(self) -> bool:

@@ -367,6 +367,7 @@ class _FusedForward:
         self.num_kv_heads = dims.num_kv_heads
         self.head_dim = dims.head_dim
         self.scaling = float(cast(float, layers[0].get_submodule("self_attn").scaling))
+        self._modules = layers
         self.layers = [_Layer.of(layer) for layer in layers]
         self.final_norm = _norm(base.get_submodule("norm"))
         self.lm_head = _linear(_lm_head(model))
@@ -378,6 +379,13 @@ class _FusedForward:
         self.cos = cos[0].to(dtype)
         # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: one roll instead of a cat.
         self.sin_signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).to(dtype)
+
+    def relink(self) -> None:
+        """Fuse again after the parameters were re-pointed at other storage (`.data`, as a
+        zero-copy weight receiver does): parts that sit consecutively there become views of it
+        again (no copy); others are concatenated anew. The other tensors are read through the
+        parameters themselves, which follow by construction."""
+        self.layers = [_Layer.of(layer) for layer in self._modules]
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + x.roll(self.head_dim // 2, dims=-1) * sin
@@ -678,6 +686,7 @@ class TorchEngine(Engine):
             )
         self._params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         self._params.update(model.named_buffers(remove_duplicate=False))
+        self._storage = self._data_ptrs()
 
         num_slots, max_len, device = max_num_seqs, self.max_model_len, self.device
         self.cache = _KVCache(
@@ -790,6 +799,17 @@ class TorchEngine(Engine):
             self._version_log[-1] = (self._step_count, self._policy_version)
         else:
             self._version_log.append((self._step_count, self._policy_version))
+
+    def _data_ptrs(self) -> list[int]:
+        return [t.data_ptr() for t in self._params.values()]
+
+    def _weights_written(self) -> None:
+        # A writer may re-point parameters at new storage instead of copying into them (a
+        # zero-copy receiver): the fused tensors must follow.
+        if (ptrs := self._data_ptrs()) != self._storage:
+            if isinstance(self._forward, _FusedForward):
+                self._forward.relink()
+            self._storage = ptrs
 
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # Check every name and shape before copying anything: a bad update changes nothing.

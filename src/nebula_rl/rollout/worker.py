@@ -445,7 +445,8 @@ def _receiver(
     local_rank: int = 0,
 ) -> ElasticReceiver:
     """This rank's member of the weight group: the policy's slices go straight into the
-    engine's parameters (its TP shards). Without `apply` (ranks > 0 of a TP replica) it only
+    engine's parameters (its TP shards; on one host, the parameters become views of the
+    shared-memory set the policy wrote: no copy on this side). Without `apply` (ranks > 0 of a TP replica) it only
     joins and leaves generations; the pushes are taken with `receive_for`."""
     cfg = session.cfg
     params = dict(engine.model.named_parameters())
@@ -454,7 +455,12 @@ def _receiver(
 
     def make_receiver(group: WeightGroup, num_senders: int) -> ShardedReceiver:
         return ShardedReceiver(
-            group, params, engine.tp_boxes(), num_senders=num_senders, transfer_dtype=transfer_dtype
+            group,
+            params,
+            engine.tp_boxes(),
+            num_senders=num_senders,
+            transfer_dtype=transfer_dtype,
+            zero_copy=True,
         )
 
     return ElasticReceiver(

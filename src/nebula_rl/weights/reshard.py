@@ -24,38 +24,44 @@ boxes (as JSON) and each computes the same plan from them:
 Same host, CPU (gloo): the pieces go through shared memory instead of step 3, as
 `transport.py`'s full-weight push does. Building negotiates it (`shared.share`: all members
 must read a random token in rank 0's files, or everyone uses send/recv) and maps two persistent
-sets, each laid out by the plan: every piece at its own offset, grouped by policy rank; a piece
-that several rollout ranks need from the same policy rank (a tensor every TP rank keeps whole)
-is packed once. A push then:
+sets, each laid out like the rollout ranks' own tensors (`_shared_layout`): one block per
+receiver storage, so the parts of a fused tensor (q/k/v, gate/up) sit consecutively as in the
+engine; receivers whose blocks are identical (a tensor every TP rank keeps whole, the same TP
+rank of two replicas) share one, written once. A push then:
 
 1. `ShardedSender.push` (caller's thread, at a step boundary) copies this rank's pieces from
-   its live shards into the push's set (one copy, with the dtype cast), sends every rollout
-   rank a header (version, trainable_only, checksum?, set, the checksum of that rank's pieces)
-   point to point, and returns a `PushHandle`: the caller may change its parameters at once.
-   No weights cross the group.
+   its live shards into the receivers' places in the push's set (one copy, with the dtype
+   cast), sends every rollout rank a header (version, trainable_only, checksum?, set, the
+   checksum of what that rank reads from this one) point to point, and returns a `PushHandle`:
+   the caller may change its parameters at once. No weights cross the group.
 2. A background thread waits for the rollout ranks' acknowledgements.
-3. `ShardedReceiver.receive` takes the headers of all policy ranks, checks that they agree,
-   verifies the checksums when asked, copies its pieces from the set straight into its tensors
-   (the second copy), and acknowledges (success or failure) to every policy rank. The handle is
-   done when every rollout rank acknowledged; a failure raises on both sides.
+3. `ShardedReceiver.receive` takes the headers of all policy ranks, checks that they agree and
+   verifies the checksums when asked. A zero-copy receiver (`zero_copy=True`, what a rollout
+   replica uses) then re-points its tensors at their places in the set: the policy's copy was
+   the only one. Otherwise it copies its pieces from the set into its tensors (a second copy).
+   It acknowledges (success or failure) to every policy rank; the handle is done when every
+   rollout rank acknowledged, and a failure raises on both sides.
 
-Sets alternate push by push (the same reuse rule as `transport.py`'s): push k writes set k % 2
-only after every rollout rank acknowledged push k - 2, the last one in that set (`push` waits
-for that handle). So a receiver reading push k never sees push k + 1 (the other set) or k + 2
-(not written before it acknowledged k) being written, and at most two pushes are in flight. The
+Sets alternate push by push: push k writes set k % 2 only after every rollout rank
+acknowledged push k - 2, the last one in that set, so a copying receiver reading push k never
+sees push k + 1 (the other set) or k + 2 (not written before it acknowledged k) being written:
+at most two pushes are in flight. With a zero-copy receiver in the group, a set holds the
+weights a receiver generates with until it takes the next push, so push k waits for every
+acknowledgement of push k - 1 (one in flight), and the first push into each set (pushes 1 and
+2) carries every tensor, frozen ones included. `push` waits for those handles itself. The
 plan digests are compared when shared memory is negotiated (a member with another plan
 declines it; the send/recv path then raises `LayoutMismatchError` on its first push). Without
 shared memory (NCCL on GPUs, another host, a member that declined) `push` keeps the send/recv
 path above: it reads the live parameters, so it returns only when its messages are sent (a
-finished handle). That path is unchanged by shared memory; its NCCL use has not been run (the
-tests run gloo on CPU).
+finished handle), and receivers write into their tensors in place. That path is unchanged by
+shared memory; its NCCL use has not been run (the tests run gloo on CPU).
 
-Memory: with shared memory, two sets of the distinct pieces in `/dev/shm` shared by the whole
-group (`shared_memory_bytes`, the same pages on every member): at most twice the bytes all
-rollout ranks need together; about twice the model in the wire dtype for an FSDP policy and a
-TP rollout (pieces are padded to 8 bytes; what a TP policy replicates, or HSDP's replicas, may
-be stored once per rollout rank, since replicas take turns). The files are unlinked once every
-member mapped them (on failure too), so a dying process leaves nothing behind. Nothing private,
+Memory: with shared memory, two sets in `/dev/shm` shared by the whole group
+(`shared_memory_bytes`, the same pages on every member): twice what the rollout ranks hold,
+counting each shared block once; about twice the model for a TP rollout (blocks are padded to
+64 bytes). Zero-copy receivers keep no weights of their own beyond that: their tensors are the
+sets. The files are unlinked once every member mapped them (on failure too), so a dying
+process leaves nothing behind; the pages live while a process maps them. Nothing private,
 nothing allocated per push. Without: each member reuses `window` buffers of at most one bucket
 (plus an 8-byte checksum word) for the whole run, and packs/unpacks straight from/into its own
 tensors (`peak_buffer_bytes`).
@@ -63,8 +69,8 @@ tensors (`peak_buffer_bytes`).
 Trainable parameters only: the first push sends everything; later pushes with
 `trainable_only=True` send only the tensors the policy marked trainable (frozen ones cannot have
 changed). Checksums: with `checksum="first"` (default) the first push carries the sum of the
-bytes of every message (send/recv) or of every piece per rollout rank (shared memory), which
-the receiver verifies; "always" and "never" do what they say.
+bytes of every message (send/recv) or of every piece a rollout rank reads from a policy rank
+(shared memory), which the receiver verifies; "always" and "never" do what they say.
 
 Other rollout replicas: rank i of the replica that received the weights holds the same shards as
 rank i of every other replica with the same TP size, so it forwards them with `WeightSender`
@@ -76,11 +82,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Literal
 
@@ -151,6 +158,10 @@ class _Piece:
     box: Box
     dtype: str
     trainable: bool
+    place: tuple[int, int, int] | None = None
+    """A receiver's tensor in its memory: (storage, byte offset in it, bytes of that storage the
+    receiver's tensors span), so that tensors sharing a storage (views of one fused tensor) keep
+    their relative places in a shared-memory set. None: a storage of its own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,13 +328,18 @@ def _allgather_json(group: WeightGroup, value: object) -> list[object]:
 
 
 def _encode(pieces: list[_Piece]) -> list[list[object]]:
-    return [[p.name, list(p.shape), [list(r) for r in p.box], p.dtype, p.trainable] for p in pieces]
+    rows: list[list[object]] = []
+    for p in pieces:
+        place = None if p.place is None else list(p.place)
+        rows.append([p.name, list(p.shape), [list(r) for r in p.box], p.dtype, p.trainable, place])
+    return rows
 
 
 def _decode(rows: list[list[object]]) -> list[_Piece]:
     pieces = []
-    for name, shape, box, dtype, trainable in rows:
+    for name, shape, box, dtype, trainable, place in rows:
         assert isinstance(shape, list) and isinstance(box, list)
+        assert place is None or isinstance(place, list)
         pieces.append(
             _Piece(
                 str(name),
@@ -331,9 +347,36 @@ def _decode(rows: list[list[object]]) -> list[_Piece]:
                 tuple((int(r[0]), int(r[1])) for r in box),
                 str(dtype),
                 bool(trainable),
+                None if place is None else (int(place[0]), int(place[1]), int(place[2])),
             )
         )
     return pieces
+
+
+def _placements(tensors: Mapping[str, Tensor]) -> dict[str, tuple[int, int, int] | None]:
+    """Per tensor, its `_Piece.place`: tensors viewing one storage form a group, spanning from
+    the first byte any of them covers to the last. A non-contiguous tensor gets None."""
+    spans: dict[int, tuple[int, int]] = {}
+    where: dict[str, tuple[int, int]] = {}
+    for name, tensor in tensors.items():
+        if not tensor.is_contiguous():
+            continue
+        storage = tensor.untyped_storage().data_ptr()
+        start = int(tensor.storage_offset()) * tensor.element_size()
+        end = start + tensor.numel() * tensor.element_size()
+        lo, hi = spans.get(storage, (start, end))
+        spans[storage] = (min(lo, start), max(hi, end))
+        where[name] = (storage, start)
+    groups = {storage: i for i, storage in enumerate(spans)}
+    places: dict[str, tuple[int, int, int] | None] = {}
+    for name in tensors:
+        if name not in where:
+            places[name] = None
+            continue
+        storage, start = where[name]
+        lo, hi = spans[storage]
+        places[name] = (groups[storage], start - lo, hi - lo)
+    return places
 
 
 def _checksum(payload: Tensor) -> int:
@@ -342,42 +385,103 @@ def _checksum(payload: Tensor) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class _Region:
-    """Where one copy lives in a shared-memory set."""
+class _Slot:
+    """Where one receiver's whole local tensor lives in a shared-memory set."""
 
     offset: int
-    """Bytes from the start of the set; a multiple of `_REGION_ALIGN`."""
-    nbytes: int
-    """The copy's bytes, padded to a multiple of `_REGION_ALIGN` (the padding stays zero)."""
-    src: int
-    dst: int
+    """Bytes from the start of the set."""
+    shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """One copy into a shared-memory set: sender `src` writes `copy` from its shard into the
+    slot of a receiver's tensor; every rank of `readers` reads it (receivers with identical
+    slots share them)."""
+
+    src: int
+    readers: tuple[int, ...]
+    slot: _Slot
     copy: _Copy
+    """`copy.src` indexes the sender's local tensor, `copy.dst` the slot's tensor."""
+    wire: torch.dtype
+    """The plan's wire dtype: a value is rounded through it when it is neither the sender's
+    nor the receiver's dtype (`transfer_dtype`)."""
 
 
-_REGION_ALIGN = 8  # whole int64 words: any wire dtype stays aligned, checksums read int32
+_BLOCK_ALIGN = 64  # bytes: every dtype stays aligned, and blocks do not share cache lines
 _HEADER_TAG, _ACK_TAG = 1, 2  # shared memory: the only messages between policy and rollout
 
 
-def _shared_layout(messages: list[_Message]) -> tuple[list[_Region], int]:
-    """Every copy of the full plan placed in one shared-memory set; the set's size in bytes.
+def _shared_layout(
+    messages: list[_Message], holdings: list[list[_Piece]], num_senders: int
+) -> tuple[list[_Write], dict[int, dict[str, _Slot]], int]:
+    """One shared-memory set, laid out like the receivers' own tensors: the writes of the full
+    plan, each receiver's slots by tensor name, and the set's size in bytes.
 
-    Regions are grouped by sender. A copy that several receivers need from the same sender (a
-    tensor the rollout keeps whole on every rank) is packed once: their regions share an offset.
+    Each receiver storage (a fused tensor and its parts, or a tensor of its own) is one block
+    with its tensors at their offsets in that storage, so a receiver can take its tensors as
+    views of the set (`zero_copy`) and fused tensors stay fused. Receivers whose blocks are
+    identical (the same names, boxes, offsets and dtypes: a tensor every TP rank keeps whole,
+    the same TP rank of two replicas) share one block, written once.
     """
-    regions: list[_Region] = []
-    offsets: dict[tuple[object, ...], int] = {}
     size = 0
-    for src in sorted({m.src for m in messages}):
-        for message in (m for m in messages if m.src == src):
-            for copy in message.copies:
-                key = (src, copy.name, tuple((s.start, s.stop) for s in copy.src), message.dtype)
-                nbytes = -(-copy.numel * message.dtype.itemsize // _REGION_ALIGN) * _REGION_ALIGN
-                if key not in offsets:
-                    offsets[key] = size
-                    size += nbytes
-                regions.append(_Region(offsets[key], nbytes, src, message.dst, message.dtype, copy))
-    return regions, size
+    blocks: dict[tuple[object, ...], int] = {}
+    slots: dict[int, dict[str, _Slot]] = {}
+    for dst in range(num_senders, len(holdings)):
+        groups: dict[object, list[_Piece]] = {}
+        for piece in holdings[dst]:
+            group = ("own", piece.name) if piece.place is None else piece.place[0]
+            groups.setdefault(group, []).append(piece)
+        mine = slots.setdefault(dst, {})
+        for pieces in groups.values():
+            parts = []
+            for piece in pieces:
+                dtype = _wire_dtype(piece.dtype, None)
+                offset = 0 if piece.place is None else piece.place[1]
+                parts.append((piece.name, piece.box, offset, str(dtype)))
+            first = pieces[0]
+            span = (
+                _numel(first.box) * _wire_dtype(first.dtype, None).itemsize
+                if first.place is None
+                else first.place[2]
+            )
+            block = (span, tuple(parts))
+            if block not in blocks:
+                blocks[block] = size
+                size += -(-span // _BLOCK_ALIGN) * _BLOCK_ALIGN
+            for piece, (_, box, offset, _) in zip(pieces, parts, strict=True):
+                shape = tuple(hi - lo for lo, hi in box)
+                dtype = _wire_dtype(piece.dtype, None)
+                mine[piece.name] = _Slot(blocks[block] + offset, shape, dtype)
+    writes: dict[tuple[object, ...], _Write] = {}
+    for message in messages:
+        for copy in message.copies:
+            slot = slots[message.dst][copy.name]
+            key = (slot.offset, tuple((s.start, s.stop) for s in copy.dst))
+            seen = writes.get(key)
+            if seen is None:
+                writes[key] = _Write(message.src, (message.dst,), slot, copy, message.dtype)
+            else:
+                writes[key] = replace(seen, readers=(*seen.readers, message.dst))
+    return list(writes.values()), slots, size
+
+
+def _slot_view(buffer: Tensor, slot: _Slot) -> Tensor:
+    """`slot` of the uint8 set `buffer`, viewed as its tensor's dtype and shape."""
+    nbytes = math.prod(slot.shape) * slot.dtype.itemsize
+    return buffer[slot.offset : slot.offset + nbytes].view(slot.dtype).view(slot.shape)
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _view_checksum(view: Tensor) -> int:
+    """Sum of the view's elements read as integers of their size (any strides), as a
+    non-negative int64."""
+    words = view.view(_SAME_SIZE_INT[view.element_size()])
+    return int(words.sum(dtype=torch.int64)) % (1 << 63)
 
 
 class _Endpoint:
@@ -394,6 +498,7 @@ class _Endpoint:
         window: int,
         checksum: Literal["first", "always", "never"],
         shared_memory: bool,
+        zero_copy: bool = False,
     ) -> None:
         if not 0 < num_senders < group.world_size:
             raise ValueError(
@@ -408,8 +513,8 @@ class _Endpoint:
         self.num_senders = num_senders
         self.checksum = checksum
         self.window = window
-        rows = _allgather_json(group, _encode(pieces))
-        holdings = [_decode(r) for r in rows]  # type: ignore[arg-type]
+        rows = _allgather_json(group, [zero_copy, _encode(pieces)])
+        holdings = [_decode(r[1]) for r in rows]  # type: ignore[index]
         plan = {
             mode: _plan(
                 holdings,
@@ -425,18 +530,23 @@ class _Endpoint:
         }
         self._digests = {mode: _digest(msgs) for mode, msgs in plan.items()}
         self._num_pushes = 0
-        regions, set_bytes = _shared_layout(plan[False])
+        writes, slots, set_bytes = _shared_layout(plan[False], holdings, num_senders)
         sets = share(group, [set_bytes] * 2, self._digests[False], offer=shared_memory)
         self.shared_memory = sets is not None
         """Whether pushes go through shared memory (negotiated when built: all members or none)."""
+        self.zero_copy = self.shared_memory and any(bool(r[0]) for r in rows)  # type: ignore[index]
+        """Whether some receiver takes its tensors as views of the sets (then the sets hold
+        what the receivers use, and at most one push is in flight)."""
         self._sets = sets or []
-        self._regions = [r for r in regions if group.rank in (r.src, r.dst)]
-        # What this member packs (a sender: each region once, however many receivers read it)
-        # or unpacks (a receiver), as views per set, built once.
-        own = {r.offset: r for r in self._regions} if group.rank < num_senders else None
-        moved = list(own.values()) if own is not None else self._regions
-        self._views: list[list[tuple[_Region, Tensor]]] = [
-            [(r, _region_view(s, r)) for r in moved] for s in self._sets
+        rank = group.rank
+        # What this member writes (a sender) or reads (a receiver), as views per set, built once.
+        mine = [w for w in writes if w.src == rank or rank in w.readers]
+        self._views: list[list[tuple[_Write, Tensor]]] = [
+            [(w, _slot_view(s, w.slot)[w.copy.dst]) for w in mine] for s in self._sets
+        ]
+        self._slot_views: list[dict[str, Tensor]] = [
+            {name: _slot_view(s, slot) for name, slot in slots.get(rank, {}).items()}
+            for s in self._sets
         ]
         if self.shared_memory:
             self._buffers: list[Tensor] = []
@@ -461,17 +571,18 @@ class _Endpoint:
 
     def _prefault(self) -> None:
         """Touch this member's pages of both sets now, so that no push pays for page faults:
-        a sender writes its own regions (nobody reads them before its first push), a receiver
-        reads one byte per page of its regions."""
+        a sender writes its own pieces (nobody reads them before its first push), a receiver
+        reads one byte per page of its tensors."""
         page = 4096
         with torch.no_grad():
             for views in self._views:
-                for region, view in views:
-                    if region.src == self.group.rank:
+                for write, view in views:
+                    if write.src == self.group.rank:
                         view.zero_()
-                    else:
-                        data = view.reshape(-1).view(torch.uint8)
-                        int(data[::page].sum()) + int(data[-1])
+            for slot_views in self._slot_views:
+                for view in slot_views.values():
+                    data = view.reshape(-1).view(torch.uint8)
+                    int(data[::page].sum()) + int(data[-1])
 
     def _exchange(self, head: list[int], timeout: timedelta | None) -> list[int]:
         """Send/recv pushes: all-gather every member's `head` (version, trainable_only,
@@ -498,19 +609,17 @@ class _Endpoint:
             )
         return first[:3]
 
-    def _region_checksums(self, slot: int, trainable_only: bool, *, per: str) -> dict[int, int]:
-        """Per receiver (`per="dst"`, on a sender) or per sender (`per="src"`, on a receiver):
-        the checksum of the regions of this push in set `slot` that this member shares with it."""
+    def _checksums(self, slot: int, trainable_only: bool) -> dict[int, int]:
+        """Per receiver (on a sender) or per sender (on a receiver): the checksum of the pieces
+        of this push in set `slot` that this member and it share."""
         sums: dict[int, int] = {}
-        by_offset: dict[int, int] = {}
-        for region in self._regions:
-            if trainable_only and not region.copy.trainable:
+        for write, view in self._views[slot]:
+            if trainable_only and not write.copy.trainable:
                 continue
-            if region.offset not in by_offset:
-                payload = self._sets[slot][region.offset : region.offset + region.nbytes]
-                by_offset[region.offset] = _checksum(payload)
-            peer = region.dst if per == "dst" else region.src
-            sums[peer] = (sums.get(peer, 0) + by_offset[region.offset]) % (1 << 63)
+            peers = write.readers if write.src == self.group.rank else (write.src,)
+            value = _view_checksum(view)
+            for peer in peers:
+                sums[peer] = (sums.get(peer, 0) + value) % (1 << 63)
         return sums
 
     def _run(
@@ -576,13 +685,6 @@ class _Endpoint:
                     flat[offset : offset + copy.numel].view(copy.shape)
                 )
                 offset += copy.numel
-
-
-def _region_view(buffer: Tensor, region: _Region) -> Tensor:
-    """`region` of the uint8 set `buffer`, viewed as its copy's dtype and shape."""
-    nbytes = region.copy.numel * region.dtype.itemsize
-    flat = buffer[region.offset : region.offset + nbytes].view(region.dtype)
-    return flat.view(region.copy.shape)
 
 
 def _trainable(tensor: Tensor) -> bool:
@@ -670,19 +772,26 @@ class ShardedSender(_Endpoint):
             self._handles.append(PushHandle(version, done))
             return self._handles[-1]
         # The reuse rule: this set last held the push before the previous one, which every
-        # rollout rank has copied out once its handle is done.
-        if len(self._handles) == 2:
+        # rollout rank has copied out once its handle is done; with zero-copy receivers it
+        # holds what they use until they take the previous push.
+        while len(self._handles) >= (1 if self.zero_copy else 2):
             self._handles.popleft().wait()
+        if self.zero_copy and self._num_pushes < 2:
+            trainable_only = False  # each set's first push carries every tensor
         start = time.perf_counter()
         local = self._local(named_tensors)
         slot = self._num_pushes % 2
         with torch.no_grad():
-            for region, view in self._views[slot]:
-                if not trainable_only or region.copy.trainable:
-                    view.copy_(local[region.copy.name][region.copy.src])
+            for write, view in self._views[slot]:
+                if trainable_only and not write.copy.trainable:
+                    continue
+                source = local[write.copy.name][write.copy.src]
+                if write.wire not in (source.dtype, view.dtype):
+                    source = source.to(write.wire)  # (rounded as the wire dtype would)
+                view.copy_(source)
         self._num_pushes += 1
         # The headers, in push order (gloo sends return at once; a checksum is summed first).
-        sums = self._region_checksums(slot, trainable_only, per="dst") if with_checksum else {}
+        sums = self._checksums(slot, trainable_only) if with_checksum else {}
         head = [version, int(trainable_only), int(with_checksum), slot]
         receivers = range(self.num_senders, self.group.world_size)
         headers = [torch.tensor([*head, sums.get(dst, 0)], dtype=torch.int64) for dst in receivers]
@@ -765,9 +874,9 @@ class ShardedSender(_Endpoint):
         if not self.shared_memory:
             return sum(m.payload_bytes for m in self._plans[trainable_only])
         return sum(
-            r.copy.numel * r.dtype.itemsize
-            for r, _ in self._views[0]
-            if not trainable_only or r.copy.trainable
+            view.numel() * view.element_size()
+            for write, view in self._views[0]
+            if not trainable_only or write.copy.trainable
         )
 
 
@@ -779,6 +888,15 @@ class ShardedReceiver(_Endpoint):
     place by `receive`; `boxes` gives, per name, the full tensor's shape and the box this rank
     holds (`TorchEngine.tp_boxes()`). `shared_memory=False` declines shared memory. Building is a
     collective with the senders.
+
+    `zero_copy` (shared memory only; the tensors must be contiguous): instead of copying a push
+    out of the set, `receive` re-points `named_tensors` at it (`tensor.data = view`, the same
+    tensor objects), laid out as they were: views of one storage (parts of a fused tensor) stay
+    consecutive views of one block, so the owner can re-fuse them without a copy
+    (`TorchEngine.update_weights_with` does). The policy then writes straight into what the
+    rollout uses: one copy per push instead of two. The two sets take turns holding the
+    receiver's weights, so the senders wait for each push to be taken before writing the next,
+    and each set's first push carries every tensor. Without shared memory it receives in place.
     """
 
     def __init__(
@@ -792,6 +910,7 @@ class ShardedReceiver(_Endpoint):
         transfer_dtype: torch.dtype | None = None,
         window: int = 2,
         shared_memory: bool = True,
+        zero_copy: bool = False,
     ) -> None:
         if group.rank < num_senders:
             raise ValueError(f"rank {group.rank} is a sender: receivers are ranks >= {num_senders}")
@@ -800,6 +919,9 @@ class ShardedReceiver(_Endpoint):
             raise ValueError(
                 f"named_tensors and boxes must name the same tensors; differ on {missing[:3]}"
             )
+        places = _placements(named_tensors)
+        if zero_copy and (strided := [n for n, place in places.items() if place is None]):
+            raise ValueError(f"zero_copy needs contiguous tensors; {strided[:3]} are not")
         pieces = []
         for name, tensor in named_tensors.items():
             shape, box = boxes[name]
@@ -807,7 +929,9 @@ class ShardedReceiver(_Endpoint):
                 raise ValueError(
                     f"{name!r}: box {box} does not match its shape {tuple(tensor.shape)}"
                 )
-            pieces.append(_Piece(name, tuple(shape), tuple(box), str(tensor.dtype), True))
+            pieces.append(
+                _Piece(name, tuple(shape), tuple(box), str(tensor.dtype), True, places[name])
+            )
         super().__init__(
             group,
             num_senders,
@@ -817,20 +941,22 @@ class ShardedReceiver(_Endpoint):
             window=window,
             checksum="never",  # the senders decide; their header says whether to verify
             shared_memory=shared_memory,
+            zero_copy=zero_copy,
         )
+        self._adopts = zero_copy and self.shared_memory
         self._tensors = dict(named_tensors)
-        self._views_by_src: list[dict[int, list[tuple[_Region, Tensor]]]] = []
+        self._views_by_src: list[dict[int, list[tuple[_Write, Tensor]]]] = []
         for views in self._views:
             self._views_by_src.append({})
-            for region, view in views:
-                self._views_by_src[-1].setdefault(region.src, []).append((region, view))
+            for write, view in views:
+                self._views_by_src[-1].setdefault(write.src, []).append((write, view))
         # Shared memory: the last acknowledgement (version, ok) and its sends, until sent.
         self._ack = torch.zeros(2, dtype=torch.int64)
         self._acks: list[Work] = []
 
     def receive(self, *, timeout: timedelta | None = None) -> int:
-        """Wait for the next push, write it into this rank's tensors in place; its version.
-        `timeout` bounds the wait for the push to start."""
+        """Wait for the next push and write it into this rank's tensors in place (zero-copy:
+        re-point them at it); its version. `timeout` bounds the wait for the push to start."""
         if not self.shared_memory:
             version, trainable_only, with_checksum = self._exchange([-1, -1, -1], timeout)
             self._num_pushes += 1
@@ -851,6 +977,9 @@ class ShardedReceiver(_Endpoint):
                 work.wait(timeout or self.group.timeout)
                 heads.append(row.tolist())
                 self._take(src, heads[-1], heads[0])
+            if self._adopts:  # every policy rank wrote its pieces: use the set as it is
+                for name, view in self._slot_views[heads[0][3]].items():
+                    self._tensors[name].data = view
             ok = True
         finally:  # once a push started, the senders learn how it went instead of timing out
             if heads:
@@ -871,7 +1000,7 @@ class ShardedReceiver(_Endpoint):
 
     def _take(self, src: int, row: list[int], first: list[int]) -> None:
         """Check policy rank `src`'s header `row` against policy rank 0's (`first`), verify the
-        checksum when asked, copy its pieces out of the set."""
+        checksum when asked, copy its pieces out of the set (unless zero-copy)."""
         if row[:4] != first[:4]:
             raise ValueError(
                 f"policy rank {src} pushed (version, trainable_only, checksum, set) {row[:4]}, "
@@ -879,14 +1008,22 @@ class ShardedReceiver(_Endpoint):
             )
         version, trainable_only, with_checksum, slot, checksum = row
         assert slot == self._num_pushes % 2, "sets alternate push by push"
+        views = [
+            (write, view)
+            for write, view in self._views_by_src[slot].get(src, [])
+            if not trainable_only or write.copy.trainable
+        ]
         if with_checksum:
-            got = self._region_checksums(slot, bool(trainable_only), per="src").get(src, 0)
+            got = 0
+            for _, view in views:
+                got = (got + _view_checksum(view)) % (1 << 63)
             if got != checksum:
                 raise ValueError(
                     f"weights of version {version} from policy rank {src} arrived corrupted "
                     f"on rank {self.group.rank}: checksum {got} != {checksum}"
                 )
+        if self._adopts:
+            return
         with torch.no_grad():
-            for region, view in self._views_by_src[slot].get(src, []):
-                if not trainable_only or region.copy.trainable:
-                    self._tensors[region.copy.name][region.copy.dst].copy_(view)
+            for write, view in views:
+                self._tensors[write.copy.name][write.copy.dst].copy_(view)
