@@ -37,7 +37,7 @@ def test_char_tokenizer_round_trips_text_and_chat_tokens():
 
 def test_non_ascii_round_trips_through_its_bytes():
     tok = build_char_tokenizer()
-    assert len(tok) == 4 + 256
+    assert len(tok) == 4 + 256 + 4  # specials, bytes, vision markers
     for text in ["é", "naïve café", "東京 🙂", "a\rb\x00c"]:
         assert tok.decode(tok.encode(text)) == text
     assert len(tok.encode("é")) == 2  # its two UTF-8 bytes

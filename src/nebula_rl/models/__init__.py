@@ -1,7 +1,9 @@
-"""Models and tokenizers: any Hugging Face causal LM from a local folder or the Hub, or a tiny preset.
+"""Models and tokenizers: any Hugging Face causal LM or vision-language model from a local folder
+or the Hub, or a tiny preset.
 
 A name is a local folder, a Hub repo id fetched into the Hugging Face cache (see
-:mod:`nebula_rl.models.hub`), or a preset. A preset (`tiny:qwen2`, `tiny:llama`) is a
+:mod:`nebula_rl.models.hub`), or a preset. A preset (`tiny:qwen2`, `tiny:llama`, and the
+vision-language `tiny:qwen3_vl`, `tiny:qwen2_5_vl`) is a
 few-million-parameter model of that architecture with random initialisation and a byte-level
 tokenizer without merges built locally with the `tokenizers` library; exported, it is an ordinary
 Hugging Face folder (config, safetensors, tokenizer, ChatML chat template). Presets exist for tests
@@ -18,6 +20,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
@@ -30,10 +33,12 @@ from nebula_rl.models.hub import is_hub_id, resolve_model
 __all__ = [
     "CHATML_TEMPLATE",
     "TINY_PRESETS",
+    "VISION_TOKENS",
     "build_char_tokenizer",
     "build_tiny_model",
     "count_parameters",
     "is_hub_id",
+    "is_vision_language",
     "load_model",
     "load_model_config",
     "load_tokenizer",
@@ -45,18 +50,34 @@ PRESET_PREFIX = "tiny:"
 
 # ChatML, as the Qwen family uses it. `{% generation %}` marks the assistant's tokens so that
 # `apply_chat_template(..., return_assistant_tokens_mask=True)` works; nebula-rl's SFT masking
-# does not rely on it (it works with any template), but other tools may.
+# does not rely on it (it works with any template), but other tools may. A message's content is
+# a string or, as Qwen-VL's template takes it, a list of items: {"type": "text", "text": ...},
+# and images and videos, written as `<|vision_start|><|image_pad|><|vision_end|>` (or
+# `<|video_pad|>`) for the processor to expand to the media's number of tokens.
+_CONTENT = (
+    "{% if content is string %}{{ content }}{% else %}{% for item in content %}"
+    "{% if item['type'] == 'image' or 'image' in item %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif item['type'] == 'video' or 'video' in item %}"
+    "{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{% elif 'text' in item %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+)
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
+    "{% set content = message['content'] %}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}"
     "{% if message['role'] == 'assistant' %}{% generation %}"
-    "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
-    "{% else %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
+    f"{_CONTENT}{{{{ '<|im_end|>' }}}}{{% endgeneration %}}{{{{ '\n' }}}}"
+    f"{{% else %}}{_CONTENT}{{{{ '<|im_end|>' + '\n' }}}}{{% endif %}}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+"""Qwen-VL's vision markers; in the preset tokenizer they come after the bytes, so that the ids
+of every other token stay what they were before presets could see."""
 
 # Architecture settings of each preset; vocab_size is filled in from the tokenizer (rounded up).
 TINY_PRESETS: dict[str, dict[str, Any]] = {
@@ -80,6 +101,69 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
         num_key_value_heads=2,
         max_position_embeddings=512,
         rope_theta=10000.0,
+        tie_word_embeddings=True,
+    ),
+    # Vision-language presets: a small ViT (patches of 16 or 14 px, merged 2x2 into one language
+    # token, 2 frames per temporal patch) in front of a small language model with 3-D (M-RoPE)
+    # positions. The vision token ids are filled in from the tokenizer.
+    "qwen3_vl": dict(
+        model_type="qwen3_vl",
+        text_config=dict(
+            hidden_size=128,
+            intermediate_size=344,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=1024,
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=10000.0,
+                mrope_section=[8, 4, 4],
+                mrope_interleaved=True,
+            ),
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=2,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=128,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[1],
+        ),
+        tie_word_embeddings=True,
+    ),
+    "qwen2_5_vl": dict(
+        model_type="qwen2_5_vl",
+        text_config=dict(
+            hidden_size=128,
+            intermediate_size=344,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            max_window_layers=4,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=1000000.0, mrope_section=[4, 6, 6]
+            ),
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=128,
+            window_size=56,
+            fullatt_block_indexes=[1],
+            tokens_per_second=2,
+        ),
         tie_word_embeddings=True,
     ),
 }
@@ -106,15 +190,17 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     export next to a qwen2 config loads identically with plain `AutoTokenizer.from_pretrained`,
     which picks Qwen2Tokenizer for that model type whatever `tokenizer_class` says; other model
     types load the saved tokenizer.json as it is. Ids: the special tokens, then tab, newline,
-    space and `!`..`~` (the ids of the character tokenizer this replaced), then the other bytes;
-    `<unk>` keeps its id although every byte now has a token.
+    space and `!`..`~` (the ids of the character tokenizer this replaced), then the other bytes,
+    then Qwen-VL's vision markers (:data:`VISION_TOKENS`); `<unk>` keeps its id although every
+    byte now has a token.
     """
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     symbols = _byte_symbols()
     ascii_bytes = [ord(c) for c in string.printable if c not in "\x0b\x0c\r"]
     order = [*sorted(ascii_bytes), *(b for b in range(256) if b not in ascii_bytes)]
-    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *(symbols[b] for b in order)])}
+    tokens = [*SPECIAL_TOKENS, *(symbols[b] for b in order), *VISION_TOKENS]
+    vocab = {token: i for i, token in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -125,7 +211,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token="<unk>",
-        additional_special_tokens=["<|im_start|>"],
+        additional_special_tokens=["<|im_start|>", *VISION_TOKENS],
         model_max_length=4096,
         padding_side="left",
     )
@@ -140,14 +226,28 @@ def _tiny_config(
         raise ValueError(f"unknown tiny preset {preset!r}; choose from {sorted(TINY_PRESETS)}")
     settings = dict(TINY_PRESETS[preset])
     model_type = settings.pop("model_type")
-    return AutoConfig.for_model(
-        model_type,
+    ids = dict(
         vocab_size=(vocab_size + 63) // 64 * 64,
         pad_token_id=pad_token_id,
         eos_token_id=eos_token_id,
         bos_token_id=None,
-        **settings,
     )
+    if "text_config" not in settings:
+        return AutoConfig.for_model(model_type, **ids, **settings)
+    tok = build_char_tokenizer()
+    names = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+    vision_ids = {
+        name: tok.convert_tokens_to_ids(token)
+        for name, token in zip(names, VISION_TOKENS, strict=True)
+    }
+    text_config = {**settings.pop("text_config"), **ids}
+    return AutoConfig.for_model(model_type, text_config=text_config, **vision_ids, **settings)
+
+
+def is_vision_language(config: PretrainedConfig) -> bool:
+    """Whether `config` is a vision-language model's (a vision tower in front of a language
+    model, loaded with `AutoModelForImageTextToText`)."""
+    return getattr(config, "vision_config", None) is not None
 
 
 def build_tiny_model(
@@ -162,9 +262,10 @@ def build_tiny_model(
     config = _tiny_config(
         preset, vocab_size=vocab_size, pad_token_id=pad_token_id, eos_token_id=eos_token_id
     )
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto.from_config(config, dtype=torch.float32)
     return model
 
 
@@ -232,9 +333,10 @@ def load_model(
             eos_token_id=tok.eos_token_id,
         )
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            resolve_model(name_or_path, revision=revision), dtype=dtype, local_files_only=True
-        )
+        path = resolve_model(name_or_path, revision=revision)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+        model = auto.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
 
 

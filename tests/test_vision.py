@@ -1,0 +1,253 @@
+"""Vision-language inputs (`data/vision.py`) and the tiny Qwen-VL presets: real transformers models
+and image processor, images built in the test, served over a real local HTTP server."""
+
+import base64
+import http.server
+import io
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText
+
+from nebula_rl.data.vision import VisionProcessor, collate, smart_resize
+from nebula_rl.models import (
+    CHATML_TEMPLATE,
+    VISION_TOKENS,
+    build_char_tokenizer,
+    count_parameters,
+    is_vision_language,
+    load_model,
+)
+
+PRESETS = ["tiny:qwen3_vl", "tiny:qwen2_5_vl"]
+
+
+def _image(seed: int, size: tuple[int, int] = (64, 64)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype(np.uint8))
+
+
+def _ask(*items, text: str = "How many squares?") -> list[dict]:
+    return [{"role": "user", "content": [*items, {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def vlm(request):
+    model = load_model(request.param, seed=1)
+    return request.param, model, VisionProcessor.from_pretrained(request.param)
+
+
+def _batch(processor: VisionProcessor, samples, tok):
+    config = processor.layout
+    batch = collate(
+        samples,
+        pad_token_id=tok.pad_token_id,
+        image_token_id=config.image_token_id,
+        video_token_id=config.video_token_id,
+    )
+    if config.model_type == "qwen3_vl":
+        batch.pop("second_per_grid_ts", None)  # (time comes from the text timestamps)
+    return batch
+
+
+def test_the_tokenizer_keeps_its_ids_and_gains_the_vision_markers(tok):
+    ids = tok.convert_tokens_to_ids(VISION_TOKENS)
+    assert ids == list(range(4 + 256, 4 + 256 + 4))  # after every older token
+    text = "<|vision_start|><|image_pad|><|vision_end|>"
+    assert tok.encode(text) == ids[:1] + ids[2:3] + ids[1:2]  # one token each
+    # String content renders as the text-only template always did.
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert tok.apply_chat_template(chat, tokenize=False) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n"
+    )
+    listed = _ask({"type": "image", "image": "a.png"}, {"type": "video", "video": ["b.png"]})
+    rendered = tok.apply_chat_template(listed, tokenize=False, add_generation_prompt=True)
+    assert rendered == (
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
+        "<|vision_start|><|video_pad|><|vision_end|>How many squares?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert tok.chat_template == CHATML_TEMPLATE
+
+
+def test_presets_build_and_reload_with_the_auto_class(vlm, tok, tmp_path):
+    _, model, processor = vlm
+    assert is_vision_language(model.config)
+    assert 500_000 < count_parameters(model) < 5_000_000
+    assert model.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    again = AutoModelForImageTextToText.from_pretrained(tmp_path)
+    loaded = VisionProcessor.from_pretrained(str(tmp_path))
+    sample = _ask({"type": "image", "image": _image(0)})
+    ours, theirs = processor(sample), loaded(sample)
+    assert ours.input_ids == theirs.input_ids
+    assert torch.equal(ours.pixel_values, theirs.pixel_values)
+    batch = _batch(processor, [ours], tok)
+    with torch.no_grad():
+        torch.testing.assert_close(again(**batch).logits, model(**batch).logits)
+
+
+def test_media_expand_to_their_tokens_and_a_mixed_batch_trains(vlm, tok):
+    """An image, a video (as frames) and a text-only sample in one batch: each pad run is as
+    long as its grid says, `mm_token_type_ids` marks them, and the forward (which checks that
+    the vision features fill the pads exactly) trains both the vision tower and the LM."""
+    _, model, processor = vlm
+    merge = processor.layout.merge_size
+    with_image = processor(
+        _ask(
+            {"type": "image", "image": _image(0)}, {"type": "image", "image": _image(1, (96, 64))}
+        ),
+        completion_ids=tok.encode("2<|im_end|>"),
+    )
+    text_only = processor([{"role": "user", "content": "plain text"}], add_generation_prompt=True)
+    frames = [_image(10 + i) for i in range(4)]
+    with_video = processor(_ask({"type": "video", "video": frames, "fps": 2}))
+    assert text_only.pixel_values is None and text_only.image_grid_thw is None
+    image_id, video_id = processor.layout.image_token_id, processor.layout.video_token_id
+    assert with_image.image_grid_thw.tolist() == [[1, 4, 4], [1, 4, 6]]
+    assert with_image.input_ids.count(image_id) == (16 + 24) // merge**2
+    assert with_video.video_grid_thw.tolist() == [[2, 4, 4]]
+    assert with_video.input_ids.count(video_id) == 2 * 16 // merge**2
+    assert with_image.pixel_values.shape[0] == 16 + 24  # one row per patch
+    batch = _batch(processor, [with_image, text_only, with_video], tok)
+    types = batch["mm_token_type_ids"]
+    assert int((types == 1).sum()) == 10 and int((types == 2).sum()) == 8
+    assert batch["pixel_values"].shape[0] == 40 and batch["image_grid_thw"].shape == (2, 3)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    model.zero_grad()
+    loss = model(**batch, labels=labels).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    vision = [
+        p.grad for n, p in model.named_parameters() if ".visual." in n or n.startswith("visual")
+    ]
+    assert vision and all(g is not None for g in vision)
+    assert sum(float(g.abs().sum()) for g in vision) > 0
+    # A sample's logits do not depend on what else is in the batch.
+    alone = _batch(processor, [with_video], tok)
+    with torch.no_grad():
+        together = model(**batch).logits[2, : len(with_video.input_ids)]
+        torch.testing.assert_close(model(**alone).logits[0], together, atol=1e-5, rtol=1e-5)
+
+
+def test_video_patches_follow_the_image_processors_layout(vlm):
+    """A still video (two identical frames) is one temporal patch of the image: the same
+    patches as the image processor cuts from that image (which repeats it in time)."""
+    _, _, processor = vlm
+    image = _image(3)
+    as_image = processor(_ask({"type": "image", "image": image}))
+    as_video = processor(_ask({"type": "video", "video": [image, image]}))
+    assert as_video.video_grid_thw.tolist() == as_image.image_grid_thw.tolist()
+    torch.testing.assert_close(
+        as_video.pixel_values_videos, as_image.pixel_values, atol=1e-6, rtol=0
+    )
+    # An odd number of frames is padded with the last one.
+    three = processor(_ask({"type": "video", "video": [image, image, image]}))
+    assert three.video_grid_thw.tolist() == [[2, 4, 4]]
+
+
+def test_qwen3_vl_writes_a_timestamp_before_each_temporal_patch(tok):
+    processor = VisionProcessor.from_pretrained("tiny:qwen3_vl")
+    frames = [_image(i) for i in range(4)]
+    text = tok.decode(processor(_ask({"type": "video", "video": frames, "fps": 2})).input_ids)
+    block = "<|vision_start|>" + "<|video_pad|>" * 4 + "<|vision_end|>"
+    # Frames 0-1 and 2-3 at 2 fps: the mean times 0.25 s and 1.25 s.
+    assert f"<0.2 seconds>{block}<1.2 seconds>{block}How many squares?" in text
+    qwen25 = VisionProcessor.from_pretrained("tiny:qwen2_5_vl")
+    sample = qwen25(_ask({"type": "video", "video": frames, "fps": 2}))
+    assert "seconds" not in tok.decode(sample.input_ids)
+    assert sample.second_per_grid_ts == [1.0]  # 2 frames per temporal patch at 2 fps
+
+
+class _Files(http.server.BaseHTTPRequestHandler):
+    payload = b""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.end_headers()
+        self.wfile.write(self.payload)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_image_sources_decode_alike(tmp_path):
+    """A PIL image, its PNG by path, `file://` URL, `data:` URI, bare base64, raw bytes and an
+    HTTP URL give the same inputs."""
+    processor = VisionProcessor.from_pretrained("tiny:qwen3_vl")
+    image = _image(5, (80, 48))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    png = buffer.getvalue()
+    path = tmp_path / "squares.png"
+    path.write_bytes(png)
+    encoded = base64.b64encode(png).decode()
+    _Files.payload = png
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Files)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/squares.png"
+        sources = [image, str(path), f"file://{path}", f"data:image/png;base64,{encoded}",
+                   encoded, png, url]  # fmt: skip
+        outputs = [processor(_ask({"type": "image", "image": s})) for s in sources]
+    finally:
+        server.shutdown()
+    for out in outputs[1:]:
+        assert out.input_ids == outputs[0].input_ids
+        assert torch.equal(out.pixel_values, outputs[0].pixel_values)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        processor(_ask({"type": "image", "image": str(tmp_path / "missing.png")}))
+
+
+def test_per_item_pixel_settings(tok):
+    processor = VisionProcessor.from_pretrained("tiny:qwen3_vl")
+    image = _image(6, (256, 128))  # 8 x 4 language tokens of 32 px at full size
+
+    def grid(**options):
+        out = processor(_ask({"type": "image", "image": image, **options}))
+        return out.image_grid_thw.tolist()[0]
+
+    assert grid() == [1, 8, 16]
+    small = grid(max_pixels=16 * 32 * 32)  # at most 16 language tokens
+    assert small[1] * small[2] // 4 <= 16 and 1.5 <= small[2] / small[1] <= 3
+    assert grid(resized_height=64, resized_width=96) == [1, 4, 6]
+    big = grid(min_pixels=256 * 32 * 32, max_pixels=1024 * 32 * 32)
+    assert big[1] * big[2] // 4 >= 256
+    # smart_resize: multiples of the factor, within the bounds, the aspect ratio kept roughly.
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        h, w = (int(x) for x in rng.integers(8, 2000, size=2))
+        if max(h, w) / min(h, w) > 50:
+            continue
+        rh, rw = smart_resize(h, w, factor=32, min_pixels=4 * 1024, max_pixels=256 * 1024)
+        assert rh % 32 == 0 and rw % 32 == 0
+        assert 4 * 1024 <= rh * rw <= 256 * 1024 or min(rh, rw) == 32
+        assert abs(np.log((rh / rw) / (h / w))) < 0.7
+    with pytest.raises(ValueError, match="too elongated"):
+        smart_resize(10, 5000, factor=32, min_pixels=1024, max_pixels=1 << 20)
+
+
+def test_video_frame_settings():
+    processor = VisionProcessor.from_pretrained("tiny:qwen2_5_vl")
+    frames = [_image(i) for i in range(10)]
+    kept = processor(_ask({"type": "video", "video": frames, "fps": 2, "nframes": 4}))
+    assert kept.video_grid_thw.tolist()[0][0] == 2  # 4 frames, 2 per temporal patch
+    assert kept.second_per_grid_ts == [pytest.approx(2 / (2 * 4 / 10))]  # sampled at 0.8 fps
+    large = [_image(i, (224, 224)) for i in range(2)]  # 8 x 8 tokens of 28 px each
+    full = processor(_ask({"type": "video", "video": large}))
+    assert full.video_grid_thw.tolist() == [[1, 16, 16]]
+    budget = processor(_ask({"type": "video", "video": large, "total_pixels": 16 * 28 * 28}))
+    assert budget.video_grid_thw.tolist() == [[1, 8, 8]]  # 16 tokens for the two frames
+    with pytest.raises(ImportError, match="PyAV"):
+        processor(_ask({"type": "video", "video": "clip.mp4"}))
