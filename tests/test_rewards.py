@@ -15,11 +15,11 @@ import pytest
 from nebula_rl.rewards import (
     REWARDS,
     CombinedReward,
+    answer_format_reward,
     arithmetic_reward,
     boxed_math_reward,
     combine_rewards,
     direct_math_reward,
-    format_reward,
     get_reward,
     gsm8k_reward,
     overlong_penalty,
@@ -49,8 +49,18 @@ CASES = [
     ("direct_math", "Adding them up, the answer is 7", r"\frac{1}{2}", 0.0),
     ("gsm8k", "She makes 9 * 2 = 18 dollars.\n#### 18", "9*2=18\n#### 18", 1.0),
     ("gsm8k", "She makes 9 * 3 = 27 dollars.\n#### 27", "9*2=18\n#### 18", 0.0),
-    ("format", r"The answer is \boxed{4}.", "5", 1.0),
-    ("format", "The answer is 4.", "5", 0.0),
+    ("answer_format", r"The answer is \boxed{4}.", "5", 1.0),
+    ("answer_format", "The answer is 4.", "5", 0.0),
+    ("format", "<think>two red, one blue</think>\n\n<answer>3</answer>", "5", 1.0),
+    ("format", "<think>a</think>\n\n<answer>B</answer>\n", "B", 1.0),  # a final newline
+    ("format", "<think>a</think> <answer>B</answer>", "B", 0.0),  # the prompt's own spacing
+    ("format", "<think>a<think>b</think>\n\n<answer>B</answer>", "B", 0.0),  # nested think
+    ("format", "Sure. <think>a</think>\n\n<answer>B</answer>", "B", 0.0),  # text before
+    ("format", "<think>a</think>\n\n<answer>B</answer> done", "B", 0.0),  # text after
+    ("single_choice", "<think>the arm moves left</think>\n\n<answer> b </answer>", "B", 1.0),
+    ("single_choice", "<answer>C</answer>", "<answer>B</answer>", 0.0),
+    ("single_choice", " (b) ", "(B)", 1.0),  # no tags: the whole text
+    ("single_choice", "<answer>B</answer><answer>C</answer>", "B", 1.0),  # the first answer
     ("arithmetic", "12\n", "12", 1.0),
     ("arithmetic", "13", "12", 0.0),
     ("test_length", "abc", "xyz", 1.0),
@@ -198,8 +208,8 @@ def test_gsm8k_on_dataset_gold_answers() -> None:
         ("", 0.0),
     ],
 )
-def test_format(completion: str, expected: float) -> None:
-    assert format_reward(completion, "ignored") == expected
+def test_answer_format(completion: str, expected: float) -> None:
+    assert answer_format_reward(completion, "ignored") == expected
 
 
 @pytest.mark.parametrize(
@@ -272,7 +282,8 @@ def test_overlong_penalty_rejects_bad_settings(kwargs: dict, message: str) -> No
 
 
 def test_builtin_rewards_are_registered() -> None:
-    assert {"boxed_math", "direct_math", "gsm8k", "format", "arithmetic"} <= set(REWARDS)
+    assert {"boxed_math", "direct_math", "gsm8k", "format", "answer_format", "single_choice",
+            "arithmetic"} <= set(REWARDS)  # fmt: skip
     assert get_reward("gsm8k") is gsm8k_reward
 
 
@@ -325,14 +336,14 @@ def test_register_rejects_unpicklable_and_taken_names() -> None:
 def test_combine_rewards_weights() -> None:
     completion, reference = r"So \boxed{18}", "#### 18"
     assert combine_rewards("gsm8k")(completion, reference) == 1.0
-    assert combine_rewards(["gsm8k", "format"])(completion, reference) == 2.0
+    assert combine_rewards(["gsm8k", "answer_format"])(completion, reference) == 2.0
     starts_with = f"{__name__}:starts_with_reward"
-    weighted = combine_rewards({"gsm8k": 1.0, "format": 0.1, starts_with: -0.5})
+    weighted = combine_rewards({"gsm8k": 1.0, "answer_format": 0.1, starts_with: -0.5})
     assert weighted(completion, reference) == pytest.approx(1.1)
     assert weighted(r"So \boxed{17}", reference) == pytest.approx(0.1)
     assert weighted("#### 18", reference) == pytest.approx(0.6)
     assert weighted("no answer", reference) == 0.0
-    assert weighted.names == ("gsm8k", "format", starts_with)
+    assert weighted.names == ("gsm8k", "answer_format", starts_with)
 
 
 @pytest.mark.parametrize(
@@ -359,7 +370,9 @@ def test_combine_rewards_rejects_bad_specs(spec: object, error: type, message: s
 def test_every_registered_reward_pickles() -> None:
     for name, reward in REWARDS.items():
         assert pickle.loads(pickle.dumps(reward)) is reward, name
-    combined = combine_rewards({"gsm8k": 1.0, "format": 0.5, f"{__name__}:starts_with_reward": 1})
+    combined = combine_rewards(
+        {"gsm8k": 1.0, "answer_format": 0.5, f"{__name__}:starts_with_reward": 1}
+    )
     restored = pickle.loads(pickle.dumps(combined))
     assert isinstance(restored, CombinedReward)
     assert restored == combined
@@ -368,14 +381,15 @@ def test_every_registered_reward_pickles() -> None:
 
 def test_rewards_in_thread_pool() -> None:
     # math-verify's signal timeouts raise off the main thread; the rewards must still grade.
-    assert {name for name, *_ in CASES} >= {"boxed_math", "direct_math", "gsm8k", "format"}
+    assert {name for name, *_ in CASES} >= {"boxed_math", "direct_math", "gsm8k", "format",
+                                            "answer_format", "single_choice"}  # fmt: skip
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(_run_case, CASES * 2))
     assert results == [expected for *_, expected in CASES] * 2
 
 
 def test_rewards_in_spawned_process_pool() -> None:
-    combined = combine_rewards({"boxed_math": 1.0, "format": 0.5})
+    combined = combine_rewards({"boxed_math": 1.0, "answer_format": 0.5})
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=2, mp_context=context) as pool:
         results = list(pool.map(_run_case, CASES))
@@ -426,8 +440,8 @@ def test_scorer_reads_the_reward_keys_of_the_config() -> None:
                 "train": {
                     "train_policy": {
                         "type": "grpo",
-                        "reward_function": {"format": 2.0},
-                        "filter_reward_metric": ["format", f"{__name__}:length_reward"],
+                        "reward_function": {"answer_format": 2.0},
+                        "filter_reward_metric": ["answer_format", f"{__name__}:length_reward"],
                         "overlong_reward": {"enable_overlong_penalty": True, "buffer_length": 4},
                         **policy,
                     }
@@ -439,7 +453,7 @@ def test_scorer_reads_the_reward_keys_of_the_config() -> None:
 
     text = r"So \boxed{18}"
     scored = scorer(cfg()).score(text, 6, "#### 18")  # 6 tokens: 2 into the overlong buffer
-    assert scored.terms == {"format": 1.0, f"{__name__}:length_reward": 0.0}
+    assert scored.terms == {"answer_format": 1.0, f"{__name__}:length_reward": 0.0}
     assert scored.reward == pytest.approx(2.0 - 0.5)  # the filter-only metric adds nothing
     validation = scorer(cfg(), validation=True).score(text, 6, "#### 18")
     assert (validation.reward, validation.terms) == (1.0, {"gsm8k": 1.0})  # no length penalty

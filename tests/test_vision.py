@@ -251,3 +251,113 @@ def test_video_frame_settings():
     assert budget.video_grid_thw.tolist() == [[1, 8, 8]]  # 16 tokens for the two frames
     with pytest.raises(ImportError, match="PyAV"):
         processor(_ask({"type": "video", "video": "clip.mp4"}))
+
+
+def test_sft_labels_cover_the_assistant_and_never_media(tok):
+    """Assistant tokens (and their end-of-turn) are trained, nothing else: not the user's text,
+    not the image's tokens, even in a second user turn after an answer."""
+    processor = VisionProcessor.from_pretrained("tiny:qwen3_vl")
+    conversation = [
+        {"role": "user", "content": [{"type": "image", "image": _image(0)},
+                                     {"type": "text", "text": "How many squares?"}]},
+        {"role": "assistant", "content": "<answer>3</answer>"},
+        {"role": "user", "content": [{"type": "image", "image": _image(1, (96, 64))},
+                                     {"type": "text", "text": "And here?"}]},
+        {"role": "assistant", "content": "<answer>1</answer>"},
+    ]  # fmt: skip
+    inputs, mask = processor.sft_example(conversation, system_prompt="Count.")
+    ids = inputs.input_ids
+    assert len(mask) == len(ids)
+    trained = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert trained == "<answer>3</answer><|im_end|>\n<answer>1</answer><|im_end|>\n"
+    image_id = processor.layout.image_token_id
+    assert ids.count(image_id) == 4 + 6
+    assert not any(m for t, m in zip(ids, mask, strict=True) if t == image_id)
+    assert inputs.image_grid_thw.tolist() == [[1, 4, 4], [1, 4, 6]]
+    assert tok.decode(ids).startswith("<|im_start|>system\nCount.<|im_end|>")
+    # The same prompt as generation sees it is a prefix of the SFT ids.
+    prompt = processor(conversation[:1], add_generation_prompt=True, completion_ids=[])
+    start = ids.index(tok.convert_tokens_to_ids("<|im_start|>"), 1)  # (after the system turn)
+    assert ids[start : start + len(prompt.input_ids)] == prompt.input_ids
+    with pytest.raises(ValueError, match="model_max_length = 20"):
+        processor.sft_example(conversation, max_length=20)
+
+
+def _squares_sft(tmp_path, **train_policy):
+    from nebula_rl.config import config_from_dict
+
+    return config_from_dict(
+        {
+            "train": {
+                "output_dir": str(tmp_path),
+                "timestamp": "vlm",
+                "optm_lr": 2e-3,
+                "optm_warmup_steps": 2,
+                "optm_weight_decay": 0.0,
+                "train_batch_per_replica": 8,
+                "max_num_steps": 14,
+                "seed": 3,
+                "train_policy": {
+                    "type": "sft",
+                    "mini_batch": 8,
+                    "dataset": {
+                        "name": "builtin:squares",
+                        "test_size": 16,
+                        "kwargs": {"num_samples": 160, "seed": 5},
+                    },
+                    **train_policy,
+                },
+            },
+            "policy": {
+                "model_name_or_path": "tiny:qwen3_vl",
+                "model_max_length": 128,
+                "freeze_pattern": [r"^model\.visual\."],
+            },
+            "validation": {"enable": True, "freq": 7, "val_before_train": True},
+        }
+    )
+
+
+def test_sft_of_a_vision_language_model_trains_and_exports(tmp_path):
+    """`nebula-rl train`'s SFT loop on image conversations (the built-in squares task): the
+    validation loss falls, the frozen vision tower keeps its weights while the language model's
+    change, and the export loads with transformers' auto class and its processor."""
+    import json
+
+    from nebula_rl import local
+    from nebula_rl.data import squares_task
+
+    run_dir = local.run(_squares_sft(tmp_path))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(val) == 3 and val[-1] < 0.5 * val[0], val
+    export = run_dir / "safetensors" / "final"
+    trained = AutoModelForImageTextToText.from_pretrained(export)
+    initial = load_model("tiny:qwen3_vl", seed=3)
+    before = dict(initial.named_parameters())
+    changed = {n: not torch.equal(p, before[n]) for n, p in trained.named_parameters()}
+    assert not any(v for n, v in changed.items() if n.startswith("model.visual."))
+    assert all(v for n, v in changed.items() if ".language_model.layers." in n)
+    processor = VisionProcessor.from_pretrained(str(export))
+    sample = processor(squares_task(num_samples=1)[0]["prompt"], add_generation_prompt=True)
+    batch = _batch(processor, [sample], processor.tokenizer)
+    with torch.no_grad():
+        assert torch.isfinite(trained(**batch).logits).all()
+
+
+def test_vision_language_rl_and_packing_are_refused_by_name(tmp_path):
+    from nebula_rl import local
+    from nebula_rl.config import config_from_dict
+
+    with pytest.raises(ValueError, match="train.sequence_packing is not supported for conv"):
+        cfg = _squares_sft(tmp_path)
+        cfg.train.sequence_packing = True
+        local.run(cfg)
+    grpo = config_from_dict(
+        {
+            "train": {"output_dir": str(tmp_path), "train_policy": {"type": "grpo"}},
+            "policy": {"model_name_or_path": "tiny:qwen3_vl"},
+        }
+    )
+    with pytest.raises(ValueError, match="is a vision-language model .*GRPO needs rollouts"):
+        local.run(grpo)

@@ -48,8 +48,9 @@ from nebula_rl.data import (
     validate_rows,
 )
 from nebula_rl.data.sft_loader import SftBatches
+from nebula_rl.data.vision import VisionProcessor
 from nebula_rl.metrics_log import open_loggers
-from nebula_rl.models import load_tokenizer
+from nebula_rl.models import is_vision_language, load_tokenizer
 from nebula_rl.models.export import export_hf
 from nebula_rl.policy.checkpoint import Checkpointer, Restored
 from nebula_rl.policy.parallelize import ParallelModel
@@ -57,10 +58,11 @@ from nebula_rl.policy.setup import (
     load_policy_model,
     parallelize_policy,
     prepare_single_process,
+    refuse_vision_rl,
     rollout_copy,
     use_deterministic,
 )
-from nebula_rl.policy.trainer import PolicyTrainer
+from nebula_rl.policy.trainer import PolicyTrainer, SftExample
 from nebula_rl.profiling import StepProfiler
 from nebula_rl.protocol import Prompt, RolloutGroup
 from nebula_rl.ranks import init_ranks
@@ -125,14 +127,24 @@ def run(cfg: Config) -> Path:
     tokenizer = load_tokenizer(cfg.policy.model_name_or_path, revision=cfg.policy.model_revision)
     # The weights the optimiser updates, in train.master_dtype; forward runs in param_dtype.
     model = load_policy_model(cfg, device=device, seed=seed)
+    model_config: Any = model.config
+    refuse_vision_rl(cfg, model_config)
+    # A vision-language model's processor: its conversations' images and videos, and its export.
+    vision = (
+        VisionProcessor.from_pretrained(
+            cfg.policy.model_name_or_path, revision=cfg.policy.model_revision
+        )
+        if is_vision_language(model_config)
+        else None
+    )
     policy = cfg.train.train_policy
     parallel = None
     if isinstance(policy, GrpoConfig):
         _run_grpo(cfg, policy, model, tokenizer, run_dir)
     else:
-        parallel = _run_sft(cfg, policy, model, tokenizer, run_dir)
+        parallel = _run_sft(cfg, policy, model, tokenizer, run_dir, vision=vision)
     if cfg.train.ckpt.export_safetensors:
-        export_hf(model, tokenizer, run_dir / "safetensors" / "final", parallel=parallel)
+        export_hf(model, vision or tokenizer, run_dir / "safetensors" / "final", parallel=parallel)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
@@ -430,13 +442,17 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
 
 
 class _SftTokenize:
-    """A row's (token ids, assistant mask), truncated to the model length (picklable, for
-    dataloader worker processes)."""
+    """A row's (token ids, assistant mask), truncated to the model length; with a
+    vision-language model's processor, also its media (picklable, for dataloader worker
+    processes)."""
 
-    def __init__(self, cfg: Config, p: SftConfig, tokenizer: Any) -> None:
+    def __init__(
+        self, cfg: Config, p: SftConfig, tokenizer: Any, vision: VisionProcessor | None = None
+    ) -> None:
         self.p, self.tokenizer, self.max_length = p, tokenizer, cfg.policy.model_max_length
+        self.vision = vision
 
-    def __call__(self, row: dict[str, Any]) -> tuple[list[int], list[int]]:
+    def __call__(self, row: dict[str, Any]) -> SftExample:
         p = self.p
         if p.prompt_column_name and p.response_column_name:
             messages = [
@@ -445,6 +461,11 @@ class _SftTokenize:
             ]
         else:
             messages = row[p.conversation_column_name]
+        if self.vision is not None:
+            inputs, mask = self.vision.sft_example(
+                messages, system_prompt=p.system_prompt, max_length=self.max_length
+            )
+            return inputs.input_ids, mask, inputs
         return sft_example(
             self.tokenizer, messages, system_prompt=p.system_prompt, max_length=self.max_length
         )
@@ -485,10 +506,19 @@ def _agree(flag: bool) -> bool:
     return bool(value.item())
 
 
-def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> ParallelModel | None:
-    """The SFT loop; the ParallelModel the model became under torchrun (None in one process)."""
+def _run_sft(
+    cfg: Config,
+    p: SftConfig,
+    model,
+    tokenizer,
+    run_dir: Path,
+    *,
+    vision: VisionProcessor | None = None,
+) -> ParallelModel | None:
+    """The SFT loop; the ParallelModel the model became under torchrun (None in one process).
+    `vision`: a vision-language model's processor (conversations with images and videos)."""
     train_rows, val_rows = _sft_rows(cfg, p)
-    tokenize = _SftTokenize(cfg, p, tokenizer)
+    tokenize = _SftTokenize(cfg, p, tokenizer, vision)
     batches = SftBatches(
         train_rows,
         tokenize,
@@ -515,7 +545,7 @@ def _run_sft(cfg: Config, p: SftConfig, model, tokenizer, run_dir: Path) -> Para
         pad_id=tokenizer.pad_token_id,
         data_parallel=policy.data_parallel,
     )
-    checkpointer = _checkpointer(cfg, run_dir, model, tokenizer, trainer)
+    checkpointer = _checkpointer(cfg, run_dir, model, vision or tokenizer, trainer)
     val_rows_per_forward = cfg.validation.batch_size or p.mini_batch
     step, first_epoch, first_position = 0, 0, 0
     restored = _resume(cfg, run_dir, checkpointer)

@@ -86,7 +86,75 @@ def arithmetic_task(
     return rows
 
 
-BUILTIN_TASKS: dict[str, Callable[..., list[dict[str, str]]]] = {"arithmetic": arithmetic_task}
+_SQUARE_COLOURS = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48),
+                   (145, 30, 180), (70, 240, 240), (240, 50, 230)]  # fmt: skip
+SQUARES_QUESTION = "How many squares?"
+
+
+def squares_task(
+    *,
+    num_samples: int = 1000,
+    max_squares: int = 4,
+    size: int = 64,
+    seed: int = 0,
+    **unknown: Any,
+) -> list[dict[str, Any]]:
+    """A visual counting task: a black `size` x `size` image cut into a 4 x 4 grid, 1 to
+    `max_squares` of whose cells are painted in colours; the question is "How many squares?",
+    the answer the digit.
+
+    Each row holds the image as a PNG `data:` URI and gives the task three ways: `conversations`
+    (for SFT: the user's image and question, the assistant's
+    `<think>N squares</think>\n\n<answer>N</answer>`), `prompt` (the user turn alone, for RL)
+    and `answer` (the digit).
+    """
+    if unknown:
+        raise ValueError(f"builtin:squares: unknown option(s) {sorted(unknown)}")
+    if num_samples < 1 or not 1 <= max_squares <= 16 or size < 16 or size % 4:
+        raise ValueError(
+            "builtin:squares: need num_samples >= 1, 1 <= max_squares <= 16 and size a multiple "
+            "of 4, at least 16"
+        )
+    import base64
+    import io
+
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    cell = size // 4
+    rows = []
+    for _ in range(num_samples):
+        count = rng.randint(1, max_squares)
+        image = Image.new("RGB", (size, size))
+        draw = ImageDraw.Draw(image)
+        for index in rng.sample(range(16), count):
+            x, y = (index % 4) * cell, (index // 4) * cell
+            draw.rectangle((x, y, x + cell - 1, y + cell - 1), fill=rng.choice(_SQUARE_COLOURS))
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        uri = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+        user = {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": uri},
+                {"type": "text", "text": SQUARES_QUESTION},
+            ],
+        }
+        reply = f"<think>{count} squares</think>\n\n<answer>{count}</answer>"
+        rows.append(
+            {
+                "conversations": [user, {"role": "assistant", "content": reply}],
+                "prompt": [user],
+                "answer": str(count),
+            }
+        )
+    return rows
+
+
+BUILTIN_TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
+    "arithmetic": arithmetic_task,
+    "squares": squares_task,
+}
 
 
 def _local_files(path: Path, splits: Sequence[str], *, key: str) -> tuple[str, list[str]]:

@@ -15,7 +15,8 @@ import torch.utils.data
 
 __all__ = ["SftBatches"]
 
-Example = tuple[list[int], list[int]]
+Example = tuple[Any, ...]
+"""A tokenised conversation: (token ids, loss mask), and its media for a vision-language model."""
 
 
 class _Rows(torch.utils.data.Dataset[Example]):

@@ -36,7 +36,6 @@ import base64
 import binascii
 import io
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +53,7 @@ __all__ = [
     "collate",
     "load_image",
     "media_items",
+    "media_kwargs",
     "smart_resize",
 ]
 
@@ -277,8 +277,10 @@ class VisionProcessor:
             "image": token(self.layout.image_token_id),
             "video": token(self.layout.video_token_id),
         }
-        self._start = token(config.vision_start_token_id)
-        self._end = token(config.vision_end_token_id)
+        self._start_id = int(config.vision_start_token_id)
+        self._end_id = int(config.vision_end_token_id)
+        self._start = token(self._start_id)
+        self._end = token(self._end_id)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, revision: str | None = None) -> VisionProcessor:
@@ -299,8 +301,9 @@ class VisionProcessor:
         return cls(tokenizer, config, image_processor)
 
     def save_pretrained(self, path: str | Path) -> None:
-        """Write the image processor's `preprocessor_config.json` into `path` (a model export
-        holds the tokenizer already)."""
+        """Write the tokenizer and the image processor's `preprocessor_config.json` into `path`
+        (next to a model's export: what `from_pretrained` reads back)."""
+        self.tokenizer.save_pretrained(path)
         self.image_processor.save_pretrained(path)
 
     @staticmethod
@@ -331,51 +334,98 @@ class VisionProcessor:
         add_generation_prompt: bool = False,
         completion_ids: Sequence[int] = (),
     ) -> VisionInputs:
-        """`messages` rendered, tokenized and expanded, its media cut into patches;
-        `completion_ids` (generated tokens) appended after the prompt."""
-        text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-        assert isinstance(text, str)
+        """`messages` rendered with the chat template, tokenized and expanded, its media cut into
+        patches; `completion_ids` (generated tokens) appended after the prompt."""
+        out: Any = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=True, return_dict=True,
+            add_generation_prompt=add_generation_prompt,
+        )  # fmt: skip
+        ids = [int(t) for t in out["input_ids"]]
+        inputs, _ = self.expand(ids, [0] * len(ids), messages)
+        inputs.input_ids += list(completion_ids)
+        return inputs
+
+    def sft_example(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        system_prompt: str = "",
+        max_length: int | None = None,
+    ) -> tuple[VisionInputs, list[int]]:
+        """A conversation for SFT: its inputs and a loss mask that is 1 on the assistant's
+        tokens only (never on a media token). Refuses a conversation longer than `max_length`
+        rather than cutting it inside an image."""
+        from nebula_rl.data import sft_example
+
+        ids, mask = sft_example(self.tokenizer, list(messages), system_prompt=system_prompt)
+        inputs, mask = self.expand(ids, mask, messages)
+        if max_length is not None and len(inputs.input_ids) > max_length:
+            raise ValueError(
+                f"a conversation of {len(inputs.input_ids)} tokens with its media is longer than "
+                f"policy.model_max_length = {max_length}"
+            )
+        return inputs, mask
+
+    def expand(
+        self, ids: Sequence[int], mask: Sequence[int], messages: Sequence[dict[str, Any]]
+    ) -> tuple[VisionInputs, list[int]]:
+        """Token ids in which the chat template wrote one `start, pad, end` per media item of
+        `messages` -> the inputs with each pad expanded to its media's tokens and patches cut,
+        and `mask` (one value per id) stretched alike: expanded tokens are never trained."""
+        items = media_items(messages)
+        pads = {self.layout.image_token_id, self.layout.video_token_id}
+        at = [i for i, t in enumerate(ids) if t in pads]
+        if len(at) != len(items):
+            raise ValueError(
+                f"the chat template wrote {len(at)} media markers for {len(items)} images and "
+                "videos"
+            )
         inputs = VisionInputs(input_ids=[])
         images: list[torch.Tensor] = []
         image_grids: list[torch.Tensor] = []
         videos: list[torch.Tensor] = []
         video_grids: list[torch.Tensor] = []
-        expansions: list[str] = []
-        for kind, item in media_items(messages):
+        out_ids: list[int] = []
+        out_mask: list[int] = []
+        done = 0
+        for position, (kind, item) in zip(at, items, strict=True):
+            want = self.layout.image_token_id if kind == "image" else self.layout.video_token_id
+            bounded = 0 < position < len(ids) - 1 and (ids[position - 1], ids[position + 1]) == (
+                self._start_id,
+                self._end_id,
+            )
+            if ids[position] != want or not bounded:
+                raise ValueError(
+                    f"media item {len(images) + len(videos)} ({kind}): the chat template must "
+                    "write <|vision_start|>, its pad token and <|vision_end|> in its place"
+                )
             options = {k: v for k, v in item.items() if k in VISION_OPTIONS}
             if kind == "image":
                 patches, grid = self._image(item["image"], options)
                 images.append(patches)
                 image_grids.append(grid)
-                expansions.append(self._wrap(self._pad["image"] * self._tokens(grid)))
+                text = self._wrap(self._pad["image"] * self._tokens(grid))
             else:
                 patches, grid, fps = self._video(item["video"], options)
                 videos.append(patches)
                 video_grids.append(grid)
                 inputs.second_per_grid_ts.append(self.layout.temporal_patch_size / fps)
-                expansions.append(self._video_text(grid, fps))
-        marker = re.escape(self._start) + "(" + "|".join(map(re.escape, self._pad.values())) + ")"
-        marker += re.escape(self._end)
-        pieces = re.split(marker, text)
-        if (len(pieces) - 1) // 2 != len(expansions):
-            raise ValueError(
-                f"the chat template wrote {(len(pieces) - 1) // 2} media markers for "
-                f"{len(expansions)} images and videos"
-            )
-        rendered = pieces[0]
-        for i, expansion in enumerate(expansions):
-            rendered += expansion + pieces[2 * i + 2]
-        ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
-        inputs.input_ids = [*ids, *completion_ids]
+                text = self._video_text(grid, fps)
+            # The marker is start, pad, end: replace all three.
+            expansion = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            out_ids += [*ids[done : position - 1], *expansion]
+            out_mask += [*mask[done : position - 1], *([0] * len(expansion))]
+            done = position + 2
+        out_ids += ids[done:]
+        out_mask += mask[done:]
+        inputs.input_ids = [int(t) for t in out_ids]
         if images:
             inputs.pixel_values = torch.cat(images)
             inputs.image_grid_thw = torch.stack(image_grids)
         if videos:
             inputs.pixel_values_videos = torch.cat(videos)
             inputs.video_grid_thw = torch.stack(video_grids)
-        return inputs
+        return inputs, [int(m) for m in out_mask]
 
     def _wrap(self, pads: str) -> str:
         return self._start + pads + self._end
@@ -460,6 +510,34 @@ class VisionProcessor:
         return text
 
 
+def media_kwargs(
+    samples: Sequence[VisionInputs | None],
+    input_ids: torch.Tensor,
+    *,
+    image_token_id: int,
+    video_token_id: int,
+    attention_mask: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The keyword arguments a Qwen-VL forward takes besides the tokens, for the rows
+    `input_ids` of `samples` (None: a row without media): `mm_token_type_ids` (0 text, 1 image,
+    2 video; 0 on padding), and the pixels and grids of the rows that have media, concatenated
+    in row order."""
+    real = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+    kwargs = {
+        "mm_token_type_ids": ((input_ids == image_token_id).long()
+                              + 2 * (input_ids == video_token_id).long()) * real,
+    }  # fmt: skip
+    present = [s for s in samples if s is not None]
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+        parts = [getattr(s, key) for s in present if getattr(s, key) is not None]
+        if parts:
+            kwargs[key] = torch.cat(parts)
+    seconds = [t for s in present for t in s.second_per_grid_ts]
+    if seconds:
+        kwargs["second_per_grid_ts"] = torch.tensor(seconds)
+    return kwargs
+
+
 def collate(
     samples: Sequence[VisionInputs],
     *,
@@ -479,17 +557,8 @@ def collate(
         cols = slice(longest - n, longest) if padding_side == "left" else slice(0, n)
         ids[row, cols] = torch.tensor(sample.input_ids, dtype=torch.long)
         mask[row, cols] = 1
-    batch = {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "mm_token_type_ids": (ids == image_token_id).long() * mask
-        + 2 * (ids == video_token_id).long() * mask,
-    }
-    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
-        parts = [getattr(s, key) for s in samples if getattr(s, key) is not None]
-        if parts:
-            batch[key] = torch.cat(parts)
-    seconds = [t for s in samples for t in s.second_per_grid_ts]
-    if seconds:
-        batch["second_per_grid_ts"] = torch.tensor(seconds)
-    return batch
+    media = media_kwargs(
+        samples, ids, image_token_id=image_token_id, video_token_id=video_token_id,
+        attention_mask=mask,
+    )  # fmt: skip
+    return {"input_ids": ids, "attention_mask": mask, **media}

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from nebula_rl.algorithms import shared_prefix_lengths
 from nebula_rl.data.packing import first_fit
+from nebula_rl.data.vision import VisionInputs
 from nebula_rl.protocol import RolloutGroup
 
 __all__ = [
@@ -44,6 +45,9 @@ class TokenBatch:
     """[N] per-sequence advantage (0 for SFT)."""
     segment_ids: Tensor | None = None
     """[N, L] packed rows only: 1, 2, ... for the examples of a row, 0 on padding."""
+    media: tuple[VisionInputs | None, ...] | None = None
+    """Vision-language rows: each row's images and videos (None: a row without), whose pixels
+    go to the forward with the tokens."""
 
     @property
     def lengths(self) -> list[int]:
@@ -61,6 +65,7 @@ class TokenBatch:
             behaviour_logprobs=self.behaviour_logprobs[index, : length - 1],
             advantages=self.advantages[index],
             segment_ids=None if self.segment_ids is None else self.segment_ids[index, :length],
+            media=None if self.media is None else tuple(self.media[i] for i in rows),
         )
 
     def rows(self, start: int, stop: int) -> TokenBatch:

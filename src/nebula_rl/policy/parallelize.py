@@ -22,7 +22,7 @@ the Llama, Qwen2 and Qwen3 families.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -588,10 +588,12 @@ def whole_model_loss(
     compute_dtype: torch.dtype | None,
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
+    inputs: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     """`loss_fn(logits, labels)` of `module` (an HF causal LM) run on this rank's whole rows,
     forward autocast to `compute_dtype` (None: the parameters' own), backpropagated with
-    `backward`; the caller sets grad mode."""
+    `backward`; the caller sets grad mode. `inputs` are more keyword arguments of the forward
+    (a vision-language model's pixels)."""
     autocast = (
         nullcontext()
         if compute_dtype is None
@@ -603,6 +605,7 @@ def whole_model_loss(
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **(inputs or {}),
         ).logits
     loss = loss_fn(logits, labels)
     if backward:
@@ -698,6 +701,7 @@ class ParallelModel:
         backward: bool,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
+        inputs: Mapping[str, Tensor] | None = None,
     ) -> list[Tensor]:
         """Forward (and with `backward`, backward) of this rank's rows; the losses `loss_fn`
         returned on this rank (one per pipeline micro-batch on the last stage, none on the
@@ -708,8 +712,14 @@ class ParallelModel:
         same way as the inputs (micro-batches under PP, sequence shards under CP) before
         `loss_fn(logits, labels)` sees it. Without `backward` it runs under no_grad. A prepared
         `attention_mask` (packed rows, with their `position_ids`) only goes to an unsplit
-        forward: PP and CP take right-padded rows, for which the causal mask is exact.
+        forward: PP and CP take right-padded rows, for which the causal mask is exact. `inputs`
+        (a vision-language model's pixels) also go to an unsplit forward only.
         """
+        if inputs and (self.dims.pp > 1 or self.dims.cp > 1):
+            raise ValueError(
+                "vision-language inputs (images, videos) are not supported with "
+                "policy.parallelism.pp_size > 1 or cp_size > 1 yet"
+            )
         if attention_mask is not None and (self.dims.pp > 1 or self.dims.cp > 1):
             raise ValueError(
                 "train.sequence_packing (packed rows with a block-diagonal attention mask) is "
@@ -731,6 +741,7 @@ class ParallelModel:
                     compute_dtype=self.compute_dtype,
                     attention_mask=attention_mask,
                     position_ids=position_ids,
+                    inputs=inputs,
                 )
             ]
 

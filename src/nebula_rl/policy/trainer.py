@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ from nebula_rl.algorithms import (
 )
 from nebula_rl.config import Config, GrpoConfig
 from nebula_rl.data.packing import packed_attention_mask, segment_positions
+from nebula_rl.data.vision import VisionInputs, media_kwargs
 from nebula_rl.models import resolve_dtype
 from nebula_rl.policy.batching import (
     TokenBatch,
@@ -72,6 +73,9 @@ __all__ = [
     "pack_examples",
     "token_logprobs",
 ]
+
+SftExample = tuple[list[int], list[int]] | tuple[list[int], list[int], VisionInputs | None]
+"""An SFT conversation: token ids, loss mask, and for a vision-language model its media."""
 
 
 def loss_settings(cfg: Config) -> LossSettings:
@@ -181,6 +185,17 @@ class _Forward:
             position_ids = segment_positions(segment_ids)
         # Right-padded rows need no attention mask: the causal mask alone is exact for the
         # real tokens (and PP and CP take none).
+        inputs = None
+        if mb.media is not None:  # a vision-language model's pixels, grids and token types
+            config: Any = self.module.config
+            media = media_kwargs(
+                mb.media,
+                mb.input_ids,
+                image_token_id=int(config.image_token_id),
+                video_token_id=int(config.video_token_id),
+                attention_mask=mb.attention_mask,
+            )
+            inputs = {k: v.to(device) for k, v in media.items()}
         input_ids, labels = mb.input_ids.to(device), labels.to(device)
         if self.parallel is not None:
             return self.parallel.run(
@@ -190,6 +205,7 @@ class _Forward:
                 backward=backward,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
+                inputs=inputs,
             )
         with torch.enable_grad() if backward else torch.no_grad():
             loss = whole_model_loss(
@@ -201,6 +217,7 @@ class _Forward:
                 compute_dtype=self.compute_dtype,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
+                inputs=inputs,
             )
         return [loss]
 
@@ -629,17 +646,28 @@ class PolicyTrainer:
 
     # -- SFT ---------------------------------------------------------------------------------------
 
-    def _sft_batch(self, examples: Sequence[tuple[list[int], list[int]]]) -> TokenBatch:
-        """Right-padded rows, or packed ones with `train.sequence_packing`."""
+    def _sft_batch(self, examples: Sequence[SftExample]) -> TokenBatch:
+        """Right-padded rows, or packed ones with `train.sequence_packing`; an example's third
+        item, when there is one, holds its images and videos (a vision-language model)."""
+        media = tuple(e[2] if len(e) > 2 else None for e in examples)  # type: ignore[misc]
+        with_media = any(m is not None for m in media)
         if self.cfg.train.sequence_packing:
+            if with_media:
+                raise ValueError(
+                    "train.sequence_packing is not supported for conversations with images or "
+                    "videos yet (their 3-D positions would have to restart per conversation)"
+                )
             return pack_examples(
-                examples, max_length=self.cfg.policy.model_max_length, pad_id=self.pad_id
+                [(e[0], e[1]) for e in examples],
+                max_length=self.cfg.policy.model_max_length,
+                pad_id=self.pad_id,
             )
-        return pad_batch(
-            [(ids, mask, [0.0] * len(ids)) for ids, mask in examples],
+        batch = pad_batch(
+            [(e[0], e[1], [0.0] * len(e[0])) for e in examples],
             torch.zeros(len(examples)),
             self.pad_id,
         )
+        return replace(batch, media=media) if with_media else batch
 
     def _sft_loss_sum(
         self, batch: TokenBatch, *, num_tokens: float, rows_per_forward: int, backward: bool
@@ -667,7 +695,7 @@ class PolicyTrainer:
                 total += loss.item()
         return total
 
-    def sft_step(self, examples: Sequence[tuple[list[int], list[int]]]) -> dict[str, float]:
+    def sft_step(self, examples: Sequence[SftExample]) -> dict[str, float]:
         """One optimiser step of next-token cross-entropy on the masked (assistant) tokens.
 
         `examples` are this rank's share (with a ParallelModel: its data-parallel rank's; TP,
@@ -700,9 +728,7 @@ class PolicyTrainer:
         }
 
     @torch.no_grad()
-    def sft_eval(
-        self, examples: Sequence[tuple[list[int], list[int]]], *, rows_per_forward: int
-    ) -> float:
+    def sft_eval(self, examples: Sequence[SftExample], *, rows_per_forward: int) -> float:
         """Mean next-token cross-entropy over the assistant tokens of `examples`, in eval mode and
         without gradients. With a :class:`ReplicaGroup` every replica passes its share and all
         get the mean over the union (with a ParallelModel, every data-parallel rank its own)."""

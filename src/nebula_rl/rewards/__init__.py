@@ -1,7 +1,8 @@
 """Rewards: pure functions ``fn(completion, reference) -> float`` of text, looked up by name.
 
-Built in: ``boxed_math`` and ``direct_math`` (math-verify), ``gsm8k``, ``format`` and
-``arithmetic``. Register your own with ``@register_reward("name")`` or name it in a config as
+Built in: ``boxed_math`` and ``direct_math`` (math-verify), ``gsm8k``, ``arithmetic``,
+``single_choice`` and ``format`` (cosmos-rl's: the Cosmos-Reason recipe's pair), and
+``answer_format`` (a boxed or ``####`` final answer). Register your own with ``@register_reward("name")`` or name it in a config as
 ``"module.path:function"``; ``combine_rewards`` turns a config's ``reward_function`` (a name, a
 list of names, or a ``{name: weight}`` mapping) into one picklable callable.
 ``overlong_penalty`` is DAPO's length penalty; it takes a token count, so it is not registered.
@@ -21,7 +22,8 @@ from nebula_rl.rewards.base import (
     register_reward,
     takes_custom,
 )
-from nebula_rl.rewards.format import format_reward
+from nebula_rl.rewards.choice import single_choice_reward
+from nebula_rl.rewards.format import answer_format_reward, format_reward
 from nebula_rl.rewards.gsm8k import gsm8k_reward
 from nebula_rl.rewards.math_answer import boxed_math_reward, direct_math_reward
 from nebula_rl.rewards.overlong import overlong_penalty
@@ -33,6 +35,7 @@ __all__ = [
     "RewardFn",
     "Scored",
     "Scorer",
+    "answer_format_reward",
     "arithmetic_reward",
     "boxed_math_reward",
     "combine_rewards",
@@ -44,5 +47,6 @@ __all__ = [
     "overlong_penalty",
     "register_reward",
     "scorer",
+    "single_choice_reward",
     "takes_custom",
 ]

@@ -128,7 +128,8 @@ def combine_rewards(
     """Build the reward a config's ``reward_function`` field describes.
 
     ``spec`` is one name (``"gsm8k"``), a list of names summed with weight 1.0
-    (``["gsm8k", "format"]``), or a mapping of name to weight (``{"gsm8k": 1.0, "format": 0.1}``).
+    (``["gsm8k", "answer_format"]``), or a mapping of name to weight
+    (``{"gsm8k": 1.0, "answer_format": 0.1}``).
     Names are registered names or ``"module.path:function"`` import paths. ``custom`` (the
     config's ``[custom]`` table) goes to the functions that take a ``custom`` keyword.
     """
