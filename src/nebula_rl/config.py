@@ -1318,6 +1318,11 @@ STALE_KEYS: dict[str, str] = {
     "policy.diffusers.timestep_fraction": "a misspelling of timesteps_fraction",
     "policy.model_gradient_checkpointig": "a misspelling of model_gradient_checkpointing",
     "distillation.model_max_length": "not a key of cosmos-rl's [distillation]",
+    # Cosmos-Reason1's recipe configs (the Cosmos-Reason2 post-training recipe) predate
+    # cosmos-rl's [validation] table, which replaced these; set [validation] instead.
+    "train.enable_validation": "replaced by [validation] enable",
+    "train.validation_step": "replaced by [validation] freq",
+    "train.validation_batch_per_replica": "replaced by [validation] batch_size",
 }
 """Keys that cosmos-rl's own shipped configs carry but no cosmos-rl code reads (it drops unknown
 keys silently): accepted here with a warning that names them, and then ignored, as there."""
