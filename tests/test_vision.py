@@ -349,7 +349,7 @@ def test_vision_language_rl_and_packing_are_refused_by_name(tmp_path):
     from nebula_rl import local
     from nebula_rl.config import config_from_dict
 
-    with pytest.raises(ValueError, match="train.sequence_packing is not supported for conv"):
+    with pytest.raises(ValueError, match=r"train\.sequence_packing is not supported for conv"):
         cfg = _squares_sft(tmp_path)
         cfg.train.sequence_packing = True
         local.run(cfg)
@@ -359,5 +359,5 @@ def test_vision_language_rl_and_packing_are_refused_by_name(tmp_path):
             "policy": {"model_name_or_path": "tiny:qwen3_vl"},
         }
     )
-    with pytest.raises(ValueError, match="is a vision-language model .*GRPO needs rollouts"):
+    with pytest.raises(ValueError, match=r"is a vision-language model .*GRPO needs rollouts"):
         local.run(grpo)

@@ -439,17 +439,24 @@ class VisionProcessor:
             int(options.get("max_pixels", self.max_pixels)),
         )
 
+    def _size(
+        self, image: Image.Image, options: dict[str, Any], low: int, high: int
+    ) -> tuple[int, int]:
+        """(height, width) the model sees `image` at: `resized_height` / `resized_width` when
+        given, else its own, rounded and bounded by `smart_resize`."""
+        return smart_resize(
+            int(options.get("resized_height", image.height)),
+            int(options.get("resized_width", image.width)),
+            factor=self.layout.factor,
+            min_pixels=low,
+            max_pixels=high,
+        )
+
     def _image(self, source: object, options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         image = load_image(source)
         low, high = self._bounds(options)
         if "resized_height" in options or "resized_width" in options:
-            height, width = smart_resize(
-                int(options.get("resized_height", image.height)),
-                int(options.get("resized_width", image.width)),
-                factor=self.layout.factor,
-                min_pixels=low,
-                max_pixels=high,
-            )
+            height, width = self._size(image, options, low, high)
             image = image.resize((width, height), Image.Resampling.BICUBIC)
             out = self.image_processor(images=[image], do_resize=False, return_tensors="pt")
         else:
@@ -468,14 +475,7 @@ class VisionProcessor:
         if "total_pixels" in options:  # a budget for every frame together
             per_frame = int(options["total_pixels"]) * tp // len(frames)
             high = max(min(high, per_frame), low)
-        first = frames[0]
-        height, width = smart_resize(
-            int(options.get("resized_height", first.height)),
-            int(options.get("resized_width", first.width)),
-            factor=self.layout.factor,
-            min_pixels=low,
-            max_pixels=high,
-        )
+        height, width = self._size(frames[0], options, low, high)
         pixels = np.stack(
             [
                 np.asarray(f.resize((width, height), Image.Resampling.BICUBIC), dtype=np.float32)
