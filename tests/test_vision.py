@@ -361,3 +361,30 @@ def test_vision_language_rl_and_packing_are_refused_by_name(tmp_path):
     )
     with pytest.raises(ValueError, match=r"is a vision-language model .*GRPO needs rollouts"):
         local.run(grpo)
+
+
+@pytest.mark.slow
+def test_the_vlm_demo_sft_config_learns_to_count(tmp_path):
+    """`configs/vlm_demo_sft.toml` as shipped (one process, ~2 minutes): its export reads the
+    count off held-out images, where a model that ignored them would score ~0.25."""
+    from pathlib import Path
+
+    from nebula_rl import local
+    from nebula_rl.config import load_config
+    from nebula_rl.data import squares_task
+
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "vlm_demo_sft.toml")
+    cfg.train.output_dir = str(tmp_path)
+    export = local.run(cfg) / "safetensors" / "final"
+    model = AutoModelForImageTextToText.from_pretrained(export).eval()
+    processor = VisionProcessor.from_pretrained(str(export))
+    tok = processor.tokenizer
+    think = tok.encode("<think>")
+    rows = squares_task(num_samples=100, seed=99)  # (the training rows are seed 7's)
+    correct = 0
+    with torch.no_grad():
+        for row in rows:
+            prompt = processor(row["prompt"], add_generation_prompt=True, completion_ids=think)
+            logits = model(**_batch(processor, [prompt], tok)).logits[0, -1]
+            correct += tok.decode([int(logits.argmax())]) == row["answer"]
+    assert correct >= 90, correct
