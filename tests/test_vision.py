@@ -388,3 +388,88 @@ def test_the_vlm_demo_sft_config_learns_to_count(tmp_path):
             logits = model(**_batch(processor, [prompt], tok)).logits[0, -1]
             correct += tok.decode([int(logits.argmax())]) == row["answer"]
     assert correct >= 90, correct
+
+
+def _squares_config(tmp_path, name: str, **parallelism: int):
+    from nebula_rl.config import config_from_dict
+
+    dp = parallelism.get("dp_shard_size", 1) * parallelism.get("dp_replicate_size", 1)
+    cfg = config_from_dict(
+        {
+            "train": {
+                "output_dir": str(tmp_path),
+                "timestamp": name,
+                "optm_lr": 1e-3,
+                "optm_warmup_steps": 0,
+                "train_batch_per_replica": 8 // dp,
+                "max_num_steps": 3,
+                "seed": 5,
+                "train_policy": {
+                    "type": "sft",
+                    "mini_batch": 4,
+                    "dataset": {"name": "builtin:squares", "kwargs": {"num_samples": 48}},
+                },
+            },
+            "policy": {
+                "model_name_or_path": "tiny:qwen3_vl",
+                "model_max_length": 128,
+                "parallelism": parallelism,
+            },
+        }
+    )
+    path = tmp_path / f"{name}.json"
+    path.write_text(cfg.model_dump_json())
+    return path
+
+
+def test_fsdp_sft_of_a_vision_language_model_steps_like_one_process(tmp_path):
+    """`nebula-rl train` with `dp_shard_size = 2`: FSDP2 shards the vision blocks and the
+    decoder layers; each rank trains half of every batch (with its own images); the losses and
+    the exported weights are one process's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, parallelism in (("one", {}), ("two", {"dp_shard_size": 2})):
+        config = _squares_config(tmp_path, name, **parallelism)
+        result = subprocess.run(
+            [sys.executable, "-m", "nebula_rl.cli", "train", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    runs = {
+        name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+        for name in ("one", "two")
+    }
+    assert [m["step"] for m in runs["two"]] == [1, 2, 3]
+    for one, two in zip(runs["one"], runs["two"], strict=True):
+        assert two["num_tokens"] == one["num_tokens"]
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    weights = {
+        name: load_file(tmp_path / name / "safetensors" / "final" / "model.safetensors")
+        for name in ("one", "two")
+    }
+    assert weights["one"].keys() == weights["two"].keys()
+    assert any(k.startswith("model.visual.") for k in weights["one"])
+    for key, want in weights["one"].items():
+        torch.testing.assert_close(weights["two"][key], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", ["tp_size", "pp_size", "cp_size"])
+def test_model_parallel_layouts_of_a_vision_language_model_are_refused(split):
+    from nebula_rl.models import load_model_config
+    from nebula_rl.policy.parallelize import ParallelDims
+
+    sizes = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, split[:2]: 2}
+    with pytest.raises(ValueError, match=rf"{split} > 1: a vision-language model \(qwen3_vl\)"):
+        ParallelDims(**sizes).check_model(load_model_config("tiny:qwen3_vl"))
+    ParallelDims(**{**sizes, split[:2]: 1, "dp_shard": 2}).check_model(
+        load_model_config("tiny:qwen3_vl")
+    )

@@ -128,6 +128,17 @@ class ParallelDims:
 
     def check_model(self, config: PretrainedConfig) -> None:
         """Raise a ValueError naming the config key if `config`'s model cannot be split so."""
+        if getattr(config, "vision_config", None) is not None:
+            split = [
+                f"{k}_size" for k, n in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp)) if n > 1
+            ]
+            if split:
+                raise ValueError(
+                    f"{KEY}.{', '.join(split)} > 1: a vision-language model ({config.model_type}) "
+                    "is split only data-parallel so far (dp_shard_size, dp_replicate_size: FSDP2 "
+                    "shards its vision blocks and decoder layers alike)"
+                )
+            config = config.get_text_config()
         if self.tp > 1:
             if config.model_type not in TP_PLANS:
                 raise ValueError(
@@ -229,8 +240,11 @@ TP_PLANS: dict[str, Callable[[], tuple[dict[str, ParallelStyle], dict[str, Paral
 
 
 def _decoder(model: nn.Module) -> Any:
-    """The decoder stack (`model.model`) of an HF causal LM or of a pipeline stage."""
+    """The decoder stack (`model.model`) of an HF causal LM or of a pipeline stage; of a
+    vision-language model, its language model's (`model.model.language_model`)."""
     decoder = getattr(model, "model", None)
+    if decoder is not None and hasattr(decoder, "language_model"):
+        decoder = decoder.language_model
     if decoder is None or not hasattr(decoder, "layers"):
         raise TypeError(
             f"{type(model).__name__} has no `model.layers`; nebula-rl parallelises Hugging Face "
@@ -241,6 +255,14 @@ def _decoder(model: nn.Module) -> Any:
 
 def _layers(model: nn.Module) -> list[nn.Module]:
     return list(_decoder(model).layers.children())
+
+
+def _vision_blocks(model: nn.Module) -> list[nn.Module]:
+    """A vision-language model's vision tower blocks (`model.model.visual.blocks`); none for a
+    language model."""
+    visual = getattr(getattr(model, "model", None), "visual", None)
+    blocks = getattr(visual, "blocks", None)
+    return list(blocks.children()) if blocks is not None else []
 
 
 def _config(model: nn.Module) -> Any:
@@ -532,7 +554,7 @@ def apply_fsdp(
         mp_policy=_fsdp_precision(param_dtype, reduce_dtype),
         offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
     )
-    for layer in _layers(model):
+    for layer in [*_vision_blocks(model), *_layers(model)]:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     _sum_gradients(model)
@@ -986,8 +1008,8 @@ def parallelize_model(
             "memory-efficient SDPA kernels by ring attention, and torch's CPU SDPA kernel has "
             f"no sharding rule (this mesh is on {mesh.device_type!r})"
         )
-    config = _config(model)
-    dims.check_model(config)
+    dims.check_model(_config(model))
+    config = _config(model).get_text_config()  # (a vision-language model's language model)
     tied = _tied(model)
     tp_mesh = mesh["tp"] if dims.tp > 1 else None
     stage_layers = [range(config.num_hidden_layers)]
