@@ -272,40 +272,11 @@ def test_sft_on_two_processes_steps_like_one(tmp_path, parallelism):
     schedule; it starts its ranks itself, DDP's under torchrun instead): under data parallelism
     each rank takes its half of every batch, under TP and PP both take all of it; the losses
     and the exported weights are those of one process with the whole batch."""
-    import os
-    import subprocess
-    import sys
+    from sft_runs import CLI, TORCHRUN, assert_two_like_one, train
 
-    from safetensors.torch import load_file
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cli = [sys.executable, "-m", "nebula_rl.cli"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    two = [*torchrun, "-m", "nebula_rl.cli"] if "dp_replicate_size" in parallelism else cli
-    for name, launcher in (("one", cli), ("two", two)):
-        config = _arithmetic_sft(tmp_path, name, **(parallelism if name == "two" else {}))
-        result = subprocess.run(
-            [*launcher, "train", "--config", str(config)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    runs = {
-        name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
-        for name in ("one", "two")
-    }
-    assert [m["step"] for m in runs["two"]] == [1, 2, 3, 4]
-    for one, two in zip(runs["one"], runs["two"], strict=True):
-        assert two["num_tokens"] == one["num_tokens"]  # the global count, not one rank's
-        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
-    weights = {
-        name: load_file(tmp_path / name / "safetensors" / "final" / "model.safetensors")
-        for name in ("one", "two")
-    }
-    assert weights["one"].keys() == weights["two"].keys()
-    for key, want in weights["one"].items():
-        # TP sums partial matmuls in another order: after 4 AdamW steps (each moving a weight
-        # by ~1e-3) single elements differ by up to ~1.4e-5 (as in test_parallelize.py).
-        torch.testing.assert_close(weights["two"][key], want, rtol=1e-4, atol=3e-5)
+    two = [*TORCHRUN, "-m", "nebula_rl.cli"] if "dp_replicate_size" in parallelism else CLI
+    for name, launcher in (("one", CLI), ("two", two)):
+        train(_arithmetic_sft(tmp_path, name, **(parallelism if name == "two" else {})), launcher)
+    # TP sums partial matmuls in another order: after 4 AdamW steps (each moving a weight by
+    # ~1e-3) single elements differ by up to ~1.4e-5 (as in test_parallelize.py).
+    assert_two_like_one(tmp_path, 4, atol=3e-5)

@@ -426,40 +426,12 @@ def test_fsdp_sft_of_a_vision_language_model_steps_like_one_process(tmp_path):
     """`nebula-rl train` with `dp_shard_size = 2`: FSDP2 shards the vision blocks and the
     decoder layers; each rank trains half of every batch (with its own images); the losses and
     the exported weights are one process's."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from sft_runs import assert_two_like_one, train
 
-    from safetensors.torch import load_file
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name, parallelism in (("one", {}), ("two", {"dp_shard_size": 2})):
-        config = _squares_config(tmp_path, name, **parallelism)
-        result = subprocess.run(
-            [sys.executable, "-m", "nebula_rl.cli", "train", "--config", str(config)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    runs = {
-        name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
-        for name in ("one", "two")
-    }
-    assert [m["step"] for m in runs["two"]] == [1, 2, 3]
-    for one, two in zip(runs["one"], runs["two"], strict=True):
-        assert two["num_tokens"] == one["num_tokens"]
-        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
-    weights = {
-        name: load_file(tmp_path / name / "safetensors" / "final" / "model.safetensors")
-        for name in ("one", "two")
-    }
-    assert weights["one"].keys() == weights["two"].keys()
-    assert any(k.startswith("model.visual.") for k in weights["one"])
-    for key, want in weights["one"].items():
-        torch.testing.assert_close(weights["two"][key], want, rtol=1e-4, atol=1e-5)
+        train(_squares_config(tmp_path, name, **parallelism))
+    weights = assert_two_like_one(tmp_path, 3, atol=1e-5)
+    assert any(k.startswith("model.visual.") for k in weights)
 
 
 @pytest.mark.parametrize("split", ["tp_size", "pp_size", "cp_size"])

@@ -287,12 +287,12 @@ class VisionProcessor:
         """The processor of a model folder, Hub repo id or preset: its tokenizer and config,
         and the image processor its `preprocessor_config.json` describes (a preset's
         otherwise)."""
-        from nebula_rl.models import load_model_config, load_tokenizer, resolve_model
+        from nebula_rl.models import PRESET_PREFIX, load_model_config, load_tokenizer, resolve_model
 
         tokenizer = load_tokenizer(name_or_path, revision=revision)
         config = load_model_config(name_or_path, revision=revision)
         image_processor = None
-        if not name_or_path.startswith("tiny:"):
+        if not name_or_path.startswith(PRESET_PREFIX):
             path = resolve_model(name_or_path, revision=revision)
             if (path / "preprocessor_config.json").is_file():
                 image_processor = Qwen2VLImageProcessorPil.from_pretrained(

@@ -436,25 +436,21 @@ def _shared_layout(
             groups.setdefault(group, []).append(piece)
         mine = slots.setdefault(dst, {})
         for pieces in groups.values():
-            parts = []
-            for piece in pieces:
-                dtype = _wire_dtype(piece.dtype, None)
-                offset = 0 if piece.place is None else piece.place[1]
-                parts.append((piece.name, piece.box, offset, str(dtype)))
+            parts = [
+                (p.name, p.box, 0 if p.place is None else p.place[1], _wire_dtype(p.dtype, None))
+                for p in pieces
+            ]
             first = pieces[0]
             span = (
-                _numel(first.box) * _wire_dtype(first.dtype, None).itemsize
-                if first.place is None
-                else first.place[2]
+                _numel(first.box) * parts[0][3].itemsize if first.place is None else first.place[2]
             )
             block = (span, tuple(parts))
             if block not in blocks:
                 blocks[block] = size
                 size += -(-span // _BLOCK_ALIGN) * _BLOCK_ALIGN
-            for piece, (_, box, offset, _) in zip(pieces, parts, strict=True):
+            for name, box, offset, dtype in parts:
                 shape = tuple(hi - lo for lo, hi in box)
-                dtype = _wire_dtype(piece.dtype, None)
-                mine[piece.name] = _Slot(blocks[block] + offset, shape, dtype)
+                mine[name] = _Slot(blocks[block] + offset, shape, dtype)
     writes: dict[tuple[object, ...], _Write] = {}
     for message in messages:
         for copy in message.copies:
@@ -608,19 +604,6 @@ class _Endpoint:
                 "bucket_bytes differ)"
             )
         return first[:3]
-
-    def _checksums(self, slot: int, trainable_only: bool) -> dict[int, int]:
-        """Per receiver (on a sender) or per sender (on a receiver): the checksum of the pieces
-        of this push in set `slot` that this member and it share."""
-        sums: dict[int, int] = {}
-        for write, view in self._views[slot]:
-            if trainable_only and not write.copy.trainable:
-                continue
-            peers = write.readers if write.src == self.group.rank else (write.src,)
-            value = _view_checksum(view)
-            for peer in peers:
-                sums[peer] = (sums.get(peer, 0) + value) % (1 << 63)
-        return sums
 
     def _run(
         self, messages: list[_Message], tensors: Mapping[str, Tensor], with_checksum: bool
@@ -868,6 +851,18 @@ class ShardedSender(_Endpoint):
             snapshot_s,
             time.perf_counter() - start,
         )
+
+    def _checksums(self, slot: int, trainable_only: bool) -> dict[int, int]:
+        """Shared memory, per receiver: the checksum of the pieces of this push in set `slot`
+        that this rank wrote and that receiver reads (a receiver sums the same per sender)."""
+        sums: dict[int, int] = {}
+        for write, view in self._views[slot]:
+            if trainable_only and not write.copy.trainable:
+                continue
+            value = _view_checksum(view)
+            for reader in write.readers:
+                sums[reader] = (sums.get(reader, 0) + value) % (1 << 63)
+        return sums
 
     def _push_bytes(self, trainable_only: bool) -> int:
         """Bytes this rank sends (without shared memory) or packs (with) per push."""
