@@ -173,3 +173,31 @@ def test_the_defaults_that_differ_are_listed(kind: str) -> None:
         f"validation.remote_reward.{k}"
         for k in ("batch_size", "reward_clip_max", "reward_clip_min", "reward_fns", "scale")
     }
+
+
+def test_the_cosmos_reason_sft_recipe_loads_with_its_pre_validation_keys_noted(tmp_path) -> None:
+    """Cosmos-Reason1's SFT recipe (the Cosmos-Reason2 post-training recipe) still carries the
+    validation keys cosmos-rl's [validation] table replaced, and a free-form [custom] table."""
+    path = tmp_path / "reason_sft.toml"
+    path.write_text(
+        'redis = "12800"\n'
+        "[custom.dataset]\n"
+        'media_path = "/data/train2017"\n'
+        "[train]\n"
+        "train_batch_per_replica = 32\n"
+        "enable_validation = true\n"
+        "validation_step = 30\n"
+        "validation_batch_per_replica = 2\n"
+        "[policy]\n"
+        'model_name_or_path = "nvidia/Cosmos-Reason1-7B"\n'
+        "[train.train_policy]\n"
+        'type = "sft"\n'
+        'conversation_column_name = "conversations"\n'
+    )
+    cfg = load_config(path)
+    for key in ("enable_validation", "validation_step", "validation_batch_per_replica"):
+        assert any(
+            w.startswith(f"train.{key}: ignored, as cosmos-rl ignores it") for w in cfg.warnings
+        )
+    assert not cfg.validation.enable  # (ignored, as in cosmos-rl: [validation] decides)
+    assert cfg.custom == {"dataset": {"media_path": "/data/train2017"}}
