@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-all lint format typecheck bench clean
+.PHONY: setup demo vlm-demo test test-all lint format typecheck bench clean
 
 $(BIN)/nebula-rl: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,10 @@ setup: $(BIN)/nebula-rl
 
 demo: setup
 	$(BIN)/nebula-rl train --config configs/demo.toml
+
+# GRPO of a tiny vision-language model on images (see configs/vlm_demo.toml; ~5 min on 2 cores).
+vlm-demo: setup
+	$(BIN)/nebula-rl train --config configs/vlm_demo.toml
 
 test: setup
 	$(BIN)/python -m pytest -q -m "not slow and not gpu"

@@ -44,7 +44,6 @@ FEATURES = [
     ("image and video logging", "media logging"),
     ("non-text", "non-text completions"),
     ("trainer", "user-registered trainers"),
-    ("dataloader", "controller dataloader workers"),
     ("rollout.parallelism", "rollout dp_shard_size"),
 ]
 

@@ -345,7 +345,13 @@ def test_sft_of_a_vision_language_model_trains_and_exports(tmp_path):
         assert torch.isfinite(trained(**batch).logits).all()
 
 
-def test_vision_language_rl_and_packing_are_refused_by_name(tmp_path):
+def test_vision_language_packing_is_refused_and_grpo_runs_on_images(tmp_path):
+    """Packing conversations with media is refused by name; GRPO in one process generates from
+    the images, trains on them and exports a model that loads with its processor."""
+    import json
+
+    from transformers import AutoModelForImageTextToText
+
     from nebula_rl import local
     from nebula_rl.config import config_from_dict
 
@@ -355,12 +361,34 @@ def test_vision_language_rl_and_packing_are_refused_by_name(tmp_path):
         local.run(cfg)
     grpo = config_from_dict(
         {
-            "train": {"output_dir": str(tmp_path), "train_policy": {"type": "grpo"}},
-            "policy": {"model_name_or_path": "tiny:qwen3_vl"},
+            "train": {
+                "output_dir": str(tmp_path),
+                "max_num_steps": 2,
+                "train_batch_per_replica": 8,
+                "train_policy": {
+                    "type": "grpo",
+                    "prompt_column_name": "prompt",
+                    "response_column_name": "answer",
+                    "reward_function": ["single_choice", "format"],
+                    "dataset": {"name": "builtin:squares", "kwargs": {"num_samples": 16}},
+                },
+            },
+            "policy": {"model_name_or_path": "tiny:qwen3_vl", "model_max_length": 96},
+            "rollout": {
+                "backend": "torch",
+                "n_generation": 4,
+                "batch_size": 2,
+                "max_response_length": 8,
+            },
         }
     )
-    with pytest.raises(ValueError, match=r"is a vision-language model .*GRPO needs rollouts"):
-        local.run(grpo)
+    run = local.run(grpo)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["num_sequences"] == 8 and r["response_length_mean"] > 0 for r in records)
+    export = run / "safetensors" / "final"
+    assert (export / "preprocessor_config.json").is_file()
+    assert AutoModelForImageTextToText.from_pretrained(export).config.model_type == "qwen3_vl"
 
 
 @pytest.mark.slow

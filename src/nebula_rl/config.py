@@ -230,17 +230,15 @@ class GrpoConfig(_Section):
         default=False, json_schema_extra=refused("the dataset cache is not supported yet")
     )
     """Cache processed dataset rows."""
-    dataloader_num_workers: int = Field(
-        default=0,
-        json_schema_extra=refused(
-            "RL prompts are read by the controller; it uses no dataloader workers"
-        ),
-    )
-    """Dataloader worker processes (cosmos-rl: of the controller's prompt loader)."""
-    dataloader_prefetch_factor: int | None = Field(
-        default=None, json_schema_extra=refused("see dataloader_num_workers")
-    )
-    """Batches loaded ahead by each dataloader worker."""
+    dataloader_num_workers: int = Field(default=0, ge=0)
+    """Threads in which each rollout replica prepares the prompts it claimed (chat template,
+    image and video decoding and patching) while it generates; 0: prepared when submitted.
+    (cosmos-rl: workers of the controller's prompt loader; here the controller only hands out
+    references, and the replicas do the loading.)"""
+    dataloader_prefetch_factor: int | None = Field(default=None, ge=1)
+    """Prompts each of those threads prepares ahead: a replica holds up to
+    `dataloader_num_workers x dataloader_prefetch_factor` claimed prompts beyond what its engine
+    runs (with `dataloader_num_workers` > 0; default 2, as torch's DataLoader)."""
     dataloader_batch_size: int | None = Field(
         default=1,
         json_schema_extra=refused(

@@ -420,7 +420,7 @@ def check_job(cfg: Config) -> None:
 
     from nebula_rl.models import load_model_config, load_tokenizer
     from nebula_rl.policy.parallelize import ParallelDims
-    from nebula_rl.policy.setup import check_pipeline_micro_batches, refuse_vision_rl
+    from nebula_rl.policy.setup import check_pipeline_micro_batches
     from nebula_rl.preflight import replica_world_size
     from nebula_rl.rollout.build import check_backend
 
@@ -437,7 +437,6 @@ def check_job(cfg: Config) -> None:
     dims = ParallelDims.from_config(par, world_size=replica_world_size(par) or others)
     check_pipeline_micro_batches(cfg, dims)
     config = load_model_config(cfg.policy.model_name_or_path, revision=cfg.policy.model_revision)
-    refuse_vision_rl(cfg, config)
     # (tp_size must divide the heads, pp_size not exceed the layers; models load with SDPA)
     config._attn_implementation = config._attn_implementation or "sdpa"
     dims.check_model(config)

@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,6 @@ from nebula_rl.data import (
     epoch_order,
     load_rows,
     num_train_steps,
-    prompt_token_ids,
     rl_prompt,
     rl_rows,
     rl_validation_rows,
@@ -48,17 +47,17 @@ from nebula_rl.data import (
     validate_rows,
 )
 from nebula_rl.data.sft_loader import SftBatches
-from nebula_rl.data.vision import VisionProcessor
+from nebula_rl.data.vision import VisionProcessor, vision_processor
 from nebula_rl.metrics_log import open_loggers
-from nebula_rl.models import is_vision_language, load_tokenizer
+from nebula_rl.models import load_tokenizer
 from nebula_rl.models.export import export_hf
+from nebula_rl.policy.batching import rollout_media
 from nebula_rl.policy.checkpoint import Checkpointer, Restored
 from nebula_rl.policy.parallelize import ParallelModel
 from nebula_rl.policy.setup import (
     load_policy_model,
     parallelize_policy,
     prepare_single_process,
-    refuse_vision_rl,
     rollout_copy,
     use_deterministic,
 )
@@ -73,6 +72,7 @@ from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.rollout.worker import (
     completion_text,
     make_completions,
+    prompt_inputs,
     sampling_params,
     validation_sampling_params,
 )
@@ -128,19 +128,12 @@ def run(cfg: Config) -> Path:
     # The weights the optimiser updates, in train.master_dtype; forward runs in param_dtype.
     model = load_policy_model(cfg, device=device, seed=seed)
     model_config: Any = model.config
-    refuse_vision_rl(cfg, model_config)
     # A vision-language model's processor: its conversations' images and videos, and its export.
-    vision = (
-        VisionProcessor.from_pretrained(
-            cfg.policy.model_name_or_path, revision=cfg.policy.model_revision
-        )
-        if is_vision_language(model_config)
-        else None
-    )
+    vision = vision_processor(cfg, model_config)
     policy = cfg.train.train_policy
     parallel = None
     if isinstance(policy, GrpoConfig):
-        _run_grpo(cfg, policy, model, tokenizer, run_dir)
+        _run_grpo(cfg, policy, model, tokenizer, run_dir, vision=vision)
     else:
         parallel = _run_sft(cfg, policy, model, tokenizer, run_dir, vision=vision)
     if cfg.train.ckpt.export_safetensors:
@@ -225,14 +218,18 @@ def _generate(
     score: Scorer,
     sampling: list[SamplingParams],
     n: int,
+    vision: VisionProcessor | None,
 ) -> list[tuple[Prompt, list[int], RequestOutput, list[str], list[Any]]]:
     """Generate `n` completions of each prompt (`sampling[i]` for prompt i), decode each once
     and score it: (prompt, its token ids, the output, the texts, the scores) per prompt."""
-    ids = []
-    for q in prompts:
+    ids, requests = [], []
+    for q, s in zip(prompts, sampling, strict=True):
         assert q.prompt is not None and q.reference is not None, "local prompts carry their text"
-        ids.append(prompt_token_ids(tokenizer, q.prompt, system_prompt=cfg.grpo.system_prompt))
-    requests = [GenerationRequest(i, n=n, sampling=s) for i, s in zip(ids, sampling, strict=True)]
+        q_ids, media = prompt_inputs(
+            tokenizer, vision, q.prompt, system_prompt=cfg.grpo.system_prompt
+        )
+        ids.append(q_ids)
+        requests.append(GenerationRequest(q_ids, n=n, sampling=s, media=media))
     include_stop = cfg.rollout.include_stop_str_in_output
     out = []
     for prompt, prompt_ids, output in zip(prompts, ids, engine.generate(requests), strict=True):
@@ -249,11 +246,16 @@ def _generate(
 
 
 def _rollout(
-    engine: Engine, tokenizer: Any, prompts: list[Prompt], cfg: Config, score: Scorer
+    engine: Engine,
+    tokenizer: Any,
+    prompts: list[Prompt],
+    cfg: Config,
+    score: Scorer,
+    vision: VisionProcessor | None,
 ) -> list[RolloutGroup]:
-    sampling = sampling_params(cfg, tokenizer.eos_token_id)
+    sampling = [sampling_params(cfg, tokenizer.eos_token_id)] * len(prompts)
     generated = _generate(
-        engine, tokenizer, prompts, cfg, score, [sampling] * len(prompts), cfg.rollout.n_generation
+        engine, tokenizer, prompts, cfg, score, sampling, cfg.rollout.n_generation, vision
     )
     logprobs = cfg.grpo.collect_rollout_logprobs
     return [
@@ -271,6 +273,7 @@ def _validate(
     rows: list[dict[str, Any]],
     score: Scorer,
     step: int,
+    vision: VisionProcessor | None,
 ) -> dict[str, float]:
     """The `val/*` metrics of the engine's current weights on the validation `rows`."""
     v = cfg.validation
@@ -291,7 +294,7 @@ def _validate(
             for q in chunk
         ]
         for *_, output, _texts, scored in _generate(
-            engine, tokenizer, chunk, cfg, score, sampling, v.n_generation
+            engine, tokenizer, chunk, cfg, score, sampling, v.n_generation, vision
         ):
             rewards += [s.reward for s in scored]
             lengths += [len(c.token_ids) for c in output.completions]
@@ -325,6 +328,7 @@ def _collect_batch(
     prompts: _PromptStream,
     cfg: Config,
     score: Scorer,
+    vision: VisionProcessor | None,
 ) -> tuple[list[RolloutGroup], float, int]:
     """A step's scored groups (refilled while dynamic sampling drops some), the generation
     time and the number of groups dropped. Fails when the dropped groups need more than
@@ -338,7 +342,7 @@ def _collect_batch(
         if not want:
             break
         g0 = time.perf_counter()
-        groups = _rollout(engine, tokenizer, want, cfg, score)
+        groups = _rollout(engine, tokenizer, want, cfg, score, vision)
         gen_time += time.perf_counter() - g0
         keep = (
             dynamic_sampling_filter(
@@ -360,7 +364,16 @@ def _collect_batch(
     return batch, gen_time, dropped
 
 
-def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> None:
+def _run_grpo(
+    cfg: Config,
+    p: GrpoConfig,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    run_dir: Path,
+    *,
+    vision: VisionProcessor | None = None,
+) -> None:
+    """RL in this process; `vision`: a vision-language model's processor."""
     rows = rl_rows(cfg)
     total = num_train_steps(cfg, len(rows), items_per_step=cfg.groups_per_replica)
     score = scorer(cfg)
@@ -381,7 +394,7 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
     trainer = PolicyTrainer(
         model, cfg, total_steps=total, pad_id=tokenizer.pad_token_id, ref_model=ref
     )
-    checkpointer = _checkpointer(cfg, run_dir, model, tokenizer, trainer, engine)
+    checkpointer = _checkpointer(cfg, run_dir, model, vision or tokenizer, trainer, engine)
     prompts = _PromptStream(rows, cfg)
     trained: list[str] = []
     done = 0
@@ -393,7 +406,7 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
     writer = _MetricsWriter(cfg, run_dir, after_step=done, total_steps=total)
 
     def validate(step: int) -> dict[str, float]:
-        return _validate(engine, tokenizer, cfg, val_rows, val_score, step)
+        return _validate(engine, tokenizer, cfg, val_rows, val_score, step, vision)
 
     profiler = StepProfiler(cfg.profiler, run_dir, name="local")
     save_signal = CheckpointSignal(cfg.train)
@@ -403,11 +416,20 @@ def _run_grpo(cfg: Config, p: GrpoConfig, model, tokenizer, run_dir: Path) -> No
         step = validated = done
         for step in range(done + 1, total + 1):
             t0 = time.perf_counter()
-            batch, gen_time, dropped = _collect_batch(engine, tokenizer, prompts, cfg, score)
+            batch, gen_time, dropped = _collect_batch(
+                engine, tokenizer, prompts, cfg, score, vision
+            )
             if not batch:
                 step -= 1
                 break
-            metrics = trainer.grpo_step(batch)
+            media = None
+            if vision is not None:
+                texts = [g.prompt.prompt for g in batch]
+                assert all(t is not None for t in texts), "local prompts carry their text"
+                media = rollout_media(
+                    vision, batch, cast(list[Any], texts), system_prompt=p.system_prompt
+                )
+            metrics = trainer.grpo_step(batch, media)
             profiler.step()
             engine.update_weights(model.named_parameters(), policy_version=step)
             trained = trained + [g.prompt.prompt_id for g in batch]

@@ -32,8 +32,8 @@ class Prompt:
     """Epoch this hand-out belongs to (0-based; 0 for validation)."""
     index: int
     """Row index in the training dataset (in the validation rows for validation)."""
-    prompt: str | list[dict[str, str]] | None
-    """Prompt text, or chat messages; None when replicas read the row from their own copy of
+    prompt: str | list[dict[str, Any]] | None
+    """Prompt text, or chat messages (whose content may list text, images and videos); None when replicas read the row from their own copy of
     the dataset (`train.local_dataset`)."""
     reference: str | None
     """Reference answer the reward functions compare against; None as `prompt`."""

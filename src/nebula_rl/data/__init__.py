@@ -39,6 +39,7 @@ __all__ = [
     "load_hub_rows",
     "load_rows",
     "num_train_steps",
+    "prompt_messages",
     "prompt_token_ids",
     "rl_dataset",
     "rl_prompt",
@@ -346,12 +347,22 @@ class RowReport:
 
 
 def _is_prompt(value: Any) -> bool:
-    """Text, or chat messages (a list of {"role": str, "content": str})."""
+    """Text, or chat messages (a list of {"role": str, "content": str, or a list of content
+    items: {"type": "text" | "image" | "video", ...}, see `data.vision`)."""
     if isinstance(value, str):
         return True
     return isinstance(value, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        isinstance(m, dict) and isinstance(m.get("role"), str) and _is_content(m.get("content"))
         for m in value
+    )
+
+
+def _is_content(content: Any) -> bool:
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(item, dict) and item.get("type") in ("text", "image", "video")
+        for item in content
     )
 
 
@@ -387,7 +398,11 @@ def validate_rows(
     return good, report
 
 
-def _messages(prompt: str | list[dict[str, str]], system_prompt: str) -> list[dict[str, str]]:
+def prompt_messages(
+    prompt: str | Sequence[dict[str, Any]], system_prompt: str
+) -> list[dict[str, Any]]:
+    """A prompt as chat messages: a string becomes the user's turn; `system_prompt` (if any)
+    goes first unless the messages start with their own."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
@@ -406,7 +421,7 @@ def prompt_token_ids(
         if not isinstance(prompt, str):
             raise ValueError("chat-message prompts need a tokenizer with a chat template")
         return tokenizer.encode(system_prompt + prompt, add_special_tokens=True)
-    return _render(tokenizer, _messages(prompt, system_prompt), add_generation_prompt=True)
+    return _render(tokenizer, prompt_messages(prompt, system_prompt), add_generation_prompt=True)
 
 
 def _render(
@@ -435,7 +450,7 @@ def sft_example(
     conversation and each assistant turn owns the tokens its prefix adds after the generation
     prompt, so it covers the reply and its end-of-turn token.
     """
-    messages = _messages(messages, system_prompt)
+    messages = prompt_messages(messages, system_prompt)
     ids: list[int] = []
     mask: list[int] = []
     for i, msg in enumerate(messages):

@@ -46,6 +46,8 @@ import torch
 from PIL import Image
 from transformers import PretrainedConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessorPil
 
+from nebula_rl.config import Config
+
 __all__ = [
     "VISION_OPTIONS",
     "VisionInputs",
@@ -55,6 +57,7 @@ __all__ = [
     "media_items",
     "media_kwargs",
     "smart_resize",
+    "vision_processor",
 ]
 
 VISION_OPTIONS = frozenset(
@@ -217,6 +220,11 @@ class VisionInputs:
     second_per_grid_ts: list[float] = field(default_factory=list)
     """Qwen2.5-VL: seconds per temporal patch of each video (M-RoPE's time axis)."""
 
+    @property
+    def has_media(self) -> bool:
+        """Whether the sample holds an image or a video."""
+        return self.pixel_values is not None or self.pixel_values_videos is not None
+
 
 @dataclass(frozen=True, slots=True)
 class _Layout:
@@ -344,6 +352,17 @@ class VisionProcessor:
         inputs, _ = self.expand(ids, [0] * len(ids), messages)
         inputs.input_ids += list(completion_ids)
         return inputs
+
+    def prompt(
+        self, prompt: str | Sequence[dict[str, Any]], *, system_prompt: str = ""
+    ) -> VisionInputs:
+        """A prompt (a user turn's text, or chat messages) ready for generation: chat template
+        with the assistant header, media expanded and cut into patches. The rollout generates
+        from these ids and pixels; the policy builds them again from the same prompt to
+        recompute log-probs, so both see the same tokens."""
+        from nebula_rl.data import prompt_messages
+
+        return self(prompt_messages(prompt, system_prompt), add_generation_prompt=True)
 
     def sft_example(
         self,
@@ -508,6 +527,16 @@ class VisionProcessor:
             seconds = (t * tp + (t * tp + tp - 1)) / 2 / fps
             text += f"<{seconds:.1f} seconds>" + self._wrap(pads)
         return text
+
+
+def vision_processor(cfg: Config, config: PretrainedConfig) -> VisionProcessor | None:
+    """The processor of the job's model (`policy.model_name_or_path`) when `config`, its config,
+    is a vision-language model's; None for a language model."""
+    if getattr(config, "vision_config", None) is None:
+        return None
+    return VisionProcessor.from_pretrained(
+        cfg.policy.model_name_or_path, revision=cfg.policy.model_revision
+    )
 
 
 def media_kwargs(

@@ -42,6 +42,7 @@ __all__ = [
     "load_model",
     "load_model_config",
     "load_tokenizer",
+    "media_token_ids",
     "resolve_dtype",
     "resolve_model",
 ]
@@ -248,6 +249,18 @@ def is_vision_language(config: PretrainedConfig) -> bool:
     """Whether `config` is a vision-language model's (a vision tower in front of a language
     model, loaded with `AutoModelForImageTextToText`)."""
     return getattr(config, "vision_config", None) is not None
+
+
+def media_token_ids(config: PretrainedConfig) -> tuple[int, ...]:
+    """Token ids a model must never generate: a vision-language model's media placeholders
+    (image and video pads, vision start and end), whose places its forward fills with vision
+    embeddings; none for a language model. A completion holding one could not be scored again
+    by the policy (its forward would count one image token too many), so the engine never
+    samples them and the policy's log-probs leave them out alike."""
+    if not is_vision_language(config):
+        return ()
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return tuple(int(v) for name in names if (v := getattr(config, name, None)) is not None)
 
 
 def build_tiny_model(

@@ -10,13 +10,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from nebula_rl.algorithms import shared_prefix_lengths
 from nebula_rl.data.packing import first_fit
-from nebula_rl.data.vision import VisionInputs
+from nebula_rl.data.vision import VisionInputs, VisionProcessor
 from nebula_rl.protocol import RolloutGroup
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "collate_groups",
     "pack_examples",
     "pad_batch",
+    "rollout_media",
     "token_budget_micro_batches",
 ]
 
@@ -172,6 +174,38 @@ def collate_groups(
                 )
             )
     return pad_batch(sequences, advantages.flatten().float(), pad_id)
+
+
+def rollout_media(
+    vision: VisionProcessor,
+    groups: Sequence[RolloutGroup],
+    prompts: Sequence[str | list[dict[str, Any]]],
+    *,
+    system_prompt: str = "",
+) -> list[VisionInputs | None]:
+    """Each group's images and videos, built again from its prompt (`prompts[i]`, the text or
+    messages of `groups[i]`; media travel by reference) as the rollout built them, for the
+    policy's forward; None for a prompt without media.
+
+    The policy's tokens of each prompt must be the rollout's, token for token: log-probs of
+    completions conditioned on other tokens (a different image size, another template) would be
+    wrong without any error. A difference is refused, naming the prompt and the first token."""
+    out: list[VisionInputs | None] = []
+    for group, prompt in zip(groups, prompts, strict=True):
+        inputs = vision.prompt(prompt, system_prompt=system_prompt)
+        ours, theirs = inputs.input_ids, list(group.prompt_token_ids)
+        if ours != theirs:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+                min(len(ours), len(theirs)),
+            )
+            raise ValueError(
+                f"prompt {group.prompt.prompt_id}: the policy builds {len(ours)} prompt tokens, "
+                f"the rollout sent {len(theirs)}, first different at token {at}: both must "
+                "render the prompt with the same chat template, processor and vision settings"
+            )
+        out.append(inputs if inputs.has_media else None)
+    return out
 
 
 def token_budget_micro_batches(lengths: Sequence[int], *, max_tokens: int) -> list[list[int]]:

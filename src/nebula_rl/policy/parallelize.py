@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 from transformers import PretrainedConfig
 
 from nebula_rl.config import ParallelismConfig
+from nebula_rl.models import media_token_ids
 
 __all__ = [
     "MESH_AXES",
@@ -611,11 +612,23 @@ def whole_model_loss(
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
     inputs: Mapping[str, Tensor] | None = None,
+    touch_vision: bool = False,
 ) -> Tensor:
     """`loss_fn(logits, labels)` of `module` (an HF causal LM) run on this rank's whole rows,
     forward autocast to `compute_dtype` (None: the parameters' own), backpropagated with
     `backward`; the caller sets grad mode. `inputs` are more keyword arguments of the forward
-    (a vision-language model's pixels)."""
+    (a vision-language model's pixels). `touch_vision`: a vision-language model whose rows
+    hold no media still runs its vision tower, on one more row holding a blank image, whose
+    output counts zero (see `_with_blank_image`)."""
+    blank = touch_vision and not any(k in (inputs or {}) for k in _PIXEL_KEYS)
+    length = input_ids.shape[1]
+    if blank:
+        if attention_mask is not None or position_ids is not None:
+            raise ValueError(
+                "train.sequence_packing: packed rows without images cannot be trained "
+                "data-parallel with a vision-language model; turn packing off"
+            )
+        input_ids, inputs = _with_blank_image(module, input_ids, inputs)
     autocast = (
         nullcontext()
         if compute_dtype is None
@@ -629,10 +642,53 @@ def whole_model_loss(
             use_cache=False,
             **(inputs or {}),
         ).logits
+        if blank:  # the blank row's logits count zero, but do reach the vision tower
+            logits = logits[:-1, :length] + 0.0 * logits[-1].sum()
+        if never := media_token_ids(_config(module)):  # (as the rollout engine samples)
+            logits = logits.index_fill(-1, torch.tensor(never, device=logits.device), -1e9)
     loss = loss_fn(logits, labels)
     if backward:
         loss.backward()
     return loss
+
+
+_PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
+
+
+def _with_blank_image(
+    module: nn.Module, input_ids: Tensor, inputs: Mapping[str, Tensor] | None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """`input_ids` with one more row, `<|vision_start|><|image_pad|><|vision_end|>`, and the
+    pixels of a blank image of one language token for it.
+
+    Data-parallel ranks run the same collectives per forward and backward: FSDP all-gathers
+    each vision block before the model uses it and reduce-scatters its gradients after, DDP
+    all-reduces them. A rank whose rows hold no image or video would skip the vision tower
+    while another runs it, and their collectives would no longer pair up; this row makes it run
+    the tower at the same point of the forward, with zero gradients."""
+    model_config: Any = _config(module)
+    config = model_config.vision_config
+    merge = int(config.spatial_merge_size)
+    width = int(config.in_channels * config.temporal_patch_size * config.patch_size**2)
+    rows, length = input_ids.shape
+    ids = input_ids.new_zeros((rows + 1, max(length, 3)))
+    ids[:rows, :length] = input_ids
+    ids[rows, :3] = torch.tensor(
+        [
+            model_config.vision_start_token_id,
+            model_config.image_token_id,
+            model_config.vision_end_token_id,
+        ]
+    )
+    types = ids.new_zeros(ids.shape)
+    types[rows, 1] = 1
+    device = input_ids.device
+    return ids, {
+        **(inputs or {}),
+        "mm_token_type_ids": types,
+        "pixel_values": torch.zeros(merge * merge, width, device=device),
+        "image_grid_thw": torch.tensor([[1, merge, merge]], device=device),
+    }
 
 
 def _pad_rows_columns(tensor: Tensor, rows: int, columns: int) -> Tensor:
@@ -683,6 +739,8 @@ class ParallelModel:
         self._tied_group = tied_group
         self._schedules: OrderedDict[tuple, Any] = OrderedDict()
         self._loss_fn: LossFn | None = None
+        # (see `_vision_zero`)
+        self._touch_vision = dims.dp > 1 and _vision_blocks(module) != []
         for _, stage in self.stages:
             stage.compute_dtype = compute_dtype  # type: ignore[assignment]
 
@@ -764,6 +822,7 @@ class ParallelModel:
                     attention_mask=attention_mask,
                     position_ids=position_ids,
                     inputs=inputs,
+                    touch_vision=self._touch_vision,
                 )
             ]
 

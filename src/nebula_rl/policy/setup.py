@@ -26,10 +26,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import PretrainedConfig
 
-from nebula_rl.config import Config, GrpoConfig, PolicyConfig, TrainingConfig
-from nebula_rl.models import is_vision_language, load_model, resolve_dtype
+from nebula_rl.config import Config, PolicyConfig, TrainingConfig
+from nebula_rl.models import load_model, resolve_dtype
 
 if TYPE_CHECKING:
     from nebula_rl.policy.parallelize import ParallelDims, ParallelModel
@@ -60,18 +59,6 @@ def compute_dtype(train: TrainingConfig, *, sharded: bool) -> torch.dtype | None
             f"({train.master_dtype}): the master copy holds the weights at full precision"
         )
     return None if param == master or sharded else param
-
-
-def refuse_vision_rl(cfg: Config, config: PretrainedConfig) -> None:
-    """RL of a vision-language model is not built yet (its rollouts need multimodal prefill):
-    refuse it by name instead of failing inside a replica."""
-    if isinstance(cfg.train.train_policy, GrpoConfig) and is_vision_language(config):
-        raise ValueError(
-            f"policy.model_name_or_path = {cfg.policy.model_name_or_path!r} is a "
-            f"vision-language model ({config.model_type}): nebula-rl trains those with SFT "
-            '(train.train_policy.type = "sft") only, so far; GRPO needs rollouts from images and '
-            "videos, which are not built yet"
-        )
 
 
 def load_policy_model(cfg: Config, *, device: torch.device | str, seed: int) -> nn.Module:

@@ -443,7 +443,11 @@ class PolicyTrainer:
 
     # -- RL ----------------------------------------------------------------------------------------
 
-    def grpo_step(self, groups: Sequence[RolloutGroup]) -> dict[str, float]:
+    def grpo_step(
+        self,
+        groups: Sequence[RolloutGroup],
+        media: Sequence[VisionInputs | None] | None = None,
+    ) -> dict[str, float]:
         """One training step of the configured RL variant over scored groups.
 
         With a ParallelModel every rank passes the same groups: each computes the advantages
@@ -452,7 +456,9 @@ class PolicyTrainer:
         so the step is the one of the whole batch. Metrics are those of the first pass
         (`mu_iterations`), each slice's a share of that slice's mean, averaged over the slices;
         `positive_nll` (with `positive_nll_coef`) is reported apart from `loss`, which does not
-        include it; `planned_updates` holds the number of optimiser updates the step takes."""
+        include it; `planned_updates` holds the number of optimiser updates the step takes.
+        `media`: a vision-language model's images and videos of each group's prompt
+        (`batching.rollout_media`), which its forwards take with the tokens."""
         p: GrpoConfig = self.cfg.grpo
         settings = loss_settings(self.cfg)
         loss_fn = policy_loss(p.variant, settings)
@@ -474,6 +480,9 @@ class PolicyTrainer:
             min_filter_prefix_tokens=p.min_filter_prefix_tokens,
             eos_token_ids=self.eos_token_ids,
         )
+        if media is not None and any(m is not None for m in media):
+            per_row = tuple(m for m, g in zip(media, groups, strict=True) for _ in g.completions)
+            batch = replace(batch, media=per_row)
         positive = rewards.flatten() > 0
 
         # Slices of `batch_size_per_optimize` sequences, one update each; every rank and replica

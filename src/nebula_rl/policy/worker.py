@@ -64,8 +64,11 @@ import torch
 import torch.distributed as dist
 
 from nebula_rl.controller.client import ReplicaSession
+from nebula_rl.data import rl_rows
+from nebula_rl.data.vision import VisionInputs, vision_processor
 from nebula_rl.models import load_tokenizer, resolve_dtype
 from nebula_rl.models.export import export_hf
+from nebula_rl.policy.batching import rollout_media
 from nebula_rl.policy.checkpoint import Checkpointer
 from nebula_rl.policy.replicas import CollectiveError, ReplicaGroup
 from nebula_rl.policy.setup import (
@@ -124,6 +127,10 @@ class PolicyWorker:
         # param_dtype). The reference only runs forward: copied before the blocks are
         # checkpointed, compiled or split.
         self.hf_model = load_policy_model(cfg, device=device, seed=cfg.train.seed or 0)
+        config: Any = self.hf_model.config
+        self.vision = vision_processor(cfg, config)
+        """A vision-language model's processor: each prompt's media, built again here."""
+        self._rows: list[dict[str, Any]] | None = None
         ref = copy.deepcopy(self.hf_model) if p.kl_beta > 0 else None
         split = parallelize_policy(self.hf_model, cfg)
         self.trainer = PolicyTrainer(
@@ -146,7 +153,10 @@ class PolicyWorker:
             optimizer=self.trainer.optimizer,
             scheduler=self.trainer.scheduler,
             export=functools.partial(
-                export_hf, self.hf_model, self.tokenizer, parallel=self.trainer.parallel
+                export_hf,
+                self.hf_model,
+                self.vision or self.tokenizer,
+                parallel=self.trainer.parallel,
             ),
         )
         profile_name = session.name if self.num_ranks == 1 else f"{session.name}-r{ranks.rank}"
@@ -374,6 +384,22 @@ class PolicyWorker:
             groups = [by_id[i] for i in command["prompt_ids"]]
         return self._share(groups)
 
+    def _media(self, groups: list[RolloutGroup]) -> list[VisionInputs | None] | None:
+        """A vision-language model's images and videos of each group's prompt, built from the
+        prompt as the rollout built them (`batching.rollout_media`); None for a language model."""
+        if self.vision is None:
+            return None
+        prompts = []
+        for group in groups:
+            if group.prompt.prompt is None:  # train.local_dataset: the row is read here too
+                self._rows = self._rows if self._rows is not None else rl_rows(self.cfg)
+                prompts.append(self._rows[group.prompt.index][self.cfg.grpo.prompt_column_name])
+            else:
+                prompts.append(group.prompt.prompt)
+        return rollout_media(
+            self.vision, groups, prompts, system_prompt=self.cfg.grpo.system_prompt
+        )
+
     def train(self, command: dict[str, Any]) -> None:
         """Train this replica's share of the step in flight; report the result or the failure."""
         current = self.generation is not None and command["generation"] == self.generation.number
@@ -389,7 +415,7 @@ class PolicyWorker:
         start = time.perf_counter()
         error: str | None = None
         try:
-            metrics = self.trainer.grpo_step(groups)
+            metrics = self.trainer.grpo_step(groups, self._media(groups))
         except CollectiveError as err:
             error = str(err) or type(err).__name__
         outcomes = self._gather((error, self.optimizer_steps - before))

@@ -31,9 +31,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from nebula_rl.data.vision import VisionInputs
 
 FinishReason = Literal["stop", "length", "abort"]
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -107,6 +110,9 @@ class GenerationRequest:
     """How to sample."""
     request_id: str = field(default_factory=lambda: f"req-{next(_request_counter)}")
     """Unique id; results and abort() refer to it."""
+    media: VisionInputs | None = None
+    """A vision-language prompt's images and videos, as `data.vision.VisionProcessor` made them
+    with `prompt_token_ids` (whose media tokens are already expanded); None for text."""
 
     def __post_init__(self) -> None:
         if self.n < 1:

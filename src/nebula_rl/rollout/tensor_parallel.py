@@ -4,7 +4,8 @@ models).
 Per decoder layer, q/k/v and gate/up are split by output rows ("column parallel": each rank
 computes its heads and its part of the MLP), o and down by input columns ("row parallel": each
 rank's partial product is summed over the group, one all-reduce after attention and one after
-the MLP). Norms, embeddings and the LM head stay whole on every rank, so every rank computes the
+the MLP). Norms, embeddings, the LM head and a vision-language model's vision tower (which runs once per
+prompt, at admission) stay whole on every rank, so every rank computes the
 same logits and, with the same seed, samples the same tokens: the ranks of a replica run the same
 requests in lock step and any of them can report the results.
 
@@ -54,6 +55,8 @@ def _split_dim(name: str) -> int | None:
     parts = name.split(".")
     if len(parts) < 2 or parts[-2] not in _COLUMN_PARALLEL + _ROW_PARALLEL:
         return None
+    if "visual" in parts:  # a vision tower is small next to its LM: every rank keeps it whole
+        return None
     if parts[-2] in _COLUMN_PARALLEL:
         return 0  # weight [out, in] and bias [out]: rows
     return 1 if parts[-1] == "weight" else None  # a row-parallel bias is added once, whole
@@ -61,6 +64,7 @@ def _split_dim(name: str) -> int | None:
 
 def check_divisible(config: Any, size: int) -> None:
     """Raise a clear error unless the model's heads and MLP width split evenly in `size`."""
+    config = config.get_text_config()  # (a vision-language model's language model)
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     sizes = {

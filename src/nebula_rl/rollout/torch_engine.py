@@ -44,6 +44,7 @@ per-step framework overhead around that work, not the work itself.
 from __future__ import annotations
 
 import heapq
+import inspect
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -53,6 +54,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from nebula_rl.models import media_token_ids
 from nebula_rl.rollout.engine import (
     Completion,
     Engine,
@@ -61,11 +63,17 @@ from nebula_rl.rollout.engine import (
     RequestOutput,
     version_changes_for,
 )
+from nebula_rl.rollout.multimodal import (
+    PromptEmbeddings,
+    embed_prompts,
+    is_multimodal,
+    language_model,
+)
 from nebula_rl.rollout.sampling import BatchSampling, sample
 from nebula_rl.rollout.tensor_parallel import TensorParallel, shard_model
 from nebula_rl.weights.reshard import Box, full_box
 
-FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_5_vl_text", "qwen3_vl_text")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -85,7 +93,8 @@ class _ModelDims:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> _ModelDims:
-        cfg: Any = model.config
+        config: Any = model.config
+        cfg = config.get_text_config()  # (a vision-language model's language model)
         num_heads = int(cfg.num_attention_heads)
         max_positions = getattr(cfg, "max_position_embeddings", None)
         return cls(
@@ -99,9 +108,9 @@ class _ModelDims:
 
 
 def _decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
-    """The base model (embeddings, layers, norm, rotary embedding) and its decoder layers."""
-    base = model.base_model
-    assert isinstance(base, torch.nn.Module)
+    """The decoder stack (embeddings, layers, norm, rotary embedding; a vision-language model's
+    language model) and its decoder layers."""
+    base = language_model(model)
     layers = base.get_submodule("layers")
     assert isinstance(layers, torch.nn.ModuleList)
     return base, layers
@@ -117,7 +126,8 @@ def _lm_head(model: torch.nn.Module) -> torch.nn.Module:
 
 def fused_forward_unsupported(model: torch.nn.Module, max_model_len: int) -> str | None:
     """Why the compact forward cannot run `model` (None if it can)."""
-    cfg: Any = model.config
+    config: Any = model.config
+    cfg = config.get_text_config()
     if cfg.model_type not in FUSED_MODEL_TYPES:
         return f"model_type {cfg.model_type!r} is not one of {FUSED_MODEL_TYPES}"
     if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -328,10 +338,13 @@ class _Forward(Protocol):
         slots: torch.Tensor,
         contiguous: bool,
         kv_len: int,
+        rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One token per sequence: tokens, positions, slots are [B]; returns logits [B, V] fp32.
 
-        `contiguous` means slots == 0..B-1; kv_len is the longest position + 1 in the batch."""
+        `contiguous` means slots == 0..B-1; kv_len is the longest position + 1 in the batch.
+        `rope_positions` [B]: the rotary positions where they differ from the cache positions
+        (after a multimodal prompt, see `multimodal.py`)."""
         ...
 
     def prefill(
@@ -340,9 +353,11 @@ class _Forward(Protocol):
         last: torch.Tensor,
         slots: torch.Tensor,
         source: torch.Tensor | None,
+        prompt: PromptEmbeddings | None = None,
     ) -> torch.Tensor:
         """Prompts [U, P] (right-padded): writes their KV to `slots` (slot i gets prompt
-        source[i], or prompt i if source is None); returns fp32 logits at `last` [U, V]."""
+        source[i], or prompt i if source is None); returns fp32 logits at `last` [U, V].
+        `prompt`: their embeddings and M-RoPE positions when some hold images or videos."""
         ...
 
 
@@ -371,14 +386,29 @@ class _FusedForward:
         self.layers = [_Layer.of(layer) for layer in layers]
         self.final_norm = _norm(base.get_submodule("norm"))
         self.lm_head = _linear(_lm_head(model))
-        # RoPE tables from the model's own rotary module (covers its scaling variants).
-        dtype = self.embed.dtype
-        positions = torch.arange(cache.max_len, device=self.embed.device)[None]
-        cos, sin = base.get_submodule("rotary_emb")(self.embed[:1], position_ids=positions)
+        # RoPE tables from the model's own rotary module (covers its scaling variants; M-RoPE
+        # with equal indices on its three axes, as text tokens have).
+        self._rotary = base.get_submodule("rotary_emb")
+        self.cos, self.sin_signed = self._rope_table(cache.max_len)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [B, L, head_dim] of `positions` [B, L] (or M-RoPE's [3, B, L])."""
+        cos, sin = self._rotary(self.embed[:1], position_ids=positions.to(self.embed.device))
         half = self.head_dim // 2
-        self.cos = cos[0].to(dtype)
         # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: one roll instead of a cat.
-        self.sin_signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).to(dtype)
+        signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        dtype = self.embed.dtype
+        return cos.to(dtype), signed.to(dtype)
+
+    def _rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._rope(torch.arange(length)[None])
+        return cos[0], sin[0]
+
+    def rope_room(self, length: int) -> None:
+        """Make the rotary tables reach position `length` - 1 (multimodal prompts can move the
+        positions after them past the cache length)."""
+        if length > self.cos.shape[0]:
+            self.cos, self.sin_signed = self._rope_table(length)
 
     def relink(self) -> None:
         """Fuse again after the parameters were re-pointed at other storage (`.data`, as a
@@ -387,7 +417,7 @@ class _FusedForward:
         parameters themselves, which follow by construction."""
         self.layers = [_Layer.of(layer) for layer in self._modules]
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + x.roll(self.head_dim // 2, dims=-1) * sin
 
     def _qk_norm(self, qk: torch.Tensor, layer: _Layer) -> torch.Tensor:
@@ -419,12 +449,14 @@ class _FusedForward:
         slots: torch.Tensor,
         contiguous: bool,
         kv_len: int,
+        rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One token per sequence: tokens, positions, slots are [B]; returns logits [B, V] fp32."""
         batch, hd = tokens.shape[0], self.head_dim
         num_heads, num_kv = self.num_heads, self.num_kv_heads
         x = self.embed[tokens]
-        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]
+        rotary = positions if rope_positions is None else rope_positions
+        cos, sin = self.cos[rotary][:, None], self.sin_signed[rotary][:, None]
         index = self.cache.write_index(slots, positions)
         # Additive mask [B * kv_heads, 1, kv_len], shared by the query heads of a KV group.
         valid = torch.arange(kv_len, device=x.device) <= positions[:, None]
@@ -433,7 +465,7 @@ class _FusedForward:
         mask = mask.repeat_interleave(num_kv, dim=0)[:, None]
         for i, layer in enumerate(self.layers):
             qkv = F.linear(_rms_norm(x, layer.ln1), *layer.qkv).view(batch, -1, hd)
-            qk = self._rope(self._qk_norm(qkv[:, : num_heads + num_kv], layer), cos, sin)
+            qk = self._rotate(self._qk_norm(qkv[:, : num_heads + num_kv], layer), cos, sin)
             q, k, v = qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_heads + num_kv :]
             self.cache.write_decode(i, index, k, v)
             keys, values = self.cache.read(i, slots, contiguous, kv_len)
@@ -455,16 +487,21 @@ class _FusedForward:
         last: torch.Tensor,
         slots: torch.Tensor,
         source: torch.Tensor | None,
+        prompt: PromptEmbeddings | None = None,
     ) -> torch.Tensor:
         """Prompts [U, P] (right-padded); writes their KV to `slots`; logits at `last` [U, V]."""
         num_prompts, length = tokens.shape
         num_heads, num_kv = self.num_heads, self.num_kv_heads
-        x = self.embed[tokens]
-        cos, sin = self.cos[:length], self.sin_signed[:length]
+        if prompt is None:
+            x = self.embed[tokens]
+            cos, sin = self.cos[:length], self.sin_signed[:length]
+        else:  # per-row M-RoPE tables: [U, 1, P, head_dim] against [U, heads, P, head_dim]
+            x = prompt.embeds
+            cos, sin = (t[:, None] for t in self._rope(prompt.positions))
         for i, layer in enumerate(self.layers):
             qkv = F.linear(_rms_norm(x, layer.ln1), *layer.qkv)
             qkv = qkv.view(num_prompts, length, -1, self.head_dim).transpose(1, 2)
-            qk = self._rope(self._qk_norm(qkv[:, : num_heads + num_kv], layer), cos, sin)
+            qk = self._rotate(self._qk_norm(qkv[:, : num_heads + num_kv], layer), cos, sin)
             q, k, v = qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_heads + num_kv :]
             self.cache.write_prefill(i, slots, source, k, v)
             attn = F.scaled_dot_product_attention(
@@ -472,6 +509,9 @@ class _FusedForward:
             )
             attn = attn.transpose(1, 2).reshape(num_prompts, length, -1)
             x = self._mlp(x + self._row_parallel(attn, layer.o), layer)
+            if prompt is not None and i < len(prompt.deepstack):  # Qwen3-VL's DeepStack
+                assert prompt.visual_mask is not None
+                x[prompt.visual_mask] = x[prompt.visual_mask] + prompt.deepstack[i]
         return self._logits(x[torch.arange(num_prompts, device=x.device), last])
 
 
@@ -518,6 +558,35 @@ class _HFForward:
             )
         self.model = model
         self.cache = cache
+        # A vision-language model runs its language model and head here (its vision tower ran
+        # at admission, `multimodal.embed_prompts`).
+        self.multimodal = is_multimodal(model)
+        self.text = language_model(model)
+        self.head = _lm_head(model)
+        # transformers 5 renames `past_key_values` to `cache`, model by model.
+        forward = (self.text if self.multimodal else model).forward
+        self._cache_key = (
+            "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+        )
+
+    def _run(self, rows: torch.Tensor | None, cache: _SlotCache, **kwargs: Any) -> torch.Tensor:
+        """fp32 logits of the forward `kwargs` over `cache` at the last token of each sequence
+        (`rows`: rather at these positions of each row)."""
+        kwargs[self._cache_key] = cache
+        if self.multimodal:
+            hidden = self.text(use_cache=True, **kwargs).last_hidden_state
+            picked = (
+                hidden[:, -1]
+                if rows is None
+                else hidden[torch.arange(len(rows), device=rows.device), rows]
+            )
+            return self.head(picked).float()
+        logits = self.model(use_cache=True, **kwargs).logits
+        return (
+            logits[:, -1]
+            if rows is None
+            else logits[torch.arange(len(rows), device=rows.device), rows]
+        ).float()
 
     def decode(
         self,
@@ -526,6 +595,7 @@ class _HFForward:
         slots: torch.Tensor,
         contiguous: bool,
         kv_len: int,
+        rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         index = self.cache.write_index(slots, positions)
 
@@ -540,14 +610,16 @@ class _HFForward:
         valid = torch.arange(kv_len, device=tokens.device) <= positions[:, None]
         mask = torch.zeros(valid.shape, dtype=dtype, device=tokens.device)
         mask = mask.masked_fill_(~valid, torch.finfo(dtype).min)[:, None, None, :]
-        out = self.model(
+        position_ids = positions[:, None]
+        if rope_positions is not None:  # M-RoPE: the cache position, then time/height/width
+            position_ids = torch.stack([positions, *[rope_positions] * 3])[..., None]
+        return self._run(
+            None,
+            _SlotCache(self.cache, write),
             input_ids=tokens[:, None],
-            position_ids=positions[:, None],
+            position_ids=position_ids,
             attention_mask=mask,
-            past_key_values=_SlotCache(self.cache, write),
-            use_cache=True,
         )
-        return out.logits[:, -1].float()
 
     def prefill(
         self,
@@ -555,6 +627,7 @@ class _HFForward:
         last: torch.Tensor,
         slots: torch.Tensor,
         source: torch.Tensor | None,
+        prompt: PromptEmbeddings | None = None,
     ) -> torch.Tensor:
         num_prompts, length = tokens.shape
 
@@ -569,14 +642,27 @@ class _HFForward:
         mask = torch.zeros(causal.shape, dtype=dtype, device=tokens.device)
         mask = mask.masked_fill_(~causal, torch.finfo(dtype).min)[None, None]
         positions = torch.arange(length, device=tokens.device).expand(num_prompts, length)
-        out = self.model(
-            input_ids=tokens,
-            position_ids=positions,
-            attention_mask=mask,
-            past_key_values=_SlotCache(self.cache, write),
-            use_cache=True,
+        cache = _SlotCache(self.cache, write)
+        if prompt is None:
+            return self._run(
+                last, cache, input_ids=tokens, position_ids=positions, attention_mask=mask
+            )
+        deepstack = (
+            {}
+            if prompt.visual_mask is None
+            else {
+                "visual_pos_masks": prompt.visual_mask,
+                "deepstack_visual_embeds": list(prompt.deepstack),
+            }
         )
-        return out.logits[torch.arange(num_prompts, device=tokens.device), last].float()
+        return self._run(
+            last,
+            cache,
+            inputs_embeds=prompt.embeds,
+            position_ids=torch.cat([positions[None], prompt.positions]),
+            attention_mask=mask,
+            **deepstack,
+        )
 
 
 @dataclass(eq=False)
@@ -684,6 +770,10 @@ class TorchEngine(Engine):
             dims = replace(
                 dims, num_heads=dims.num_heads // size, num_kv_heads=dims.num_kv_heads // size
             )
+        self.multimodal = is_multimodal(model)
+        config: Any = model.config
+        self._never = torch.tensor(media_token_ids(config), dtype=torch.long, device=self.device)
+        """Token ids never sampled (`models.media_token_ids`)."""
         self._params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         self._params.update(model.named_buffers(remove_duplicate=False))
         self._storage = self._data_ptrs()
@@ -709,6 +799,8 @@ class TorchEngine(Engine):
             self._slot_ids = torch.arange(num_slots, device=device)
             self._last_token = torch.zeros(num_slots, dtype=torch.long, device=device)
             self._pos = torch.zeros(num_slots, dtype=torch.long, device=device)
+            # Rotary offset after a multimodal prompt (0 for text): see `multimodal.py`.
+            self._rope_delta = torch.zeros(num_slots, dtype=torch.long, device=device)
             self._num_generated = torch.zeros(num_slots, dtype=torch.long, device=device)
             self._max_new = torch.ones(num_slots, dtype=torch.long, device=device)
             self._active = torch.zeros(num_slots, dtype=torch.bool, device=device)
@@ -747,10 +839,9 @@ class TorchEngine(Engine):
         **kwargs: Any,
     ) -> TorchEngine:
         """Load an HF checkpoint (or hub name) and build an engine on it."""
-        from transformers import AutoModelForCausalLM
+        from nebula_rl.models import load_model
 
-        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        return cls(model.to(device), **kwargs)
+        return cls(load_model(path, dtype=dtype, device=device), **kwargs)
 
     def tp_boxes(self) -> dict[str, tuple[tuple[int, ...], Box]]:
         """Per parameter name: the full tensor's shape and the box of it this rank holds (the
@@ -784,6 +875,32 @@ class TorchEngine(Engine):
                 f"request {request.request_id!r}: token id {bad[0]} outside the vocabulary "
                 f"[0, {self.vocab_size})"
             )
+        if request.media is not None and not self.multimodal:
+            config: Any = self.model.config
+            raise ValueError(
+                f"request {request.request_id!r} has images or videos, but the engine's model "
+                f"({config.model_type}) is not a vision-language model"
+            )
+        if request.media is not None:
+            self._check_media(request)
+
+    def _check_media(self, request: GenerationRequest) -> None:
+        """The prompt holds as many image and video tokens as its grids give embeddings."""
+        assert request.media is not None
+        config: Any = self.model.config
+        merge = int(config.vision_config.spatial_merge_size) ** 2
+        for kind, token_id, grid in (
+            ("image", config.image_token_id, request.media.image_grid_thw),
+            ("video", config.video_token_id, request.media.video_grid_thw),
+        ):
+            want = 0 if grid is None else int(grid.prod(-1).sum()) // merge
+            have = sum(t == int(token_id) for t in request.prompt_token_ids)
+            if have != want:
+                raise ValueError(
+                    f"request {request.request_id!r}: the prompt holds {have} {kind} tokens, its "
+                    f"{kind} grids make {want}: the prompt ids and the pixels were not made "
+                    "together"
+                )
 
     def _add_request(self, request: GenerationRequest) -> None:
         assert request.request_id not in self._requests, "add_request() rejects duplicate ids"
@@ -870,13 +987,18 @@ class TorchEngine(Engine):
         )
         kv_len = int(self._pos_host[active].max()) + 1
         positions = self._pos[slots]
-        logits = self._forward.decode(self._last_token[slots], positions, slots, contiguous, kv_len)
+        rope = positions + self._rope_delta[slots] if self.multimodal else None
+        logits = self._forward.decode(
+            self._last_token[slots], positions, slots, contiguous, kv_len, rope
+        )
         self._pos[slots] = positions + self._active[slots]
         self._pos_host[active] += 1
         return self._sample_and_record(logits, slots)
 
     def _sample_and_record(self, logits: torch.Tensor, slots: torch.Tensor) -> list[RequestOutput]:
         """Sample one token per row of logits for `slots`, append it, finish what is done."""
+        if len(self._never):
+            logits[:, self._never] = float("-inf")
         counts = self._flag_counts
         columns = self._num_generated[slots]
         params = BatchSampling(
@@ -1071,10 +1193,32 @@ class TorchEngine(Engine):
         # A request's n samples share one prefill; its KV goes to each of their slots.
         shared = len(all_slots) > len(group)
         source_t = torch.tensor(source, device=self.device) if shared else None
-        logits = self._forward.prefill(
-            prompts.to(self.device), last.to(self.device), slots_t, source_t
-        )
+        prompts, last = prompts.to(self.device), last.to(self.device)
+        embedded = self._embed_media(group, prompts, last + 1, slots_t, source)
+        logits = self._forward.prefill(prompts, last, slots_t, source_t, embedded)
         return self._sample_and_record(logits[source_t] if shared else logits, slots_t)
+
+    def _embed_media(
+        self,
+        group: list[_Admission],
+        prompts: torch.Tensor,
+        lengths: torch.Tensor,
+        slots: torch.Tensor,
+        source: list[int],
+    ) -> PromptEmbeddings | None:
+        """The group's prompt embeddings when one of them holds media (else None: text is
+        embedded by the forward), and its slots' rotary offsets."""
+        if not self.multimodal:
+            return None
+        media = [state.request.media for state, _, _ in group]
+        if all(m is None for m in media):
+            self._rope_delta[slots] = 0
+            return None
+        embedded = embed_prompts(self.model, prompts, lengths, media)
+        self._rope_delta[slots] = embedded.deltas[torch.tensor(source, device=self.device)]
+        if isinstance(self._forward, _FusedForward):
+            self._forward.rope_room(self.max_model_len + max(0, int(embedded.deltas.max())))
+        return embedded
 
     def _mark_prompt_tokens(self, group: list[_Admission]) -> None:
         """For requests with a repetition penalty: their slots' seen tokens are the prompt's."""

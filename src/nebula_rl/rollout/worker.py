@@ -42,7 +42,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    Executor,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+    wait,
+)
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -52,6 +59,7 @@ import torch
 from nebula_rl.config import Config
 from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.data import prompt_token_ids, rl_rows, rl_validation_rows
+from nebula_rl.data.vision import VisionInputs, VisionProcessor, vision_processor
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.ranks import Ranks, broadcast_object, rank_env
@@ -70,6 +78,7 @@ __all__ = [
     "RolloutWorker",
     "completion_text",
     "make_completions",
+    "prompt_inputs",
     "run_rollout",
     "sampling_params",
     "validation_sampling_params",
@@ -88,6 +97,21 @@ class _InlineExecutor(Executor):
         except Exception as err:
             future.set_exception(err)
         return future
+
+
+def prompt_inputs(
+    tokenizer: Any,
+    vision: VisionProcessor | None,
+    prompt: str | list[dict[str, Any]],
+    *,
+    system_prompt: str = "",
+) -> tuple[list[int], VisionInputs | None]:
+    """A prompt's token ids for generation and, for a vision-language model (`vision`, its
+    processor), its images and videos (None for a prompt without)."""
+    if vision is None:
+        return prompt_token_ids(tokenizer, prompt, system_prompt=system_prompt), None
+    inputs = vision.prompt(prompt, system_prompt=system_prompt)
+    return inputs.input_ids, inputs if inputs.has_media else None
 
 
 def sampling_params(cfg: Config, eos_token_id: int | None) -> SamplingParams:
@@ -162,8 +186,10 @@ class _Claimed:
 
     msg_id: str
     prompt: Prompt
-    text: str | list[dict[str, str]]
+    text: str | list[dict[str, Any]]
     reference: str
+    inputs: Future[tuple[list[int], VisionInputs | None]] | None = None
+    """Its token ids and media, prepared in a loader thread (`dataloader_num_workers`)."""
 
 
 class RolloutWorker:
@@ -179,6 +205,8 @@ class RolloutWorker:
         self.session = session
         cfg = self.cfg = session.cfg
         self.tokenizer, self.engine = _engine(session, device, tensor_parallel)
+        config: Any = self._model.config
+        self.vision = vision_processor(cfg, config)
         self.sampling = sampling_params(cfg, self.tokenizer.eos_token_id)
         self.scorer = scorer(cfg)
         validating = cfg.validation.enable
@@ -197,8 +225,17 @@ class RolloutWorker:
         r = cfg.rollout
         self.capacity = max(1, r.max_num_seqs // r.n_generation)
         """Prompts the engine has room for."""
-        self.claim_limit = self.capacity + (
-            r.prefetch_queue_maxsize * r.batch_size if r.prefetch_rollout else 0
+        p = cfg.grpo
+        self.loader = (
+            ThreadPoolExecutor(p.dataloader_num_workers, thread_name_prefix="nebula-loader")
+            if p.dataloader_num_workers > 0
+            else None
+        )
+        """Threads preparing claimed prompts (`dataloader_num_workers`)."""
+        self.claim_limit = (
+            self.capacity
+            + (r.prefetch_queue_maxsize * r.batch_size if r.prefetch_rollout else 0)
+            + p.dataloader_num_workers * (p.dataloader_prefetch_factor or 2)
         )
         """Prompts held at most (in the engine or waiting for it)."""
         self.waiting: deque[_Claimed] = deque()
@@ -315,13 +352,20 @@ class RolloutWorker:
 
     def _resolve(self, msg_id: str, prompt: Prompt) -> _Claimed:
         """The prompt with its text and reference: as sent, or from this replica's own rows."""
-        if prompt.prompt is not None and prompt.reference is not None:
-            return _Claimed(msg_id, prompt, prompt.prompt, prompt.reference)
-        rows = self.rows if prompt.validation_step is None else self.val_rows
-        assert rows is not None, f"prompt {prompt.prompt_id} comes without its text"
         p = self.cfg.grpo
-        row = rows[prompt.index]
-        return _Claimed(msg_id, prompt, row[p.prompt_column_name], str(row[p.response_column_name]))
+        if prompt.prompt is not None and prompt.reference is not None:
+            text, reference = prompt.prompt, prompt.reference
+        else:
+            rows = self.rows if prompt.validation_step is None else self.val_rows
+            assert rows is not None, f"prompt {prompt.prompt_id} comes without its text"
+            row = rows[prompt.index]
+            text, reference = row[p.prompt_column_name], str(row[p.response_column_name])
+        inputs = None
+        if self.loader is not None:
+            inputs = self.loader.submit(
+                prompt_inputs, self.tokenizer, self.vision, text, system_prompt=p.system_prompt
+            )
+        return _Claimed(msg_id, prompt, text, reference, inputs)
 
     def submit_ready(self) -> None:
         """Hand the engine every held prompt whose `min_version` its weights reach."""
@@ -332,20 +376,29 @@ class RolloutWorker:
 
     def _submit(self, claimed: _Claimed) -> None:
         prompt = claimed.prompt
-        ids = prompt_token_ids(
-            self.tokenizer, claimed.text, system_prompt=self.cfg.grpo.system_prompt
-        )
-        if prompt.validation_step is None:
-            request = GenerationRequest(
-                ids, n=self.cfg.rollout.n_generation, sampling=self.sampling
-            )
-        else:
-            seed = validation_seed(self.cfg, prompt.validation_step, prompt.index)
-            sampling = validation_sampling_params(self.cfg, self.tokenizer.eos_token_id, seed=seed)
-            request = GenerationRequest(ids, n=self.cfg.validation.n_generation, sampling=sampling)
+        ids: list[int] = []
         try:
+            ids, media = (
+                claimed.inputs.result()
+                if claimed.inputs is not None
+                else prompt_inputs(
+                    self.tokenizer,
+                    self.vision,
+                    claimed.text,
+                    system_prompt=self.cfg.grpo.system_prompt,
+                )
+            )
+            if prompt.validation_step is None:
+                n, sampling = self.cfg.rollout.n_generation, self.sampling
+            else:
+                seed = validation_seed(self.cfg, prompt.validation_step, prompt.index)
+                n = self.cfg.validation.n_generation
+                sampling = validation_sampling_params(
+                    self.cfg, self.tokenizer.eos_token_id, seed=seed
+                )
+            request = GenerationRequest(ids, n=n, sampling=sampling, media=media)
             self.generating[self.engine.submit(request)] = claimed
-        except ValueError as err:  # e.g. a prompt longer than the model allows
+        except ValueError as err:  # e.g. a prompt longer than the model allows, a bad image
             log.error("prompt %s cannot be generated: %s", prompt.prompt_id, err)
             self._push(claimed, ids, [], filtered=True, error=str(err))
 
@@ -407,6 +460,8 @@ class RolloutWorker:
         processes."""
         self._closing = True
         self.engine.shutdown()
+        if self.loader is not None:
+            self.loader.shutdown(wait=False, cancel_futures=True)
         if isinstance(self.engine, LockstepEngine):
             self.engine.stop_followers()
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,288 @@
+"""GRPO of vision-language models: the engine generates from images and videos (vision embeddings
+in the prefill, M-RoPE, then plain decoding), its log-probs are the policy's, rollout and policy
+build the same prompt tokens, tensor-parallel rollouts and data-parallel policies handle media."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from PIL import Image
+
+from member_pool import MemberPool
+from nebula_rl.config import config_from_dict
+from nebula_rl.data import squares_task
+from nebula_rl.data.vision import VisionProcessor
+from nebula_rl.models import load_model, load_tokenizer, media_token_ids
+from nebula_rl.policy.batching import rollout_media
+from nebula_rl.policy.parallelize import whole_model_loss
+from nebula_rl.policy.setup import parallelize_policy
+from nebula_rl.policy.trainer import PolicyTrainer
+from nebula_rl.protocol import Completion, Prompt, RolloutGroup
+from nebula_rl.rollout.engine import GenerationRequest, SamplingParams
+from nebula_rl.rollout.tensor_parallel import TensorParallel
+from nebula_rl.rollout.torch_engine import TorchEngine
+from nebula_rl.rollout.worker import prompt_inputs
+from nebula_rl.weights import free_port
+
+PRESETS = ["tiny:qwen3_vl", "tiny:qwen2_5_vl"]
+
+
+def _frames(num: int) -> list[Image.Image]:
+    return [Image.new("RGB", (64, 64), (40 * i % 255, 90, 200 - 30 * i)) for i in range(num)]
+
+
+def _prompts(rows: list[dict]) -> list[list[dict] | str]:
+    """Image prompts, a text-only prompt, and a video given as frames."""
+    video = [{"role": "user", "content": [
+        {"type": "video", "video": _frames(4), "fps": 2},
+        {"type": "text", "text": "What moves?"},
+    ]}]  # fmt: skip
+    return [rows[0]["prompt"], "How many squares?", rows[1]["prompt"], video]
+
+
+def _requests(vision: VisionProcessor, tokenizer, prompts, sampling) -> list[GenerationRequest]:
+    requests = []
+    for i, prompt in enumerate(prompts):
+        ids, media = prompt_inputs(tokenizer, vision, prompt)
+        requests.append(
+            GenerationRequest(ids, n=2, sampling=sampling, media=media, request_id=f"r{i}")
+        )
+    return requests
+
+
+def _policy_logprobs(model, request: GenerationRequest, tokens: list[int]) -> torch.Tensor:
+    """The policy's log-probs of `tokens` after the request's prompt, through its forward."""
+    ids = torch.tensor([[*request.prompt_token_ids, *tokens]])
+    media = {}
+    if request.media is not None:
+        from nebula_rl.data.vision import media_kwargs
+
+        media = media_kwargs([request.media], ids, image_token_id=model.config.image_token_id,
+                             video_token_id=model.config.video_token_id)  # fmt: skip
+    start = len(request.prompt_token_ids) - 1
+
+    def loss_fn(logits, labels):
+        return torch.log_softmax(logits[0, start:-1].float(), -1).gather(-1, labels[:, None])[:, 0]
+
+    with torch.no_grad():
+        return whole_model_loss(model, ids, torch.tensor(tokens), loss_fn, backward=False,
+                                compute_dtype=None, inputs=media)  # fmt: skip
+
+
+@pytest.mark.parametrize("forward", ["fused", "hf"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_engine_logprobs_match_the_policy_on_multimodal_prompts(preset, forward):
+    """Images, a text prompt and a video (frames) in one batch: every sampled token's log-prob
+    equals the policy's forward (pixels, grids, M-RoPE) within 1e-5 in float32."""
+    tokenizer = load_tokenizer(preset)
+    model = load_model(preset, dtype=torch.float32, seed=0)
+    policy = load_model(preset, dtype=torch.float32, seed=0)
+    vision = VisionProcessor(tokenizer, model.config)
+    engine = TorchEngine(model, max_num_seqs=8, max_model_len=256, forward=forward)
+    assert engine.forward_impl == forward
+    requests = _requests(vision, tokenizer, _prompts(squares_task(num_samples=2)),
+                         SamplingParams(max_tokens=16, ignore_eos=True, seed=5))  # fmt: skip
+    assert [r.media is None for r in requests] == [False, True, False, False]
+    assert requests[3].media.video_grid_thw is not None
+    outputs = {o.request_id: o for o in engine.generate(requests)}
+    worst = 0.0
+    for request in requests:
+        for completion in outputs[request.request_id].completions:
+            assert len(completion.token_ids) == 16
+            want = _policy_logprobs(policy, request, completion.token_ids)
+            worst = max(worst, float((want - torch.tensor(completion.logprobs)).abs().max()))
+    assert worst < 1e-5
+
+
+def test_engine_never_samples_media_tokens_and_refuses_media_it_cannot_place():
+    tokenizer = load_tokenizer("tiny:qwen3_vl")
+    model = load_model("tiny:qwen3_vl", dtype=torch.float32, seed=0)
+    never = set(media_token_ids(model.config))
+    assert len(never) == 4
+    vision = VisionProcessor(tokenizer, model.config)
+    engine = TorchEngine(model, max_num_seqs=8, max_model_len=128)
+    # Make the media tokens the most likely ones: the engine still never samples them.
+    with torch.no_grad():
+        model.lm_head.weight[sorted(never)] *= 50
+    requests = _requests(vision, tokenizer, _prompts(squares_task(num_samples=2))[:2],
+                         SamplingParams(max_tokens=24, ignore_eos=True, temperature=2.0))  # fmt: skip
+    sampled = {t for o in engine.generate(requests) for c in o.completions for t in c.token_ids}
+    assert sampled and not sampled & never
+    image = requests[0]
+    ids = list(image.prompt_token_ids)
+    ids.remove(model.config.image_token_id)  # one image token too few
+    with pytest.raises(ValueError, match="holds 3 image tokens, its image grids make 4"):
+        engine.add_request(dataclasses.replace(image, prompt_token_ids=ids, request_id="x"))
+    text_engine = TorchEngine(load_model("tiny:qwen2", seed=0), max_num_seqs=2, max_model_len=64)
+    with pytest.raises(ValueError, match="not a vision-language model"):
+        text_engine.add_request(GenerationRequest([1, 2, 3], media=image.media))
+
+
+def test_rollout_and_policy_build_the_same_prompt_tokens():
+    """The rollout's prompt ids (what it generated from) are the policy's prompt prefix token
+    for token, and the policy's media are the rollout's; another image size is refused."""
+    tokenizer = load_tokenizer("tiny:qwen3_vl")
+    config = load_model("tiny:qwen3_vl", seed=0).config
+    rollout_side = VisionProcessor(tokenizer, config)
+    policy_side = VisionProcessor.from_pretrained("tiny:qwen3_vl")
+    prompts = _prompts(squares_task(num_samples=2))
+    groups = []
+    for i, prompt in enumerate(prompts):
+        ids, media = prompt_inputs(tokenizer, rollout_side, prompt, system_prompt="Count.")
+        groups.append(RolloutGroup(Prompt(f"0:{i}", 0, i, prompt, "1"), ids, []))
+    media = rollout_media(policy_side, groups, prompts, system_prompt="Count.")
+    assert [m is None for m in media] == [False, True, False, False]
+    for group, inputs, prompt in zip(groups, media, prompts, strict=True):
+        ids, want = prompt_inputs(tokenizer, rollout_side, prompt, system_prompt="Count.")
+        assert ids == group.prompt_token_ids
+        if inputs is not None:
+            assert inputs.input_ids == group.prompt_token_ids
+            for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+                got, expected = getattr(inputs, key), getattr(want, key)
+                assert (got is None) == (expected is None)
+                if got is not None:
+                    assert torch.equal(got, expected)
+    bigger = [{"role": "user", "content": [
+        {"type": "image", "image": prompts[0][0]["content"][0]["image"], "min_pixels": 128 * 128},
+        {"type": "text", "text": "How many squares?"},
+    ]}]  # fmt: skip
+    with pytest.raises(ValueError, match=r"prompt 0:0: the policy builds .* first different at"):
+        rollout_media(policy_side, groups[:1], [bigger], system_prompt="Count.")
+
+
+@pytest.fixture(scope="module")
+def members():
+    pool = MemberPool(2)
+    yield pool
+    pool.close()
+
+
+def _tp_body(member, port):
+    from nebula_rl.rollout.lockstep import LockstepEngine
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=member,
+                            world_size=2)  # fmt: skip
+    try:
+        tokenizer = load_tokenizer("tiny:qwen3_vl")
+        model = load_model("tiny:qwen3_vl", dtype=torch.float32, seed=0)
+        engine = LockstepEngine(model, max_num_seqs=8, max_model_len=256, seed=1,
+                                tensor_parallel=TensorParallel.of())  # fmt: skip
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        if member > 0:
+            outputs = engine.follow(lambda note: None)
+        else:
+            vision = VisionProcessor(tokenizer, model.config)
+            requests = _requests(vision, tokenizer, _prompts(squares_task(num_samples=2)),
+                                 SamplingParams(max_tokens=12, ignore_eos=True))  # fmt: skip
+            outputs = engine.generate(requests)
+            engine.stop_followers()
+        dist.barrier()
+        tokens = {o.request_id: [(c.token_ids, c.logprobs) for c in o.completions] for o in outputs}
+        return tokens, shapes
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp2_rollout_generates_like_one_process_from_images_and_video(members):
+    """Two tensor-parallel ranks (the vision tower whole on each, the language model split)
+    sample the tokens one process samples, with its log-probs."""
+    reports = members.run_on(range(2), _tp_body, free_port())
+    tokenizer = load_tokenizer("tiny:qwen3_vl")
+    model = load_model("tiny:qwen3_vl", dtype=torch.float32, seed=0)
+    full = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    engine = TorchEngine(model, max_num_seqs=8, max_model_len=256, seed=1)
+    requests = _requests(VisionProcessor(tokenizer, model.config), tokenizer,
+                         _prompts(squares_task(num_samples=2)),
+                         SamplingParams(max_tokens=12, ignore_eos=True))  # fmt: skip
+    want = {o.request_id: o.completions for o in engine.generate(requests)}
+    for member, (tokens, shapes) in reports.items():
+        assert sorted(tokens) == sorted(want)
+        for rid, completions in tokens.items():
+            for (ids, logprobs), expected in zip(completions, want[rid], strict=True):
+                assert ids == expected.token_ids, (member, rid)
+                torch.testing.assert_close(torch.tensor(logprobs),
+                                           torch.tensor(expected.logprobs), atol=1e-5, rtol=0)  # fmt: skip
+        visual = {n for n in full if ".visual." in n}
+        assert visual and all(shapes[n] == full[n] for n in visual)
+        q = "model.language_model.layers.0.self_attn.q_proj.weight"
+        assert shapes[q][0] == full[q][0] // 2
+
+
+def _groups(vision: VisionProcessor, tokenizer) -> tuple[list[RolloutGroup], list]:
+    """Two image groups and one text group, completions of different lengths and rewards."""
+    prompts = _prompts(squares_task(num_samples=2))[:3]
+    groups = []
+    for i, prompt in enumerate(prompts):
+        ids, _ = prompt_inputs(tokenizer, vision, prompt)
+        texts = [f"<answer>{i + 1}</answer>", "x" * (3 + i), str(i)]
+        completions = [
+            Completion(
+                tokenizer.encode(t) + [tokenizer.eos_token_id],
+                [-1.0] * (len(t) + 1),
+                t,
+                "stop",
+                [(0, 0)],
+                reward,
+            )
+            for t, reward in zip(texts, [1.0, 0.0, 0.5], strict=True)
+        ]
+        groups.append(RolloutGroup(Prompt(f"0:{i}", 0, i, prompt, "1"), ids, completions))
+    return groups, prompts
+
+
+def _cfg(parallelism: dict):
+    return config_from_dict({
+        "train": {"optm_lr": 1e-3, "optm_warmup_steps": 0, "epsilon": 1e-6,
+                  "train_policy": {"type": "grpo", "mini_batch": 1,
+                                   "use_rollout_logprobs_for_loss": False}},
+        "policy": {"parallelism": parallelism},
+    })  # fmt: skip
+
+
+def _grpo(trainer: PolicyTrainer, tokenizer, vision) -> list[dict]:
+    groups, prompts = _groups(vision, tokenizer)
+    media = rollout_media(vision, groups, prompts)
+    return [trainer.grpo_step(groups, media) for _ in range(2)]
+
+
+def _fsdp_body(member, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=member,
+                            world_size=2)  # fmt: skip
+    try:
+        cfg = _cfg({"dp_shard_size": 2})
+        tokenizer = load_tokenizer("tiny:qwen3_vl")
+        model = load_model("tiny:qwen3_vl", seed=0)
+        vision = VisionProcessor(tokenizer, model.config)
+        split = parallelize_policy(model, cfg)
+        trainer = PolicyTrainer(split.model, cfg, total_steps=4, pad_id=0,
+                                data_parallel=split.data_parallel)  # fmt: skip
+        history = _grpo(trainer, tokenizer, vision)
+        params = {n: t.cpu().numpy().copy() for n, t in split.model.full_named_parameters()}
+        return history, params
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_grpo_on_images_steps_like_one_process(members):
+    """One pass per row (mini_batch 1) over 9 rows: the ranks' passes hold images, text only, or
+    nothing (a dummy row), and still pair their vision-block collectives up; two steps equal
+    one process's."""
+    cfg = _cfg({})
+    tokenizer = load_tokenizer("tiny:qwen3_vl")
+    model = load_model("tiny:qwen3_vl", seed=0)
+    vision = VisionProcessor(tokenizer, model.config)
+    trainer = PolicyTrainer(model, cfg, total_steps=4, pad_id=0)
+    want = _grpo(trainer, tokenizer, vision)
+    reports = members.run_on(range(2), _fsdp_body, free_port(), timeout_s=240)
+    start = dict(load_model("tiny:qwen3_vl", seed=0).named_parameters())
+    for history, params in reports.values():
+        for got, expected in zip(history, want, strict=True):
+            for key, value in expected.items():
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
+        for name, value in params.items():
+            torch.testing.assert_close(torch.from_numpy(value), model.get_parameter(name).detach(),
+                                       rtol=0, atol=1e-5)  # fmt: skip
+    name = "model.visual.blocks.0.attn.qkv.weight"
+    moved = float((model.get_parameter(name) - start[name]).detach().abs().max())
+    assert moved > 1e-4  # the images' gradients reached the vision tower
