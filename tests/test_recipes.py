@@ -87,3 +87,13 @@ def test_tensor_parallel_policy_with_two_rollout_replicas_learns(tmp_path, warm_
             "joined weight group generation"
             in (tmp_path / "job" / "logs" / f"{name}.log").read_text()
         )
+
+
+def test_vlm_demo_learns_to_count_with_grpo(tmp_path):
+    """`configs/vlm_demo.toml` (`make vlm-demo`) as shipped, from its SFT warm start: a tiny
+    Qwen3-VL, rollout TP 2 and policy FSDP 2, rewards single_choice + format on images."""
+    _train(ROOT / "configs" / "vlm_demo_warmstart.toml", "--output-dir", str(tmp_path / "sft"))
+    cfg = load_config(ROOT / "configs" / "vlm_demo.toml")
+    assert cfg.policy.parallelism.dp_shard_size == 2 and cfg.rollout.parallelism.tp_size == 2
+    warm = tmp_path / "sft" / "warmstart" / "safetensors" / "final"
+    _assert_learns(_job(tmp_path / "rl", cfg, warm))

@@ -19,7 +19,7 @@ import torch
 from nebula_rl.config import Config
 from nebula_rl.controller import JobState, connect, create_app, serve, start_redis
 from nebula_rl.controller.client import TOKEN_ENV, ReplicaSession
-from nebula_rl.data import rl_prompt, rl_rows, rl_validation_rows
+from nebula_rl.data import prompt_token_ids, rl_prompt, rl_rows, rl_validation_rows
 from nebula_rl.models import load_tokenizer
 from nebula_rl.protocol import Prompt, RolloutGroup
 from nebula_rl.rollout.worker import RolloutWorker, completion_text, sampling_params
@@ -130,6 +130,28 @@ def test_claims_what_the_engine_has_room_for_plus_the_prefetch(rollout_worker, p
     # The engine takes what it has room for; what it took makes room for no more claims.
     worker.submit_ready()
     assert len(worker.generating) == expected and worker.claim() == 0
+
+
+def test_loader_threads_prepare_claimed_prompts_ahead(rollout_worker):
+    """train_policy.dataloader_num_workers: claimed prompts are tokenized in loader threads, and
+    the replica holds workers x prefetch_factor prompts more; the groups are those of prompts
+    prepared at submission."""
+    worker = rollout_worker(
+        {
+            "rollout": {"max_num_seqs": 12, "batch_size": 4},
+            "train": {
+                "train_policy": {"dataloader_num_workers": 2, "dataloader_prefetch_factor": 3}
+            },
+        }
+    )
+    assert worker.loader is not None and worker.claim_limit == 3 + 2 * 3
+    prompts = _enqueue(worker.cfg, worker.session.state, 6)
+    groups = _groups(worker, 6)
+    rows, column = rl_rows(worker.cfg), worker.cfg.grpo.prompt_column_name
+    for prompt, group in zip(prompts, groups, strict=True):
+        text = prompt.prompt if prompt.prompt is not None else rows[prompt.index][column]
+        want = prompt_token_ids(worker.tokenizer, text, system_prompt="")
+        assert group.prompt == prompt and group.prompt_token_ids == want
 
 
 @pytest.mark.parametrize("local", [True, False])
