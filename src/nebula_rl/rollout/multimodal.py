@@ -91,11 +91,8 @@ def embed_prompts(
         out = encode(kwargs[key], kwargs[f"{kind}_grid_thw"], return_dict=True)
         found = torch.cat(out.pooler_output).to(embeds.dtype)
         mask = (tokens == int(token_id)) & real
-        if int(mask.sum()) != found.shape[0]:
-            raise ValueError(
-                f"the prompts hold {int(mask.sum())} {kind} tokens for {found.shape[0]} {kind} "
-                "embeddings: the prompt ids and the pixels were not made together"
-            )
+        # (the engine refuses a request whose media tokens its grids do not account for)
+        assert int(mask.sum()) == found.shape[0], f"{kind} tokens and embeddings differ"
         embeds = embeds.masked_scatter(mask[..., None], found)
         masks.append(mask)
         features.append(
