@@ -441,7 +441,10 @@ def test_rank_of_a_two_rank_rollout_replica_killed(start_job):
     prompts: the replica goes down whole, its prompts go back to the queue, the weight group is
     rebuilt with rollout-0's two ranks, and the job finishes."""
     num_rows = 48
-    job = start_job(num_rows=num_rows, policy=1, rollout=2, layout=TWO_RANKS)
+    # One prompt per replica at a time, so that rollout-1 shares the work (with room for
+    # several, rollout-0 could claim each step's prompts alone and the window be missed).
+    layout = {**TWO_RANKS, "rollout": {"parallelism": {"tp_size": 2}, "max_num_seqs": N_GENERATION}}
+    job = start_job(num_rows=num_rows, policy=1, rollout=2, layout=layout)
     pending = job.state.key("prompts")
 
     def holds_prompts() -> bool:

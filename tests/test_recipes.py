@@ -49,6 +49,7 @@ def _job(tmp_path: Path, cfg: Config, warm_start: Path, *extra: str) -> list[dic
     cfg.train.timestamp = "job"
     cfg.policy.model_name_or_path = str(warm_start)
     cfg.policy.warmstart_config = None
+    tmp_path.mkdir(parents=True, exist_ok=True)
     config = tmp_path / "job.json"
     config.write_text(cfg.model_dump_json())
     _train(config, *extra)

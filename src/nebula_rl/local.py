@@ -37,12 +37,12 @@ from nebula_rl.algorithms import dynamic_sampling_filter
 from nebula_rl.config import Config, GrpoConfig, SftConfig
 from nebula_rl.data import (
     epoch_order,
-    load_rows,
     num_train_steps,
     rl_prompt,
     rl_rows,
     rl_validation_rows,
     sft_example,
+    sft_rows,
     split_rows,
     validate_rows,
 )
@@ -504,13 +504,20 @@ def _sft_rows(cfg: Config, p: SftConfig) -> tuple[list[dict[str, Any]], list[dic
         else [p.conversation_column_name]
     )
     seed = cfg.train.seed or 0
-    rows, _ = validate_rows(load_rows(p.dataset, seed=seed), columns=columns)
+    conversations = "" if by_columns else p.conversation_column_name
+    rows, _ = validate_rows(
+        sft_rows(p.dataset, conversations, key="train.train_policy.dataset", seed=seed),
+        columns=columns,
+    )
     train, held_out = split_rows(rows, p.dataset.test_size, seed=seed)
     v = cfg.validation
     if not v.enable:
         return train, []
     if v.dataset.name:
-        held_out, _ = validate_rows(load_rows(v.dataset, seed=seed), columns=columns)
+        held_out, _ = validate_rows(
+            sft_rows(v.dataset, conversations, key="validation.dataset", seed=seed),
+            columns=columns,
+        )
     if not held_out:
         raise ValueError(
             "validation.enable: no validation rows; set validation.dataset.name or "

@@ -52,6 +52,8 @@ def _check_name(name: str, key: str, errors: list[str], *, allow_builtin: bool =
 
 
 def _check_dataset(ds: DatasetConfig, key: str, errors: list[str]) -> None:
+    if ds.media_dir and not Path(ds.media_dir).is_dir():
+        errors.append(f"{key}.media_dir: {ds.media_dir} is not a folder")
     if ds.local_dir:
         if not Path(ds.local_dir).exists():
             errors.append(f"{key}.local_dir: {ds.local_dir} does not exist")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nebula_rl.config import Config, DatasetConfig
+from nebula_rl.data.formats import UNUSABLE, conversation_rows, prompt_rows
 from nebula_rl.hub import is_hub_id
 from nebula_rl.protocol import Prompt
 
@@ -46,6 +47,7 @@ __all__ = [
     "rl_rows",
     "rl_validation_rows",
     "sft_example",
+    "sft_rows",
     "split_rows",
     "validate_rows",
 ]
@@ -287,6 +289,10 @@ def _local_rows(path: Path, splits: Sequence[str], *, key: str) -> list[dict[str
     kind, files = _local_files(path, splits, key=key)
     if all(f.endswith(".jsonl") for f in files):
         return [row for f in files for row in _json_lines(Path(f))]
+    if all(f.endswith(".json") for f in files):
+        arrays = [_json_array(Path(f)) for f in files]
+        if all(a is not None for a in arrays):
+            return [row for a in arrays for row in a or ()]
     import datasets
 
     table = datasets.load_dataset(kind, data_files=files, split="train")
@@ -311,6 +317,23 @@ def _json_lines(path: Path) -> list[dict[str, Any]]:
                 continue
             rows.append(row)
     return rows
+
+
+def _json_array(path: Path) -> list[dict[str, Any]] | None:
+    """The rows of a file holding one JSON array (LLaVA's annotation files), read as they are:
+    Arrow cannot type a column that holds a string in one row and a list in another (`image`).
+    An element that is not an object becomes a :data:`MALFORMED` placeholder; None when the
+    file is not one array (then `datasets` reads it)."""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        head = f.read(4096).lstrip()
+        if not head.startswith("["):
+            return None
+        f.seek(0)
+        try:
+            value = json.load(f)
+        except json.JSONDecodeError:
+            return None
+    return [row if isinstance(row, dict) else {MALFORMED: "not a JSON object"} for row in value]
 
 
 def split_rows(
@@ -370,6 +393,8 @@ def _problem(row: dict[str, Any], columns: Sequence[str], prompts: Sequence[str]
     """Why `row` is unusable, None if it is usable."""
     if MALFORMED in row:
         return f"malformed line ({row[MALFORMED]})"
+    if UNUSABLE in row:
+        return str(row[UNUSABLE])
     missing = next((c for c in columns if c not in row or row[c] in (None, "", [])), None)
     if missing is not None:
         return f"missing or empty '{missing}'"
@@ -519,6 +544,26 @@ def rl_prompt(
     )
 
 
+def _rl_rows_of(cfg: Config, ds: DatasetConfig, *, key: str) -> list[dict[str, Any]]:
+    """The rows of an RL dataset, multiple-choice questions and media columns written into the
+    prompt column (see `nebula_rl.data.formats`)."""
+    p = cfg.grpo
+    return prompt_rows(
+        load_rows(ds, seed=cfg.train.seed or 0),
+        ds,
+        key=key,
+        prompt_column=p.prompt_column_name,
+        response_column=p.response_column_name,
+        system_prompt=p.system_prompt,
+    )
+
+
+def sft_rows(ds: DatasetConfig, column: str, *, key: str, seed: int) -> list[dict[str, Any]]:
+    """The rows of an SFT dataset, LLaVA turns and media columns written into the conversation
+    column `column` (see `nebula_rl.data.formats`)."""
+    return conversation_rows(load_rows(ds, seed=seed), ds, key=key, column=column)
+
+
 def _rl_split(
     cfg: Config,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], RowReport]:
@@ -527,7 +572,7 @@ def _rl_split(
     p = cfg.grpo
     seed = cfg.train.seed or 0
     rows, report = validate_rows(
-        load_rows(p.dataset, seed=seed),
+        _rl_rows_of(cfg, p.dataset, key="train.train_policy.dataset"),
         columns=[p.prompt_column_name, p.response_column_name],
         prompts=[p.prompt_column_name],
     )
@@ -550,7 +595,7 @@ def rl_validation_rows(cfg: Config) -> list[dict[str, Any]]:
     p, v = cfg.grpo, cfg.validation
     if v.dataset.name:
         rows, report = validate_rows(
-            load_rows(v.dataset, seed=cfg.train.seed or 0),
+            _rl_rows_of(cfg, v.dataset, key="validation.dataset"),
             columns=[p.prompt_column_name, p.response_column_name],
             prompts=[p.prompt_column_name],
         )

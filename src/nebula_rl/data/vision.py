@@ -46,7 +46,7 @@ import torch
 from PIL import Image
 from transformers import PretrainedConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessorPil
 
-from nebula_rl.config import Config
+from nebula_rl.config import VISION_OPTIONS, Config
 
 __all__ = [
     "VISION_OPTIONS",
@@ -60,20 +60,6 @@ __all__ = [
     "vision_processor",
 ]
 
-VISION_OPTIONS = frozenset(
-    {
-        "min_pixels",
-        "max_pixels",
-        "resized_height",
-        "resized_width",
-        "fps",
-        "nframes",
-        "min_frames",
-        "max_frames",
-        "total_pixels",
-    }
-)
-"""The per-item vision settings a content item may carry."""
 
 _MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 # Preprocessing of the presets (a real model's folder has its own preprocessor_config.json):
