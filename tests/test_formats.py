@@ -23,6 +23,20 @@ def _png(path: Path, colour: tuple[int, int, int]) -> None:
     Image.new("RGB", (32, 32), colour).save(path)
 
 
+def _mp4(path: Path, colours: list[tuple[int, int, int]], rate: int) -> None:
+    import av
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=rate)
+        stream.width = stream.height = 32
+        stream.pix_fmt = "yuv420p"
+        for colour in colours:
+            frame = av.VideoFrame.from_image(Image.new("RGB", (32, 32), colour))
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+
+
 def _jsonl(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -107,7 +121,8 @@ def test_hub_clips_are_extracted_once_into_cosmos_rls_cache_and_grpo_runs_on_the
     """A Reason-shaped dataset read from `local_dir` (the Hub repository's layout): its
     `<subset>/clips/*.tar.gz` extracted once into `$COSMOS_CACHE/datasets/<name>/<subset>/
     video_clips`, rows naming the clips by path found by file name; GRPO in one process then
-    generates from the images, scores the letters and trains."""
+    generates from the images and MP4 videos (decoded at the recipe's 1 fps), scores the
+    letters and trains."""
     from nebula_rl import local
 
     monkeypatch.setenv("COSMOS_CACHE", str(tmp_path / "cache"))
@@ -115,13 +130,14 @@ def test_hub_clips_are_extracted_once_into_cosmos_rls_cache_and_grpo_runs_on_the
     colours = {"r.png": (255, 0, 0), "g.png": (0, 255, 0)}
     for name, colour in colours.items():
         _png(tmp_path / "staging" / "frames" / name, colour)
+    _mp4(tmp_path / "staging" / "frames" / "b.mp4", [(0, 0, 255)] * 8, rate=4)
     (repo / "robovqa" / "clips").mkdir(parents=True)
     with tarfile.open(repo / "robovqa" / "clips" / "part0.tar.gz", "w:gz") as tar:
         tar.add(tmp_path / "staging" / "frames", arcname="frames")
     rows = [
         {"qa_pairs": {**QA, "answer": "A" if n == "r.png" else "B"}, "image": f"clips/x/{n}"}
         for n in colours
-    ] * 8
+    ] * 4 + [{"qa_pairs": {**QA, "answer": "B"}, "video": "clips/x/b.mp4"}] * 8
     _jsonl(repo / "rl.jsonl", rows)
     dataset = {
         "name": "nvidia/Cosmos-Reason1-RL-Dataset",
@@ -135,6 +151,12 @@ def test_hub_clips_are_extracted_once_into_cosmos_rls_cache_and_grpo_runs_on_the
     train, report = rl_dataset(cfg)
     assert report.num_bad == 0 and (clips / ".prepared").exists()
     assert train[0]["qa_pairs"][1]["content"][0]["image"] == str(clips / "frames" / "r.png")
+    assert train[-1]["qa_pairs"][1]["content"][0] == {
+        "type": "video",
+        "video": str(clips / "frames" / "b.mp4"),
+        "fps": 1.0,
+        "max_pixels": 81920,
+    }
     (repo / "robovqa" / "clips" / "part0.tar.gz").unlink()  # prepared: not read again
     assert rl_dataset(cfg)[1].num_bad == 0
 

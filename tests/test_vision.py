@@ -249,8 +249,39 @@ def test_video_frame_settings():
     assert full.video_grid_thw.tolist() == [[1, 16, 16]]
     budget = processor(_ask({"type": "video", "video": large, "total_pixels": 16 * 28 * 28}))
     assert budget.video_grid_thw.tolist() == [[1, 8, 8]]  # 16 tokens for the two frames
-    with pytest.raises(ImportError, match="PyAV"):
-        processor(_ask({"type": "video", "video": "clip.mp4"}))
+
+
+def test_video_files_decode_with_pyav_at_the_asked_rate(tmp_path):
+    """An MP4 file of 8 frames at 4 fps asked for at `fps = 2`: every second frame, the same
+    patches as those frames given as a list, and the clip's time per temporal patch."""
+    import av
+
+    path = tmp_path / "clip.mp4"
+    colours = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0)] * 2
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=4)
+        stream.width = stream.height = 56
+        stream.pix_fmt = "yuv420p"
+        for colour in colours:
+            frame = av.VideoFrame.from_image(Image.new("RGB", (56, 56), colour))
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    with av.open(str(path)) as container:
+        decoded = [f.to_image() for f in container.decode(container.streams.video[0])]
+    assert len(decoded) == 8
+    kept = decoded[::2]
+    red = np.asarray(kept[0], dtype=float).mean(axis=(0, 1))
+    assert red[0] > 200 and red[1] < 60 and red[2] < 60  # the first frame, through the codec
+
+    processor = VisionProcessor.from_pretrained("tiny:qwen2_5_vl")
+    from_file = processor(_ask({"type": "video", "video": str(path), "fps": 2}))
+    from_frames = processor(_ask({"type": "video", "video": kept, "fps": 2}))
+    assert from_file.video_grid_thw.tolist() == [[2, 4, 4]]  # 4 frames, 2 per temporal patch
+    assert torch.equal(from_file.pixel_values_videos, from_frames.pixel_values_videos)
+    assert from_file.input_ids == from_frames.input_ids
+    assert from_file.second_per_grid_ts == [pytest.approx(1.0)]  # 2 frames at 2 fps
 
 
 def test_sft_labels_cover_the_assistant_and_never_media(tok):
@@ -418,7 +449,7 @@ def test_the_vlm_demo_sft_config_learns_to_count(tmp_path):
     assert correct >= 90, correct
 
 
-def _squares_config(tmp_path, name: str, **parallelism: int):
+def _squares_config(tmp_path, name: str, dataset: dict | None = None, **parallelism: int):
     from nebula_rl.config import config_from_dict
 
     dp = parallelism.get("dp_shard_size", 1) * parallelism.get("dp_replicate_size", 1)
@@ -435,7 +466,8 @@ def _squares_config(tmp_path, name: str, **parallelism: int):
                 "train_policy": {
                     "type": "sft",
                     "mini_batch": 4,
-                    "dataset": {"name": "builtin:squares", "kwargs": {"num_samples": 48}},
+                    "dataset": dataset
+                    or {"name": "builtin:squares", "kwargs": {"num_samples": 48}},
                 },
             },
             "policy": {
@@ -460,6 +492,34 @@ def test_fsdp_sft_of_a_vision_language_model_steps_like_one_process(tmp_path):
         train(_squares_config(tmp_path, name, **parallelism))
     weights = assert_two_like_one(tmp_path, 3, atol=1e-5)
     assert any(k.startswith("model.visual.") for k in weights)
+
+
+def test_fsdp_sft_with_images_on_one_rank_and_videos_on_the_other_steps_like_one_process(
+    tmp_path,
+):
+    """Rows with an image, with a video (two frames) or text only, in a seeded order that gives
+    the two ranks passes with different kinds of media: every rank still runs the vision tower
+    on images and then on videos (blank ones where its rows have none), so FSDP's collectives
+    pair up, and the job steps like one process."""
+    import json
+
+    from nebula_rl.data import squares_task
+    from sft_runs import assert_two_like_one, train
+
+    rows = []
+    for i, row in enumerate(squares_task(num_samples=48, seed=7)):
+        user, reply = row["conversations"]
+        image = user["content"][0]["image"]
+        if i % 3 == 1:  # a video of the image twice
+            user["content"][0] = {"type": "video", "video": [image, image], "fps": 1}
+        elif i % 3 == 2:
+            user = {"role": "user", "content": "How many squares?"}
+        rows.append({"conversations": [user, reply]})
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name, parallelism in (("one", {}), ("two", {"dp_shard_size": 2})):
+        train(_squares_config(tmp_path, name, {"name": str(data)}, **parallelism))
+    assert_two_like_one(tmp_path, 3, atol=1e-5)
 
 
 @pytest.mark.parametrize("split", ["tp_size", "pp_size", "cp_size"])

@@ -617,18 +617,18 @@ def whole_model_loss(
     """`loss_fn(logits, labels)` of `module` (an HF causal LM) run on this rank's whole rows,
     forward autocast to `compute_dtype` (None: the parameters' own), backpropagated with
     `backward`; the caller sets grad mode. `inputs` are more keyword arguments of the forward
-    (a vision-language model's pixels). `touch_vision`: a vision-language model whose rows
-    hold no media still runs its vision tower, on one more row holding a blank image, whose
-    output counts zero (see `_with_blank_image`)."""
-    blank = touch_vision and not any(k in (inputs or {}) for k in _PIXEL_KEYS)
+    (a vision-language model's pixels). `touch_vision`: a vision-language model runs its
+    vision tower on images and on videos in every pass, those its rows lack being blank ones on
+    one more row, whose output counts zero (see `_with_blank_media`)."""
+    blank = touch_vision and not all(k in (inputs or {}) for k in _PIXEL_KEYS)
     length = input_ids.shape[1]
     if blank:
         if attention_mask is not None or position_ids is not None:
             raise ValueError(
-                "train.sequence_packing: packed rows without images cannot be trained "
-                "data-parallel with a vision-language model; turn packing off"
+                "train.sequence_packing: packed rows cannot be trained data-parallel with a "
+                "vision-language model; turn packing off"
             )
-        input_ids, inputs = _with_blank_image(module, input_ids, inputs)
+        input_ids, inputs = _with_blank_media(module, input_ids, inputs)
     autocast = (
         nullcontext()
         if compute_dtype is None
@@ -655,40 +655,46 @@ def whole_model_loss(
 _PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
 
 
-def _with_blank_image(
+def _with_blank_media(
     module: nn.Module, input_ids: Tensor, inputs: Mapping[str, Tensor] | None
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """`input_ids` with one more row, `<|vision_start|><|image_pad|><|vision_end|>`, and the
-    pixels of a blank image of one language token for it.
+    """`input_ids` with one more row holding a blank image (`<|vision_start|><|image_pad|>
+    <|vision_end|>`) if the pass has no image, and a blank video likewise if it has no video,
+    each one language token, with their pixels appended to the pass's.
 
     Data-parallel ranks run the same collectives per forward and backward: FSDP all-gathers
     each vision block before the model uses it and reduce-scatters its gradients after, DDP
-    all-reduces them. A rank whose rows hold no image or video would skip the vision tower
-    while another runs it, and their collectives would no longer pair up; this row makes it run
-    the tower at the same point of the forward, with zero gradients."""
+    all-reduces them. Qwen-VL forwards run the vision tower once for the images, then once for
+    the videos; a rank whose rows hold no image (or no video) would skip a run another rank
+    makes, and their collectives would no longer pair up. With both kinds always present, every
+    rank runs the tower twice, at the same points of the forward."""
     model_config: Any = _config(module)
     config = model_config.vision_config
     merge = int(config.spatial_merge_size)
     width = int(config.in_channels * config.temporal_patch_size * config.patch_size**2)
+    given = dict(inputs or {})
+    missing = [
+        (kind, token, pixels, grid)
+        for kind, token, pixels, grid in (
+            (1, model_config.image_token_id, "pixel_values", "image_grid_thw"),
+            (2, model_config.video_token_id, "pixel_values_videos", "video_grid_thw"),
+        )
+        if pixels not in given
+    ]
     rows, length = input_ids.shape
-    ids = input_ids.new_zeros((rows + 1, max(length, 3)))
+    ids = input_ids.new_zeros((rows + 1, max(length, 3 * len(missing))))
     ids[:rows, :length] = input_ids
-    ids[rows, :3] = torch.tensor(
-        [
-            model_config.vision_start_token_id,
-            model_config.image_token_id,
-            model_config.vision_end_token_id,
-        ]
-    )
     types = ids.new_zeros(ids.shape)
-    types[rows, 1] = 1
+    if "mm_token_type_ids" in given:
+        types[:rows, :length] = given["mm_token_type_ids"]
     device = input_ids.device
-    return ids, {
-        **(inputs or {}),
-        "mm_token_type_ids": types,
-        "pixel_values": torch.zeros(merge * merge, width, device=device),
-        "image_grid_thw": torch.tensor([[1, merge, merge]], device=device),
-    }
+    for i, (kind, token, pixels, grid) in enumerate(missing):
+        start, end = model_config.vision_start_token_id, model_config.vision_end_token_id
+        ids[rows, 3 * i : 3 * i + 3] = torch.tensor([start, token, end])
+        types[rows, 3 * i + 1] = kind
+        given[pixels] = torch.zeros(merge * merge, width, device=device)
+        given[grid] = torch.tensor([[1, merge, merge]], device=device)
+    return ids, {**given, "mm_token_type_ids": types}
 
 
 def _pad_rows_columns(tensor: Tensor, rows: int, columns: int) -> Tensor:

@@ -16,6 +16,7 @@ import torch
 
 from nebula_rl.config import Config
 from nebula_rl.rollout.engine import Engine
+from nebula_rl.rollout.multimodal import is_multimodal
 from nebula_rl.rollout.tensor_parallel import TensorParallel
 
 __all__ = ["build_engine", "check_backend", "max_model_len"]
@@ -55,8 +56,14 @@ def build_engine(
 ) -> Engine:
     """The configured engine over `model` (torch) or over the model folder `model_path` (vLLM,
     which loads the weights itself; later weights arrive through `update_weights`)."""
-    check_backend(cfg)
     r = cfg.rollout
+    if r.backend == "vllm" and is_multimodal(model):
+        raise ValueError(
+            'rollout.backend = "vllm": vision-language prompts are not passed to vLLM yet (its '
+            'multi_modal_data); set rollout.backend = "torch", whose engine generates from '
+            "images and videos"
+        )
+    check_backend(cfg)
     if r.backend == "torch":
         from nebula_rl.rollout.lockstep import LockstepEngine
         from nebula_rl.rollout.torch_engine import TorchEngine

@@ -116,6 +116,8 @@ class VLLMEngine(Engine):
         )
 
     def _add_request(self, request: GenerationRequest) -> None:
+        if request.media is not None:  # (build_engine refuses vision-language models)
+            raise ValueError(f"request {request.request_id!r}: media are not passed to vLLM yet")
         samples = [_Sample(version_changes=[(0, self._policy_version)]) for _ in range(request.n)]
         self._states[request.request_id] = _RequestState(request, samples)
         self._engine.add_request(
