@@ -1,0 +1,133 @@
+"""RL losses of rectified-flow (diffusion) models, as pure tensor functions.
+
+- FlowGRPO (Liu et al. 2025, arXiv 2505.05470): a clipped ratio per denoising step of the SDE
+  sampler (`nebula_rl.flow.sampler`), group-relative advantages, and a KL to a reference model
+  by the squared difference of the step means over the step's variance.
+- DDRL (arXiv 2512.04332): the same policy term plus `data_beta` x the flow-matching loss on the
+  real clip of the same prompt (a forward KL to the data instead of a reverse KL to a reference),
+  optionally with the exponential advantage map `A -> -exp(-A)`.
+- DiffusionNFT (Zheng et al. 2025): trains on the forward (noising) process with implicit
+  positive and negative policies around soft-updated "old" weights; no likelihoods.
+
+Tensors are float32; a batch is B samples, each of any shape [B, ...]. Mean-over-elements
+reductions follow the reference implementations.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "ddrl_loss",
+    "exp_advantages",
+    "flow_grpo_kl",
+    "flow_grpo_loss",
+    "flow_matching_loss",
+    "nft_loss",
+    "nft_old_decay",
+    "soft_update",
+]
+
+
+def flow_grpo_loss(
+    log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, *, clip_range: float
+) -> Tensor:
+    """FlowGRPO's policy term of one denoising step: the mean over the batch of
+    `max(-A r, -A clip(r, 1 - eps, 1 + eps))`, `r = exp(log_prob - old_log_prob)` [B]."""
+    ratio = torch.exp(log_prob - old_log_prob)
+    clipped = torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    return torch.maximum(-advantages * ratio, -advantages * clipped).mean()
+
+
+def flow_grpo_kl(mean: Tensor, ref_mean: Tensor, std: float) -> Tensor:
+    """KL of a step's Gaussian to the reference model's, as FlowGRPO computes it: the mean over
+    the batch of `mean_elements((mean - ref_mean)^2) / (2 std^2)`, with the SDE's `std_t`."""
+    return ((mean - ref_mean) ** 2).flatten(1).mean(dim=1).div(2 * std**2).mean()
+
+
+def exp_advantages(advantages: Tensor, *, clip: float = 5.0) -> Tensor:
+    """DDRL's `exp_reward` map `A -> -exp(-A)`, then clipped to [-clip, clip] (after the map, as
+    cosmos-rl does: the result lies in [-clip, 0), and A = 0 becomes -1)."""
+    return (-torch.exp(-advantages)).clamp(-clip, clip)
+
+
+def flow_matching_loss(
+    velocity: Tensor, x0: Tensor, noise: Tensor, sigma: Tensor, *, weighting: str = "uniform"
+) -> Tensor:
+    """The flow-matching (SFT) loss of predicted velocities [B, ...] at `x_sigma = (1 - sigma) x0
+    + sigma noise`: the mean of `w(sigma) (v - (noise - x0))^2`; `weighting` "uniform" (w = 1) or
+    "edm" (`sigma^2 + (1 - sigma)^2`, the EDM weight of cosmos-rl's data loss written for a
+    rectified flow)."""
+    error = (velocity.float() - (noise.float() - x0.float())) ** 2
+    per_sample = error.flatten(1).mean(dim=1)
+    if weighting == "edm":
+        per_sample = per_sample * (sigma**2 + (1 - sigma) ** 2)
+    elif weighting != "uniform":
+        raise ValueError(f"flow_matching_loss: weighting {weighting!r}; 'uniform' or 'edm'")
+    return per_sample.mean()
+
+
+def ddrl_loss(
+    policy_loss: Tensor,
+    data_loss: Tensor,
+    *,
+    data_beta: float,
+    kl: Tensor | None = None,
+    kl_beta: float = 0.0,
+) -> Tensor:
+    """DDRL's loss: the policy term + `kl_beta` x KL (optional) + `data_beta` x the data
+    (flow-matching) loss on the real sample of the same prompt."""
+    loss = policy_loss + data_beta * data_loss
+    if kl is not None and kl_beta:
+        loss = loss + kl_beta * kl
+    return loss
+
+
+def nft_loss(
+    v_theta: Tensor,
+    v_old: Tensor,
+    x_t: Tensor,
+    x0: Tensor,
+    t: Tensor,
+    advantages: Tensor,
+    *,
+    beta: float,
+    adv_clip: float = 5.0,
+    v_ref: Tensor | None = None,
+    kl_beta: float = 0.0,
+) -> Tensor:
+    """DiffusionNFT's loss on noised samples `x_t = (1 - t) x0 + t noise` [B, ...].
+
+    Implicit policies `v+ = beta v_theta + (1 - beta) v_old` and `v- = (1 + beta) v_old - beta
+    v_theta`; optimality weight `r = clip(clip(A, -c, c) / c / 2 + 0.5, 0, 1)`; each x0 estimate
+    `x0^ = x_t - t v` is scored by its mean squared error over the (detached, float64) mean
+    absolute error, floored at 1e-5 (adaptive weighting). Loss: the batch mean of
+    `(r L+ + (1 - r) L-) / beta x c`, plus `kl_beta` x mean((v_theta - v_ref)^2)."""
+    tb = t.float().view(-1, *[1] * (x0.dim() - 1))
+    r = (advantages.float().clamp(-adv_clip, adv_clip) / adv_clip / 2 + 0.5).clamp(0, 1)
+
+    def weighted(v: Tensor) -> Tensor:
+        error = (x_t.float() - tb * v.float()) - x0.float()
+        weight = error.detach().double().abs().flatten(1).mean(dim=1).clamp(min=1e-5)
+        return (error**2).flatten(1).mean(dim=1) / weight.float()
+
+    positive = weighted(beta * v_theta + (1 - beta) * v_old)
+    negative = weighted((1 + beta) * v_old - beta * v_theta)
+    loss = ((r * positive + (1 - r) * negative) / beta * adv_clip).mean()
+    if v_ref is not None and kl_beta:
+        loss = loss + kl_beta * ((v_theta.float() - v_ref.float()) ** 2).mean()
+    return loss
+
+
+def nft_old_decay(step: int) -> float:
+    """DiffusionNFT's decay of the old weights after optimiser step `step`
+    (`weight_copy_decay_type = 1`): `min(0.001 step, 0.5)`."""
+    return min(0.001 * step, 0.5)
+
+
+@torch.no_grad()
+def soft_update(old: nn.Module, new: nn.Module, *, decay: float) -> None:
+    """`old <- decay old + (1 - decay) new`, parameter by parameter (same architecture)."""
+    for target, source in zip(old.parameters(), new.parameters(), strict=True):
+        target.lerp_(source.detach(), 1.0 - decay)

@@ -1,0 +1,193 @@
+"""Sampling a rectified flow with log-probabilities: FlowGRPO's SDE step (Liu et al. 2025,
+arXiv 2505.05470), the plain Euler ODE step for evaluation, classifier-free guidance, and the
+trajectory record that training replays.
+
+A flow model predicts the velocity `v ~ noise - x0` of `x_sigma = (1 - sigma) x0 + sigma noise`;
+sampling runs `sigma` from 1 (noise) down to 0. FlowGRPO replaces the probability-flow ODE by an
+SDE with the same marginals, discretised by Euler-Maruyama, so each step is a Gaussian whose
+log-density is known. For step `sigma -> sigma'` (`dt = sigma' - sigma < 0`) and noise level `a`:
+
+    std   = a sqrt(sigma / (1 - sigma~))       (sigma~ = sigma, or the next sigma when sigma = 1)
+    mean  = x (1 + std^2 dt / (2 sigma)) + v (1 + std^2 (1 - sigma) / (2 sigma)) dt
+    x'    = mean + std sqrt(-dt) z,  z ~ N(0, I)
+
+With `a = 0` it is the Euler step `x + v dt`. The log-probability of `x'` is the Gaussian's
+per-element log-density (scale `std sqrt(-dt)`), averaged (not summed) over the non-batch
+dimensions, as the reference code does. All of it runs in float32.
+
+"Denoising reduction": rollouts take few SDE steps (`num_steps`, e.g. 10) and evaluation many ODE
+steps; both use :func:`sigma_schedule`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FlowStep",
+    "Trajectory",
+    "VelocityFn",
+    "guided_velocity",
+    "sample",
+    "sde_step",
+    "sigma_schedule",
+    "step_log_prob",
+]
+
+VelocityFn = Callable[[Tensor, Tensor], Tensor]
+"""`v = velocity(x, sigma)`: the (guided) velocity at `x` [B, ...] and noise levels `sigma` [B]."""
+
+
+def sigma_schedule(num_steps: int, *, shift: float = 1.0) -> Tensor:
+    """`num_steps + 1` noise levels from 1 down to 0, uniform, then shifted as SD3 does
+    (`shift s / (1 + (shift - 1) s)`; 1 keeps them uniform)."""
+    if num_steps < 1 or shift <= 0:
+        raise ValueError("sigma_schedule: need num_steps >= 1 and shift > 0")
+    s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+    return (shift * s / (1 + (shift - 1) * s)).float()
+
+
+@dataclass(frozen=True, slots=True)
+class FlowStep:
+    """One SDE step: the next sample, the Gaussian's mean and scale, and the sample's
+    log-probability (per element, averaged over the non-batch dimensions) [B]."""
+
+    sample: Tensor
+    mean: Tensor
+    std: float
+    """The SDE's `std_t` (the Gaussian's scale is `std * sqrt(-dt)`)."""
+    scale: float
+    """The Gaussian's scale `std * sqrt(-dt)`."""
+    log_prob: Tensor | None
+    """None for a deterministic step (noise level 0)."""
+
+
+def _step_std(sigmas: Tensor, index: int, noise_level: float) -> float:
+    sigma = float(sigmas[index])
+    safe = float(sigmas[1]) if sigma >= 1.0 else sigma  # (1 - sigma) would be 0 at sigma = 1
+    return noise_level * math.sqrt(sigma / (1.0 - safe))
+
+
+def step_log_prob(sample: Tensor, mean: Tensor, scale: float) -> Tensor:
+    """Per-element Gaussian log-density of `sample` around `mean` with scale `scale`, averaged
+    over all but the first dimension [B]."""
+    log_density = (
+        -((sample.float() - mean.float()) ** 2) / (2 * scale**2)
+        - math.log(scale)
+        - 0.5 * math.log(2 * math.pi)
+    )
+    return log_density.flatten(1).mean(dim=1)
+
+
+def sde_step(
+    x: Tensor,
+    v: Tensor,
+    sigmas: Tensor,
+    index: int,
+    *,
+    noise_level: float,
+    noise: Tensor | None = None,
+    sample: Tensor | None = None,
+) -> FlowStep:
+    """Step `index` (`sigmas[index] -> sigmas[index + 1]`) from `x` with velocity `v`.
+
+    `sample` given (a recorded next sample, as training replays it): its log-probability under
+    this step's Gaussian, which is differentiable through `v`. Otherwise the next sample is drawn
+    with `noise` (default: fresh standard normal noise)."""
+    sigma, sigma_next = float(sigmas[index]), float(sigmas[index + 1])
+    dt = sigma_next - sigma
+    if sigma <= 0 or dt >= 0:
+        raise ValueError(f"sde_step: step {index} must lower a positive sigma ({sigmas.tolist()})")
+    x, v = x.float(), v.float()
+    std = _step_std(sigmas, index, noise_level)
+    mean = x * (1 + std**2 * dt / (2 * sigma)) + v * (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt
+    scale = std * math.sqrt(-dt)
+    if noise_level == 0:
+        return FlowStep(mean, mean, 0.0, 0.0, None)
+    if sample is None:
+        z = torch.randn_like(mean) if noise is None else noise.float()
+        sample = (mean + scale * z).detach()
+    return FlowStep(sample, mean, std, scale, step_log_prob(sample, mean, scale))
+
+
+def guided_velocity(
+    model: Callable[..., Tensor],
+    x: Tensor,
+    sigma: Tensor,
+    text: Tensor,
+    text_mask: Tensor,
+    *,
+    guidance_scale: float = 1.0,
+    null_text: Tensor | None = None,
+    null_mask: Tensor | None = None,
+    detach_unconditional: bool = True,
+) -> Tensor:
+    """The model's velocity, with classifier-free guidance `v_u + g (v_c - v_u)` when
+    `guidance_scale` != 1 (the unconditional branch on `null_text`, zeros by default, in the same
+    batched forward; detached in training, as FlowGRPO does)."""
+    if guidance_scale == 1.0:
+        return model(x, sigma, text, text_mask)
+    if null_text is None:
+        null_text = torch.zeros_like(text)
+        null_mask = torch.zeros_like(text_mask)
+    assert null_mask is not None
+    both = model(
+        torch.cat([x, x]),
+        torch.cat([sigma, sigma]),
+        torch.cat([text, null_text]),
+        torch.cat([text_mask, null_mask]),
+    )
+    conditional, unconditional = both.chunk(2)
+    if detach_unconditional:
+        unconditional = unconditional.detach()
+    return unconditional + guidance_scale * (conditional - unconditional)
+
+
+@dataclass(frozen=True, slots=True)
+class Trajectory:
+    """A batch's denoising path, as training needs it."""
+
+    latents: Tensor
+    """[B, num_steps + 1, ...]: the start noise, then each step's sample; the last is x0."""
+    log_probs: Tensor
+    """[B, num_steps]: each step's log-probability at sampling (zeros for deterministic steps)."""
+    sigmas: Tensor
+    """[num_steps + 1]: the noise levels, from 1 to 0."""
+    noise_level: float
+    """The SDE's `a` (0: the ODE)."""
+
+    @property
+    def final(self) -> Tensor:
+        """The generated samples [B, ...]."""
+        return self.latents[:, -1]
+
+
+@torch.no_grad()
+def sample(
+    velocity: VelocityFn,
+    noise: Tensor,
+    *,
+    num_steps: int,
+    noise_level: float,
+    shift: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Trajectory:
+    """Denoise `noise` [B, ...] in `num_steps` steps (SDE steps at `noise_level`, ODE steps at
+    0), recording the trajectory; the SDE's noise comes from `generator`."""
+    sigmas = sigma_schedule(num_steps, shift=shift)
+    x = noise.float()
+    latents, log_probs = [x], []
+    for i in range(num_steps):
+        sigma = torch.full((x.shape[0],), float(sigmas[i]), device=x.device)
+        v = velocity(x, sigma)
+        z = torch.randn(x.shape, generator=generator, device=x.device)
+        step = sde_step(x, v, sigmas, i, noise_level=noise_level, noise=z)
+        x = step.sample
+        latents.append(x)
+        log_probs.append(step.log_prob if step.log_prob is not None else x.new_zeros(x.shape[0]))
+    return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), sigmas, noise_level)
