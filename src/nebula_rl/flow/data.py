@@ -1,0 +1,200 @@
+"""Video/caption datasets of world-model training, in cosmos-rl's local layout, and the toy one
+the tests and the demo generate.
+
+The layout (`datasets/<name>/`): `metas/<stem>.txt` holds a clip's caption, `videos/<stem>.mp4`
+the clip (read with PyAV; `videos/<stem>.npy`, uint8 [T, H, W, 3], where PyAV is not installed)
+and `t5_xxl/<stem>.pickle` its text embeddings, computed offline: a pickled list whose first
+element is a float array [tokens, width] (`text_embedding/` is read too). A clip's window of
+`num_frames` frames starts at frame 0 (training takes a random window; this reader is
+deterministic so that rollout and policy see the same clip).
+
+The toy dataset: :data:`TOY_PROMPTS` ("a red square", ...), each a coloured shape on a noisy dark
+background, drifting a little from frame to frame; its "text embeddings" are frozen random
+vectors per word (:func:`toy_text_embedding`), standing in for a text encoder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from nebula_rl.rewards.visual import COLOURS, shape_mask
+
+__all__ = [
+    "TOY_PROMPTS",
+    "Clip",
+    "clip_batch",
+    "make_toy_dataset",
+    "read_local_dataset",
+    "toy_text_embedding",
+]
+
+TOY_PROMPTS = (
+    "a red square",
+    "a blue circle",
+    "a green bar",
+    "a yellow square",
+    "a cyan circle",
+    "a magenta bar",
+    "a red circle",
+    "a blue bar",
+)
+_EMBED_DIRS = ("t5_xxl", "text_embedding")
+
+
+@dataclass(frozen=True, slots=True)
+class Clip:
+    """One clip of a dataset: caption, pixels and the caption's embeddings."""
+
+    stem: str
+    caption: str
+    video: Tensor
+    """uint8 [3, T, H, W]."""
+    text: Tensor
+    """float32 [tokens, width]."""
+
+    def samples(self) -> Tensor:
+        """The clip as a flow model's sample, float32 [3, T, H, W] in [-1, 1]."""
+        return self.video.float() / 127.5 - 1
+
+
+def toy_text_embedding(caption: str, *, tokens: int = 4, width: int = 32) -> np.ndarray:
+    """Frozen random embeddings [tokens, width] of a caption's words (zeros past its words):
+    each word's vector is drawn from a generator seeded by the word's hash."""
+    out = np.zeros((tokens, width), dtype=np.float32)
+    for i, word in enumerate(caption.lower().split()[:tokens]):
+        seed = int.from_bytes(hashlib.sha256(word.encode()).digest()[:8], "little")
+        out[i] = np.random.default_rng(seed).standard_normal(width).astype(np.float32)
+    return out
+
+
+def _toy_clip(caption: str, rng: np.random.Generator, *, frames: int, size: int) -> np.ndarray:
+    """uint8 [T, H, W, 3]: the caption's shape in its colour over a noisy dark background."""
+    colour = next(COLOURS[w] for w in caption.split() if w in COLOURS)
+    shape = next(w for w in caption.split() if w in ("square", "circle", "bar"))
+    centre = rng.uniform(0.4, 0.6, size=2)
+    drift = rng.uniform(-0.03, 0.03, size=2)
+    video = np.empty((frames, size, size, 3), dtype=np.uint8)
+    for t in range(frames):
+        background = rng.uniform(0, 40, size=(size, size, 3))
+        cy, cx = centre + t * drift
+        mask = shape_mask(shape, size, centre=(float(cy), float(cx))).numpy()
+        frame = background.copy()
+        frame[mask] = np.array(colour) * 220 + 20
+        video[t] = frame.round().astype(np.uint8)
+    return video
+
+
+def make_toy_dataset(
+    root: Path | str,
+    *,
+    clips_per_prompt: int = 4,
+    frames: int = 2,
+    size: int = 16,
+    seed: int = 0,
+    mp4: bool = False,
+) -> Path:
+    """Write the toy dataset under `root` (cosmos-rl's local layout); clips as `.npy`, or as MP4
+    with `mp4` (needs PyAV; at 16 x 16 pixels the codec's halved colour resolution visibly
+    smears the shapes, so the demo keeps the exact `.npy`). Returns `root`."""
+    root = Path(root)
+    for folder in ("metas", "videos", "t5_xxl"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for p, caption in enumerate(TOY_PROMPTS):
+        for k in range(clips_per_prompt):
+            stem = f"clip_{p:02d}_{k:02d}"
+            video = _toy_clip(caption, rng, frames=frames, size=size)
+            (root / "metas" / f"{stem}.txt").write_text(caption + "\n")
+            if mp4:
+                _write_mp4(root / "videos" / f"{stem}.mp4", video)
+            else:
+                np.save(root / "videos" / f"{stem}.npy", video)
+            with (root / "t5_xxl" / f"{stem}.pickle").open("wb") as f:
+                pickle.dump([toy_text_embedding(caption)], f)
+    return root
+
+
+def _write_mp4(path: Path, video: np.ndarray) -> None:
+    """A lossless-ish MP4 (mpeg4 at top quality) of uint8 [T, H, W, 3] frames at 16 fps."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=16)
+        stream.height, stream.width = video.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"qscale": "1"}
+        for frame in video:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+
+
+def _read_video(path: Path) -> np.ndarray:
+    if path.suffix == ".npy":
+        return np.load(path)
+    try:
+        import av
+    except ImportError:
+        raise ImportError(
+            f"{path}: reading MP4 clips needs PyAV (`pip install av`); or store the clips as "
+            "`.npy` arrays"
+        ) from None
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def read_local_dataset(root: Path | str, *, num_frames: int, key: str = "dataset") -> list[Clip]:
+    """The clips of a local dataset folder, in stem order, each cut to its first `num_frames`
+    frames; `key` names the config key that gave `root` in errors."""
+    root = Path(root)
+    metas = sorted((root / "metas").glob("*.txt"))
+    if not metas:
+        raise ValueError(f"{key}: {root} has no metas/*.txt (cosmos-rl's local dataset layout)")
+    clips = []
+    for meta in metas:
+        stem = meta.stem
+        video_path = next(
+            (p for ext in (".mp4", ".npy") if (p := root / "videos" / f"{stem}{ext}").exists()),
+            None,
+        )
+        embed_path = next(
+            (p for d in _EMBED_DIRS if (p := root / d / f"{stem}.pickle").exists()), None
+        )
+        if video_path is None or embed_path is None:
+            missing = "videos/<stem>.mp4 or .npy" if video_path is None else "t5_xxl/<stem>.pickle"
+            raise ValueError(f"{key}: {root}: clip {stem!r} has no {missing}")
+        video = _read_video(video_path)
+        if video.shape[0] < num_frames:
+            raise ValueError(
+                f"{key}: {video_path} has {video.shape[0]} frames, fewer than {num_frames}"
+            )
+        with embed_path.open("rb") as f:
+            embedding = np.asarray(pickle.load(f)[0], dtype=np.float32)
+        clips.append(
+            Clip(
+                stem,
+                meta.read_text().strip(),
+                torch.from_numpy(np.ascontiguousarray(video[:num_frames])).permute(3, 0, 1, 2),
+                torch.from_numpy(embedding),
+            )
+        )
+    return clips
+
+
+def clip_batch(clips: list[Clip]) -> tuple[Tensor, Tensor, Tensor]:
+    """(samples [B, 3, T, H, W] in [-1, 1], text [B, L, D] zero-padded, mask [B, L])."""
+    length = max(c.text.shape[0] for c in clips)
+    width = clips[0].text.shape[1]
+    text = torch.zeros(len(clips), length, width)
+    mask = torch.zeros(len(clips), length)
+    for i, clip in enumerate(clips):
+        n = clip.text.shape[0]
+        text[i, :n] = clip.text
+        mask[i, :n] = (clip.text.abs().sum(dim=1) > 0).float()
+    return torch.stack([c.samples() for c in clips]), text, mask

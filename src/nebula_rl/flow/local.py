@@ -1,0 +1,208 @@
+"""World-model RL in one process: FlowGRPO and DDRL on a flow model and a video/caption dataset,
+read top to bottom. (Rollout replicas and the controller do not run flow models yet; this loop
+is what they will distribute.)
+
+An iteration: pick `prompts_per_iteration` captions; sample `group_size` clips per caption with
+the SDE sampler, recording each trajectory; score the final samples (a reward function here, or
+the reward service through `nebula_rl.rewards.remote`); turn rewards into group-relative
+advantages; then replay the first `timestep_fraction` of each trajectory's steps under the
+current weights, in `num_minibatches` optimiser steps, with FlowGRPO's clipped ratio per step.
+DDRL adds `data_beta` x the flow-matching loss of a real clip of the same caption, noised to
+the same step's sigma with the rollout's own start noise (cosmos-rl's `use_rl_sigma_and_noise`).
+
+:func:`pretrain` is the SFT warm start: plain flow matching on the dataset's clips.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from nebula_rl.algorithms.flow import (
+    ddrl_loss,
+    exp_advantages,
+    flow_grpo_loss,
+    flow_matching_loss,
+)
+from nebula_rl.flow.data import Clip, clip_batch
+from nebula_rl.flow.sampler import guided_velocity, sample, sde_step
+
+__all__ = ["FlowRLSettings", "RewardFn", "data_distance", "pretrain", "run_flow_rl"]
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[[Tensor, Sequence[str]], list[float] | None]
+"""`score(samples in [-1, 1] [B, C, T, H, W], prompts) -> rewards`, None when the rewards were
+lost (the group then gets advantage 0)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FlowRLSettings:
+    """One run of :func:`run_flow_rl`."""
+
+    algorithm: Literal["flow_grpo", "ddrl"] = "flow_grpo"
+    num_iterations: int = 60
+    prompts_per_iteration: int = 4
+    group_size: int = 8
+    sample_steps: int = 10
+    """SDE steps of a rollout (FlowGRPO's denoising reduction)."""
+    noise_level: float = 0.7
+    timestep_fraction: float = 0.99
+    """The first int(sample_steps x this) steps of each trajectory are trained."""
+    num_minibatches: int = 2
+    """Optimiser steps per iteration (the later ones are slightly off-policy: the clip acts)."""
+    clip_range: float = 1e-4
+    lr: float = 1e-3
+    grad_clip: float = 1.0
+    adv_clip: float = 5.0
+    data_beta: float = 0.0
+    """DDRL's weight of the data (flow-matching) loss; 0 for FlowGRPO."""
+    exp_reward: bool = False
+    """DDRL's advantage map A -> -exp(-A)."""
+    guidance_scale: float = 1.0
+    seed: int = 0
+
+
+def pretrain(
+    model: nn.Module,
+    clips: list[Clip],
+    *,
+    steps: int,
+    lr: float = 2e-3,
+    batch_size: int = 32,
+    seed: int = 0,
+) -> list[float]:
+    """Flow-matching SFT on the clips (uniform sigmas); the losses."""
+    generator = torch.Generator().manual_seed(seed)
+    x0_all, text_all, mask_all = clip_batch(clips)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        pick = torch.randint(len(clips), (batch_size,), generator=generator)
+        x0, text, mask = x0_all[pick], text_all[pick], mask_all[pick]
+        noise = torch.randn(x0.shape, generator=generator)
+        sigma = torch.rand(batch_size, generator=generator)
+        s = sigma.view(-1, *[1] * (x0.dim() - 1))
+        loss = flow_matching_loss(
+            model((1 - s) * x0 + s * noise, sigma, text, mask), x0, noise, sigma
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def data_distance(samples: Tensor, prompts: Sequence[str], clips: list[Clip]) -> float:
+    """Mean over samples of the RMS distance (pixels in [-1, 1]) to the nearest clip of the same
+    caption: how far generation has moved from the data."""
+    by_caption: dict[str, list[Tensor]] = {}
+    for clip in clips:
+        by_caption.setdefault(clip.caption, []).append(clip.samples())
+    total = 0.0
+    for x, prompt in zip(samples.float(), prompts, strict=True):
+        real = torch.stack(by_caption[prompt])
+        total += float(((real - x) ** 2).flatten(1).mean(dim=1).sqrt().min())
+    return total / len(prompts)
+
+
+def _advantages(rewards: Tensor, group_size: int, s: FlowRLSettings) -> Tensor:
+    groups = rewards.view(-1, group_size)
+    a = (groups - groups.mean(dim=1, keepdim=True)) / (groups.std(dim=1, keepdim=True) + 1e-4)
+    a = a.flatten()
+    return exp_advantages(a, clip=s.adv_clip) if s.exp_reward else a.clamp(-s.adv_clip, s.adv_clip)
+
+
+def run_flow_rl(
+    model: nn.Module,
+    clips: list[Clip],
+    settings: FlowRLSettings,
+    *,
+    score: RewardFn,
+    on_iteration: Callable[[dict[str, float]], None] | None = None,
+) -> list[dict[str, float]]:
+    """Train `model` with FlowGRPO or DDRL on the captions of `clips`; one record per
+    iteration (reward mean, data distance, loss, the fraction of clipped ratios)."""
+    s = settings
+    if s.algorithm == "ddrl" and s.data_beta <= 0:
+        raise ValueError("ddrl: data_beta must be > 0 (with 0 it is FlowGRPO)")
+    rng = random.Random(s.seed)
+    generator = torch.Generator().manual_seed(s.seed)
+    captions = sorted({c.caption for c in clips})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
+    trained = max(1, int(s.sample_steps * s.timestep_fraction))
+    records = []
+    for iteration in range(1, s.num_iterations + 1):
+        chosen = rng.sample(captions, min(s.prompts_per_iteration, len(captions)))
+        prompts = [c for c in chosen for _ in range(s.group_size)]
+        real = [rng.choice([c for c in clips if c.caption == p]) for p in prompts]
+        x0, text, mask = clip_batch(real)
+
+        def velocity(x: Tensor, sigma: Tensor, text: Tensor = text, mask: Tensor = mask) -> Tensor:
+            return guided_velocity(model, x, sigma, text, mask, guidance_scale=s.guidance_scale)
+
+        model.eval()
+        noise = torch.randn(x0.shape, generator=generator)
+        trajectory = sample(
+            velocity, noise, num_steps=s.sample_steps, noise_level=s.noise_level,
+            generator=generator,
+        )  # fmt: skip
+        scored = score(trajectory.final, prompts)
+        rewards = torch.tensor(scored if scored is not None else [0.0] * len(prompts))
+        advantages = _advantages(rewards, s.group_size, s)
+
+        model.train()
+        order = torch.randperm(len(prompts), generator=generator)
+        losses, clipped, seen = [], 0, 0
+        for part in order.chunk(s.num_minibatches):
+            optimizer.zero_grad()
+            total = 0.0
+            for j in range(trained):
+                x = trajectory.latents[part, j]
+                sigma = torch.full((len(part),), float(trajectory.sigmas[j]))
+                v = velocity(x, sigma, text[part], mask[part])
+                step = sde_step(
+                    x, v, trajectory.sigmas, j, noise_level=s.noise_level,
+                    sample=trajectory.latents[part, j + 1],
+                )  # fmt: skip
+                assert step.log_prob is not None
+                old = trajectory.log_probs[part, j]
+                policy = flow_grpo_loss(
+                    step.log_prob, old, advantages[part], clip_range=s.clip_range
+                )
+                ratio = torch.exp(step.log_prob.detach() - old)
+                clipped += int(((ratio - 1).abs() > s.clip_range).sum())
+                seen += len(part)
+                data = torch.zeros(())
+                if s.data_beta > 0:
+                    start = trajectory.latents[part, 0]  # the rollout's own noise
+                    sg = sigma.view(-1, *[1] * (x.dim() - 1))
+                    noised = (1 - sg) * x0[part] + sg * start
+                    v_data = model(noised, sigma, text[part], mask[part])
+                    data = flow_matching_loss(v_data, x0[part], start, sigma, weighting="edm")
+                loss = ddrl_loss(policy, data, data_beta=s.data_beta) / trained
+                loss.backward()
+                total += loss.item()
+            nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+            optimizer.step()
+            losses.append(total)
+        record = {
+            "iteration": float(iteration),
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "rewards_lost": float(scored is None),
+            "data_distance": data_distance(trajectory.final, prompts, clips),
+            "loss": sum(losses) / len(losses),
+            "clip_fraction": clipped / max(seen, 1),
+        }
+        records.append(record)
+        if on_iteration is not None:
+            on_iteration(record)
+    return records
