@@ -1,4 +1,4 @@
-"""World-model RL in one process: FlowGRPO and DDRL on a flow model and a video/caption dataset,
+"""World-model RL in one process: FlowGRPO, DDRL and DiffusionNFT on a flow model and a video/caption dataset,
 read top to bottom. (Rollout replicas and the controller do not run flow models yet; this loop
 is what they will distribute.)
 
@@ -10,11 +10,16 @@ current weights, in `num_minibatches` optimiser steps, with FlowGRPO's clipped r
 DDRL adds `data_beta` x the flow-matching loss of a real clip of the same caption, noised to
 the same step's sigma with the rollout's own start noise (cosmos-rl's `use_rl_sigma_and_noise`).
 
+DiffusionNFT (`algorithm = "nft"`) keeps only the generated samples and their advantages: it
+noises them afresh at the rollout's noise levels and trains the implicit positive and negative
+policies around a copy of the "old" weights, soft-updated after each optimiser step.
+
 :func:`pretrain` is the SFT warm start: plain flow matching on the dataset's clips.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from collections.abc import Callable, Sequence
@@ -29,9 +34,12 @@ from nebula_rl.algorithms.flow import (
     exp_advantages,
     flow_grpo_loss,
     flow_matching_loss,
+    nft_loss,
+    nft_old_decay,
+    soft_update,
 )
 from nebula_rl.flow.data import Clip, clip_batch
-from nebula_rl.flow.sampler import guided_velocity, sample, sde_step
+from nebula_rl.flow.sampler import Trajectory, guided_velocity, sample, sde_step
 
 __all__ = ["FlowRLSettings", "RewardFn", "data_distance", "pretrain", "run_flow_rl"]
 
@@ -46,7 +54,7 @@ lost (the group then gets advantage 0)."""
 class FlowRLSettings:
     """One run of :func:`run_flow_rl`."""
 
-    algorithm: Literal["flow_grpo", "ddrl"] = "flow_grpo"
+    algorithm: Literal["flow_grpo", "ddrl", "nft"] = "flow_grpo"
     num_iterations: int = 60
     prompts_per_iteration: int = 4
     group_size: int = 8
@@ -65,6 +73,8 @@ class FlowRLSettings:
     """DDRL's weight of the data (flow-matching) loss; 0 for FlowGRPO."""
     exp_reward: bool = False
     """DDRL's advantage map A -> -exp(-A)."""
+    nft_beta: float = 1.0
+    """DiffusionNFT's beta: how far the implicit policies lie from the old weights."""
     guidance_scale: float = 1.0
     seed: int = 0
 
@@ -120,6 +130,18 @@ def _advantages(rewards: Tensor, group_size: int, s: FlowRLSettings) -> Tensor:
     return exp_advantages(a, clip=s.adv_clip) if s.exp_reward else a.clamp(-s.adv_clip, s.adv_clip)
 
 
+@dataclass
+class _Batch:
+    """One iteration's rollouts: captions, their real clips, trajectories and advantages."""
+
+    prompts: list[str]
+    x0: Tensor
+    text: Tensor
+    mask: Tensor
+    trajectory: Trajectory
+    advantages: Tensor
+
+
 def run_flow_rl(
     model: nn.Module,
     clips: list[Clip],
@@ -128,8 +150,8 @@ def run_flow_rl(
     score: RewardFn,
     on_iteration: Callable[[dict[str, float]], None] | None = None,
 ) -> list[dict[str, float]]:
-    """Train `model` with FlowGRPO or DDRL on the captions of `clips`; one record per
-    iteration (reward mean, data distance, loss, the fraction of clipped ratios)."""
+    """Train `model` with FlowGRPO, DDRL or DiffusionNFT on the captions of `clips`; one record
+    per iteration (reward mean, data distance, loss, the fraction of clipped ratios)."""
     s = settings
     if s.algorithm == "ddrl" and s.data_beta <= 0:
         raise ValueError("ddrl: data_beta must be > 0 (with 0 it is FlowGRPO)")
@@ -137,62 +159,29 @@ def run_flow_rl(
     generator = torch.Generator().manual_seed(s.seed)
     captions = sorted({c.caption for c in clips})
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
-    trained = max(1, int(s.sample_steps * s.timestep_fraction))
+    old = copy.deepcopy(model).requires_grad_(False) if s.algorithm == "nft" else None
     records = []
     for iteration in range(1, s.num_iterations + 1):
         chosen = rng.sample(captions, min(s.prompts_per_iteration, len(captions)))
         prompts = [c for c in chosen for _ in range(s.group_size)]
-        real = [rng.choice([c for c in clips if c.caption == p]) for p in prompts]
-        x0, text, mask = clip_batch(real)
-
-        def velocity(x: Tensor, sigma: Tensor, text: Tensor = text, mask: Tensor = mask) -> Tensor:
-            return guided_velocity(model, x, sigma, text, mask, guidance_scale=s.guidance_scale)
-
+        x0, text, mask = clip_batch(
+            [rng.choice([c for c in clips if c.caption == p]) for p in prompts]
+        )
         model.eval()
-        noise = torch.randn(x0.shape, generator=generator)
         trajectory = sample(
-            velocity, noise, num_steps=s.sample_steps, noise_level=s.noise_level,
-            generator=generator,
+            _velocity(model, text, mask, s), torch.randn(x0.shape, generator=generator),
+            num_steps=s.sample_steps, noise_level=s.noise_level, generator=generator,
         )  # fmt: skip
         scored = score(trajectory.final, prompts)
         rewards = torch.tensor(scored if scored is not None else [0.0] * len(prompts))
-        advantages = _advantages(rewards, s.group_size, s)
-
+        batch = _Batch(prompts, x0, text, mask, trajectory, _advantages(rewards, s.group_size, s))
         model.train()
-        order = torch.randperm(len(prompts), generator=generator)
-        losses, clipped, seen = [], 0, 0
-        for part in order.chunk(s.num_minibatches):
-            optimizer.zero_grad()
-            total = 0.0
-            for j in range(trained):
-                x = trajectory.latents[part, j]
-                sigma = torch.full((len(part),), float(trajectory.sigmas[j]))
-                v = velocity(x, sigma, text[part], mask[part])
-                step = sde_step(
-                    x, v, trajectory.sigmas, j, noise_level=s.noise_level,
-                    sample=trajectory.latents[part, j + 1],
-                )  # fmt: skip
-                assert step.log_prob is not None
-                old = trajectory.log_probs[part, j]
-                policy = flow_grpo_loss(
-                    step.log_prob, old, advantages[part], clip_range=s.clip_range
-                )
-                ratio = torch.exp(step.log_prob.detach() - old)
-                clipped += int(((ratio - 1).abs() > s.clip_range).sum())
-                seen += len(part)
-                data = torch.zeros(())
-                if s.data_beta > 0:
-                    start = trajectory.latents[part, 0]  # the rollout's own noise
-                    sg = sigma.view(-1, *[1] * (x.dim() - 1))
-                    noised = (1 - sg) * x0[part] + sg * start
-                    v_data = model(noised, sigma, text[part], mask[part])
-                    data = flow_matching_loss(v_data, x0[part], start, sigma, weighting="edm")
-                loss = ddrl_loss(policy, data, data_beta=s.data_beta) / trained
-                loss.backward()
-                total += loss.item()
-            nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-            optimizer.step()
-            losses.append(total)
+        if old is not None:
+            losses, clip_fraction = _train_nft(
+                model, old, optimizer, batch, s, generator, iteration
+            )
+        else:
+            losses, clip_fraction = _train_flow_grpo(model, optimizer, batch, s, generator)
         record = {
             "iteration": float(iteration),
             "reward_mean": float(rewards.mean()),
@@ -200,9 +189,110 @@ def run_flow_rl(
             "rewards_lost": float(scored is None),
             "data_distance": data_distance(trajectory.final, prompts, clips),
             "loss": sum(losses) / len(losses),
-            "clip_fraction": clipped / max(seen, 1),
+            "clip_fraction": clip_fraction,
         }
         records.append(record)
         if on_iteration is not None:
             on_iteration(record)
     return records
+
+
+def _velocity(
+    model: nn.Module, text: Tensor, mask: Tensor, s: FlowRLSettings
+) -> Callable[[Tensor, Tensor], Tensor]:
+    def velocity(x: Tensor, sigma: Tensor) -> Tensor:
+        return guided_velocity(model, x, sigma, text, mask, guidance_scale=s.guidance_scale)
+
+    return velocity
+
+
+def _trained_steps(s: FlowRLSettings) -> int:
+    return max(1, int(s.sample_steps * s.timestep_fraction))
+
+
+def _train_flow_grpo(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: _Batch,
+    s: FlowRLSettings,
+    generator: torch.Generator,
+) -> tuple[list[float], float]:
+    """FlowGRPO (DDRL with `data_beta`): replay the trajectories' first steps in minibatches;
+    (each minibatch's loss, the fraction of clipped ratios)."""
+    trajectory, trained = batch.trajectory, _trained_steps(s)
+    order = torch.randperm(len(batch.prompts), generator=generator)
+    losses, clipped, seen = [], 0, 0
+    for part in order.chunk(s.num_minibatches):
+        optimizer.zero_grad()
+        velocity = _velocity(model, batch.text[part], batch.mask[part], s)
+        total = 0.0
+        for j in range(trained):
+            x = trajectory.latents[part, j]
+            sigma = torch.full((len(part),), float(trajectory.sigmas[j]))
+            step = sde_step(
+                x, velocity(x, sigma), trajectory.sigmas, j, noise_level=s.noise_level,
+                sample=trajectory.latents[part, j + 1],
+            )  # fmt: skip
+            assert step.log_prob is not None
+            before = trajectory.log_probs[part, j]
+            policy = flow_grpo_loss(
+                step.log_prob, before, batch.advantages[part], clip_range=s.clip_range
+            )
+            ratio = torch.exp(step.log_prob.detach() - before)
+            clipped += int(((ratio - 1).abs() > s.clip_range).sum())
+            seen += len(part)
+            data = torch.zeros(())
+            if s.data_beta > 0:
+                start = trajectory.latents[part, 0]  # the rollout's own noise
+                sg = sigma.view(-1, *[1] * (x.dim() - 1))
+                noised = (1 - sg) * batch.x0[part] + sg * start
+                v_data = model(noised, sigma, batch.text[part], batch.mask[part])
+                data = flow_matching_loss(v_data, batch.x0[part], start, sigma, weighting="edm")
+            loss = ddrl_loss(policy, data, data_beta=s.data_beta) / trained
+            loss.backward()
+            total += loss.item()
+        nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        optimizer.step()
+        losses.append(total)
+    return losses, clipped / max(seen, 1)
+
+
+def _train_nft(
+    model: nn.Module,
+    old: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: _Batch,
+    s: FlowRLSettings,
+    generator: torch.Generator,
+    iteration: int,
+) -> tuple[list[float], float]:
+    """DiffusionNFT: the generated samples noised afresh at the rollout's noise levels, scored
+    against the implicit policies around the old weights, which follow softly after each
+    optimiser step; (each minibatch's loss, 0: no ratio is clipped)."""
+    x0 = batch.trajectory.final
+    sigmas = batch.trajectory.sigmas
+    trained = _trained_steps(s)
+    order = torch.randperm(len(batch.prompts), generator=generator)
+    losses = []
+    for part in order.chunk(s.num_minibatches):
+        optimizer.zero_grad()
+        total = 0.0
+        for j in range(trained):
+            t = torch.full((len(part),), float(sigmas[j]))
+            noise = torch.randn(x0[part].shape, generator=generator)
+            tb = t.view(-1, *[1] * (x0.dim() - 1))
+            x_t = (1 - tb) * x0[part] + tb * noise
+            text, mask = batch.text[part], batch.mask[part]
+            with torch.no_grad():
+                v_old = old(x_t, t, text, mask)
+            loss = nft_loss(
+                model(x_t, t, text, mask), v_old, x_t, x0[part], t, batch.advantages[part],
+                beta=s.nft_beta, adv_clip=s.adv_clip,
+            ) / trained  # fmt: skip
+            loss.backward()
+            total += loss.item()
+        nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        optimizer.step()
+        soft_update(old, model, decay=nft_old_decay(iteration))
+        losses.append(total)
+    return losses, 0.0
