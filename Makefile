@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo vlm-demo test test-all lint format typecheck bench clean
+.PHONY: setup demo vlm-demo wfm-demo test test-all lint format typecheck bench clean
 
 $(BIN)/nebula-rl: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,9 @@ demo: setup
 # GRPO of a tiny vision-language model on images (see configs/vlm_demo.toml; ~5 min on 2 cores).
 vlm-demo: setup
 	$(BIN)/nebula-rl train --config configs/vlm_demo.toml
+
+wfm-demo: setup
+	$(BIN)/python -m nebula_rl.flow.demo --output-dir outputs/wfm-demo
 
 test: setup
 	$(BIN)/python -m pytest -q -m "not slow and not gpu"

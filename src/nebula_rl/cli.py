@@ -10,6 +10,7 @@
     nebula-rl status | replica ls | replica show N  inspect a running job (tables)
     nebula-rl plot RUN_DIR [--out FILE]             reward and length curves as a PNG
     nebula-rl config-reference [--write|--check F]  the config reference, from config.py
+    nebula-rl reward-service --config FILE          the world-model reward service (HTTP)
 
 Heavy modules (torch, transformers) are imported inside the commands that need them, so
 `--help` and `check` stay fast.
@@ -400,6 +401,28 @@ def _cmd_config_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_reward_service(args: argparse.Namespace) -> int:
+    """Serve the world-model reward service until SIGINT or SIGTERM, then stop its workers
+    (docs/reward-service.md); a bad config or a port in use exits 2, naming the key, workers
+    that cannot start exit 1."""
+    from nebula_rl.rewards.service import load_service_config, run_service
+
+    try:
+        cfg = load_service_config(args.config)
+        if args.host:
+            cfg.host = args.host
+        if args.port is not None:
+            cfg.port = args.port
+        run_service(cfg)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:  # no worker could start (its output is above)
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _add_connection_flags(parser: argparse.ArgumentParser, *, address: bool = True) -> None:
     """--controller, --token, --run-dir, --json for the inspection commands."""
     if address:
@@ -505,6 +528,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--check", metavar="FILE", help="exit 1 if FILE's copy is out of date, change nothing"
     )
     reference.set_defaults(func=_cmd_config_reference)
+
+    reward_service = sub.add_parser(
+        "reward-service",
+        help="serve the world-model reward service (cosmos-rl's protocol) until SIGINT/SIGTERM",
+    )
+    reward_service.add_argument(
+        "--config", required=True, help="reward-service TOML (e.g. configs/rewards.toml)"
+    )
+    reward_service.add_argument("--host", help="interface to listen on (overrides host)")
+    reward_service.add_argument(
+        "--port", type=int, help="port to listen on (overrides port; 0: any free one)"
+    )
+    reward_service.set_defaults(func=_cmd_reward_service)
     return parser
 
 

@@ -1,0 +1,43 @@
+"""A reward for tests/test_reward_service.py that the reward service's spawned workers import as
+`reward_helpers:probe` (they get pytest's sys.path, which holds tests/).
+
+`probe` is `brightness` with behaviour a prompt asks for: `sleep=S` sleeps S seconds (the
+longest asked in the batch) before scoring, `fail` raises, `nan` scores that sample NaN. Each
+call appends its batch size to the file $NEBULA_TEST_REWARD_RECORD when that is set (read when
+the worker starts), so a test sees how the service batched requests. A worker process started
+while $NEBULA_TEST_WORKER_CRASH is set dies importing this module (exit code 3).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import time
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from nebula_rl.rewards.visual import brightness
+
+RECORD_ENV = "NEBULA_TEST_REWARD_RECORD"
+"""File each `probe` call appends its batch size to (a line each)."""
+CRASH_ENV = "NEBULA_TEST_WORKER_CRASH"
+"""Set: a worker process (not the test process) dies importing this module."""
+
+if os.environ.get(CRASH_ENV) and multiprocessing.parent_process() is not None:
+    os._exit(3)
+
+
+def probe(pixels: Tensor, prompts: Sequence[str]) -> list[float]:
+    """`brightness`, after the sleep, failure or NaN the prompts ask for."""
+    record = os.environ.get(RECORD_ENV)
+    if record:
+        with open(record, "a") as f:
+            f.write(f"{len(prompts)}\n")
+    seconds = [float(s) for p in prompts for s in re.findall(r"sleep=([0-9.]+)", p)]
+    time.sleep(max(seconds, default=0.0))
+    if any("fail" in p for p in prompts):
+        raise ValueError("a prompt asked this reward to fail")
+    scores = brightness(pixels, prompts)
+    return [float("nan") if "nan" in p else s for p, s in zip(prompts, scores, strict=True)]
