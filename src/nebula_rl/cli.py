@@ -162,6 +162,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
             ensure_model(cfg)
         elif cfg.policy.warmstart_config is not None:
             _wait_for_model(cfg.policy.model_name_or_path)
+        if cfg.policy.is_diffusers:
+            if distributed:
+                raise ValueError(
+                    "policy.is_diffusers: world-model RL runs in one process so far (add "
+                    "--local); rollout replicas do not run flow models yet"
+                )
+            from nebula_rl.flow import job
+
+            run_dir = job.run(cfg)
+            log.info("run finished: %s", run_dir)
+            return 0
         if not distributed:
             from nebula_rl import local
 

@@ -354,7 +354,13 @@ class GrpoConfig(_Section):
     overlong_reward: OverlongRewardConfig = Field(default_factory=OverlongRewardConfig)
     """Soft overlong penalty."""
     kl_beta: float = Field(default=0.0, ge=0.0)
-    """Coefficient of the k3 KL estimate to the reference policy; 0 loads no reference."""
+    """Coefficient of the k3 KL estimate to the reference policy; 0 loads no reference (world
+    models: of FlowGRPO's KL of the step means to the starting weights)."""
+    data_beta: float = Field(default=0.0, ge=0.0)
+    """nebula-rl, world models: DDRL's weight of the flow-matching loss on the real clip of
+    each prompt (`trainer_type = "ddrl"`, which needs it > 0)."""
+    exp_reward: bool = False
+    """nebula-rl, world models: DDRL's advantage map A -> -exp(-A) (clipped to [-5, 5] after)."""
     unbiased_kl_estimate: bool = False
     """Weight the k3 KL by the importance ratio pi_theta / pi_old (DeepSeek-V3.2, Sec. 3.1)."""
     off_policy_masking_delta: float | None = None
@@ -878,8 +884,14 @@ class SampleConfig(_Section):
     """SDE noise level."""
     deterministic_sampling: bool = False
     """Deterministic sampling."""
-    solver: str = "dpm2"
-    """Solver."""
+    solver: str = Field(
+        default="euler",
+        json_schema_extra=refused(
+            "world-model rollouts use the SDE sampler, or with deterministic_sampling the "
+            "Euler ODE step; other solvers (cosmos-rl's dpm2) are not implemented"
+        ),
+    )
+    """Solver of deterministic rollouts."""
 
 
 class DiffusersTokenizerConfig(_Section):
@@ -898,18 +910,25 @@ class DiffusersTokenizerConfig(_Section):
 class DiffusersConfig(_Section):
     """Diffusion models (cosmos-rl's `policy.diffusers`)."""
 
-    dtype: Dtype = "float32"
+    dtype: Dtype = Field(
+        default="float32",
+        json_schema_extra=refused("world models train in float32 so far"),
+    )
     """Model dtype."""
     is_video: bool = False
-    """Video model."""
+    """Video model: samples have `inference_frames` frames (else one)."""
     max_prompt_length: int = 300
-    """Longest prompt."""
+    """Text tokens of a prompt's embeddings kept (the rest are cut)."""
     weighting_scheme: str = "logit_normal"
     """Timestep sampling."""
     train_flow_shift: float = 3.0
-    """Flow shift."""
-    offload: bool = True
-    """Offload model parts."""
+    """Shift of the rollout sampler's noise levels (SD3's `shift s / (1 + (shift - 1) s)`; 1:
+    uniform)."""
+    offload: bool = Field(
+        default=False,
+        json_schema_extra=refused("offloading parts of a world-model run is not supported yet"),
+    )
+    """Offload model parts (cosmos-rl's default is true; nebula-rl never offloads)."""
     logit_mean: float = 0.0
     """Timestep logit mean."""
     logit_std: float = 1.0
@@ -926,11 +945,16 @@ class DiffusersConfig(_Section):
     """DiffusionNFT beta."""
     weight_copy_decay_type: int = 0
     """Weight copy decay."""
-    lora: LoraConfig | None = None
+    lora: LoraConfig | None = Field(default=None, json_schema_extra=refused(_LORA))
     """LoRA of the diffusion model."""
     sample: SampleConfig = Field(default_factory=SampleConfig)
     """Sampling."""
-    tokenizer: DiffusersTokenizerConfig = Field(default_factory=DiffusersTokenizerConfig)
+    tokenizer: DiffusersTokenizerConfig = Field(
+        default_factory=DiffusersTokenizerConfig,
+        json_schema_extra=refused(
+            "video tokenizers (VAEs) are not supported yet: world models work in pixel space"
+        ),
+    )
     """Video tokenizer."""
 
 
@@ -976,12 +1000,11 @@ class PolicyConfig(_Section):
         default=0.0, json_schema_extra=refused("the MoE auxiliary loss is not supported yet")
     )
     """MoE auxiliary loss coefficient."""
-    is_diffusers: bool = Field(default=False, json_schema_extra=refused(_WORLD))
-    """The model is a diffusers model."""
-    diffusers: DiffusersConfig = Field(
-        default_factory=DiffusersConfig, json_schema_extra=refused(_WORLD)
-    )
-    """Diffusion model settings."""
+    is_diffusers: bool = False
+    """The model is a flow (diffusion) model of images or videos: a world-model run
+    (`docs/world-models.md`); only the keys of :data:`FLOW_KEYS` apply to it."""
+    diffusers: DiffusersConfig = Field(default_factory=DiffusersConfig)
+    """Diffusion model settings (with `is_diffusers`)."""
     warmstart_config: str | None = None
     """nebula-rl: if `model_name_or_path` does not exist yet, first run this (SFT) config, whose
     final export must land at that path."""
@@ -1690,7 +1713,14 @@ def refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
     """Why `cfg` cannot run: each key in `user_keys` (dotted key -> value the user wrote) whose
     feature is not built yet and whose value is not the default, and the rules between keys that
     nebula-rl's implementation adds. Empty when it can run."""
-    out = []
+    if cfg.policy.is_diffusers:
+        return _flow_refusals(cfg, user_keys)
+    out = [
+        f"{key} = {_format_value(user_keys[key])}: applies to world-model runs only (set "
+        "policy.is_diffusers = true)"
+        for key in sorted(user_keys)
+        if key.startswith("policy.diffusers.")
+    ]
     for key in sorted(user_keys):
         found, value, default, refusal = _value(cfg, key)
         if not found or refusal is None:
@@ -1728,10 +1758,98 @@ _OTHER_TRAINERS = {
     "grpo_pi05": _VLA,
     "pi_sft": _VLA,
     "cosmos_policy": _VLA,
-    "diffusion_nft": _WORLD,
-    "diffusers_sft": _WORLD,
+    "diffusion_nft": "needs policy.is_diffusers = true (world-model training)",
+    "flow_grpo": "needs policy.is_diffusers = true (world-model training)",
+    "ddrl": "needs policy.is_diffusers = true (world-model training)",
+    "diffusers_sft": "needs policy.is_diffusers = true (world-model training)",
     "dpo": "DPO is not supported yet",
 }
+
+
+FLOW_RL_TRAINERS = {"flow_grpo": "flow_grpo", "ddrl": "ddrl", "diffusion_nft": "nft"}
+"""World-model RL trainers (`train.train_policy.trainer_type`) -> `FlowRLSettings.algorithm`."""
+FLOW_KEYS = (
+    "train.epoch", "train.output_dir", "train.timestamp", "train.seed", "train.max_num_steps",
+    "train.train_batch_per_replica", "train.optm_name", "train.optm_impl", "train.optm_lr",
+    "train.optm_betas", "train.epsilon", "train.optm_weight_decay", "train.optm_warmup_steps",
+    "train.optm_warmup_start_factor", "train.optm_decay_ratio", "train.optm_decay_type",
+    "train.optm_min_lr_factor", "train.optm_grad_norm_clip",
+    "train.train_policy.type", "train.train_policy.trainer_type", "train.train_policy.dataset.name",
+    "train.train_policy.dataset.kwargs", "train.train_policy.mini_batch",
+    "train.train_policy.reward_function", "train.train_policy.use_remote_reward",
+    "train.train_policy.remote_reward", "train.train_policy.kl_beta",
+    "train.train_policy.epsilon_low", "train.train_policy.epsilon_high",
+    "train.train_policy.data_beta", "train.train_policy.exp_reward",
+    "policy.model_name_or_path", "policy.is_diffusers", "policy.warmstart_config",
+    "policy.diffusers.is_video", "policy.diffusers.inference_size",
+    "policy.diffusers.inference_frames", "policy.diffusers.train_frames",
+    "policy.diffusers.timesteps_fraction", "policy.diffusers.nft_beta",
+    "policy.diffusers.weight_copy_decay_type", "policy.diffusers.train_flow_shift",
+    "policy.diffusers.weighting_scheme", "policy.diffusers.logit_mean",
+    "policy.diffusers.logit_std", "policy.diffusers.max_prompt_length",
+    "policy.diffusers.sample.num_steps", "policy.diffusers.sample.eval_num_steps",
+    "policy.diffusers.sample.guidance_scale", "policy.diffusers.sample.global_std",
+    "policy.diffusers.sample.noise_level", "policy.diffusers.sample.deterministic_sampling",
+    "rollout.n_generation",
+)  # fmt: skip
+"""The keys a world-model run (`policy.is_diffusers`) reads (a dotted prefix covers its
+subkeys); any other key it is given is refused, naming it."""
+
+
+def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
+    """Why a world-model config cannot run: keys it does not read, and rules between keys."""
+    out = []
+    for key in sorted(user_keys):
+        if any(key == k or key.startswith(k + ".") for k in FLOW_KEYS):
+            continue
+        found, value, default, refusal = _value(cfg, key)
+        if found and (value == default or value == _section_default(cfg, key)):
+            continue  # (a key written at its default asks for nothing)
+        why = refusal["refused"] if refusal else "does not apply to world-model runs yet"
+        shown = f" = {_format_value(value)}" if found else ""
+        out.append(f"{key}{shown}: {why}")
+    p = cfg.train.train_policy
+    d = cfg.policy.diffusers
+    sft = isinstance(p, SftConfig)
+    if sft and p.trainer_type not in ("sft", "diffusers_sft"):
+        out.append(
+            f"train.train_policy.trainer_type = {json.dumps(p.trainer_type)}: a world model's "
+            'SFT is "sft" or "diffusers_sft" (world-model training)'
+        )
+    if not sft and p.trainer_type not in FLOW_RL_TRAINERS:
+        out.append(
+            f"train.train_policy.trainer_type = {json.dumps(p.trainer_type)}: world-model RL "
+            f"trains with {', '.join(map(json.dumps, FLOW_RL_TRAINERS))}"
+        )
+    if isinstance(p, GrpoConfig):
+        if (p.trainer_type == "ddrl") != (p.data_beta > 0):
+            out.append(
+                f"train.train_policy.data_beta = {p.data_beta}: world-model DDRL "
+                '(trainer_type = "ddrl"), and only DDRL, needs it > 0'
+            )
+        if p.trainer_type == "diffusion_nft" and d.weight_copy_decay_type != 1:
+            out.append(
+                f"policy.diffusers.weight_copy_decay_type = {d.weight_copy_decay_type}: "
+                "world-model DiffusionNFT's old weights follow type 1 (decay min(0.001 step, "
+                "0.5)) only"
+            )
+        if p.trainer_type != "diffusion_nft" and d.sample.deterministic_sampling:
+            out.append(
+                "policy.diffusers.sample.deterministic_sampling = true: world-model FlowGRPO and "
+                "DDRL need the SDE's log-probabilities; only diffusion_nft samples "
+                "deterministically"
+            )
+        if p.use_remote_reward and "train.train_policy.reward_function" in user_keys:
+            out.append(
+                "train.train_policy.reward_function: a world-model run with use_remote_reward "
+                "takes its rewards from remote_reward.reward_fns; give one or the other"
+            )
+    if d.weighting_scheme not in ("uniform", "logit_normal"):
+        out.append(
+            f"policy.diffusers.weighting_scheme = {json.dumps(d.weighting_scheme)}: "
+            'world-model SFT samples noise levels "uniform" or "logit_normal"'
+        )
+    return out
 
 
 def _rule_refusals(cfg: Config) -> list[str]:
@@ -1739,7 +1857,7 @@ def _rule_refusals(cfg: Config) -> list[str]:
     out = []
     policy_type = cfg.train.train_policy.type
     trainer = cfg.train.train_policy.trainer_type
-    if trainer != policy_type:
+    if trainer != policy_type and not cfg.policy.is_diffusers:
         why = _OTHER_TRAINERS.get(
             trainer,
             f"nebula-rl's {policy_type} trainer is the only one; trainers registered by a "

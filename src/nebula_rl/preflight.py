@@ -169,5 +169,11 @@ def preflight(
                 f"trains {cfg.groups_per_replica} whole group(s) per policy replica "
                 f"({cfg.groups_per_replica * cfg.rollout.n_generation} completions)"
             )
+    if cfg.policy.is_diffusers:
+        p.notes.append(
+            "layout: a world-model run trains in this one process (`nebula-rl train --local` "
+            "for RL; docs/world-models.md)"
+        )
+        return p
     _layout(cfg, num_policy, num_rollout, p)
     return p

@@ -31,12 +31,19 @@ __all__ = [
 
 
 def flow_grpo_loss(
-    log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, *, clip_range: float
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    *,
+    clip_range: float,
+    clip_range_high: float | None = None,
 ) -> Tensor:
     """FlowGRPO's policy term of one denoising step: the mean over the batch of
-    `max(-A r, -A clip(r, 1 - eps, 1 + eps))`, `r = exp(log_prob - old_log_prob)` [B]."""
+    `max(-A r, -A clip(r, 1 - eps, 1 + eps_high))`, `r = exp(log_prob - old_log_prob)` [B]
+    (`eps_high` defaults to `eps`)."""
+    high = clip_range if clip_range_high is None else clip_range_high
     ratio = torch.exp(log_prob - old_log_prob)
-    clipped = torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    clipped = torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)
     return torch.maximum(-advantages * ratio, -advantages * clipped).mean()
 
 

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from nebula_rl.algorithms.flow import (
     ddrl_loss,
     exp_advantages,
+    flow_grpo_kl,
     flow_grpo_loss,
     flow_matching_loss,
     nft_loss,
@@ -41,7 +42,14 @@ from nebula_rl.algorithms.flow import (
 from nebula_rl.flow.data import Clip, clip_batch
 from nebula_rl.flow.sampler import Trajectory, guided_velocity, sample, sde_step
 
-__all__ = ["FlowRLSettings", "RewardFn", "data_distance", "pretrain", "run_flow_rl"]
+__all__ = [
+    "FlowRLSettings",
+    "RewardFn",
+    "data_distance",
+    "pretrain",
+    "run_flow_rl",
+    "sft_sigmas",
+]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +74,15 @@ class FlowRLSettings:
     num_minibatches: int = 2
     """Optimiser steps per iteration (the later ones are slightly off-policy: the clip acts)."""
     clip_range: float = 1e-4
+    """The ratio's clip below 1 (FlowGRPO's 1e-4)."""
+    clip_range_high: float | None = None
+    """The ratio's clip above 1 (None: `clip_range`)."""
+    kl_beta: float = 0.0
+    """Weight of FlowGRPO's KL to the starting weights (a frozen copy); 0 for none."""
+    global_std: bool = False
+    """Normalise advantages by the std of the whole batch instead of each group's."""
+    shift: float = 1.0
+    """The sampler's sigma-schedule shift (SD3's; 1: uniform)."""
     lr: float = 1e-3
     grad_clip: float = 1.0
     adv_clip: float = 5.0
@@ -79,6 +96,23 @@ class FlowRLSettings:
     seed: int = 0
 
 
+def sft_sigmas(
+    n: int,
+    generator: torch.Generator,
+    *,
+    scheme: str = "uniform",
+    mean: float = 0.0,
+    std: float = 1.0,
+) -> Tensor:
+    """Noise levels of flow-matching SFT: uniform, or SD3's `logit_normal` (the sigmoid of a
+    normal with `mean` and `std`)."""
+    if scheme == "uniform":
+        return torch.rand(n, generator=generator)
+    if scheme == "logit_normal":
+        return torch.sigmoid(mean + std * torch.randn(n, generator=generator))
+    raise ValueError(f"weighting_scheme {scheme!r}: 'uniform' or 'logit_normal'")
+
+
 def pretrain(
     model: nn.Module,
     clips: list[Clip],
@@ -87,26 +121,47 @@ def pretrain(
     lr: float = 2e-3,
     batch_size: int = 32,
     seed: int = 0,
+    batches: Callable[[int], list[Clip]] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    sigma_scheme: str = "uniform",
+    sigma_mean: float = 0.0,
+    sigma_std: float = 1.0,
+    grad_clip: float | None = None,
+    on_step: Callable[[dict[str, float]], None] | None = None,
 ) -> list[float]:
-    """Flow-matching SFT on the clips (uniform sigmas); the losses."""
+    """Flow-matching SFT: `steps` optimiser steps on `batches(step)` (default: `batch_size`
+    random clips), noise levels from :func:`sft_sigmas`; the losses."""
     generator = torch.Generator().manual_seed(seed)
-    x0_all, text_all, mask_all = clip_batch(clips)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     model.train()
-    for _ in range(steps):
-        pick = torch.randint(len(clips), (batch_size,), generator=generator)
-        x0, text, mask = x0_all[pick], text_all[pick], mask_all[pick]
+    for step in range(1, steps + 1):
+        if batches is not None:
+            chosen = batches(step)
+        else:
+            picks = torch.randint(len(clips), (batch_size,), generator=generator)
+            chosen = [clips[int(i)] for i in picks]
+        x0, text, mask = clip_batch(chosen)
         noise = torch.randn(x0.shape, generator=generator)
-        sigma = torch.rand(batch_size, generator=generator)
+        sigma = sft_sigmas(
+            len(chosen), generator, scheme=sigma_scheme, mean=sigma_mean, std=sigma_std
+        )
         s = sigma.view(-1, *[1] * (x0.dim() - 1))
         loss = flow_matching_loss(
             model((1 - s) * x0 + s * noise, sigma, text, mask), x0, noise, sigma
         )
         optimizer.zero_grad()
         loss.backward()
+        if grad_clip:
+            nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(loss.item())
+        if on_step is not None:
+            on_step({"step": float(step), "loss": loss.item()})
     return losses
 
 
@@ -125,8 +180,8 @@ def data_distance(samples: Tensor, prompts: Sequence[str], clips: list[Clip]) ->
 
 def _advantages(rewards: Tensor, group_size: int, s: FlowRLSettings) -> Tensor:
     groups = rewards.view(-1, group_size)
-    a = (groups - groups.mean(dim=1, keepdim=True)) / (groups.std(dim=1, keepdim=True) + 1e-4)
-    a = a.flatten()
+    std = rewards.std() if s.global_std else groups.std(dim=1, keepdim=True)
+    a = ((groups - groups.mean(dim=1, keepdim=True)) / (std + 1e-4)).flatten()
     return exp_advantages(a, clip=s.adv_clip) if s.exp_reward else a.clamp(-s.adv_clip, s.adv_clip)
 
 
@@ -149,28 +204,45 @@ def run_flow_rl(
     *,
     score: RewardFn,
     on_iteration: Callable[[dict[str, float]], None] | None = None,
+    prompt_clips: Callable[[int], list[Clip]] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> list[dict[str, float]]:
     """Train `model` with FlowGRPO, DDRL or DiffusionNFT on the captions of `clips`; one record
-    per iteration (reward mean, data distance, loss, the fraction of clipped ratios)."""
+    per iteration (reward mean, data distance, loss, the fraction of clipped ratios).
+
+    Each iteration's prompts are the captions of `prompt_clips(iteration)` (default:
+    `prompts_per_iteration` distinct random captions), each sampled `group_size` times; DDRL's
+    real clip of a sample is its prompt's clip. `optimizer` and `scheduler` default to AdamW at
+    `lr`, constant; the scheduler steps once per optimiser step."""
     s = settings
     if s.algorithm == "ddrl" and s.data_beta <= 0:
         raise ValueError("ddrl: data_beta must be > 0 (with 0 it is FlowGRPO)")
     rng = random.Random(s.seed)
     generator = torch.Generator().manual_seed(s.seed)
     captions = sorted({c.caption for c in clips})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
     old = copy.deepcopy(model).requires_grad_(False) if s.algorithm == "nft" else None
+    reference = copy.deepcopy(model).requires_grad_(False) if s.kl_beta > 0 else None
     records = []
     for iteration in range(1, s.num_iterations + 1):
-        chosen = rng.sample(captions, min(s.prompts_per_iteration, len(captions)))
-        prompts = [c for c in chosen for _ in range(s.group_size)]
-        x0, text, mask = clip_batch(
-            [rng.choice([c for c in clips if c.caption == p]) for p in prompts]
-        )
+        if prompt_clips is not None:
+            real = [c for c in prompt_clips(iteration) for _ in range(s.group_size)]
+        else:
+            chosen = rng.sample(captions, min(s.prompts_per_iteration, len(captions)))
+            real = [
+                rng.choice([c for c in clips if c.caption == p])
+                for p in chosen
+                for _ in range(s.group_size)
+            ]
+        prompts = [c.caption for c in real]
+        x0, text, mask = clip_batch(real)
         model.eval()
         trajectory = sample(
             _velocity(model, text, mask, s), torch.randn(x0.shape, generator=generator),
-            num_steps=s.sample_steps, noise_level=s.noise_level, generator=generator,
+            num_steps=s.sample_steps, noise_level=s.noise_level, shift=s.shift,
+            generator=generator,
         )  # fmt: skip
         scored = score(trajectory.final, prompts)
         rewards = torch.tensor(scored if scored is not None else [0.0] * len(prompts))
@@ -178,10 +250,12 @@ def run_flow_rl(
         model.train()
         if old is not None:
             losses, clip_fraction = _train_nft(
-                model, old, optimizer, batch, s, generator, iteration
+                model, old, optimizer, batch, s, generator, iteration, scheduler
             )
         else:
-            losses, clip_fraction = _train_flow_grpo(model, optimizer, batch, s, generator)
+            losses, clip_fraction = _train_flow_grpo(
+                model, optimizer, batch, s, generator, reference, scheduler
+            )
         record = {
             "iteration": float(iteration),
             "reward_mean": float(rewards.mean()),
@@ -216,9 +290,12 @@ def _train_flow_grpo(
     batch: _Batch,
     s: FlowRLSettings,
     generator: torch.Generator,
+    reference: nn.Module | None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
 ) -> tuple[list[float], float]:
     """FlowGRPO (DDRL with `data_beta`): replay the trajectories' first steps in minibatches;
     (each minibatch's loss, the fraction of clipped ratios)."""
+    high = s.clip_range if s.clip_range_high is None else s.clip_range_high
     trajectory, trained = batch.trajectory, _trained_steps(s)
     order = torch.randperm(len(batch.prompts), generator=generator)
     losses, clipped, seen = [], 0, 0
@@ -236,10 +313,20 @@ def _train_flow_grpo(
             assert step.log_prob is not None
             before = trajectory.log_probs[part, j]
             policy = flow_grpo_loss(
-                step.log_prob, before, batch.advantages[part], clip_range=s.clip_range
-            )
+                step.log_prob, before, batch.advantages[part], clip_range=s.clip_range,
+                clip_range_high=high,
+            )  # fmt: skip
             ratio = torch.exp(step.log_prob.detach() - before)
-            clipped += int(((ratio - 1).abs() > s.clip_range).sum())
+            clipped += int(((ratio < 1 - s.clip_range) | (ratio > 1 + high)).sum())
+            kl = None
+            if reference is not None:
+                with torch.no_grad():
+                    v_ref = _velocity(reference, batch.text[part], batch.mask[part], s)(x, sigma)
+                    ref_mean = sde_step(
+                        x, v_ref, trajectory.sigmas, j, noise_level=s.noise_level,
+                        sample=trajectory.latents[part, j + 1],
+                    ).mean  # fmt: skip
+                kl = flow_grpo_kl(step.mean, ref_mean, step.std)
             seen += len(part)
             data = torch.zeros(())
             if s.data_beta > 0:
@@ -248,11 +335,13 @@ def _train_flow_grpo(
                 noised = (1 - sg) * batch.x0[part] + sg * start
                 v_data = model(noised, sigma, batch.text[part], batch.mask[part])
                 data = flow_matching_loss(v_data, batch.x0[part], start, sigma, weighting="edm")
-            loss = ddrl_loss(policy, data, data_beta=s.data_beta) / trained
-            loss.backward()
-            total += loss.item()
+            loss = ddrl_loss(policy, data, data_beta=s.data_beta, kl=kl, kl_beta=s.kl_beta)
+            (loss / trained).backward()
+            total += loss.item() / trained
         nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(total)
     return losses, clipped / max(seen, 1)
 
@@ -265,6 +354,7 @@ def _train_nft(
     s: FlowRLSettings,
     generator: torch.Generator,
     iteration: int,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
 ) -> tuple[list[float], float]:
     """DiffusionNFT: the generated samples noised afresh at the rollout's noise levels, scored
     against the implicit policies around the old weights, which follow softly after each
@@ -293,6 +383,8 @@ def _train_nft(
             total += loss.item()
         nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         soft_update(old, model, decay=nft_old_decay(iteration))
         losses.append(total)
     return losses, 0.0

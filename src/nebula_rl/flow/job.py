@@ -1,0 +1,254 @@
+"""A world-model run from its config (`policy.is_diffusers = true`), in this one process:
+`nebula-rl train --config X` for SFT (`trainer_type = "diffusers_sft"`), with `--local` for RL
+(`"flow_grpo"`, `"ddrl"`, `"diffusion_nft"`).
+
+How the config's keys map onto the loop of `nebula_rl.flow.local`:
+
+- rows are the dataset's clips (`dataset.name`: a folder in cosmos-rl's local layout, or
+  `builtin:toy_video` with `dataset.kwargs` for :func:`make_toy_dataset`, written into the run
+  folder); an RL iteration takes `train_batch_per_replica / rollout.n_generation` clips, in a
+  seeded order per epoch, and samples each clip's caption `n_generation` times; `train.epoch`
+  and `train.max_num_steps` bound the iterations (SFT: steps of `train_batch_per_replica`
+  clips), as for language models;
+- `train_batch_per_replica / mini_batch` optimiser steps per iteration; the optimiser and its
+  schedule are `train.optm_*`'s, as for language models;
+- `epsilon_low` / `epsilon_high` clip the ratio (FlowGRPO's reference value is 1e-4),
+  `kl_beta` weighs the KL to the starting weights, `data_beta` and `exp_reward` are DDRL's;
+- `policy.diffusers`: the frame size and count, `timesteps_fraction` (steps trained),
+  `train_flow_shift` (the rollout schedule's shift), `nft_beta`, the SFT noise levels
+  (`weighting_scheme`, `logit_mean`, `logit_std`), `max_prompt_length` (text tokens kept) and
+  `sample.*` (rollout steps, noise level, guidance, batch-wide std, deterministic sampling for
+  DiffusionNFT; `eval_num_steps` for the sample grid written at the end);
+- rewards: `reward_function` names of `nebula_rl.rewards.visual` with weights, or with
+  `use_remote_reward` the reward service (`remote_reward.reward_fns`: name, weight, score_key,
+  clip; `scale`, the total's clip, `batch_size` samples per request), reached through
+  `REMOTE_REWARD_*` environment variables.
+
+The run folder gets `metrics.jsonl`, `logs/`, the export `safetensors/final` (loadable as
+`policy.model_name_or_path`) and `samples.png`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nebula_rl.config import FLOW_RL_TRAINERS, Config, GrpoConfig, _reward_dict
+from nebula_rl.data import epoch_order, num_train_steps
+from nebula_rl.flow.data import Clip, make_toy_dataset, read_local_dataset
+from nebula_rl.flow.local import FlowRLSettings, RewardFn, pretrain, run_flow_rl
+from nebula_rl.flow.models import load_flow_model, save_flow_model
+from nebula_rl.flow.sampler import guided_velocity, sample
+from nebula_rl.policy.optim import build_optimizer, lr_lambda
+from nebula_rl.rewards.visual import VISUAL_REWARDS, pixels_from_samples
+from nebula_rl.runs import resolve_run_dir
+
+__all__ = ["TOY_DATASET", "run"]
+
+log = logging.getLogger(__name__)
+
+TOY_DATASET = "builtin:toy_video"
+
+
+def _clips(cfg: Config, run_dir: Path) -> list[Clip]:
+    d, ds = cfg.policy.diffusers, cfg.train.train_policy.dataset
+    frames = d.inference_frames if d.is_video else 1
+    if ds.name == TOY_DATASET:
+        kwargs = {"size": d.inference_size[0], "frames": frames, "seed": cfg.train.seed or 0}
+        root = make_toy_dataset(run_dir / "dataset", **{**kwargs, **ds.kwargs})
+    elif ds.name and Path(ds.name).is_dir():
+        root = Path(ds.name)
+    else:
+        raise ValueError(
+            f"train.train_policy.dataset.name: {ds.name!r}: a world-model run reads a local "
+            f"folder in cosmos-rl's layout (metas/, videos/, t5_xxl/) or {TOY_DATASET}"
+        )
+    clips = read_local_dataset(root, num_frames=frames, key="train.train_policy.dataset.name")
+    keep = d.max_prompt_length
+    return [dataclasses.replace(c, text=c.text[:keep]) for c in clips]
+
+
+def _ordered(cfg: Config, clips: list[Clip], per_step: int) -> Any:
+    """`batch(step)`: the clips of step `step` (1-based), epochs in seeded shuffled orders."""
+    per_epoch = len(clips) // per_step
+    seed = cfg.train.seed or 0
+
+    def batch(step: int) -> list[Clip]:
+        epoch, index = divmod(step - 1, per_epoch)
+        order = epoch_order(len(clips), epoch=epoch, shuffle=True, seed=seed)
+        return [clips[i] for i in order[index * per_step : (index + 1) * per_step]]
+
+    return batch
+
+
+def _local_rewards(p: GrpoConfig) -> RewardFn:
+    weights = _reward_dict(p.reward_function)
+    unknown = sorted(set(weights) - set(VISUAL_REWARDS))
+    if unknown:
+        raise ValueError(
+            f"train.train_policy.reward_function: {unknown} are not rewards of images or "
+            f"videos; choose from {sorted(VISUAL_REWARDS)} (or use_remote_reward)"
+        )
+
+    def score(samples: Tensor, prompts: Sequence[str]) -> list[float]:
+        pixels = pixels_from_samples(samples)
+        total = [0.0] * len(prompts)
+        for name, weight in weights.items():
+            for i, value in enumerate(VISUAL_REWARDS[name](pixels, prompts)):
+                total[i] += weight * value
+        return total
+
+    return score
+
+
+def _remote_rewards(p: GrpoConfig) -> RewardFn:
+    from nebula_rl.rewards.remote import RemoteRewardClient
+
+    r = p.remote_reward
+    for i, f in enumerate(r.reward_fns):
+        if f.score_key not in (None, f.name):
+            raise ValueError(
+                f"train.train_policy.remote_reward.reward_fns[{i}].score_key = {f.score_key!r}: "
+                "nebula-rl's reward service gives each reward one score, under its name"
+            )
+    client = RemoteRewardClient.from_env()
+    names = {f.name: f for f in r.reward_fns}
+    asked = dict.fromkeys(names, 1.0)
+
+    def score(samples: Tensor, prompts: Sequence[str]) -> list[float] | None:
+        total: list[float] = []
+        for start in range(0, len(prompts), r.batch_size):
+            part = slice(start, start + r.batch_size)
+            uuid = client.enqueue(samples[part], list(prompts[part]), asked)
+            scores = client.pull(uuid, list(names))
+            if scores is None:
+                return None
+            for i in range(len(prompts[part])):
+                value = 0.0
+                for name, f in names.items():
+                    value += f.weight * min(max(scores[name][i], f.clip_min), f.clip_max)
+                total.append(min(max(r.scale * value, r.reward_clip_min), r.reward_clip_max))
+        return total
+
+    return score
+
+
+def _optimizer(cfg: Config, model: torch.nn.Module, total_steps: int) -> tuple[Any, Any]:
+    optimizer = build_optimizer(model, cfg.train)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(cfg.train, total_steps)
+    )
+
+
+def _write_grid(cfg: Config, model: torch.nn.Module, clips: list[Clip], path: Path) -> None:
+    """One row per caption (at most 8), four ODE samples each, frames side by side."""
+    from PIL import Image
+
+    from nebula_rl.flow.data import clip_batch
+
+    captions = sorted({c.caption for c in clips})[:8]
+    chosen = [next(c for c in clips if c.caption == caption) for caption in captions]
+    _, text, mask = clip_batch([c for c in chosen for _ in range(4)])
+    shape = chosen[0].video.shape
+    noise = torch.randn(len(text), *shape, generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        final = sample(
+            lambda x, s: guided_velocity(model, x, s, text, mask),
+            noise,
+            num_steps=cfg.policy.diffusers.sample.eval_num_steps,
+            noise_level=0.0,
+            shift=cfg.policy.diffusers.train_flow_shift,
+        ).final
+    channels, frames, height, width = shape
+    pixels = pixels_from_samples(final).view(len(captions), 4, channels, frames, height, width)
+    grid = pixels.permute(0, 4, 1, 3, 5, 2).reshape(
+        len(captions) * height, 4 * frames * width, channels
+    )
+    Image.fromarray(grid.numpy()).save(path)
+
+
+def run(cfg: Config) -> Path:
+    """Run the world-model config `cfg` in this process; its run folder."""
+    p = cfg.train.train_policy
+    run_dir = resolve_run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    torch.manual_seed(cfg.train.seed or 0)
+    clips = _clips(cfg, run_dir)
+    model = load_flow_model(cfg, seed=cfg.train.seed or 0)
+    d = cfg.policy.diffusers
+    metrics = (run_dir / "metrics.jsonl").open("a")
+
+    def record(values: dict[str, float]) -> None:
+        metrics.write(json.dumps(values) + "\n")
+        metrics.flush()
+        step = int(values.get("iteration", values.get("step", 0)))
+        if step % 10 == 0 or step == 1:
+            log.info("step %d: %s", step, ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
+
+    batch = cfg.train.train_batch_per_replica
+    if isinstance(p, GrpoConfig):
+        n = cfg.rollout.n_generation
+        if batch % n or batch % p.mini_batch:
+            raise ValueError(
+                f"train.train_batch_per_replica ({batch}) must be a multiple of "
+                f"rollout.n_generation ({n}) and of train.train_policy.mini_batch "
+                f"({p.mini_batch})"
+            )
+        prompts = batch // n
+        steps = num_train_steps(cfg, len(clips), items_per_step=prompts)
+        minibatches = batch // p.mini_batch
+        settings = FlowRLSettings(
+            algorithm=FLOW_RL_TRAINERS[p.trainer_type],  # type: ignore[arg-type]
+            num_iterations=steps,
+            prompts_per_iteration=prompts,
+            group_size=n,
+            sample_steps=d.sample.num_steps,
+            noise_level=0.0 if d.sample.deterministic_sampling else d.sample.noise_level,
+            timestep_fraction=d.timesteps_fraction,
+            num_minibatches=minibatches,
+            clip_range=p.epsilon_low,
+            clip_range_high=p.epsilon_high,
+            kl_beta=p.kl_beta,
+            global_std=d.sample.global_std,
+            shift=d.train_flow_shift,
+            grad_clip=cfg.train.optm_grad_norm_clip,
+            data_beta=p.data_beta,
+            exp_reward=p.exp_reward,
+            nft_beta=d.nft_beta,
+            guidance_scale=d.sample.guidance_scale,
+            seed=cfg.train.seed or 0,
+        )
+        optimizer, scheduler = _optimizer(cfg, model, steps * minibatches)
+        score = _remote_rewards(p) if p.use_remote_reward else _local_rewards(p)
+        log.info(
+            "world-model %s: %d iterations of %d prompts x %d samples, %d clips",
+            p.trainer_type, steps, prompts, n, len(clips),
+        )  # fmt: skip
+        run_flow_rl(
+            model, clips, settings, score=score, on_iteration=record,
+            prompt_clips=_ordered(cfg, clips, prompts), optimizer=optimizer, scheduler=scheduler,
+        )  # fmt: skip
+    else:
+        steps = num_train_steps(cfg, len(clips), items_per_step=batch)
+        optimizer, scheduler = _optimizer(cfg, model, steps)
+        log.info("world-model SFT: %d steps of %d clips, %d clips", steps, batch, len(clips))
+        pretrain(
+            model, clips, steps=steps, seed=cfg.train.seed or 0,
+            batches=_ordered(cfg, clips, batch), optimizer=optimizer, scheduler=scheduler,
+            sigma_scheme=d.weighting_scheme, sigma_mean=d.logit_mean, sigma_std=d.logit_std,
+            grad_clip=cfg.train.optm_grad_norm_clip, on_step=record,
+        )  # fmt: skip
+    metrics.close()
+    export = save_flow_model(model, run_dir / "safetensors" / "final")
+    _write_grid(cfg, model, clips, run_dir / "samples.png")
+    log.info("exported %s", export)
+    return run_dir

@@ -1,0 +1,225 @@
+"""World-model runs from their configs (`policy.is_diffusers`, `nebula_rl.flow.job`): the shipped
+`configs/wfm/` load, keys a world-model run does not read are refused by name, and SFT, FlowGRPO,
+DDRL and DiffusionNFT (scored by the reward service) run from TOML-shaped configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nebula_rl.config import ConfigError, config_from_dict, load_config
+from nebula_rl.flow.models import flow_model_config, load_flow_model
+from nebula_rl.weights import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+WFM = sorted((ROOT / "configs" / "wfm").glob("*.toml"))
+
+
+def _flow(tmp_path: Path, *, trainer: str = "flow_grpo", **policy: object) -> dict:
+    """A small world-model RL config (8 x 8 frames, 2 of them, 16 toy clips) as a dict."""
+    return {
+        "train": {
+            "output_dir": str(tmp_path),
+            "max_num_steps": 2,
+            "train_batch_per_replica": 8,
+            "optm_lr": 1e-3,
+            "train_policy": {
+                "type": "grpo",
+                "trainer_type": trainer,
+                "reward_function": "brightness",
+                "mini_batch": 4,
+                "epsilon_low": 1e-4,
+                "epsilon_high": 1e-4,
+                "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": 2}},
+                **policy,
+            },
+        },
+        "rollout": {"n_generation": 4},
+        "policy": {
+            "model_name_or_path": "tiny:dit",
+            "is_diffusers": True,
+            "diffusers": {
+                "is_video": True,
+                "inference_size": [8, 8],
+                "inference_frames": 2,
+                "train_frames": 2,
+                "train_flow_shift": 1.0,
+                "sample": {"num_steps": 4, "eval_num_steps": 4, "guidance_scale": 1.0},
+            },
+        },
+    }
+
+
+@pytest.mark.parametrize("path", WFM, ids=lambda p: p.name)
+def test_the_shipped_world_model_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.policy.is_diffusers
+    assert flow_model_config(cfg).size == 16
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (
+            {"rollout": {"max_response_length": 5}},
+            r"rollout\.max_response_length = 5: does not apply to world-model runs",
+        ),
+        ({"train": {"ema_enable": True}}, r"train\.ema_enable = true: EMA weights"),
+        ({"policy": {"lora": {"r": 4}}}, r"policy\.lora\.r = 4: LoRA"),
+        (
+            {"train": {"train_policy": {"trainer_type": "ddrl"}}},
+            r"data_beta = 0\.0: world-model DDRL",
+        ),
+        ({"train": {"train_policy": {"data_beta": 0.1}}}, r"data_beta = 0\.1: world-model DDRL"),
+        (
+            {"policy": {"diffusers": {"sample": {"deterministic_sampling": True}}}},
+            r"deterministic_sampling = true: world-model FlowGRPO and DDRL need",
+        ),
+        (
+            {"train": {"train_policy": {"trainer_type": "diffusion_nft"}}},
+            r"weight_copy_decay_type = 0: world-model DiffusionNFT",
+        ),
+        (
+            {"train": {"train_policy": {"trainer_type": "grpo"}}},
+            r'trainer_type = "grpo": world-model RL trains with',
+        ),
+        ({"policy": {"diffusers": {"offload": True}}}, r"offload = true: offloading"),
+        ({"policy": {"diffusers": {"sample": {"solver": "dpm2"}}}}, r'solver = "dpm2"'),
+        (
+            {"train": {"train_policy": {"use_remote_reward": True}}},
+            r"reward_function: a world-model run with use_remote_reward",
+        ),
+    ],
+)
+def test_world_model_configs_refuse_what_the_run_does_not_read(tmp_path, change, match):
+    data = _flow(tmp_path)
+    for section, values in change.items():
+        table = data[section]
+        for key, value in values.items():
+            if isinstance(value, dict) and isinstance(table.get(key), dict):
+                table[key] = _merge(table[key], value)
+            else:
+                table[key] = value
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict(data)
+
+
+def _merge(base: dict, change: dict) -> dict:
+    out = dict(base)
+    for key, value in change.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and key in out else value
+    return out
+
+
+def test_language_model_configs_refuse_world_model_keys():
+    with pytest.raises(ConfigError, match=r"inference_frames = 3: applies to world-model runs"):
+        config_from_dict({"policy": {"diffusers": {"inference_frames": 3}}})
+    with pytest.raises(ConfigError, match=r'trainer_type = "ddrl": needs policy\.is_diffusers'):
+        config_from_dict({"train": {"train_policy": {"type": "grpo", "trainer_type": "ddrl"}}})
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sft_then_flow_grpo_and_ddrl_run_from_their_configs(tmp_path):
+    """World-model SFT exports a model that FlowGRPO and DDRL then start from; each writes its
+    metrics, an export loadable as `policy.model_name_or_path` and a sample grid; an export
+    of another shape is refused naming the keys."""
+    from nebula_rl.flow import job
+
+    sft = _flow(tmp_path)
+    sft["train"]["train_policy"] = {
+        "type": "sft",
+        "trainer_type": "diffusers_sft",
+        "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": 2}},
+    }
+    sft["train"].update(timestamp="sft", max_num_steps=20, epoch=20)
+    sft["policy"]["diffusers"]["weighting_scheme"] = "logit_normal"
+    run = job.run(config_from_dict(sft))
+    losses = [r["loss"] for r in _records(run)]
+    assert len(losses) == 20 and sum(losses[-5:]) < sum(losses[:5])
+    export = run / "safetensors" / "final"
+    assert (run / "samples.png").is_file()
+
+    for trainer, extra in (("flow_grpo", {"kl_beta": 0.01}), ("ddrl", {"data_beta": 0.1})):
+        data = _flow(tmp_path, trainer=trainer, **extra)
+        data["train"]["timestamp"] = trainer
+        data["policy"]["model_name_or_path"] = str(export)
+        cfg = config_from_dict(data)
+        warm = load_flow_model(cfg)
+        records = _records(job.run(cfg))
+        assert [r["iteration"] for r in records] == [1.0, 2.0]
+        assert all(r["rewards_lost"] == 0 and 0 < r["reward_mean"] < 1 for r in records)
+        trained = load_flow_model(
+            config_from_dict(
+                {
+                    **data,
+                    "policy": {
+                        **data["policy"],
+                        "model_name_or_path": str(tmp_path / trainer / "safetensors" / "final"),
+                    },
+                }
+            )
+        )
+        assert any(
+            not torch.equal(a, b)
+            for a, b in zip(warm.state_dict().values(), trained.state_dict().values(), strict=True)
+        )
+    other = _flow(tmp_path)
+    other["policy"]["model_name_or_path"] = str(export)
+    other["policy"]["diffusers"]["inference_size"] = [16, 16]
+    with pytest.raises(ValueError, match=r"the config asks for 2 of 16 \(policy\.diffusers"):
+        load_flow_model(config_from_dict(other))
+
+
+def test_diffusion_nft_scored_by_the_reward_service(tmp_path, monkeypatch):
+    """DiffusionNFT with `use_remote_reward`: the reward service (started here) scores every
+    iteration's samples, in requests of `remote_reward.batch_size`."""
+    from nebula_rl.flow import job
+    from nebula_rl.rewards.service import service_config_from_dict, start_service
+
+    service_cfg = service_config_from_dict(
+        {"port": free_port(), "reward_args": [{"reward_type": "colour_match"}]}
+    )
+    with start_service(service_cfg, token="secret-token") as service:
+        base = f"{service.url}/api/reward"
+        monkeypatch.setenv("REMOTE_REWARD_TOKEN", "secret-token")
+        monkeypatch.setenv("REMOTE_REWARD_ENQUEUE_URL", f"{base}/enqueue")
+        monkeypatch.setenv("REMOTE_REWARD_FETCH_URL", f"{base}/pull")
+        data = _flow(tmp_path, trainer="diffusion_nft", use_remote_reward=True)
+        del data["train"]["train_policy"]["reward_function"]
+        data["train"]["train_policy"]["remote_reward"] = {
+            "batch_size": 4,
+            "reward_fns": [{"name": "colour_match", "weight": 2.0}],
+        }
+        data["policy"]["diffusers"].update(weight_copy_decay_type=1)
+        data["policy"]["diffusers"]["sample"]["deterministic_sampling"] = True
+        records = _records(job.run(config_from_dict(data)))
+        calls = service.service.stats()
+    assert [r["rewards_lost"] for r in records] == [0.0, 0.0]
+    assert all(-2 <= r["reward_mean"] <= 2 for r in records)
+    assert "colour_match" in json.dumps(calls)
+
+
+def test_world_model_rl_needs_local(tmp_path):
+    """Rollout replicas do not run flow models yet: `nebula-rl train` without `--local` says so
+    (exit 2) before anything starts."""
+    config = tmp_path / "job.json"
+    config.write_text(config_from_dict(_flow(tmp_path)).model_dump_json())
+    result = subprocess.run(
+        [sys.executable, "-m", "nebula_rl.cli", "train", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 2
+    said = " ".join((result.stdout + result.stderr).split())  # (rich wraps the log line)
+    assert "world-model RL runs in one process so far (add --local)" in said
