@@ -58,9 +58,15 @@ def _flow(tmp_path: Path, *, trainer: str = "flow_grpo", **policy: object) -> di
 
 @pytest.mark.parametrize("path", WFM, ids=lambda p: p.name)
 def test_the_shipped_world_model_configs_load(path):
+    """Each loads; the warm start builds the model the RL configs start from."""
     cfg = load_config(path)
     assert cfg.policy.is_diffusers
-    assert flow_model_config(cfg).size == 16
+    if cfg.policy.warmstart_config is None:
+        assert flow_model_config(cfg).size == 16
+    else:
+        warm = load_config(ROOT / cfg.policy.warmstart_config)
+        out = Path(warm.train.output_dir) / warm.train.timestamp / "safetensors" / "final"
+        assert out == Path(cfg.policy.model_name_or_path)
 
 
 @pytest.mark.parametrize(

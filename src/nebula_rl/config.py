@@ -1715,12 +1715,14 @@ def refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
     nebula-rl's implementation adds. Empty when it can run."""
     if cfg.policy.is_diffusers:
         return _flow_refusals(cfg, user_keys)
-    out = [
-        f"{key} = {_format_value(user_keys[key])}: applies to world-model runs only (set "
-        "policy.is_diffusers = true)"
-        for key in sorted(user_keys)
-        if key.startswith("policy.diffusers.")
-    ]
+    out = []
+    for key in sorted(k for k in user_keys if k.startswith("policy.diffusers.")):
+        found, value, default, _refusal = _value(cfg, key)
+        if found and value != default and value != _section_default(cfg, key):
+            out.append(
+                f"{key} = {_format_value(value)}: applies to world-model runs only (set "
+                "policy.is_diffusers = true)"
+            )
     for key in sorted(user_keys):
         found, value, default, refusal = _value(cfg, key)
         if not found or refusal is None:
