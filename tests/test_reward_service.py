@@ -68,7 +68,7 @@ def _alive(pid: int) -> bool:
 def _stop_and_check(svc: RunningService) -> None:
     """Stop `svc`; its workers and threads must be gone."""
     pids = [p for p in svc.service.stats()["worker_pids"] if p]
-    threads = [svc.thread, svc.service._supervisor]
+    threads = [svc.http.thread, svc.service._supervisor]
     svc.stop()
     deadline = time.monotonic() + 5
     while any(t is not None and t.is_alive() for t in threads) or any(_alive(p) for p in pids):

@@ -17,17 +17,12 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import threading
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qs
 
 import redis
-import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
@@ -35,8 +30,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from nebula_rl import http_server
 from nebula_rl.controller import panel
 from nebula_rl.controller.state import JobState
+from nebula_rl.http_server import HttpServer
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -380,60 +377,8 @@ def _replica_view(name: str, info: dict[str, Any], *, now: float) -> dict[str, A
     }
 
 
-@dataclass
-class HttpServer:
-    """A uvicorn server running in a background thread."""
-
-    server: uvicorn.Server
-    """The server."""
-    thread: threading.Thread
-    """The thread running it."""
-    host: str
-    """Bound interface."""
-    port: int
-    """Bound port."""
-
-    @property
-    def url(self) -> str:
-        """`http://host:port`."""
-        return f"http://{self.host}:{self.port}"
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Ask the server to exit and wait for its thread."""
-        self.server.should_exit = True
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            raise RuntimeError(f"HTTP server did not stop within {timeout:.0f} s")
-
-    def __enter__(self) -> HttpServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
 def serve(
     app: FastAPI, *, host: str = "127.0.0.1", port: int = 0, timeout: float = 10.0
 ) -> HttpServer:
     """Start `app` under uvicorn in a daemon thread; returns once it listens (port 0: any free)."""
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False, server_header=False
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="controller-http", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError(f"HTTP server failed to start on {host}:{port} (see the log)")
-        if time.monotonic() > deadline:
-            server.should_exit = True
-            raise RuntimeError(f"HTTP server did not start within {timeout:.0f} s")
-        time.sleep(0.01)
-    bound = server.servers[0].sockets[0].getsockname()[1]
-    return HttpServer(server, thread, host, bound)
+    return http_server.serve(app, host=host, port=port, timeout=timeout, name="controller-http")

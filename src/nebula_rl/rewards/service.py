@@ -52,6 +52,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nebula_rl.config import ConfigError, _Section
+from nebula_rl.http_server import HttpServer, serve
 from nebula_rl.rewards.visual import VISUAL_REWARDS, VisualReward, pixels_from_samples
 
 __all__ = [
@@ -1055,42 +1056,28 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _uvicorn(app: FastAPI) -> uvicorn.Server:
-    config = uvicorn.Config(
-        app, log_level="warning", access_log=False, server_header=False, lifespan="off"
-    )
-    return uvicorn.Server(config)
-
-
 @dataclass
 class RunningService:
     """A reward service answering HTTP from a background thread (tests, embedding)."""
 
     service: RewardService
     """The queue and the workers."""
-    server: uvicorn.Server
-    """The HTTP server."""
-    thread: threading.Thread
-    """The thread running it."""
-    host: str
-    """Bound interface."""
-    port: int
-    """Bound port."""
+    http: HttpServer
+    """The HTTP server and its thread."""
     token: str
     """The bearer token clients must send."""
 
     @property
     def url(self) -> str:
         """`http://host:port`."""
-        return f"http://{self.host}:{self.port}"
+        return self.http.url
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the HTTP server, then the workers."""
-        self.server.should_exit = True
-        self.thread.join(timeout_s)
-        self.service.stop(timeout_s)
-        if self.thread.is_alive():
-            raise RuntimeError(f"the reward service's HTTP server did not stop in {timeout_s} s")
+        try:
+            self.http.stop(timeout_s)
+        finally:
+            self.service.stop(timeout_s)
 
     def __enter__(self) -> RunningService:
         return self
@@ -1116,20 +1103,22 @@ def start_service(
     except BaseException:
         sock.close()
         raise
-    server = _uvicorn(create_app(service, token=token))
-    thread = threading.Thread(
-        target=server.run, kwargs={"sockets": [sock]}, name="reward-service-http", daemon=True
+    try:
+        http = serve(
+            create_app(service, token=token), host=cfg.host, sock=sock, timeout=timeout_s,
+            name="reward-service-http", lifespan="off",
+        )  # fmt: skip
+    except BaseException:
+        service.stop()
+        raise
+    return RunningService(service, http, token)
+
+
+def _uvicorn(app: FastAPI) -> uvicorn.Server:
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, server_header=False, lifespan="off"
     )
-    thread.start()
-    deadline = time.monotonic() + timeout_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            service.stop()
-            raise RuntimeError(f"the reward service's HTTP server did not start on {cfg.host}")
-        time.sleep(0.01)
-    port = sock.getsockname()[1]
-    return RunningService(service, server, thread, cfg.host, port, token)
+    return uvicorn.Server(config)
 
 
 def run_service(cfg: RewardServiceConfig) -> None:
