@@ -229,3 +229,25 @@ def test_world_model_rl_needs_local(tmp_path):
     assert result.returncode == 2
     said = " ".join((result.stdout + result.stderr).split())  # (rich wraps the log line)
     assert "world-model RL runs in one process so far (add --local)" in said
+
+
+def test_world_model_runs_log_scalars_and_sample_grids(tmp_path):
+    """`logging.logger` sinks get every step's numbers, and `multi_modal_log_interval` a sample
+    grid every that many steps: TensorBoard images, and PNGs under `<run>/samples/`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from nebula_rl.flow import job
+
+    data = _flow(tmp_path)
+    data["train"]["max_num_steps"] = 4
+    data["logging"] = {"logger": ["console", "tensorboard"], "multi_modal_log_interval": 2}
+    run = job.run(config_from_dict(data))
+    assert sorted(p.name for p in (run / "samples").iterdir()) == ["step_2.png", "step_4.png"]
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    assert [e.step for e in events.Images("samples")] == [2, 4]
+    assert [e.step for e in events.Scalars("reward_mean")] == [1, 2, 3, 4]
+    grid = events.Images("samples")[0]
+    assert (grid.height, grid.width) == (8 * 8, 4 * 2 * 8)  # 8 captions x 4 samples of 2 frames
+    with pytest.raises(ConfigError, match=r"multi_modal_log_interval = 2: image and video"):
+        config_from_dict({"logging": {"multi_modal_log_interval": 2}})

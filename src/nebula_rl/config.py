@@ -1148,9 +1148,15 @@ class LoggingConfig(_Section):
     log_interval: int = Field(default=100, ge=1)
     """The console prints a line every this many steps, with the means over them."""
     multi_modal_log_interval: int | None = Field(
-        default=None, json_schema_extra=refused("image and video logging is not supported yet")
+        default=None,
+        ge=1,
+        json_schema_extra=refused(
+            "image and video logging is not supported yet for language models (world-model "
+            "runs log sample grids)"
+        ),
     )
-    """Steps between image/video logs."""
+    """Steps between image/video logs: a world-model run's sample grid (TensorBoard, W&B,
+    `<run>/samples/`); refused for language models."""
     project_name: str = "nebula_rl"
     """Weights & Biases project."""
     group_name: str | None = None
@@ -1793,6 +1799,8 @@ FLOW_KEYS = (
     "policy.diffusers.sample.guidance_scale", "policy.diffusers.sample.global_std",
     "policy.diffusers.sample.noise_level", "policy.diffusers.sample.deterministic_sampling",
     "rollout.n_generation",
+    "logging.logger", "logging.log_interval", "logging.multi_modal_log_interval",
+    "logging.project_name", "logging.group_name", "logging.experiment_name", "logging.wandb_mode",
 )  # fmt: skip
 """The keys a world-model run (`policy.is_diffusers`) reads (a dotted prefix covers its
 subkeys); any other key it is given is refused, naming it."""

@@ -241,6 +241,20 @@ class TensorBoardLogger:
         )
         self.writer.flush()
 
+    def log_image(self, tag: str, step: int, png: bytes, *, height: int, width: int) -> None:
+        """A PNG image at `step` (TensorBoard's Images tab)."""
+        import time
+
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        if self.writer is None:
+            self.log({"step": step})
+        image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png)
+        summary = Summary(value=[Summary.Value(tag=tag, image=image)])
+        self.writer.add_event(Event(wall_time=time.time(), step=step, summary=summary))
+        self.writer.flush()
+
     def close(self) -> None:
         """Close the event file."""
         if self.writer is not None:
@@ -303,6 +317,15 @@ class WandbLogger:
         payload = {k: v for k, v in record.items() if k != "step"}
         self.run.log(payload, step=int(record["step"]))
 
+    def log_image(self, tag: str, step: int, png: bytes, *, height: int, width: int) -> None:
+        """A PNG image at `step` (a `wandb.Image`)."""
+        import io
+
+        import wandb
+        from PIL import Image
+
+        self.run.log({tag: wandb.Image(Image.open(io.BytesIO(png)))}, step=step)
+
     def close(self) -> None:
         """Finish the run and wait until W&B's service process has written all of it (the
         run file is completed after `finish` returns otherwise)."""
@@ -356,6 +379,13 @@ class MetricsLogger:
         """Hand one step's record (as written to `metrics.jsonl`) to every sink."""
         for sink in self.sinks:
             sink.log(record)
+
+    def log_image(self, tag: str, step: int, png: bytes, *, height: int, width: int) -> None:
+        """Hand a PNG image of `step` to the sinks that show images (TensorBoard, W&B)."""
+        for sink in self.sinks:
+            show = getattr(sink, "log_image", None)
+            if show is not None:
+                show(tag, step, png, height=height, width=width)
 
     def close(self) -> None:
         """Close every sink (all of them, even if one fails)."""

@@ -25,7 +25,9 @@ How the config's keys map onto the loop of `nebula_rl.flow.local`:
   `REMOTE_REWARD_*` environment variables.
 
 The run folder gets `metrics.jsonl`, `logs/`, the export `safetensors/final` (loadable as
-`policy.model_name_or_path`) and `samples.png`.
+`policy.model_name_or_path`) and `samples.png`. `[logging] logger` sinks get every record, and
+with `logging.multi_modal_log_interval` a sample grid every that many steps (TensorBoard's
+images, W&B images, `samples/step_<N>.png`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 from torch import Tensor
 
 from nebula_rl.config import FLOW_RL_TRAINERS, Config, GrpoConfig, _reward_dict
@@ -46,6 +49,7 @@ from nebula_rl.flow.data import Clip, make_toy_dataset, read_local_dataset
 from nebula_rl.flow.local import FlowRLSettings, RewardFn, pretrain, run_flow_rl
 from nebula_rl.flow.models import load_flow_model, save_flow_model
 from nebula_rl.flow.sampler import guided_velocity, sample
+from nebula_rl.metrics_log import MetricsLogger, open_loggers
 from nebula_rl.policy.optim import build_optimizer, lr_lambda
 from nebula_rl.rewards.visual import VISUAL_REWARDS, pixels_from_samples
 from nebula_rl.runs import resolve_run_dir
@@ -147,10 +151,9 @@ def _optimizer(cfg: Config, model: torch.nn.Module, total_steps: int) -> tuple[A
     )
 
 
-def _write_grid(cfg: Config, model: torch.nn.Module, clips: list[Clip], path: Path) -> None:
-    """One row per caption (at most 8), four ODE samples each, frames side by side."""
-    from PIL import Image
-
+def sample_grid(cfg: Config, model: torch.nn.Module, clips: list[Clip]) -> Image.Image:
+    """One row per caption (at most 8), four samples each (the Euler ODE in
+    `sample.eval_num_steps` steps, fixed noise), frames side by side."""
     from nebula_rl.flow.data import clip_batch
 
     captions = sorted({c.caption for c in clips})[:8]
@@ -158,6 +161,7 @@ def _write_grid(cfg: Config, model: torch.nn.Module, clips: list[Clip], path: Pa
     _, text, mask = clip_batch([c for c in chosen for _ in range(4)])
     shape = chosen[0].video.shape
     noise = torch.randn(len(text), *shape, generator=torch.Generator().manual_seed(0))
+    training = model.training
     model.eval()
     with torch.no_grad():
         final = sample(
@@ -167,12 +171,25 @@ def _write_grid(cfg: Config, model: torch.nn.Module, clips: list[Clip], path: Pa
             noise_level=0.0,
             shift=cfg.policy.diffusers.train_flow_shift,
         ).final
+    model.train(training)
     channels, frames, height, width = shape
     pixels = pixels_from_samples(final).view(len(captions), 4, channels, frames, height, width)
     grid = pixels.permute(0, 4, 1, 3, 5, 2).reshape(
         len(captions) * height, 4 * frames * width, channels
     )
-    Image.fromarray(grid.numpy()).save(path)
+    return Image.fromarray(grid.numpy())
+
+
+def _log_samples(sinks: MetricsLogger, grid: Image.Image, run_dir: Path, step: int) -> None:
+    """A sample grid to `<run>/samples/step_<N>.png` and to the sinks that show images."""
+    import io
+
+    folder = run_dir / "samples"
+    folder.mkdir(exist_ok=True)
+    grid.save(folder / f"step_{step}.png")
+    png = io.BytesIO()
+    grid.save(png, format="PNG")
+    sinks.log_image("samples", step, png.getvalue(), height=grid.height, width=grid.width)
 
 
 def run(cfg: Config) -> Path:
@@ -186,13 +203,18 @@ def run(cfg: Config) -> Path:
     model = load_flow_model(cfg, seed=cfg.train.seed or 0)
     d = cfg.policy.diffusers
     metrics = (run_dir / "metrics.jsonl").open("a")
+    every = cfg.logging.multi_modal_log_interval
+    sinks: MetricsLogger | None = None
 
     def record(values: dict[str, float]) -> None:
+        step = int(values.get("iteration", values.get("step", 0)))
+        values = {"step": float(step), **{k: v for k, v in values.items() if k != "step"}}
         metrics.write(json.dumps(values) + "\n")
         metrics.flush()
-        step = int(values.get("iteration", values.get("step", 0)))
-        if step % 10 == 0 or step == 1:
-            log.info("step %d: %s", step, ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
+        assert sinks is not None
+        sinks.log(values)
+        if every and step % every == 0:
+            _log_samples(sinks, sample_grid(cfg, model, clips), run_dir, step)
 
     batch = cfg.train.train_batch_per_replica
     if isinstance(p, GrpoConfig):
@@ -228,6 +250,7 @@ def run(cfg: Config) -> Path:
             seed=cfg.train.seed or 0,
         )
         optimizer, scheduler = _optimizer(cfg, model, steps * minibatches)
+        sinks = open_loggers(cfg, run_dir, total_steps=steps)
         score = _remote_rewards(p) if p.use_remote_reward else _local_rewards(p)
         log.info(
             "world-model %s: %d iterations of %d prompts x %d samples, %d clips",
@@ -240,6 +263,7 @@ def run(cfg: Config) -> Path:
     else:
         steps = num_train_steps(cfg, len(clips), items_per_step=batch)
         optimizer, scheduler = _optimizer(cfg, model, steps)
+        sinks = open_loggers(cfg, run_dir, total_steps=steps)
         log.info("world-model SFT: %d steps of %d clips, %d clips", steps, batch, len(clips))
         pretrain(
             model, clips, steps=steps, seed=cfg.train.seed or 0,
@@ -248,7 +272,9 @@ def run(cfg: Config) -> Path:
             grad_clip=cfg.train.optm_grad_norm_clip, on_step=record,
         )  # fmt: skip
     metrics.close()
+    assert sinks is not None
+    sinks.close()
     export = save_flow_model(model, run_dir / "safetensors" / "final")
-    _write_grid(cfg, model, clips, run_dir / "samples.png")
+    sample_grid(cfg, model, clips).save(run_dir / "samples.png")
     log.info("exported %s", export)
     return run_dir
