@@ -35,7 +35,6 @@ import logging
 import os
 import re
 import tarfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -322,14 +321,3 @@ def conversation_rows(
             continue
         out.append({**row, column: converted})
     return out
-
-
-def media_sources(messages: Sequence[dict[str, Any]]) -> list[Any]:
-    """The media sources of a conversation's content items, in order (for tests and logs)."""
-    return [
-        item[item["type"]]
-        for m in messages
-        if isinstance(m.get("content"), list)
-        for item in m["content"]
-        if item.get("type") in MEDIA_COLUMNS
-    ]

@@ -31,11 +31,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from nebula_rl.flow.data import clip_batch, make_toy_dataset, read_local_dataset
+from nebula_rl.flow.data import Clip, make_toy_dataset, read_local_dataset
 from nebula_rl.flow.dit import TinyDiT, TinyDiTConfig
+from nebula_rl.flow.job import sample_grid, visual_scorer
 from nebula_rl.flow.local import FlowRLSettings, RewardFn, pretrain, run_flow_rl
-from nebula_rl.flow.sampler import guided_velocity, sample
-from nebula_rl.rewards.visual import brightness, pixels_from_samples
 
 log = logging.getLogger("nebula_rl.wfm_demo")
 
@@ -80,29 +79,10 @@ def reward_service(workdir: Path) -> Iterator[RewardFn]:
         logfile.close()
 
 
-def _local_score(samples: Tensor, prompts: Sequence[str]) -> list[float]:
-    return brightness(pixels_from_samples(samples), prompts)
-
-
-def _grid(model: TinyDiT, captions: list[str], clips: list, path: Path, seed: int) -> None:
-    """One row per caption: four samples (ODE, 20 steps), frames side by side."""
-    from PIL import Image
-
-    chosen = [next(c for c in clips if c.caption == caption) for caption in captions]
-    _, text, mask = clip_batch([c for c in chosen for _ in range(4)])
-    noise = torch.randn(
-        len(text), 3, FRAMES, SIZE, SIZE, generator=torch.Generator().manual_seed(seed)
-    )
-    model.eval()
-    with torch.no_grad():
-        final = sample(
-            lambda x, s: guided_velocity(model, x, s, text, mask), noise, num_steps=20,
-            noise_level=0.0,
-        ).final  # fmt: skip
-    pixels = pixels_from_samples(final)  # [B, 3, T, H, W]
-    rows = pixels.view(len(captions), 4, 3, FRAMES, SIZE, SIZE)
-    image = rows.permute(0, 4, 1, 3, 5, 2).reshape(len(captions) * SIZE, 4 * FRAMES * SIZE, 3)
-    Image.fromarray(image.numpy()).resize((image.shape[1] * 4, image.shape[0] * 4), 0).save(path)
+def _save_grid(model: TinyDiT, clips: list[Clip], path: Path) -> None:
+    """The job's sample grid (20 ODE steps), scaled up four times to be seen."""
+    grid = sample_grid(model, clips, num_steps=20, seed=1)
+    grid.resize((grid.width * 4, grid.height * 4), 0).save(path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -133,7 +113,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         time.monotonic() - start,
     )  # fmt: skip
     warm = {k: v.clone() for k, v in model.state_dict().items()}
-    captions = sorted({c.caption for c in clips})
     runs = {
         "flow_grpo": FlowRLSettings(num_iterations=args.iterations),
         "ddrl": FlowRLSettings(
@@ -142,10 +121,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     summary = {}
     scorer: AbstractContextManager[RewardFn] = (
-        nullcontext(_local_score) if args.local_rewards else reward_service(out)
+        nullcontext(visual_scorer({"brightness": 1.0}))
+        if args.local_rewards
+        else reward_service(out)
     )
     with scorer as score:
-        _grid(model, captions, clips, out / "samples_warmstart.png", seed=1)
+        _save_grid(model, clips, out / "samples_warmstart.png")
         for name, settings in runs.items():
             model.load_state_dict(warm)
             metrics = (out / f"metrics_{name}.jsonl").open("w")
@@ -162,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             records = run_flow_rl(model, clips, settings, score=score, on_iteration=report)
             metrics.close()
             seconds = time.monotonic() - start
-            _grid(model, captions, clips, out / f"samples_{name}.png", seed=1)
+            _save_grid(model, clips, out / f"samples_{name}.png")
             n = min(20, len(records) // 2)
 
             def mean(part: list[dict[str, float]], key: str) -> float:

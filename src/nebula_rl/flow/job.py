@@ -54,7 +54,7 @@ from nebula_rl.policy.optim import build_optimizer, lr_lambda
 from nebula_rl.rewards.visual import VISUAL_REWARDS, pixels_from_samples
 from nebula_rl.runs import resolve_run_dir
 
-__all__ = ["TOY_DATASET", "run"]
+__all__ = ["TOY_DATASET", "run", "sample_grid", "visual_scorer"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,12 @@ def _local_rewards(p: GrpoConfig) -> RewardFn:
             f"train.train_policy.reward_function: {unknown} are not rewards of images or "
             f"videos; choose from {sorted(VISUAL_REWARDS)} (or use_remote_reward)"
         )
+    return visual_scorer(weights)
+
+
+def visual_scorer(weights: dict[str, float]) -> RewardFn:
+    """Score samples in this process: the weighted sum of the named rewards of
+    `nebula_rl.rewards.visual` on their pixels."""
 
     def score(samples: Tensor, prompts: Sequence[str]) -> list[float]:
         pixels = pixels_from_samples(samples)
@@ -151,25 +157,27 @@ def _optimizer(cfg: Config, model: torch.nn.Module, total_steps: int) -> tuple[A
     )
 
 
-def sample_grid(cfg: Config, model: torch.nn.Module, clips: list[Clip]) -> Image.Image:
-    """One row per caption (at most 8), four samples each (the Euler ODE in
-    `sample.eval_num_steps` steps, fixed noise), frames side by side."""
+def sample_grid(
+    model: torch.nn.Module, clips: list[Clip], *, num_steps: int, shift: float = 1.0, seed: int = 0
+) -> Image.Image:
+    """One row per caption (at most 8, sorted), four samples each (the Euler ODE in `num_steps`
+    steps with the schedule's `shift`, noise drawn from `seed`), frames side by side."""
     from nebula_rl.flow.data import clip_batch
 
     captions = sorted({c.caption for c in clips})[:8]
     chosen = [next(c for c in clips if c.caption == caption) for caption in captions]
     _, text, mask = clip_batch([c for c in chosen for _ in range(4)])
     shape = chosen[0].video.shape
-    noise = torch.randn(len(text), *shape, generator=torch.Generator().manual_seed(0))
+    noise = torch.randn(len(text), *shape, generator=torch.Generator().manual_seed(seed))
     training = model.training
     model.eval()
     with torch.no_grad():
         final = sample(
             lambda x, s: guided_velocity(model, x, s, text, mask),
             noise,
-            num_steps=cfg.policy.diffusers.sample.eval_num_steps,
+            num_steps=num_steps,
             noise_level=0.0,
-            shift=cfg.policy.diffusers.train_flow_shift,
+            shift=shift,
         ).final
     model.train(training)
     channels, frames, height, width = shape
@@ -206,6 +214,11 @@ def run(cfg: Config) -> Path:
     every = cfg.logging.multi_modal_log_interval
     sinks: MetricsLogger | None = None
 
+    def grid() -> Image.Image:
+        return sample_grid(
+            model, clips, num_steps=d.sample.eval_num_steps, shift=d.train_flow_shift
+        )
+
     def record(values: dict[str, float]) -> None:
         step = int(values.get("iteration", values.get("step", 0)))
         values = {"step": float(step), **{k: v for k, v in values.items() if k != "step"}}
@@ -214,7 +227,7 @@ def run(cfg: Config) -> Path:
         assert sinks is not None
         sinks.log(values)
         if every and step % every == 0:
-            _log_samples(sinks, sample_grid(cfg, model, clips), run_dir, step)
+            _log_samples(sinks, grid(), run_dir, step)
 
     batch = cfg.train.train_batch_per_replica
     if isinstance(p, GrpoConfig):
@@ -275,6 +288,6 @@ def run(cfg: Config) -> Path:
     assert sinks is not None
     sinks.close()
     export = save_flow_model(model, run_dir / "safetensors" / "final")
-    sample_grid(cfg, model, clips).save(run_dir / "samples.png")
+    grid().save(run_dir / "samples.png")
     log.info("exported %s", export)
     return run_dir
