@@ -185,15 +185,18 @@ class MediaFinder:
         return str(found)
 
 
+def _media_kinds(row: dict[str, Any]) -> list[str]:
+    """The media columns the row fills."""
+    return [kind for kind in MEDIA_COLUMNS if row.get(kind) not in (None, "", [])]
+
+
 def _media_items(
     row: dict[str, Any], find: MediaFinder, settings: dict[str, dict[str, Any]]
 ) -> dict[str, list[dict[str, Any]]]:
     """The row's media columns as content items, by kind."""
     items: dict[str, list[dict[str, Any]]] = {}
-    for kind in MEDIA_COLUMNS:
-        value = row.get(kind)
-        if value in (None, "", []):
-            continue
+    for kind in _media_kinds(row):
+        value = row[kind]
         sources = value if isinstance(value, list) else [value]
         items[kind] = [{"type": kind, kind: find(s), **settings.get(kind, {})} for s in sources]
     return items
@@ -264,7 +267,7 @@ def prompt_rows(
     for row in rows:
         prompt: Any = row.get(prompt_column)
         choice = _is_multiple_choice(prompt)
-        if not choice and not any(row.get(k) not in (None, "", []) for k in MEDIA_COLUMNS):
+        if not choice and not _media_kinds(row):
             out.append(row)
             continue
         row = dict(row)
@@ -304,7 +307,7 @@ def conversation_rows(
     out = []
     for row in rows:
         messages = row.get(column)
-        media = any(row.get(k) not in (None, "", []) for k in MEDIA_COLUMNS)
+        media = bool(_media_kinds(row))
         if not isinstance(messages, list) or not messages:
             out.append(row)
             continue
