@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import socket
 import threading
 import time
@@ -10,8 +11,19 @@ from types import TracebackType
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.types import Scope
 
-__all__ = ["HttpServer", "serve"]
+__all__ = ["HttpServer", "bearer_matches", "serve"]
+
+
+def bearer_matches(scope: Scope, token: bytes) -> bool | None:
+    """Whether the request's `Authorization: Bearer <token>` is `token` (compared in constant
+    time); None when it has no Authorization header."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, credentials = value.partition(b" ")
+            return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), token)
+    return None
 
 
 @dataclass

@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from nebula_rl import http_server
 from nebula_rl.controller import panel
 from nebula_rl.controller.state import JobState
-from nebula_rl.http_server import HttpServer
+from nebula_rl.http_server import HttpServer, bearer_matches
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -144,12 +144,9 @@ class _Guard:
         await self.app(scope, replay, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, credentials = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(
-                    credentials.strip(), self.token
-                )
+        matches = bearer_matches(scope, self.token)
+        if matches is not None:
+            return matches
         if scope["method"] == "GET" and scope["path"] in panel.COOKIE_PATHS:
             return self._has_session(scope)
         return False

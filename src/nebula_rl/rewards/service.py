@@ -16,7 +16,6 @@ worker. Results stay in this process's memory for `result_ttl_s`. See docs/rewar
 
 from __future__ import annotations
 
-import hmac
 import importlib
 import io
 import itertools
@@ -52,7 +51,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nebula_rl.config import ConfigError, _Section
-from nebula_rl.http_server import HttpServer, serve
+from nebula_rl.http_server import HttpServer, bearer_matches, serve
 from nebula_rl.rewards.visual import VISUAL_REWARDS, VisualReward, pixels_from_samples
 
 __all__ = [
@@ -936,7 +935,11 @@ class _BearerGuard:
         self.token = token.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != HEALTH_PATH and not self._ok(scope):
+        if (
+            scope["type"] == "http"
+            and scope["path"] != HEALTH_PATH
+            and not bearer_matches(scope, self.token)
+        ):
             body = json.dumps({"message": "missing or invalid bearer token"}).encode()
             await send(
                 {
@@ -952,15 +955,6 @@ class _BearerGuard:
             await send({"type": "http.response.body", "body": body})
             return
         await self.app(scope, receive, send)
-
-    def _ok(self, scope: Scope) -> bool:
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, credentials = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(
-                    credentials.strip(), self.token
-                )
-        return False
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
