@@ -154,7 +154,10 @@ def test_sft_then_flow_grpo_and_ddrl_run_from_their_configs(tmp_path):
     export = run / "safetensors" / "final"
     assert (run / "samples.png").is_file()
 
-    for trainer, extra in (("flow_grpo", {"kl_beta": 0.01}), ("ddrl", {"data_beta": 0.1})):
+    for trainer, extra in (
+        ("flow_grpo", {"kl_beta": 0.01}),
+        ("ddrl", {"data_beta": 0.1, "exp_reward": True}),
+    ):
         data = _flow(tmp_path, trainer=trainer, **extra)
         data["train"]["timestamp"] = trainer
         data["policy"]["model_name_or_path"] = str(export)
