@@ -217,11 +217,14 @@ def test_diffusion_nft_scored_by_the_reward_service(tmp_path, monkeypatch):
     assert "colour_match" in json.dumps(calls)
 
 
-def test_world_model_rl_needs_local(tmp_path):
-    """Rollout replicas do not run flow models yet: `nebula-rl train` without `--local` says so
-    (exit 2) before anything starts."""
+def test_what_the_runtime_cannot_run_is_refused_before_anything_starts(tmp_path):
+    """`nebula-rl train` without `--local` runs world-model RL with replicas
+    (`tests/test_flow_runtime.py`); what they cannot do yet is refused by name (exit 2) before
+    a process starts: here the sample grids, drawn by one-process runs only."""
+    raw = _flow(tmp_path)
+    raw["logging"] = {"multi_modal_log_interval": 1}
     config = tmp_path / "job.json"
-    config.write_text(config_from_dict(_flow(tmp_path)).model_dump_json())
+    config.write_text(config_from_dict(raw).model_dump_json())
     result = subprocess.run(
         [sys.executable, "-m", "nebula_rl.cli", "train", "--config", str(config)],
         capture_output=True,
@@ -231,7 +234,8 @@ def test_world_model_rl_needs_local(tmp_path):
     )
     assert result.returncode == 2
     said = " ".join((result.stdout + result.stderr).split())  # (rich wraps the log line)
-    assert "world-model RL runs in one process so far (add --local)" in said
+    assert "logging.multi_modal_log_interval = 1: sample grids are drawn" in said
+    assert not list(tmp_path.glob("*/logs/controller.log"))
 
 
 def test_world_model_runs_log_scalars_and_sample_grids(tmp_path):

@@ -162,12 +162,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             ensure_model(cfg)
         elif cfg.policy.warmstart_config is not None:
             _wait_for_model(cfg.policy.model_name_or_path)
-        if cfg.policy.is_diffusers:
-            if distributed:
-                raise ValueError(
-                    "policy.is_diffusers: world-model RL runs in one process so far (add "
-                    "--local); rollout replicas do not run flow models yet"
-                )
+        if cfg.policy.is_diffusers and not distributed:  # SFT, or RL with --local
             from nebula_rl.flow import job
 
             run_dir = job.run(cfg)

@@ -1156,7 +1156,8 @@ class LoggingConfig(_Section):
         ),
     )
     """Steps between image/video logs: a world-model run's sample grid (TensorBoard, W&B,
-    `<run>/samples/`); refused for language models."""
+    `<run>/samples/`) in one process (`--local`); refused for language models and for
+    world-model runs with replicas."""
     project_name: str = "nebula_rl"
     """Weights & Biases project."""
     group_name: str | None = None
@@ -1740,6 +1741,17 @@ def refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
     return out
 
 
+def _within_default_mapping(cfg: Config, dotted: str) -> bool:
+    """Whether `dotted` names an entry inside a mapping field (e.g. `media_settings.video.fps`)
+    whose whole value is its default."""
+    parts = dotted.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        found, value, default, _ = _value(cfg, ".".join(parts[:end]))
+        if found:
+            return isinstance(value, dict) and value == default
+    return False
+
+
 def _section_default(cfg: Config, dotted: str) -> Any:
     """The default of `dotted` inside the default of the refused section that holds it (a key
     of, e.g., `[distillation]` is compared with the default distillation section's value)."""
@@ -1799,6 +1811,10 @@ FLOW_KEYS = (
     "policy.diffusers.sample.guidance_scale", "policy.diffusers.sample.global_std",
     "policy.diffusers.sample.noise_level", "policy.diffusers.sample.deterministic_sampling",
     "rollout.n_generation",
+    # (the runtime's: replicas, the controller, the staleness bound, weight pushes)
+    "rollout.batch_size", "rollout.seed", "rollout.parallelism.n_init_replicas",
+    "policy.parallelism.n_init_replicas", "train.sync_weight_interval", "train.transfer_dtype",
+    "train.train_policy.allowed_outdated_steps", "controller", "redis",
     "logging.logger", "logging.log_interval", "logging.multi_modal_log_interval",
     "logging.project_name", "logging.group_name", "logging.experiment_name", "logging.wandb_mode",
 )  # fmt: skip
@@ -1815,6 +1831,8 @@ def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
         found, value, default, refusal = _value(cfg, key)
         if found and (value == default or value == _section_default(cfg, key)):
             continue  # (a key written at its default asks for nothing)
+        if not found and _within_default_mapping(cfg, key):
+            continue  # (an entry of a mapping at its default, e.g. `dataset.media_settings`)
         why = refusal["refused"] if refusal else "does not apply to world-model runs yet"
         shown = f" = {_format_value(value)}" if found else ""
         out.append(f"{key}{shown}: {why}")

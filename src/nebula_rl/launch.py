@@ -424,6 +424,11 @@ def check_job(cfg: Config) -> None:
     from nebula_rl.preflight import replica_world_size
     from nebula_rl.rollout.build import check_backend
 
+    if cfg.policy.is_diffusers:
+        from nebula_rl.flow.runtime import check_flow_job
+
+        check_flow_job(cfg)
+        return
     check_backend(cfg)
     if cfg.rollout.backend != "torch":
         raise ValueError(

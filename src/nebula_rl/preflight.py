@@ -171,8 +171,9 @@ def preflight(
             )
     if cfg.policy.is_diffusers:
         p.notes.append(
-            "layout: a world-model run trains in this one process (`nebula-rl train --local` "
-            "for RL; docs/world-models.md)"
+            f"layout: world-model RL runs {num_policy} policy and {num_rollout} rollout "
+            "replica(s) of one process each (`--local`: all in this one process; "
+            "docs/world-models.md)"
         )
         return p
     _layout(cfg, num_policy, num_rollout, p)

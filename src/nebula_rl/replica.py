@@ -65,6 +65,10 @@ def run_replica(role: Literal["policy", "rollout"], *, controller: str, name: st
             from nebula_rl.policy.worker import run_policy
 
             run_policy(session, device=device)
+        elif session.cfg.policy.is_diffusers:  # a world model's rollouts
+            from nebula_rl.flow.runtime import run_flow_rollout
+
+            run_flow_rollout(session, device=device)
         else:
             from nebula_rl.rollout.worker import run_rollout
 

@@ -96,6 +96,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,9 +127,13 @@ class Scheduler:
         run_dir: Path,
         num_policy: int = 1,
         val_rows: list[dict[str, Any]] | None = None,
+        on_trained: Callable[[list[str]], object] | None = None,
     ) -> None:
         p = cfg.grpo
         self.cfg, self.state, self.rows = cfg, state, rows
+        self.on_trained = on_trained
+        """Called with the prompt ids of each recorded step (a world model's trajectory files
+        are deleted then)."""
         self.total_steps, self.num_rollout, self.run_dir = total_steps, num_rollout, run_dir
         self.num_policy = num_policy
         self.batch_per_replica = cfg.groups_per_replica
@@ -141,7 +146,8 @@ class Scheduler:
         self.max_retry = p.max_retry_for_on_policy if p.dynamic_sampling_enabled else 0
         self._filtered_at_batch = state.filtered_total()
         """Groups dropped by dynamic sampling before the last batch was taken."""
-        self.with_text = not cfg.train.local_dataset
+        # (a world model's prompts are clips: every replica reads them from its own copy)
+        self.with_text = not (cfg.train.local_dataset or cfg.policy.is_diffusers)
         if val_rows is None and cfg.validation.enable:
             val_rows = rl_validation_rows(cfg)
         self.val_rows = val_rows or []
@@ -609,6 +615,8 @@ class Scheduler:
         record["stale_dropped"] = ledger["stale_dropped"]
         record["groups_filtered"] = ledger["filtered"]
         self.state.mark_trained(plan["prompt_ids"], step, policy_version=step, record=record)
+        if self.on_trained is not None:
+            self.on_trained(plan["prompt_ids"])
         self._plan, self._sent = None, None
         self._last_step_end = now
         if validation_due(self.cfg, step, total_steps=self.total_steps):
@@ -770,9 +778,17 @@ def run_controller(
     from nebula_rl.controller.redis_server import connect
     from nebula_rl.data import num_train_steps, rl_dataset, rl_validation_rows
 
-    rows, report = rl_dataset(cfg)
-    # Unusable rows are left out, counted, and reported here and in the log, not fatal.
-    (run_dir / "dataset.json").write_text(json.dumps(dataclasses.asdict(report), indent=1))
+    store = None
+    if cfg.policy.is_diffusers:  # a world model: the dataset's clips, trajectories in files
+        from nebula_rl.flow.job import flow_rows
+        from nebula_rl.flow.trajectories import TrajectoryStore
+
+        rows = flow_rows(cfg, run_dir)
+        store = TrajectoryStore.for_job(run_dir)
+    else:
+        rows, report = rl_dataset(cfg)
+        # Unusable rows are left out, counted, and reported here and in the log, not fatal.
+        (run_dir / "dataset.json").write_text(json.dumps(dataclasses.asdict(report), indent=1))
     total_steps = num_train_steps(
         cfg, len(rows), items_per_step=cfg.groups_per_replica * num_policy
     )
@@ -787,6 +803,7 @@ def run_controller(
         num_policy=num_policy,
         run_dir=run_dir,
         val_rows=rl_validation_rows(cfg) if cfg.validation.enable else [],
+        on_trained=None if store is None else store.discard,
     )
     restarted = os.environ.get(RESTART_ENV) == "1"
     # A restart continues from Redis, which is newer than any checkpoint.
@@ -799,6 +816,7 @@ def run_controller(
         "redis_url": redis_url,
         "run_dir": str(run_dir),
         "total_steps": total_steps,
+        "num_rows": len(rows),
         "resume_from": None if resume_from is None else str(resume_from),
     }
     app = create_app(
@@ -815,6 +833,8 @@ def run_controller(
         scheduler.resume_in_flight()
         scheduler.run()
         _wait_for_replicas(state, timeout_s=30.0)
+    if store is not None:
+        store.remove()
 
 
 def _wait_for_replicas(state: JobState, *, timeout_s: float) -> None:

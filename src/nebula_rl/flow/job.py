@@ -54,19 +54,33 @@ from nebula_rl.policy.optim import build_optimizer, lr_lambda
 from nebula_rl.rewards.visual import VISUAL_REWARDS, pixels_from_samples
 from nebula_rl.runs import resolve_run_dir
 
-__all__ = ["TOY_DATASET", "run", "sample_grid", "visual_scorer"]
+__all__ = [
+    "TOY_DATASET",
+    "flow_clips",
+    "flow_optimizer",
+    "flow_rows",
+    "flow_scorer",
+    "flow_settings",
+    "run",
+    "sample_grid",
+    "visual_scorer",
+]
 
 log = logging.getLogger(__name__)
 
 TOY_DATASET = "builtin:toy_video"
 
 
-def _clips(cfg: Config, run_dir: Path) -> list[Clip]:
+def flow_clips(cfg: Config, run_dir: Path, *, create: bool = True) -> list[Clip]:
+    """The clips of `cfg`'s dataset; the toy dataset is written into the run folder when
+    `create` (once per job: the job's other processes read what the first wrote)."""
     d, ds = cfg.policy.diffusers, cfg.train.train_policy.dataset
     frames = d.inference_frames if d.is_video else 1
     if ds.name == TOY_DATASET:
         kwargs = {"size": d.inference_size[0], "frames": frames, "seed": cfg.train.seed or 0}
-        root = make_toy_dataset(run_dir / "dataset", **{**kwargs, **ds.kwargs})
+        root = run_dir / "dataset"
+        if create:
+            make_toy_dataset(root, **{**kwargs, **ds.kwargs})
     elif ds.name and Path(ds.name).is_dir():
         root = Path(ds.name)
     else:
@@ -77,6 +91,13 @@ def _clips(cfg: Config, run_dir: Path) -> list[Clip]:
     clips = read_local_dataset(root, num_frames=frames, key="train.train_policy.dataset.name")
     keep = d.max_prompt_length
     return [dataclasses.replace(c, text=c.text[:keep]) for c in clips]
+
+
+def flow_rows(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
+    """The controller's rows: one per clip (its caption and name), the toy dataset written into
+    the run folder first. Prompts carry only the row's index; replicas read the clips."""
+    clips = flow_clips(cfg, run_dir, create=True)
+    return [{"caption": c.caption, "clip": c.stem} for c in clips]
 
 
 def _ordered(cfg: Config, clips: list[Clip], per_step: int) -> Any:
@@ -150,7 +171,47 @@ def _remote_rewards(p: GrpoConfig) -> RewardFn:
     return score
 
 
-def _optimizer(cfg: Config, model: torch.nn.Module, total_steps: int) -> tuple[Any, Any]:
+def flow_scorer(p: GrpoConfig) -> RewardFn:
+    """The rewards of `p`: the reward service with `use_remote_reward`, else computed here."""
+    return _remote_rewards(p) if p.use_remote_reward else _local_rewards(p)
+
+
+def flow_settings(cfg: Config, *, num_iterations: int, prompts: int) -> FlowRLSettings:
+    """The loop's settings for `cfg` (see the module docstring), `prompts` captions per
+    iteration (per policy replica)."""
+    p, d = cfg.train.train_policy, cfg.policy.diffusers
+    assert isinstance(p, GrpoConfig)
+    n = cfg.rollout.n_generation
+    batch = prompts * n
+    if batch % p.mini_batch:
+        raise ValueError(
+            f"train.train_policy.mini_batch ({p.mini_batch}) must divide the samples of a step "
+            f"({prompts} prompts x rollout.n_generation {n})"
+        )
+    return FlowRLSettings(
+        algorithm=FLOW_RL_TRAINERS[p.trainer_type],  # type: ignore[arg-type]
+        num_iterations=num_iterations,
+        prompts_per_iteration=prompts,
+        group_size=n,
+        sample_steps=d.sample.num_steps,
+        noise_level=0.0 if d.sample.deterministic_sampling else d.sample.noise_level,
+        timestep_fraction=d.timesteps_fraction,
+        num_minibatches=batch // p.mini_batch,
+        clip_range=p.epsilon_low,
+        clip_range_high=p.epsilon_high,
+        kl_beta=p.kl_beta,
+        global_std=d.sample.global_std,
+        shift=d.train_flow_shift,
+        grad_clip=cfg.train.optm_grad_norm_clip,
+        data_beta=p.data_beta,
+        exp_reward=p.exp_reward,
+        nft_beta=d.nft_beta,
+        guidance_scale=d.sample.guidance_scale,
+        seed=cfg.train.seed or 0,
+    )
+
+
+def flow_optimizer(cfg: Config, model: torch.nn.Module, total_steps: int) -> tuple[Any, Any]:
     optimizer = build_optimizer(model, cfg.train)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.train, total_steps)
@@ -207,7 +268,7 @@ def run(cfg: Config) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     torch.manual_seed(cfg.train.seed or 0)
-    clips = _clips(cfg, run_dir)
+    clips = flow_clips(cfg, run_dir)
     model = load_flow_model(cfg, seed=cfg.train.seed or 0)
     d = cfg.policy.diffusers
     metrics = (run_dir / "metrics.jsonl").open("a")
@@ -241,30 +302,10 @@ def run(cfg: Config) -> Path:
         prompts = batch // n
         steps = num_train_steps(cfg, len(clips), items_per_step=prompts)
         minibatches = batch // p.mini_batch
-        settings = FlowRLSettings(
-            algorithm=FLOW_RL_TRAINERS[p.trainer_type],  # type: ignore[arg-type]
-            num_iterations=steps,
-            prompts_per_iteration=prompts,
-            group_size=n,
-            sample_steps=d.sample.num_steps,
-            noise_level=0.0 if d.sample.deterministic_sampling else d.sample.noise_level,
-            timestep_fraction=d.timesteps_fraction,
-            num_minibatches=minibatches,
-            clip_range=p.epsilon_low,
-            clip_range_high=p.epsilon_high,
-            kl_beta=p.kl_beta,
-            global_std=d.sample.global_std,
-            shift=d.train_flow_shift,
-            grad_clip=cfg.train.optm_grad_norm_clip,
-            data_beta=p.data_beta,
-            exp_reward=p.exp_reward,
-            nft_beta=d.nft_beta,
-            guidance_scale=d.sample.guidance_scale,
-            seed=cfg.train.seed or 0,
-        )
-        optimizer, scheduler = _optimizer(cfg, model, steps * minibatches)
+        settings = flow_settings(cfg, num_iterations=steps, prompts=prompts)
+        optimizer, scheduler = flow_optimizer(cfg, model, steps * minibatches)
         sinks = open_loggers(cfg, run_dir, total_steps=steps)
-        score = _remote_rewards(p) if p.use_remote_reward else _local_rewards(p)
+        score = flow_scorer(p)
         log.info(
             "world-model %s: %d iterations of %d prompts x %d samples, %d clips",
             p.trainer_type, steps, prompts, n, len(clips),
@@ -275,7 +316,7 @@ def run(cfg: Config) -> Path:
         )  # fmt: skip
     else:
         steps = num_train_steps(cfg, len(clips), items_per_step=batch)
-        optimizer, scheduler = _optimizer(cfg, model, steps)
+        optimizer, scheduler = flow_optimizer(cfg, model, steps)
         sinks = open_loggers(cfg, run_dir, total_steps=steps)
         log.info("world-model SFT: %d steps of %d clips, %d clips", steps, batch, len(clips))
         pretrain(

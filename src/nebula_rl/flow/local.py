@@ -1,6 +1,6 @@
 """World-model RL in one process: FlowGRPO, DDRL and DiffusionNFT on a flow model and a video/caption dataset,
-read top to bottom. (Rollout replicas and the controller do not run flow models yet; this loop
-is what they will distribute.)
+read top to bottom. Its two halves, :func:`roll_out` and :func:`train_on_batch`, are what the
+runtime's rollout and policy replicas run (`nebula_rl.flow.runtime`).
 
 An iteration: pick `prompts_per_iteration` captions; sample `group_size` clips per caption with
 the SDE sampler, recording each trajectory; score the final samples (a reward function here, or
@@ -43,12 +43,16 @@ from nebula_rl.flow.data import Clip, clip_batch
 from nebula_rl.flow.sampler import Trajectory, guided_velocity, sample, sde_step
 
 __all__ = [
+    "FlowBatch",
     "FlowRLSettings",
     "RewardFn",
     "data_distance",
+    "flow_advantages",
     "pretrain",
+    "roll_out",
     "run_flow_rl",
     "sft_sigmas",
+    "train_on_batch",
 ]
 
 log = logging.getLogger(__name__)
@@ -178,7 +182,10 @@ def data_distance(samples: Tensor, prompts: Sequence[str], clips: list[Clip]) ->
     return total / len(prompts)
 
 
-def _advantages(rewards: Tensor, group_size: int, s: FlowRLSettings) -> Tensor:
+def flow_advantages(rewards: Tensor, group_size: int, s: FlowRLSettings) -> Tensor:
+    """Group-relative advantages of `rewards` (groups of `group_size` consecutive samples): the
+    reward less its group's mean, over the group's std (the batch's with `global_std`), clipped
+    to `adv_clip`; DDRL's `exp_reward` maps them through -exp(-A)."""
     groups = rewards.view(-1, group_size)
     std = rewards.std() if s.global_std else groups.std(dim=1, keepdim=True)
     a = ((groups - groups.mean(dim=1, keepdim=True)) / (std + 1e-4)).flatten()
@@ -186,15 +193,62 @@ def _advantages(rewards: Tensor, group_size: int, s: FlowRLSettings) -> Tensor:
 
 
 @dataclass
-class _Batch:
-    """One iteration's rollouts: captions, their real clips, trajectories and advantages."""
+class FlowBatch:
+    """Rollouts to train on: captions, their real clips, trajectories and advantages."""
 
     prompts: list[str]
     x0: Tensor
+    """The real clip of each sample's caption (DDRL's data term), [B, C, T, H, W]."""
     text: Tensor
     mask: Tensor
     trajectory: Trajectory
     advantages: Tensor
+
+
+def roll_out(
+    model: nn.Module, real: list[Clip], s: FlowRLSettings, generator: torch.Generator
+) -> tuple[Tensor, Tensor, Tensor, Trajectory]:
+    """Sample one trajectory per entry of `real` (a caption's clip, repeated `group_size` times
+    per caption) with the SDE sampler: (the clips, text, mask, trajectory)."""
+    device = next(model.parameters()).device
+    x0, text, mask = (t.to(device) for t in clip_batch(real))
+    noise = torch.randn(x0.shape, generator=generator, device=generator.device).to(device)
+    training = model.training
+    model.eval()
+    with torch.no_grad():
+        trajectory = sample(
+            _velocity(model, text, mask, s), noise,
+            num_steps=s.sample_steps, noise_level=s.noise_level, shift=s.shift,
+            generator=generator,
+        )  # fmt: skip
+    model.train(training)
+    return x0, text, mask, trajectory
+
+
+def train_on_batch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: FlowBatch,
+    s: FlowRLSettings,
+    generator: torch.Generator,
+    *,
+    iteration: int,
+    reference: nn.Module | None = None,
+    old: nn.Module | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    sync_grads: Callable[[], None] | None = None,
+) -> tuple[list[float], float]:
+    """One iteration's training on `batch`: DiffusionNFT when `old` (its "old" weights) is
+    given, else FlowGRPO (DDRL with `data_beta`; the KL to `reference` with `kl_beta`), in
+    `num_minibatches` optimiser steps; (each minibatch's loss, the fraction of clipped ratios).
+    `sync_grads` runs before each update (e.g. to sum the gradients of data-parallel replicas
+    that trained on other groups)."""
+    model.train()
+    if old is not None:
+        return _train_nft(
+            model, old, optimizer, batch, s, generator, iteration, scheduler, sync_grads
+        )
+    return _train_flow_grpo(model, optimizer, batch, s, generator, reference, scheduler, sync_grads)
 
 
 def run_flow_rl(
@@ -237,25 +291,14 @@ def run_flow_rl(
                 for _ in range(s.group_size)
             ]
         prompts = [c.caption for c in real]
-        x0, text, mask = clip_batch(real)
-        model.eval()
-        trajectory = sample(
-            _velocity(model, text, mask, s), torch.randn(x0.shape, generator=generator),
-            num_steps=s.sample_steps, noise_level=s.noise_level, shift=s.shift,
-            generator=generator,
-        )  # fmt: skip
+        x0, text, mask, trajectory = roll_out(model, real, s, generator)
         scored = score(trajectory.final, prompts)
         rewards = torch.tensor(scored if scored is not None else [0.0] * len(prompts))
-        batch = _Batch(prompts, x0, text, mask, trajectory, _advantages(rewards, s.group_size, s))
-        model.train()
-        if old is not None:
-            losses, clip_fraction = _train_nft(
-                model, old, optimizer, batch, s, generator, iteration, scheduler
-            )
-        else:
-            losses, clip_fraction = _train_flow_grpo(
-                model, optimizer, batch, s, generator, reference, scheduler
-            )
+        advantages = flow_advantages(rewards, s.group_size, s)
+        losses, clip_fraction = train_on_batch(
+            model, optimizer, FlowBatch(prompts, x0, text, mask, trajectory, advantages), s,
+            generator, iteration=iteration, reference=reference, old=old, scheduler=scheduler,
+        )  # fmt: skip
         record = {
             "iteration": float(iteration),
             "reward_mean": float(rewards.mean()),
@@ -287,11 +330,12 @@ def _trained_steps(s: FlowRLSettings) -> int:
 def _train_flow_grpo(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    batch: _Batch,
+    batch: FlowBatch,
     s: FlowRLSettings,
     generator: torch.Generator,
     reference: nn.Module | None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    sync_grads: Callable[[], None] | None,
 ) -> tuple[list[float], float]:
     """FlowGRPO (DDRL with `data_beta`): replay the trajectories' first steps in minibatches;
     (each minibatch's loss, the fraction of clipped ratios)."""
@@ -299,13 +343,13 @@ def _train_flow_grpo(
     trajectory, trained = batch.trajectory, _trained_steps(s)
     order = torch.randperm(len(batch.prompts), generator=generator)
     losses, clipped, seen = [], 0, 0
-    for part in order.chunk(s.num_minibatches):
+    for part in torch.tensor_split(order, s.num_minibatches):
         optimizer.zero_grad()
         velocity = _velocity(model, batch.text[part], batch.mask[part], s)
         total = 0.0
         for j in range(trained):
             x = trajectory.latents[part, j]
-            sigma = torch.full((len(part),), float(trajectory.sigmas[j]))
+            sigma = torch.full((len(part),), float(trajectory.sigmas[j]), device=x.device)
             step = sde_step(
                 x, velocity(x, sigma), trajectory.sigmas, j, noise_level=s.noise_level,
                 sample=trajectory.latents[part, j + 1],
@@ -328,7 +372,7 @@ def _train_flow_grpo(
                     ).mean  # fmt: skip
                 kl = flow_grpo_kl(step.mean, ref_mean, step.std)
             seen += len(part)
-            data = torch.zeros(())
+            data = torch.zeros((), device=x.device)
             if s.data_beta > 0:
                 start = trajectory.latents[part, 0]  # the rollout's own noise
                 sg = sigma.view(-1, *[1] * (x.dim() - 1))
@@ -338,6 +382,8 @@ def _train_flow_grpo(
             loss = ddrl_loss(policy, data, data_beta=s.data_beta, kl=kl, kl_beta=s.kl_beta)
             (loss / trained).backward()
             total += loss.item() / trained
+        if sync_grads is not None:
+            sync_grads()
         nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
         optimizer.step()
         if scheduler is not None:
@@ -350,11 +396,12 @@ def _train_nft(
     model: nn.Module,
     old: nn.Module,
     optimizer: torch.optim.Optimizer,
-    batch: _Batch,
+    batch: FlowBatch,
     s: FlowRLSettings,
     generator: torch.Generator,
     iteration: int,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    sync_grads: Callable[[], None] | None,
 ) -> tuple[list[float], float]:
     """DiffusionNFT: the generated samples noised afresh at the rollout's noise levels, scored
     against the implicit policies around the old weights, which follow softly after each
@@ -364,12 +411,12 @@ def _train_nft(
     trained = _trained_steps(s)
     order = torch.randperm(len(batch.prompts), generator=generator)
     losses = []
-    for part in order.chunk(s.num_minibatches):
+    for part in torch.tensor_split(order, s.num_minibatches):
         optimizer.zero_grad()
         total = 0.0
         for j in range(trained):
-            t = torch.full((len(part),), float(sigmas[j]))
-            noise = torch.randn(x0[part].shape, generator=generator)
+            t = torch.full((len(part),), float(sigmas[j]), device=x0.device)
+            noise = torch.randn(x0[part].shape, generator=generator).to(x0.device)
             tb = t.view(-1, *[1] * (x0.dim() - 1))
             x_t = (1 - tb) * x0[part] + tb * noise
             text, mask = batch.text[part], batch.mask[part]
@@ -381,6 +428,8 @@ def _train_nft(
             ) / trained  # fmt: skip
             loss.backward()
             total += loss.item()
+        if sync_grads is not None:
+            sync_grads()
         nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
         optimizer.step()
         if scheduler is not None:

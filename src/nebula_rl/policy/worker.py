@@ -55,17 +55,19 @@ import functools
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 
+from nebula_rl.config import Config
 from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.data import rl_rows
-from nebula_rl.data.vision import VisionInputs, vision_processor
+from nebula_rl.data.vision import VisionInputs, VisionProcessor, vision_processor
 from nebula_rl.models import load_tokenizer, resolve_dtype
 from nebula_rl.models.export import export_hf
 from nebula_rl.policy.batching import rollout_media
@@ -85,6 +87,9 @@ from nebula_rl.weights import build_group
 from nebula_rl.weights.elastic import KIND, ElasticSender, current_generation
 from nebula_rl.weights.group import Generation, GroupCancelled, WeightGroup, leave_group
 from nebula_rl.weights.reshard import ShardedSender
+
+if TYPE_CHECKING:
+    from nebula_rl.flow.runtime import FlowTrainer
 
 __all__ = ["PolicyWorker", "run_policy"]
 
@@ -115,32 +120,21 @@ class PolicyWorker:
         self.local_rank, self.num_ranks = ranks.rank, ranks.world_size
         self.lead = ranks.rank == 0
         """Whether this is the replica's rank 0 (the one that talks to the controller)."""
-        p = cfg.grpo
         path = cfg.policy.model_name_or_path
         self.backend: Literal["gloo", "nccl"] = "nccl" if device.type == "cuda" else "gloo"
         self.timeout = timedelta(seconds=cfg.controller.collective_timeout)
-        revision = cfg.policy.model_revision
-        self.tokenizer = load_tokenizer(path, revision=revision)
         use_deterministic(cfg.train)
-        # Every rank of every replica loads the same weights with the same seed, so replicas
-        # start identical; in train.master_dtype, the optimiser's copy (forward runs in
-        # param_dtype). The reference only runs forward: copied before the blocks are
-        # checkpointed, compiled or split.
-        self.hf_model = load_policy_model(cfg, device=device, seed=cfg.train.seed or 0)
-        config: Any = self.hf_model.config
-        self.vision = vision_processor(cfg, config)
-        """A vision-language model's processor: each prompt's media, built again here."""
         self._rows: list[dict[str, Any]] | None = None
-        ref = copy.deepcopy(self.hf_model) if p.kl_beta > 0 else None
-        split = parallelize_policy(self.hf_model, cfg)
-        self.trainer = PolicyTrainer(
-            split.model,
-            cfg,
-            total_steps=meta["total_steps"],
-            pad_id=self.tokenizer.pad_token_id,
-            ref_model=None if ref is None else parallelize_reference(ref, split, cfg),
-            data_parallel=split.data_parallel,
-        )
+        self.trainer: PolicyTrainer | FlowTrainer
+        self.tokenizer: Any = None
+        self.vision: VisionProcessor | None = None
+        self._export: Callable[[Path], Any]
+        if cfg.policy.is_diffusers:  # a world model
+            from nebula_rl.flow.runtime import flow_policy
+
+            self.hf_model, self.trainer, self._export = flow_policy(cfg, device=device, meta=meta)
+        else:
+            self._language_model(cfg, path, device)
         self.model = self.trainer.model
         self.siblings = dist.new_group(backend="gloo") if self.num_ranks > 1 else None
         """This replica's ranks, to agree on the outcome of each collective across replicas."""
@@ -152,12 +146,7 @@ class PolicyWorker:
             model=self.model,
             optimizer=self.trainer.optimizer,
             scheduler=self.trainer.scheduler,
-            export=functools.partial(
-                export_hf,
-                self.hf_model,
-                self.vision or self.tokenizer,
-                parallel=self.trainer.parallel,
-            ),
+            export=self._export,
         )
         profile_name = session.name if self.num_ranks == 1 else f"{session.name}-r{ranks.rank}"
         self.profiler = StepProfiler(cfg.profiler, Path(meta["run_dir"]), name=profile_name)
@@ -183,6 +172,32 @@ class PolicyWorker:
             all_params=cfg.rollout.broadcast_all_params,
             backend=self.backend,
             timeout=self.timeout,
+        )
+
+    def _language_model(self, cfg: Config, path: str, device: torch.device) -> None:
+        """The tokenizer, model, processor and trainer of a language model."""
+        revision = cfg.policy.model_revision
+        self.tokenizer = load_tokenizer(path, revision=revision)
+        # Every rank of every replica loads the same weights with the same seed, so replicas
+        # start identical; in train.master_dtype, the optimiser's copy (forward runs in
+        # param_dtype). The reference only runs forward: copied before the blocks are
+        # checkpointed, compiled or split.
+        self.hf_model = load_policy_model(cfg, device=device, seed=cfg.train.seed or 0)
+        config: Any = self.hf_model.config
+        self.vision = vision_processor(cfg, config)
+        """A vision-language model's processor: each prompt's media, built again here."""
+        ref = copy.deepcopy(self.hf_model) if cfg.grpo.kl_beta > 0 else None
+        split = parallelize_policy(self.hf_model, cfg)
+        self.trainer = PolicyTrainer(
+            split.model,
+            cfg,
+            total_steps=self.meta["total_steps"],
+            pad_id=self.tokenizer.pad_token_id,
+            ref_model=None if ref is None else parallelize_reference(ref, split, cfg),
+            data_parallel=split.data_parallel,
+        )
+        self._export = functools.partial(
+            export_hf, self.hf_model, self.vision or self.tokenizer, parallel=self.trainer.parallel
         )
 
     def _count_step(self, *args: Any) -> None:
@@ -479,7 +494,7 @@ class PolicyWorker:
         if self.rank == 0 and self.cfg.train.ckpt.export_safetensors:
             export = Path(self.meta["run_dir"]) / "safetensors" / "final"
             # (a collective of the replica's ranks when the model is split; rank 0 writes)
-            export_hf(self.hf_model, self.tokenizer, export, parallel=self.trainer.parallel)
+            self._export(export)
             if self.lead:
                 log.info("exported the final weights to %s", export)
         self._leave_group()

@@ -1,0 +1,405 @@
+"""World-model RL in the runtime: the controller, rollout replicas and policy replicas of a
+language-model job, running a flow model (`policy.is_diffusers`, `nebula-rl train` without
+`--local`). The same controller, prompt streams, ledger, staleness bound and weight group, so
+world-model RL is asynchronous and elastic: rollouts sample with weights at most
+`allowed_outdated_steps` behind, a replica may die or join mid-run, and nothing is lost.
+
+- The controller hands out the dataset's clips as prompts by index (`flow.job.flow_rows`); every
+  replica reads the clips itself (captions, text embeddings, and for DDRL the real clip).
+- A rollout replica (:class:`FlowRolloutWorker`) samples `rollout.n_generation` trajectories
+  per prompt with the SDE sampler (`flow.local.roll_out`), the prompts it holds in one batch,
+  scores them (in process or through the reward service), writes each group's trajectory to the
+  job's trajectory folder (`flow.trajectories`: shared memory, not JSON) and pushes the group,
+  with its rewards and the file's name, before acknowledging its prompt. New weights from the
+  policy are taken between batches: a trajectory is sampled with one version throughout, which
+  its group records.
+- A policy replica trains with :class:`FlowTrainer` in place of the language-model trainer:
+  it reads the groups' trajectories, turns rewards into group-relative advantages and runs the
+  configured algorithm (`flow.local.train_on_batch`: FlowGRPO, DDRL, DiffusionNFT), summing
+  gradients with the other policy replicas; its weights go to the rollouts through the weight
+  group after every step, as a language model's do.
+
+Each replica is one process: the flow model's FSDP/HSDP and context parallelism in the runtime
+are not built yet (the config refuses `[policy.parallelism]` / `[rollout.parallelism]` sizes for
+world models); scale with replicas (`--policy N`, `--rollout N`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nebula_rl.config import Config, GrpoConfig
+from nebula_rl.controller.client import ReplicaSession
+from nebula_rl.flow.data import Clip, clip_batch
+from nebula_rl.flow.job import flow_clips, flow_optimizer, flow_scorer, flow_settings
+from nebula_rl.flow.local import (
+    FlowBatch,
+    FlowRLSettings,
+    data_distance,
+    flow_advantages,
+    roll_out,
+    train_on_batch,
+)
+from nebula_rl.flow.models import load_flow_model, save_flow_model
+from nebula_rl.flow.sampler import Trajectory
+from nebula_rl.flow.trajectories import TrajectoryStore
+from nebula_rl.models import resolve_dtype
+from nebula_rl.policy.replicas import ReplicaGroup
+from nebula_rl.protocol import Completion, Prompt, RolloutGroup
+from nebula_rl.weights.elastic import ElasticReceiver
+from nebula_rl.weights.group import WeightGroup
+from nebula_rl.weights.reshard import ShardedReceiver, full_box
+
+__all__ = [
+    "FlowRolloutWorker",
+    "FlowTrainer",
+    "check_flow_job",
+    "flow_policy",
+    "run_flow_rollout",
+]
+
+log = logging.getLogger(__name__)
+
+
+def check_flow_job(cfg: Config) -> None:
+    """Refuse, before anything starts, what the runtime cannot run for a flow model."""
+    p = cfg.train.train_policy
+    if not isinstance(p, GrpoConfig):
+        raise ValueError(
+            f"train.train_policy.trainer_type = {p.trainer_type!r}: world-model SFT runs in one "
+            "process (the replicas run RL); `nebula-rl train --config X` runs it"
+        )
+    if cfg.logging.multi_modal_log_interval:
+        raise ValueError(
+            f"logging.multi_modal_log_interval = {cfg.logging.multi_modal_log_interval}: sample "
+            "grids are drawn by world-model runs in one process (`--local`) only so far"
+        )
+    if cfg.train.train_batch_per_replica % cfg.rollout.n_generation:
+        raise ValueError(
+            f"train.train_batch_per_replica ({cfg.train.train_batch_per_replica}) must be a "
+            f"multiple of rollout.n_generation ({cfg.rollout.n_generation}) for a world model"
+        )
+    flow_settings(cfg, num_iterations=1, prompts=cfg.groups_per_replica)  # (checks mini_batch)
+
+
+def _check_clips(cfg: Config, clips: list[Clip], meta: dict[str, Any]) -> None:
+    expected = meta.get("num_rows")
+    if expected is not None and expected != len(clips):
+        raise RuntimeError(
+            f"this replica reads {len(clips)} clips of {cfg.train.train_policy.dataset.name!r}, "
+            f"the controller {expected}: the replicas must see the same dataset"
+        )
+
+
+# -- rollout -------------------------------------------------------------------------------------
+
+
+class FlowRolloutWorker:
+    """One world-model rollout replica: claim prompts, sample, score, store, push."""
+
+    def __init__(self, session: ReplicaSession, *, device: torch.device) -> None:
+        self.session = session
+        cfg = self.cfg = session.cfg
+        run_dir = Path(session.meta["run_dir"])
+        self.clips = flow_clips(cfg, run_dir, create=False)
+        _check_clips(cfg, self.clips, session.meta)
+        self.model = load_flow_model(cfg, seed=cfg.train.seed or 0).to(device).eval()
+        self.model.requires_grad_(False)
+        p = cfg.train.train_policy
+        assert isinstance(p, GrpoConfig)
+        self.settings: FlowRLSettings = flow_settings(
+            cfg, num_iterations=1, prompts=cfg.groups_per_replica
+        )
+        self.score = flow_scorer(p)
+        self.store = TrajectoryStore.for_job(run_dir)
+        base = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed
+        self.generator = torch.Generator(device=device).manual_seed(
+            (base or 0) + 1000 * session.registration["replica_id"]
+        )
+        self.batch_size = max(1, cfg.rollout.batch_size)
+        """Prompts sampled together (and held at most)."""
+        self.waiting: deque[tuple[str, Prompt]] = deque()
+        self.lock = threading.Lock()
+        """Held while sampling and while new weights are written."""
+        self.version = 0
+        self.damaged = False
+        self.num_groups = 0
+        self.start_time = time.monotonic()
+        self._weight_error: BaseException | None = None
+        self._closing = False
+        session.policy_version = lambda: self.version
+        session.stats = self.stats
+
+    def stats(self) -> dict[str, float]:
+        """Heartbeat numbers."""
+        elapsed = max(time.monotonic() - self.start_time, 1e-9)
+        return {"groups": float(self.num_groups), "groups_per_s": self.num_groups / elapsed}
+
+    def start_weight_thread(self) -> None:
+        """Follow the weight group and take every push between two batches."""
+        cfg = self.cfg
+        params = dict(self.model.named_parameters())
+        boxes = {name: (tuple(t.shape), full_box(t.shape)) for name, t in params.items()}
+        transfer = cfg.train.transfer_dtype
+
+        def make_receiver(group: WeightGroup, num_senders: int) -> ShardedReceiver:
+            return ShardedReceiver(
+                group,
+                params,
+                boxes,
+                num_senders=num_senders,
+                transfer_dtype=resolve_dtype(transfer) if transfer else None,
+            )
+
+        def apply(receive: Callable[[], int | None]) -> None:
+            with self.lock, torch.no_grad():
+                version = receive()
+            self.damaged = version is None
+            if version is None:
+                log.warning("a weight push failed part-way: sampling nothing until the next")
+            else:
+                self.version = version
+                log.info("weights of version %d in place", version)
+
+        receiver = ElasticReceiver(
+            self.session.state,
+            self.session.name,
+            make_receiver=make_receiver,
+            apply=apply,
+            backend="nccl" if next(self.model.parameters()).is_cuda else "gloo",
+            timeout=timedelta(seconds=cfg.controller.collective_timeout),
+        )
+
+        def receive_forever() -> None:
+            try:
+                receiver.run(stopped=lambda: self._closing or self.session.finished() is not None)
+            except BaseException as err:  # supervised: the main loop re-raises it
+                self._weight_error = err
+
+        threading.Thread(target=receive_forever, name="nebula-weights", daemon=True).start()
+
+    def run(self) -> None:
+        """Sample until the controller ends the job."""
+        while self.session.finished() is None:
+            if self._weight_error is not None:
+                raise RuntimeError("the weight thread failed") from self._weight_error
+            self.step()
+
+    def step(self) -> None:
+        """Claim prompts up to `rollout.batch_size` held; sample those the weights allow."""
+        state, name = self.session.state, self.session.name
+        room = self.batch_size - len(self.waiting)
+        if room > 0:
+            block = 200 if not self.waiting else 0
+            self.waiting.extend(state.claim_prompts(name, room, block_ms=block))
+        with self.lock:
+            version = self.version
+            ready = [
+                (msg_id, prompt)
+                for msg_id, prompt in self.waiting
+                if prompt.min_version <= version and not self.damaged
+            ]
+            if not ready:
+                time.sleep(0.01 if self.waiting else 0)
+                return
+            n = self.cfg.rollout.n_generation
+            real = [self.clips[prompt.index] for _, prompt in ready for _ in range(n)]
+            *_, trajectory = roll_out(self.model, real, self.settings, self.generator)
+        for entry in ready:
+            self.waiting.remove(entry)
+        captions = [c.caption for c in real]
+        scored = self.score(trajectory.final.float().cpu(), captions)
+        for k, (msg_id, prompt) in enumerate(ready):
+            rows = slice(k * n, (k + 1) * n)
+            part = Trajectory(
+                latents=trajectory.latents[rows],
+                log_probs=trajectory.log_probs[rows],
+                sigmas=trajectory.sigmas,
+                noise_level=trajectory.noise_level,
+            )
+            rewards = [0.0] * n if scored is None else scored[rows]
+            self._push(msg_id, prompt, part, rewards, version, lost=scored is None)
+
+    def _push(
+        self,
+        msg_id: str,
+        prompt: Prompt,
+        trajectory: Trajectory,
+        rewards: list[float],
+        version: int,
+        *,
+        lost: bool,
+    ) -> None:
+        """Store the group's trajectory, push the group, then acknowledge its prompt (a crash in
+        between duplicates the group, which the controller keeps once; it loses nothing)."""
+        name = self.store.write(prompt.prompt_id, trajectory)
+        completions = [
+            Completion([], [], "", "stop", [(0, version)], reward=float(r)) for r in rewards
+        ]
+        extra: dict[str, Any] = {"trajectory": name}
+        if lost:
+            extra["rewards_lost"] = True
+        state = self.session.state
+        state.push_group(RolloutGroup(prompt, [], completions, self.session.name, extra))
+        state.ack_prompts([msg_id])
+        self.num_groups += 1
+
+    def close(self) -> None:
+        self._closing = True
+
+
+def run_flow_rollout(session: ReplicaSession, *, device: torch.device) -> None:
+    """Body of a world-model rollout replica's process."""
+    worker = FlowRolloutWorker(session, device=device)
+    worker.start_weight_thread()
+    session.start_heartbeats()
+    session.mark_ready()  # the controller adds it to the weight group now
+    try:
+        worker.run()
+    finally:
+        worker.close()
+
+
+# -- policy --------------------------------------------------------------------------------------
+
+
+class FlowTrainer:
+    """The policy replica's trainer for a flow model: what `PolicyWorker` asks of the
+    language-model trainer (`grpo_step`, the optimiser and schedule, the replica group)."""
+
+    parallel = None
+    """(No split of the model within the replica.)"""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: Config,
+        *,
+        clips: list[Clip],
+        store: TrajectoryStore,
+        total_steps: int,
+    ) -> None:
+        self.model, self.cfg, self.clips, self.store = model, cfg, clips, store
+        s = self.settings = flow_settings(
+            cfg, num_iterations=total_steps, prompts=cfg.groups_per_replica
+        )
+        self.optimizer, self.scheduler = flow_optimizer(cfg, model, total_steps * s.num_minibatches)
+        self.reference = copy.deepcopy(model).requires_grad_(False) if s.kl_beta > 0 else None
+        self.old = copy.deepcopy(model).requires_grad_(False) if s.algorithm == "nft" else None
+        self.generator = torch.Generator().manual_seed(s.seed)
+        self.replicas: ReplicaGroup | None = None
+        """The other policy replicas of the step (gradients and metrics are summed)."""
+        self.planned_updates: int | None = None
+        """Optimiser updates of the step in progress."""
+        self.device = next(model.parameters()).device
+
+    def _sync_grads(self) -> None:
+        """The mean gradient over the replicas (each trained on its own groups)."""
+        if self.replicas is None:
+            return
+        self.replicas.all_reduce_grads(self.model.parameters())
+        for param in self.model.parameters():
+            if param.grad is not None:
+                param.grad.div_(self.replicas.size)
+
+    def grpo_step(self, groups: list[RolloutGroup], media: Any = None) -> dict[str, float]:
+        """Train on this replica's share of a step; the step's metrics over every replica."""
+        s = self.settings
+        self.planned_updates = s.num_minibatches
+        if not groups:
+            raise ValueError("a world-model step gave this policy replica no groups")
+        trajectories = [self.store.read(g.extra["trajectory"]) for g in groups]
+        first = trajectories[0]
+        for group, t in zip(groups, trajectories, strict=True):
+            if len(group.completions) != s.group_size or not torch.equal(t.sigmas, first.sigmas):
+                raise ValueError(
+                    f"group {group.prompt.prompt_id} was sampled with other settings "
+                    f"({len(group.completions)} samples, sigmas {t.sigmas.tolist()})"
+                )
+        real = [self.clips[g.prompt.index] for g in groups for _ in range(s.group_size)]
+        device = self.device
+        x0, text, mask = (t.to(device) for t in clip_batch(real))
+        trajectory = Trajectory(
+            latents=torch.cat([t.latents for t in trajectories]).to(device),
+            log_probs=torch.cat([t.log_probs for t in trajectories]).to(device),
+            sigmas=first.sigmas.to(device),
+            noise_level=first.noise_level,
+        )
+        rewards = torch.tensor([r for g in groups for r in g.rewards])
+        advantages = flow_advantages(rewards, s.group_size, s).to(device)
+        prompts = [c.caption for c in real]
+        batch = FlowBatch(prompts, x0, text, mask, trajectory, advantages)
+        iteration = self.scheduler.last_epoch // s.num_minibatches + 1
+        losses, clipped = train_on_batch(
+            self.model,
+            self.optimizer,
+            batch,
+            s,
+            self.generator,
+            iteration=iteration,
+            reference=self.reference,
+            old=self.old,
+            scheduler=self.scheduler,
+            sync_grads=self._sync_grads,
+        )
+        count = float(len(rewards))
+        sums = torch.tensor(
+            [
+                float(rewards.sum()),
+                float((rewards**2).sum()),
+                count,
+                sum(losses) / len(losses) * count,
+                clipped * count,
+                data_distance(trajectory.final.float().cpu(), prompts, self.clips) * count,
+                float(sum(bool(g.extra.get("rewards_lost")) for g in groups)),
+                float(len(groups)),
+            ],
+            dtype=torch.float64,
+        )
+        if self.replicas is not None:
+            self.replicas.sum_(sums)
+        total, squares, n, loss, clip, distance, lost, num_groups = sums.tolist()
+        mean = total / n
+        return {
+            "reward_mean": mean,
+            "reward_std": max(squares / n - mean * mean, 0.0) ** 0.5,
+            "loss": loss / n,
+            "clip_frac": clip / n,
+            "data_distance": distance / n,
+            "rewards_lost": lost / num_groups,
+            "lr": self.scheduler.get_last_lr()[0],
+        }
+
+
+def flow_policy(
+    cfg: Config, *, device: torch.device, meta: dict[str, Any]
+) -> tuple[nn.Module, FlowTrainer, Callable[[Path], Any]]:
+    """A world-model policy replica's model, trainer, and export (`safetensors/...` folders
+    loadable as `policy.model_name_or_path`)."""
+    run_dir = Path(meta["run_dir"])
+    clips = flow_clips(cfg, run_dir, create=False)
+    _check_clips(cfg, clips, meta)
+    model = load_flow_model(cfg, seed=cfg.train.seed or 0).to(device)
+    trainer = FlowTrainer(
+        model,
+        cfg,
+        clips=clips,
+        store=TrajectoryStore.for_job(run_dir),
+        total_steps=meta["total_steps"],
+    )
+
+    def export(folder: Path) -> None:
+        save_flow_model(model, folder)  # type: ignore[arg-type]
+
+    return model, trainer, export

@@ -1,0 +1,107 @@
+"""Where a world-model job's trajectories travel from the rollout replicas to the policy: files of
+tensors in one folder per job, never JSON through Redis.
+
+A rollout replica writes each scored group's trajectory (the latents of every denoising step,
+the log-prob of each SDE step, the noise levels) as one safetensors file, written under a
+temporary name and renamed, so a reader never sees half a file; the group it pushes to the
+controller names the file (`RolloutGroup.extra["trajectory"]`). The policy replica that trains
+the group reads it; the controller deletes the files of the groups a step trained, and the
+folder when the job ends.
+
+The folder is `/dev/shm/nebula-rl/<job>` (shared memory: a page-cache copy each way) where
+`/dev/shm` exists, else under the system's temporary folder. The replicas of a job must
+therefore share a host, or be given a folder they all see with `NEBULA_TRAJECTORY_DIR` (e.g. on
+a shared filesystem); a policy replica that cannot find a group's file says so by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from nebula_rl.flow.sampler import Trajectory
+
+__all__ = ["TRAJECTORY_DIR_ENV", "TrajectoryStore"]
+
+TRAJECTORY_DIR_ENV = "NEBULA_TRAJECTORY_DIR"
+"""A folder every replica of the job sees, instead of the host's shared memory."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryStore:
+    """One job's trajectory folder."""
+
+    root: Path
+
+    @classmethod
+    def for_job(cls, run_dir: Path | str) -> TrajectoryStore:
+        """The store of the job whose run folder is `run_dir` (the same folder for all of its
+        processes on a host)."""
+        base = os.environ.get(TRAJECTORY_DIR_ENV)
+        if base is None:
+            shm = Path("/dev/shm")
+            base = str(shm if shm.is_dir() else Path(tempfile.gettempdir()))
+            base = os.path.join(base, "nebula-rl")
+        run_dir = Path(run_dir).resolve()
+        digest = hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:48]
+        return cls(Path(base) / f"{name}-{digest}")
+
+    @staticmethod
+    def _stem(prompt_id: str) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", prompt_id)
+
+    def write(self, prompt_id: str, trajectory: Trajectory) -> str:
+        """Write the trajectory of the group of `prompt_id`; the file's name (unique per write:
+        a group sampled twice after a crash leaves two files, one of which is trained)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        name = f"{self._stem(prompt_id)}.{uuid.uuid4().hex[:12]}.safetensors"
+        tensors = {
+            "latents": trajectory.latents.contiguous(),
+            "log_probs": trajectory.log_probs.contiguous(),
+            "sigmas": trajectory.sigmas.contiguous(),
+            "noise_level": torch.tensor(float(trajectory.noise_level), dtype=torch.float64),
+        }
+        partial = self.root / f".{name}.partial"
+        save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(partial))
+        partial.rename(self.root / name)
+        return name
+
+    def read(self, name: str) -> Trajectory:
+        """The trajectory in file `name`."""
+        path = self.root / name
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"trajectory {path} is missing: world-model rollout and policy replicas must "
+                f"share a host (shared memory) or a folder named by {TRAJECTORY_DIR_ENV}"
+            )
+        t: dict[str, Tensor] = load_file(str(path))
+        return Trajectory(
+            latents=t["latents"],
+            log_probs=t["log_probs"],
+            sigmas=t["sigmas"],
+            noise_level=float(t["noise_level"]),
+        )
+
+    def discard(self, prompt_ids: list[str]) -> int:
+        """Delete every file of these prompts' groups; how many."""
+        removed = 0
+        for prompt_id in prompt_ids:
+            for path in self.root.glob(f"{self._stem(prompt_id)}.*.safetensors"):
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    def remove(self) -> None:
+        """Delete the whole folder (the job ended)."""
+        shutil.rmtree(self.root, ignore_errors=True)

@@ -1,0 +1,246 @@
+"""World-model RL in the runtime (`nebula_rl.flow.runtime`): the controller, a policy replica and
+rollout replicas as processes (`nebula-rl train` without `--local`), trajectories through the
+job's trajectory folder, weights through the weight group; a rollout replica killed mid-run
+loses nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nebula_rl.config import config_from_dict
+from nebula_rl.controller import JobState, connect, start_redis
+from nebula_rl.flow.runtime import check_flow_job
+from nebula_rl.flow.sampler import Trajectory
+from nebula_rl.flow.trajectories import TRAJECTORY_DIR_ENV, TrajectoryStore
+from nebula_rl.weights import free_port
+
+CLIPS_PER_PROMPT = 4
+NUM_ROWS = 8 * CLIPS_PER_PROMPT  # (the toy dataset's 8 captions)
+PROMPTS_PER_STEP = 4
+
+
+def _job(tmp_path: Path, **changes: object) -> dict:
+    """A small async FlowGRPO job (8 x 8 frames, 2 of them, one epoch of the toy dataset) on
+    the test's own trajectory folder and controller port, as a config dict."""
+    cfg: dict = {
+        "train": {
+            "output_dir": str(tmp_path / "runs"),
+            "timestamp": "wfm",
+            "epoch": 1,
+            "train_batch_per_replica": PROMPTS_PER_STEP * 4,
+            "optm_lr": 1e-3,
+            "train_policy": {
+                "type": "grpo",
+                "trainer_type": "flow_grpo",
+                "reward_function": "brightness",
+                "mini_batch": 8,
+                "epsilon_low": 1e-3,
+                "epsilon_high": 1e-3,
+                "allowed_outdated_steps": 1,
+                "dataset": {
+                    "name": "builtin:toy_video",
+                    "kwargs": {"clips_per_prompt": CLIPS_PER_PROMPT},
+                },
+            },
+        },
+        "rollout": {"n_generation": 4, "batch_size": 2},
+        "controller": {"port": free_port(), "heartbeat_timeout": 4.0, "collective_timeout": 30.0},
+        "policy": {
+            "model_name_or_path": "tiny:dit",
+            "is_diffusers": True,
+            "diffusers": {
+                "is_video": True,
+                "inference_size": [8, 8],
+                "inference_frames": 2,
+                "train_frames": 2,
+                "sample": {"num_steps": 4, "eval_num_steps": 4},
+            },
+        },
+    }
+    for key, value in changes.items():
+        node = cfg
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return cfg
+
+
+def _start(tmp_path: Path, cfg: dict, *args: str) -> subprocess.Popen[bytes]:
+    config = tmp_path / "job.json"
+    config.write_text(json.dumps(cfg))
+    env = {**os.environ, TRAJECTORY_DIR_ENV: str(tmp_path / "trajectories"), "COLUMNS": "200"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "nebula_rl.cli", "train", "--config", str(config), *args],
+        stdout=(tmp_path / "launcher.log").open("wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+
+
+def _finish(process: subprocess.Popen[bytes], tmp_path: Path, timeout_s: float = 240) -> Path:
+    """Wait for the job; its run folder."""
+    run_dir = tmp_path / "runs" / "wfm"
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    logs = "\n".join(
+        f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+        for p in sorted(run_dir.glob("logs/*.log"))
+    )
+    launcher = (tmp_path / "launcher.log").read_text(errors="replace")
+    assert process.returncode == 0, f"{launcher[-3000:]}\n{logs}"
+    return run_dir
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "policy_version" in r]
+
+
+def _assert_every_row_trained_once(run_dir: Path) -> None:
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert list(ledger) == ["0"]
+    assert ledger["0"]["trained"] == {str(i): 1 for i in range(NUM_ROWS)}
+    assert ledger["0"]["summary"]["trained_more_than_once"] == 0
+
+
+def test_trajectory_store_round_trip_and_cleanup(tmp_path, monkeypatch):
+    monkeypatch.setenv(TRAJECTORY_DIR_ENV, str(tmp_path / "shm"))
+    store = TrajectoryStore.for_job(tmp_path / "run")
+    assert store.root.parent == tmp_path / "shm"
+    assert TrajectoryStore.for_job(tmp_path / "run") == store  # every process finds the same
+    trajectory = Trajectory(
+        latents=torch.randn(4, 5, 3, 2, 8, 8),
+        log_probs=torch.randn(4, 4),
+        sigmas=torch.linspace(1, 0, 5),
+        noise_level=0.7,
+    )
+    name = store.write("0:17", trajectory)
+    again = store.write("0:17", trajectory)  # (a group pushed twice after a crash)
+    other = store.write("1:3", trajectory)
+    assert len({name, again, other}) == 3
+    back = store.read(name)
+    assert torch.equal(back.latents, trajectory.latents)
+    assert torch.equal(back.log_probs, trajectory.log_probs)
+    assert torch.equal(back.sigmas, trajectory.sigmas) and back.noise_level == 0.7
+    assert not list(store.root.glob(".*partial"))
+    assert store.discard(["0:17"]) == 2
+    with pytest.raises(FileNotFoundError, match=TRAJECTORY_DIR_ENV):
+        store.read(name)
+    assert store.read(other).latents.shape == (4, 5, 3, 2, 8, 8)
+    store.remove()
+    assert not store.root.exists()
+
+
+def test_a_world_model_config_survives_the_controllers_round_trip(tmp_path):
+    """Replicas read the config from the controller as a full dump (every key, defaults
+    included): a world-model config must load from it as it loaded from its file."""
+    cfg = config_from_dict(_job(tmp_path), source="job.json")
+    again = config_from_dict(cfg.model_dump(mode="json"), source="127.0.0.1:1/api/meta")
+    assert again == cfg
+
+
+def test_what_the_runtime_cannot_run_is_refused_before_it_starts(tmp_path):
+    with pytest.raises(ValueError, match="multi_modal_log_interval = 5"):
+        check_flow_job(config_from_dict(_job(tmp_path, **{"logging.multi_modal_log_interval": 5})))
+    with pytest.raises(ValueError, match="mini_batch"):
+        check_flow_job(config_from_dict(_job(tmp_path, **{"train.train_policy.mini_batch": 6})))
+
+
+def test_a_world_model_job_runs_with_rollout_replicas(tmp_path):
+    """One policy and one rollout replica, one epoch: every clip trained once, the policy's
+    weights pushed to the rollout each step, the trajectory files gone at the end, and the
+    export loadable as a flow model."""
+    cfg = _job(tmp_path)
+    run_dir = _finish(_start(tmp_path, cfg), tmp_path)
+    _assert_every_row_trained_once(run_dir)
+    steps = _steps(run_dir)
+    assert [s["step"] for s in steps] == list(range(1, NUM_ROWS // PROMPTS_PER_STEP + 1))
+    for s in steps:
+        assert 0.0 <= s["reward_mean"] <= 1.0 and s["rewards_lost"] == 0.0
+        assert s["data_distance"] > 0 and s["staleness_max"] <= 1
+    # the rollout sampled with the policy's weights, not only its own starting ones
+    rollout_log = (run_dir / "logs" / "rollout-0.log").read_text()
+    assert "weights of version 3 in place" in rollout_log
+    assert not (tmp_path / "trajectories").exists() or not any(
+        (tmp_path / "trajectories").iterdir()
+    )
+    from nebula_rl.flow.models import load_flow_model
+
+    final = run_dir / "safetensors" / "final"
+    exported = config_from_dict(
+        {**cfg, "policy": {**cfg["policy"], "model_name_or_path": str(final)}}
+    )
+    model = load_flow_model(exported)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> command line of every descendant of `root`."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: dict[int, str] = {}
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in found:
+                try:
+                    raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                found[pid] = raw.replace(b"\0", b" ").decode(errors="replace")
+                frontier.append(pid)
+    return found
+
+
+@pytest.mark.slow
+def test_a_rollout_replica_killed_mid_run_loses_nothing(tmp_path):
+    """kill -9 one of two rollout replicas while it holds prompts: its prompts go back to the
+    queue, the weight group is rebuilt without it, and the job trains every clip once."""
+    with start_redis(data_dir=tmp_path / "redis") as redis_server:
+        cfg = _job(tmp_path, redis=redis_server.url)
+        process = _start(tmp_path, cfg, "--rollout", "2")
+        state = JobState(connect(redis_server.url), "wfm")
+        pending = state.key("prompts")
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "rollout-1 never held prompts after step 1"
+            held = state.redis.xpending_range(pending, "rollout", "-", "+", 100, "rollout-1")
+            if state.step() >= 1 and held:
+                break
+            time.sleep(0.02)
+        [victim] = [
+            pid
+            for pid, argv in _descendants(process.pid).items()
+            if "replica" in argv and "--name rollout-1" in argv
+        ]
+        os.kill(victim, signal.SIGKILL)
+        run_dir = _finish(process, tmp_path)
+    _assert_every_row_trained_once(run_dir)
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert ledger["0"]["summary"]["requeue_events"] >= 1
+    steps = _steps(run_dir)
+    assert [s["step"] for s in steps] == list(range(1, NUM_ROWS // PROMPTS_PER_STEP + 1))
+    assert (
+        "replica rollout-1 missed heartbeats" in (run_dir / "logs" / "controller.log").read_text()
+    )
