@@ -219,10 +219,9 @@ def test_diffusion_nft_scored_by_the_reward_service(tmp_path, monkeypatch):
 
 def test_what_the_runtime_cannot_run_is_refused_before_anything_starts(tmp_path):
     """`nebula-rl train` without `--local` runs world-model RL with replicas
-    (`tests/test_flow_runtime.py`); what they cannot do yet is refused by name (exit 2) before
-    a process starts: here the sample grids, drawn by one-process runs only."""
-    raw = _flow(tmp_path)
-    raw["logging"] = {"multi_modal_log_interval": 1}
+    (`tests/test_flow_runtime.py`); a config they cannot run is refused by name (exit 2) before
+    a process starts: here a `mini_batch` that does not divide a step's samples."""
+    raw = _flow(tmp_path, mini_batch=3)
     config = tmp_path / "job.json"
     config.write_text(config_from_dict(raw).model_dump_json())
     result = subprocess.run(
@@ -234,7 +233,7 @@ def test_what_the_runtime_cannot_run_is_refused_before_anything_starts(tmp_path)
     )
     assert result.returncode == 2
     said = " ".join((result.stdout + result.stderr).split())  # (rich wraps the log line)
-    assert "logging.multi_modal_log_interval = 1: sample grids are drawn" in said
+    assert "train.train_policy.mini_batch (3) must divide the samples of a step" in said
     assert not list(tmp_path.glob("*/logs/controller.log"))
 
 

@@ -153,17 +153,41 @@ def test_a_world_model_config_survives_the_controllers_round_trip(tmp_path):
 
 
 def test_what_the_runtime_cannot_run_is_refused_before_it_starts(tmp_path):
-    with pytest.raises(ValueError, match="multi_modal_log_interval = 5"):
-        check_flow_job(config_from_dict(_job(tmp_path, **{"logging.multi_modal_log_interval": 5})))
+    with pytest.raises(ValueError, match="world-model SFT runs in one process"):
+        check_flow_job(
+            config_from_dict(
+                _job(
+                    tmp_path,
+                    **{
+                        "train.train_policy": {
+                            "type": "sft",
+                            "trainer_type": "diffusers_sft",
+                            "dataset": {"name": "builtin:toy_video"},
+                        }
+                    },
+                )
+            )
+        )
     with pytest.raises(ValueError, match="mini_batch"):
         check_flow_job(config_from_dict(_job(tmp_path, **{"train.train_policy.mini_batch": 6})))
 
 
-def test_a_world_model_job_runs_with_rollout_replicas(tmp_path):
-    """One policy and one rollout replica, one epoch: every clip trained once, the policy's
-    weights pushed to the rollout each step, the trajectory files gone at the end, and the
-    export loadable as a flow model."""
-    cfg = _job(tmp_path)
+@pytest.mark.parametrize("model", ["tiny:dit", "tiny:wan_transformer3d"])
+def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model):
+    """One policy and one rollout replica, one epoch, with the built-in DiT and with a diffusers
+    transformer: every clip trained once, the policy's weights pushed to the rollout each step, the trajectory files gone at the end, a sample
+    grid every 4 steps in TensorBoard and `<run>/samples/`, and the export loadable as a flow
+    model."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = _job(
+        tmp_path,
+        **{
+            "logging.logger": ["console", "tensorboard"],
+            "logging.multi_modal_log_interval": 4,
+            "policy.model_name_or_path": model,
+        },
+    )
     run_dir = _finish(_start(tmp_path, cfg), tmp_path)
     _assert_every_row_trained_once(run_dir)
     steps = _steps(run_dir)
@@ -177,6 +201,14 @@ def test_a_world_model_job_runs_with_rollout_replicas(tmp_path):
     assert not (tmp_path / "trajectories").exists() or not any(
         (tmp_path / "trajectories").iterdir()
     )
+    assert sorted(p.name for p in (run_dir / "samples").iterdir()) == [
+        "step_4.png",
+        "step_8.png",
+    ]
+    [events] = {p.parent for p in run_dir.rglob("events.out.tfevents*")}
+    accumulator = EventAccumulator(str(events), size_guidance={"images": 0})
+    accumulator.Reload()
+    assert [e.step for e in accumulator.Images("samples")] == [4, 8]
     from nebula_rl.flow.models import load_flow_model
 
     final = run_dir / "safetensors" / "final"

@@ -1156,8 +1156,7 @@ class LoggingConfig(_Section):
         ),
     )
     """Steps between image/video logs: a world-model run's sample grid (TensorBoard, W&B,
-    `<run>/samples/`) in one process (`--local`); refused for language models and for
-    world-model runs with replicas."""
+    `<run>/samples/`); refused for language models."""
     project_name: str = "nebula_rl"
     """Weights & Biases project."""
     group_name: str | None = None
@@ -1800,7 +1799,8 @@ FLOW_KEYS = (
     "train.train_policy.remote_reward", "train.train_policy.kl_beta",
     "train.train_policy.epsilon_low", "train.train_policy.epsilon_high",
     "train.train_policy.data_beta", "train.train_policy.exp_reward",
-    "policy.model_name_or_path", "policy.is_diffusers", "policy.warmstart_config",
+    "policy.model_name_or_path", "policy.model_revision", "policy.is_diffusers",
+    "policy.warmstart_config",
     "policy.diffusers.is_video", "policy.diffusers.inference_size",
     "policy.diffusers.inference_frames", "policy.diffusers.train_frames",
     "policy.diffusers.timesteps_fraction", "policy.diffusers.nft_beta",

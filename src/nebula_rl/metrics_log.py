@@ -55,6 +55,7 @@ __all__ = [
     "TensorBoardLogger",
     "WandbLogger",
     "check_installed",
+    "log_image_file",
     "open_loggers",
     "step_line",
     "wandb_mode",
@@ -419,3 +420,12 @@ def open_loggers(
     names = [n for n in cfg.logging.logger if only is None or n in only]
     check_installed(names)
     return MetricsLogger([LOGGERS[name](cfg, run_dir, total_steps) for name in names])
+
+
+def log_image_file(sinks: MetricsLogger, tag: str, step: int, path: Path) -> None:
+    """The PNG at `path` to the sinks that show images (TensorBoard, W&B) at `step`."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        width, height = image.size
+    sinks.log_image(tag, step, path.read_bytes(), height=height, width=width)

@@ -104,7 +104,7 @@ from nebula_rl.config import Config
 from nebula_rl.controller.app import RegisterRequest
 from nebula_rl.controller.state import JobState
 from nebula_rl.data import epoch_order, rl_prompt, rl_validation_rows
-from nebula_rl.metrics_log import FILE_LOGGERS, open_loggers
+from nebula_rl.metrics_log import FILE_LOGGERS, log_image_file, open_loggers
 from nebula_rl.protocol import Prompt
 from nebula_rl.validation import validation_due, validation_metrics
 
@@ -625,6 +625,10 @@ class Scheduler:
             self._save_snapshot(step)
         self._flush_metrics()
         self.loggers.log(record)
+        every = self.cfg.logging.multi_modal_log_interval
+        samples = self.run_dir / "samples" / f"step_{step}.png"
+        if every and step % every == 0 and samples.is_file():  # (a world model's sample grid)
+            log_image_file(self.loggers, "samples", step, samples)
         log.info(
             "step %d/%d reward %.3f loss %.4f staleness %.1f/%d %.2fs",
             record["step"],

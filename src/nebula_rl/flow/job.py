@@ -49,7 +49,7 @@ from nebula_rl.flow.data import Clip, make_toy_dataset, read_local_dataset
 from nebula_rl.flow.local import FlowRLSettings, RewardFn, pretrain, run_flow_rl
 from nebula_rl.flow.models import load_flow_model, save_flow_model
 from nebula_rl.flow.sampler import guided_velocity, sample
-from nebula_rl.metrics_log import MetricsLogger, open_loggers
+from nebula_rl.metrics_log import MetricsLogger, log_image_file, open_loggers
 from nebula_rl.policy.optim import build_optimizer, lr_lambda
 from nebula_rl.rewards.visual import VISUAL_REWARDS, pixels_from_samples
 from nebula_rl.runs import resolve_run_dir
@@ -63,6 +63,7 @@ __all__ = [
     "flow_settings",
     "run",
     "sample_grid",
+    "save_samples",
     "visual_scorer",
 ]
 
@@ -227,9 +228,11 @@ def sample_grid(
 
     captions = sorted({c.caption for c in clips})[:8]
     chosen = [next(c for c in clips if c.caption == caption) for caption in captions]
-    _, text, mask = clip_batch([c for c in chosen for _ in range(4)])
+    device = next(model.parameters()).device
+    _, text, mask = (t.to(device) for t in clip_batch([c for c in chosen for _ in range(4)]))
     shape = chosen[0].video.shape
     noise = torch.randn(len(text), *shape, generator=torch.Generator().manual_seed(seed))
+    noise = noise.to(device)
     training = model.training
     model.eval()
     with torch.no_grad():
@@ -242,23 +245,24 @@ def sample_grid(
         ).final
     model.train(training)
     channels, frames, height, width = shape
-    pixels = pixels_from_samples(final).view(len(captions), 4, channels, frames, height, width)
+    pixels = pixels_from_samples(final.float().cpu()).view(
+        len(captions), 4, channels, frames, height, width
+    )
     grid = pixels.permute(0, 4, 1, 3, 5, 2).reshape(
         len(captions) * height, 4 * frames * width, channels
     )
     return Image.fromarray(grid.numpy())
 
 
-def _log_samples(sinks: MetricsLogger, grid: Image.Image, run_dir: Path, step: int) -> None:
-    """A sample grid to `<run>/samples/step_<N>.png` and to the sinks that show images."""
-    import io
-
+def save_samples(grid: Image.Image, run_dir: Path, step: int) -> Path:
+    """Write a sample grid to `<run>/samples/step_<N>.png` (whole or not at all); its path."""
     folder = run_dir / "samples"
     folder.mkdir(exist_ok=True)
-    grid.save(folder / f"step_{step}.png")
-    png = io.BytesIO()
-    grid.save(png, format="PNG")
-    sinks.log_image("samples", step, png.getvalue(), height=grid.height, width=grid.width)
+    path = folder / f"step_{step}.png"
+    partial = folder / f".step_{step}.png.partial"
+    grid.save(partial, format="PNG")
+    partial.rename(path)
+    return path
 
 
 def run(cfg: Config) -> Path:
@@ -288,7 +292,7 @@ def run(cfg: Config) -> Path:
         assert sinks is not None
         sinks.log(values)
         if every and step % every == 0:
-            _log_samples(sinks, grid(), run_dir, step)
+            log_image_file(sinks, "samples", step, save_samples(grid(), run_dir, step))
 
     batch = cfg.train.train_batch_per_replica
     if isinstance(p, GrpoConfig):

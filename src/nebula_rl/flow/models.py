@@ -1,9 +1,16 @@
-"""Flow models by name: the built-in preset `tiny:dit`, or a folder nebula-rl exported
-(`config.json` with `"model_type": "nebula_tiny_dit"` and `model.safetensors`).
+"""Flow models by name (`policy.model_name_or_path`):
+
+- the built-in preset `tiny:dit`, or a folder nebula-rl exported of it (`config.json` with
+  `"model_type": "nebula_tiny_dit"` and `model.safetensors`);
+- a diffusers transformer (`nebula_rl.flow.diffusers_models`): a pipeline folder
+  (`model_index.json`, `transformer/`) or transformer folder, local or a Hub id fetched into the
+  Hugging Face cache (`policy.model_revision`: e.g. `diffusers/base/post-trained`), or a
+  random-init miniature (`tiny:cosmos_transformer3d`, `tiny:wan_transformer3d`,
+  `tiny:sd3_transformer2d`).
 
 A preset's frames and frame size come from the config (`policy.diffusers.inference_frames` when
-`is_video`, else 1; `inference_size`); its widths are fixed (:data:`FLOW_PRESETS`). diffusers
-models (`CosmosTransformer3DModel`, ...) are not loaded yet.
+`is_video`, else 1; `inference_size`); its widths are fixed (:data:`FLOW_PRESETS`). Exports of a
+diffusers model are transformer folders diffusers loads (`from_pretrained`).
 """
 
 from __future__ import annotations
@@ -13,13 +20,24 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from nebula_rl.config import Config
+from nebula_rl.flow.diffusers_models import (
+    DIFFUSERS_PRESETS,
+    DiffusersFlowModel,
+    check_diffusers_folder,
+    diffusers_class_of,
+    load_diffusers_flow_model,
+    tiny_diffusers_flow_model,
+)
 from nebula_rl.flow.dit import TinyDiT, TinyDiTConfig
+from nebula_rl.hub import is_hub_id
 
 __all__ = [
     "FLOW_MODEL_TYPE",
     "FLOW_PRESETS",
+    "check_flow_model",
     "flow_model_config",
     "load_flow_model",
     "save_flow_model",
@@ -31,6 +49,8 @@ FLOW_PRESETS: dict[str, dict[str, int]] = {
 }
 """Preset name -> the TinyDiT widths it fixes."""
 KEY = "policy.model_name_or_path"
+TOY_TEXT_DIM = 32
+"""Text-embedding width of the presets (that of the toy dataset's embeddings)."""
 
 
 def _shape(cfg: Config) -> tuple[int, int]:
@@ -59,9 +79,10 @@ def flow_model_config(cfg: Config) -> TinyDiTConfig:
         return TinyDiTConfig(frames=frames, size=size, **FLOW_PRESETS[name])
     path = Path(name) / "config.json"
     if not path.is_file():
+        presets = sorted([*FLOW_PRESETS, *DIFFUSERS_PRESETS])
         raise ValueError(
-            f"{KEY}: {name!r} is neither a flow-model preset ({sorted(FLOW_PRESETS)}) nor a "
-            "folder exported by nebula-rl (config.json); diffusers models are not supported yet"
+            f"{KEY}: {name!r} is neither a flow-model preset ({presets}), a folder exported by "
+            "nebula-rl (config.json), a diffusers folder nor a Hub id"
         )
     data = json.loads(path.read_text())
     if data.pop("model_type", None) != FLOW_MODEL_TYPE:
@@ -75,21 +96,84 @@ def flow_model_config(cfg: Config) -> TinyDiTConfig:
     return config
 
 
-def load_flow_model(cfg: Config, *, seed: int = 0) -> TinyDiT:
-    """The flow model of `cfg`: a preset at random init (seeded), or an exported folder."""
+def _folder(cfg: Config) -> Path:
+    """The local folder of a model named by a path or a Hub id (fetched into the cache)."""
+    name = cfg.policy.model_name_or_path
+    folder = Path(name)
+    if not folder.is_dir() and is_hub_id(name):
+        folder = _snapshot(name, revision=cfg.policy.model_revision)
+    return folder
+
+
+def check_flow_model(cfg: Config) -> None:
+    """Raise, without building the model, what loading `cfg`'s flow model would (a Hub model
+    is fetched into the cache here, once, for the job's processes)."""
+    name = cfg.policy.model_name_or_path
+    if name in DIFFUSERS_PRESETS:
+        _shape(cfg)
+        return
+    folder = Path(name) if name in FLOW_PRESETS else _folder(cfg)
+    if name not in FLOW_PRESETS and diffusers_class_of(folder) is not None:
+        check_diffusers_folder(name, folder)
+        return
+    flow_model_config(cfg)
+
+
+def load_flow_model(cfg: Config, *, seed: int = 0) -> nn.Module:
+    """The flow model of `cfg`: a preset at random init (seeded), an exported folder, or a
+    diffusers transformer (local or from the Hub)."""
+    name = cfg.policy.model_name_or_path
+    if name in DIFFUSERS_PRESETS:
+        frames, size = _shape(cfg)
+        return tiny_diffusers_flow_model(
+            name, frames=frames, size=size, text_dim=TOY_TEXT_DIM, seed=seed
+        )
+    folder = Path(name) if name in FLOW_PRESETS else _folder(cfg)
+    if name not in FLOW_PRESETS and diffusers_class_of(folder) is not None:
+        return load_diffusers_flow_model(name, folder)
     config = flow_model_config(cfg)
     torch.manual_seed(seed)
     model = TinyDiT(config)
-    name = cfg.policy.model_name_or_path
     if name not in FLOW_PRESETS:
         model.load_state_dict(load_file(str(Path(name) / "model.safetensors")))
     return model
 
 
-def save_flow_model(model: TinyDiT, folder: Path | str) -> Path:
-    """Export `model` to `folder` (config.json + model.safetensors); returns the folder."""
+def _snapshot(repo_id: str, *, revision: str | None) -> Path:
+    """A diffusers repo's pipeline index and transformer, fetched into the Hugging Face cache."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                allow_patterns=[
+                    "model_index.json",
+                    "config.json",
+                    "transformer/*",
+                    "*.safetensors",
+                ],
+                ignore_patterns=["*/*/*"],
+            )
+        )
+    except (HfHubHTTPError, LocalEntryNotFoundError) as err:
+        raise ValueError(
+            f"{KEY}: {repo_id!r} (revision {revision or 'main'}) cannot be fetched from the "
+            f"Hugging Face Hub: {str(err).splitlines()[0]}"
+        ) from err
+
+
+def save_flow_model(model: nn.Module, folder: Path | str) -> Path:
+    """Export `model` to `folder`: config.json + model.safetensors for the built-in DiT, a
+    diffusers transformer folder for a diffusers model; returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if isinstance(model, DiffusersFlowModel):
+        model.transformer.save_pretrained(str(folder))  # type: ignore[operator]
+        return folder
+    assert isinstance(model, TinyDiT)
     config = {"model_type": FLOW_MODEL_TYPE, **model.config.to_dict()}
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}

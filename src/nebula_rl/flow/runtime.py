@@ -19,8 +19,10 @@ world-model RL is asynchronous and elastic: rollouts sample with weights at most
   gradients with the other policy replicas; its weights go to the rollouts through the weight
   group after every step, as a language model's do.
 
-Each replica is one process: the flow model's FSDP/HSDP and context parallelism in the runtime
-are not built yet (the config refuses `[policy.parallelism]` / `[rollout.parallelism]` sizes for
+With `logging.multi_modal_log_interval`, the policy's first replica draws a sample grid every that
+many steps into `<run>/samples/`, which the controller hands to the `[logging]` sinks with the
+step's record. Each replica is one process: the flow model's FSDP/HSDP and context parallelism
+in the runtime are not built yet (the config refuses `[policy.parallelism]` / `[rollout.parallelism]` sizes for
 world models); scale with replicas (`--policy N`, `--rollout N`).
 """
 
@@ -42,7 +44,14 @@ from torch import nn
 from nebula_rl.config import Config, GrpoConfig
 from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.flow.data import Clip, clip_batch
-from nebula_rl.flow.job import flow_clips, flow_optimizer, flow_scorer, flow_settings
+from nebula_rl.flow.job import (
+    flow_clips,
+    flow_optimizer,
+    flow_scorer,
+    flow_settings,
+    sample_grid,
+    save_samples,
+)
 from nebula_rl.flow.local import (
     FlowBatch,
     FlowRLSettings,
@@ -51,7 +60,7 @@ from nebula_rl.flow.local import (
     roll_out,
     train_on_batch,
 )
-from nebula_rl.flow.models import load_flow_model, save_flow_model
+from nebula_rl.flow.models import check_flow_model, load_flow_model, save_flow_model
 from nebula_rl.flow.sampler import Trajectory
 from nebula_rl.flow.trajectories import TrajectoryStore
 from nebula_rl.models import resolve_dtype
@@ -80,17 +89,13 @@ def check_flow_job(cfg: Config) -> None:
             f"train.train_policy.trainer_type = {p.trainer_type!r}: world-model SFT runs in one "
             "process (the replicas run RL); `nebula-rl train --config X` runs it"
         )
-    if cfg.logging.multi_modal_log_interval:
-        raise ValueError(
-            f"logging.multi_modal_log_interval = {cfg.logging.multi_modal_log_interval}: sample "
-            "grids are drawn by world-model runs in one process (`--local`) only so far"
-        )
     if cfg.train.train_batch_per_replica % cfg.rollout.n_generation:
         raise ValueError(
             f"train.train_batch_per_replica ({cfg.train.train_batch_per_replica}) must be a "
             f"multiple of rollout.n_generation ({cfg.rollout.n_generation}) for a world model"
         )
     flow_settings(cfg, num_iterations=1, prompts=cfg.groups_per_replica)  # (checks mini_batch)
+    check_flow_model(cfg)
 
 
 def _check_clips(cfg: Config, clips: list[Clip], meta: dict[str, Any]) -> None:
@@ -289,8 +294,10 @@ class FlowTrainer:
         clips: list[Clip],
         store: TrajectoryStore,
         total_steps: int,
+        run_dir: Path,
     ) -> None:
         self.model, self.cfg, self.clips, self.store = model, cfg, clips, store
+        self.run_dir = run_dir
         s = self.settings = flow_settings(
             cfg, num_iterations=total_steps, prompts=cfg.groups_per_replica
         )
@@ -369,6 +376,9 @@ class FlowTrainer:
         )
         if self.replicas is not None:
             self.replicas.sum_(sums)
+        every = self.cfg.logging.multi_modal_log_interval
+        if every and iteration % every == 0 and (self.replicas is None or self.replicas.rank == 0):
+            self._draw_samples(iteration)
         total, squares, n, loss, clip, distance, lost, num_groups = sums.tolist()
         mean = total / n
         return {
@@ -380,6 +390,15 @@ class FlowTrainer:
             "rewards_lost": lost / num_groups,
             "lr": self.scheduler.get_last_lr()[0],
         }
+
+    def _draw_samples(self, step: int) -> None:
+        """The sample grid of `step` to `<run>/samples/step_<N>.png`; the controller hands it
+        to the `[logging]` sinks when it records the step."""
+        d = self.cfg.policy.diffusers
+        grid = sample_grid(
+            self.model, self.clips, num_steps=d.sample.eval_num_steps, shift=d.train_flow_shift
+        )
+        save_samples(grid, self.run_dir, step)
 
 
 def flow_policy(
@@ -397,9 +416,10 @@ def flow_policy(
         clips=clips,
         store=TrajectoryStore.for_job(run_dir),
         total_steps=meta["total_steps"],
+        run_dir=run_dir,
     )
 
     def export(folder: Path) -> None:
-        save_flow_model(model, folder)  # type: ignore[arg-type]
+        save_flow_model(model, folder)
 
     return model, trainer, export
