@@ -147,3 +147,59 @@ def test_flow_grpo_trains_a_diffusers_model_in_one_process(tmp_path):
         for a, b in zip(start.state_dict().values(), trained.state_dict().values(), strict=True)
     ]
     assert any(moved)
+
+
+COSMOS_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+def test_lora_trains_only_the_adapter_and_exports_merged_weights_and_the_adapter(tmp_path):
+    """`policy.lora` on the tiny Cosmos transformer: only the adapter's weights train (two
+    FlowGRPO iterations move them and leave the base as it was); the export holds the merged
+    weights, which load back as a plain model giving the adapted model's velocity, and the
+    adapter as peft saves it."""
+    from safetensors.torch import load_file
+
+    from nebula_rl.flow.data import make_toy_dataset, read_local_dataset
+    from nebula_rl.flow.local import FlowRLSettings, run_flow_rl
+
+    raw = _cfg(tmp_path, "tiny:cosmos_transformer3d")
+    raw["policy"]["lora"] = {"r": 4, "lora_alpha": 8, "target_modules": COSMOS_ATTENTION}
+    model = load_flow_model(config_from_dict(raw))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A.default." in n or ".lora_B.default." in n for n in trainable)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    clips = read_local_dataset(
+        make_toy_dataset(tmp_path / "data", clips_per_prompt=1, size=8), num_frames=2
+    )
+    settings = FlowRLSettings(
+        num_iterations=2, prompts_per_iteration=2, group_size=4, sample_steps=4, clip_range=1e-3
+    )
+    run_flow_rl(model, clips, settings, score=lambda x, _: x.mean(dim=(1, 2, 3, 4)).tolist())
+    for name, param in model.named_parameters():
+        moved = not torch.equal(param, before[name])
+        assert moved == (".lora_B." in name or ".lora_A." in name), name
+
+    folder = save_flow_model(model, tmp_path / "export")
+    adapter = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
+    config = json.loads((folder / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and sorted(config["target_modules"]) == sorted(COSMOS_ATTENTION)
+    assert adapter and all("lora_" in k for k in adapter)
+    merged = load_flow_model(
+        config_from_dict({**raw, "policy": {**_cfg(tmp_path, str(folder))["policy"]}})
+    )
+    assert not any(p.requires_grad is False for p in merged.parameters())  # a plain model
+    x, sigma, text, mask = _inputs(2)
+    assert torch.allclose(merged(x, sigma, text, mask), model(x, sigma, text, mask), atol=1e-5)
+
+
+def test_lora_keys_are_checked(tmp_path):
+    raw = _cfg(tmp_path, "tiny:cosmos_transformer3d")
+    raw["policy"]["lora"] = {"r": 4}
+    with pytest.raises(ValueError, match=r"policy\.lora\.target_modules: name the modules"):
+        load_flow_model(config_from_dict(raw))
+    raw["policy"]["lora"] = {"r": 4, "target_modules": ["to_q"], "lora_names": ["a", "b"]}
+    with pytest.raises(ValueError, match=r"policy\.lora\.lora_names = \['a', 'b'\]"):
+        load_flow_model(config_from_dict(raw))
+    raw["policy"]["lora"] = {"r": 4, "target_modules": ["to_q"], "lora_path": "x"}
+    with pytest.raises(ValueError, match=r"policy\.lora\.lora_path"):
+        config_from_dict(raw)

@@ -172,10 +172,15 @@ def test_what_the_runtime_cannot_run_is_refused_before_it_starts(tmp_path):
         check_flow_job(config_from_dict(_job(tmp_path, **{"train.train_policy.mini_batch": 6})))
 
 
-@pytest.mark.parametrize("model", ["tiny:dit", "tiny:wan_transformer3d"])
-def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model):
+@pytest.mark.parametrize(
+    ("model", "lora"),
+    [("tiny:dit", None), ("tiny:wan_transformer3d", {"r": 4, "target_modules": ["to_q", "to_v"]})],
+    ids=["dit", "wan-lora"],
+)
+def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora):
     """One policy and one rollout replica, one epoch, with the built-in DiT and with a diffusers
-    transformer: every clip trained once, the policy's weights pushed to the rollout each step, the trajectory files gone at the end, a sample
+    transformer with a LoRA adapter (the base pushed once, the adapter every step): every clip
+    trained once, the policy's weights pushed to the rollout each step, the trajectory files gone at the end, a sample
     grid every 4 steps in TensorBoard and `<run>/samples/`, and the export loadable as a flow
     model."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -186,6 +191,7 @@ def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model):
             "logging.logger": ["console", "tensorboard"],
             "logging.multi_modal_log_interval": 4,
             "policy.model_name_or_path": model,
+            "policy.lora": lora,
         },
     )
     run_dir = _finish(_start(tmp_path, cfg), tmp_path)
@@ -212,6 +218,7 @@ def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model):
     from nebula_rl.flow.models import load_flow_model
 
     final = run_dir / "safetensors" / "final"
+    assert (final / "adapter" / "adapter_model.safetensors").is_file() == (lora is not None)
     exported = config_from_dict(
         {**cfg, "policy": {**cfg["policy"], "model_name_or_path": str(final)}}
     )

@@ -85,7 +85,7 @@ class _Section(BaseModel):
 
 # Reasons shared by several keys.
 _NEEDS_CUDA = "needs CUDA and is not supported yet"
-_LORA = "LoRA (policy.lora) is not supported yet"
+_LORA = "LoRA (policy.lora) is built for world models (policy.is_diffusers) only so far"
 _DISTILL = "on-policy distillation ([distillation]) is not supported yet"
 _MULTI_TURN = "multi-turn rollouts (rollout.multi_turn_config) are not supported yet"
 _REMOTE = "remote rewards (use_remote_reward, the reward service) are not supported yet"
@@ -1801,6 +1801,10 @@ FLOW_KEYS = (
     "train.train_policy.data_beta", "train.train_policy.exp_reward",
     "policy.model_name_or_path", "policy.model_revision", "policy.is_diffusers",
     "policy.warmstart_config",
+    "policy.lora.r", "policy.lora.lora_alpha", "policy.lora.lora_dropout",
+    "policy.lora.target_modules", "policy.lora.use_rslora", "policy.lora.modules_to_save",
+    "policy.lora.alpha_pattern", "policy.lora.r_pattern", "policy.lora.init_lora_weights",
+    "policy.lora.lora_names",
     "policy.diffusers.is_video", "policy.diffusers.inference_size",
     "policy.diffusers.inference_frames", "policy.diffusers.train_frames",
     "policy.diffusers.timesteps_fraction", "policy.diffusers.nft_beta",

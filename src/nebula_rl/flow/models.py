@@ -32,6 +32,7 @@ from nebula_rl.flow.diffusers_models import (
     tiny_diffusers_flow_model,
 )
 from nebula_rl.flow.dit import TinyDiT, TinyDiTConfig
+from nebula_rl.flow.lora import apply_lora, lora_adapter_state, merged_copy, save_adapter
 from nebula_rl.hub import is_hub_id
 
 __all__ = [
@@ -121,7 +122,16 @@ def check_flow_model(cfg: Config) -> None:
 
 def load_flow_model(cfg: Config, *, seed: int = 0) -> nn.Module:
     """The flow model of `cfg`: a preset at random init (seeded), an exported folder, or a
-    diffusers transformer (local or from the Hub)."""
+    diffusers transformer (local or from the Hub); with `policy.lora`, its adapter injected
+    (seeded: every process of a job builds the same)."""
+    model = _base_model(cfg, seed=seed)
+    if cfg.policy.lora is not None:
+        torch.manual_seed(seed)
+        apply_lora(model, cfg.policy.lora, trainer_type=cfg.train.train_policy.trainer_type)
+    return model
+
+
+def _base_model(cfg: Config, *, seed: int) -> nn.Module:
     name = cfg.policy.model_name_or_path
     if name in DIFFUSERS_PRESETS:
         frames, size = _shape(cfg)
@@ -167,9 +177,14 @@ def _snapshot(repo_id: str, *, revision: str | None) -> Path:
 
 def save_flow_model(model: nn.Module, folder: Path | str) -> Path:
     """Export `model` to `folder`: config.json + model.safetensors for the built-in DiT, a
-    diffusers transformer folder for a diffusers model; returns the folder."""
+    diffusers transformer folder for a diffusers model; a LoRA-adapted model exports its merged
+    weights so, and its adapter under `adapter/`. Returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if lora_adapter_state(model) is not None:  # the merged weights, and the adapter alone
+        save_flow_model(merged_copy(model), folder)
+        save_adapter(model, folder / "adapter")
+        return folder
     if isinstance(model, DiffusersFlowModel):
         model.transformer.save_pretrained(str(folder))  # type: ignore[operator]
         return folder
