@@ -128,7 +128,7 @@ def test_check_command_accepts_a_shipped_config_and_refuses_by_feature() -> None
         timeout=120,
     )
     assert result.returncode == 2
-    assert "policy.lora.r = 4: LoRA (policy.lora) is not supported yet" in result.stderr
+    assert "policy.diffusers.offload = true: offloading" in result.stderr
 
 
 def test_stale_keys_are_accepted_with_a_warning_that_names_them() -> None:

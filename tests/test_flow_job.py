@@ -77,7 +77,10 @@ def test_the_shipped_world_model_configs_load(path):
             r"rollout\.max_response_length = 5: does not apply to world-model runs",
         ),
         ({"train": {"ema_enable": True}}, r"train\.ema_enable = true: EMA weights"),
-        ({"policy": {"lora": {"r": 4}}}, r"policy\.lora\.r = 4: LoRA"),
+        (
+            {"policy": {"lora": {"r": 4, "lora_path": "a"}}},
+            r"policy\.lora\.lora_path = \"a\": does not apply",
+        ),
         (
             {"train": {"train_policy": {"trainer_type": "ddrl"}}},
             r"data_beta = 0\.0: world-model DDRL",

@@ -173,14 +173,18 @@ def test_what_the_runtime_cannot_run_is_refused_before_it_starts(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("model", "lora"),
-    [("tiny:dit", None), ("tiny:wan_transformer3d", {"r": 4, "target_modules": ["to_q", "to_v"]})],
-    ids=["dit", "wan-lora"],
+    ("model", "lora", "shards"),
+    [
+        ("tiny:dit", None, 1),
+        ("tiny:wan_transformer3d", {"r": 4, "target_modules": ["to_q", "to_v"]}, 1),
+        ("tiny:dit", None, 2),
+    ],
+    ids=["dit", "wan-lora", "dit-fsdp2"],
 )
-def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora):
-    """One policy and one rollout replica, one epoch, with the built-in DiT and with a diffusers
-    transformer with a LoRA adapter (the base pushed once, the adapter every step): every clip
-    trained once, the policy's weights pushed to the rollout each step, the trajectory files gone at the end, a sample
+def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora, shards):
+    """One policy and one rollout replica, one epoch, with the built-in DiT, with a diffusers
+    transformer with a LoRA adapter (the base pushed once, the adapter every step), and with a
+    policy replica of two FSDP2 ranks (each pushing its shards): every clip trained once, the policy's weights pushed to the rollout each step, the trajectory files gone at the end, a sample
     grid every 4 steps in TensorBoard and `<run>/samples/`, and the export loadable as a flow
     model."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -192,6 +196,8 @@ def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora):
             "logging.multi_modal_log_interval": 4,
             "policy.model_name_or_path": model,
             "policy.lora": lora,
+            "policy.parallelism.dp_shard_size": shards,
+            "train.train_policy.mini_batch": 8 // shards,
         },
     )
     run_dir = _finish(_start(tmp_path, cfg), tmp_path)

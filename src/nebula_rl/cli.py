@@ -142,7 +142,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from nebula_rl.runs import resolve_run_dir
 
     distributed = isinstance(cfg.train.train_policy, GrpoConfig) and not args.local
-    if not distributed and RANKS_ENV not in os.environ and "WORLD_SIZE" not in os.environ:
+    one_process = cfg.policy.is_diffusers and not distributed  # (world models: job.run)
+    if (
+        not distributed
+        and not one_process
+        and RANKS_ENV not in os.environ
+        and "WORLD_SIZE" not in os.environ
+    ):
         nproc = _sft_nproc(cfg)
         if nproc > 1:  # this process supervises the ranks that split the policy
             argv = [sys.executable, "-m", "nebula_rl.cli", *args.argv]

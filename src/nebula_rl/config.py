@@ -1817,7 +1817,8 @@ FLOW_KEYS = (
     "rollout.n_generation",
     # (the runtime's: replicas, the controller, the staleness bound, weight pushes)
     "rollout.batch_size", "rollout.seed", "rollout.parallelism.n_init_replicas",
-    "policy.parallelism.n_init_replicas", "train.sync_weight_interval", "train.transfer_dtype",
+    "policy.parallelism.n_init_replicas", "policy.parallelism.dp_shard_size",
+    "train.sync_weight_interval", "train.transfer_dtype",
     "train.train_policy.allowed_outdated_steps", "controller", "redis",
     "logging.logger", "logging.log_interval", "logging.multi_modal_log_interval",
     "logging.project_name", "logging.group_name", "logging.experiment_name", "logging.wandb_mode",
@@ -1837,7 +1838,16 @@ def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
             continue  # (a key written at its default asks for nothing)
         if not found and _within_default_mapping(cfg, key):
             continue  # (an entry of a mapping at its default, e.g. `dataset.media_settings`)
-        why = refusal["refused"] if refusal else "does not apply to world-model runs yet"
+        # (a refused section that world models read in part, e.g. policy.lora: its other keys)
+        parent = key.rsplit(".", 1)[0]
+        partly_read = _value(cfg, parent)[3] is not None and any(
+            k.startswith(parent + ".") for k in FLOW_KEYS
+        )
+        why = (
+            refusal["refused"]
+            if refusal and not partly_read
+            else "does not apply to world-model runs yet"
+        )
         shown = f" = {_format_value(value)}" if found else ""
         out.append(f"{key}{shown}: {why}")
     p = cfg.train.train_policy

@@ -267,6 +267,13 @@ def save_samples(grid: Image.Image, run_dir: Path, step: int) -> Path:
 
 def run(cfg: Config) -> Path:
     """Run the world-model config `cfg` in this process; its run folder."""
+    shards = cfg.policy.parallelism.dp_shard_size
+    if shards != 1:
+        raise ValueError(
+            f"policy.parallelism.dp_shard_size = {shards}: a world model is sharded by the "
+            "policy replicas of RL runs with replicas (`nebula-rl train` without --local); SFT "
+            "and --local runs are one process"
+        )
     p = cfg.train.train_policy
     run_dir = resolve_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -182,12 +182,18 @@ def data_distance(samples: Tensor, prompts: Sequence[str], clips: list[Clip]) ->
     return total / len(prompts)
 
 
-def flow_advantages(rewards: Tensor, group_size: int, s: FlowRLSettings) -> Tensor:
+def flow_advantages(
+    rewards: Tensor, group_size: int, s: FlowRLSettings, *, batch_std: float | None = None
+) -> Tensor:
     """Group-relative advantages of `rewards` (groups of `group_size` consecutive samples): the
-    reward less its group's mean, over the group's std (the batch's with `global_std`), clipped
-    to `adv_clip`; DDRL's `exp_reward` maps them through -exp(-A)."""
+    reward less its group's mean, over the group's std (with `global_std`, the batch's:
+    `batch_std` when the batch is larger than `rewards`, e.g. split over processes), clipped to
+    `adv_clip`; DDRL's `exp_reward` maps them through -exp(-A)."""
     groups = rewards.view(-1, group_size)
-    std = rewards.std() if s.global_std else groups.std(dim=1, keepdim=True)
+    if s.global_std:
+        std: Tensor | float = rewards.std() if batch_std is None else batch_std
+    else:
+        std = groups.std(dim=1, keepdim=True)
     a = ((groups - groups.mean(dim=1, keepdim=True)) / (std + 1e-4)).flatten()
     return exp_advantages(a, clip=s.adv_clip) if s.exp_reward else a.clamp(-s.adv_clip, s.adv_clip)
 
@@ -203,6 +209,23 @@ class FlowBatch:
     mask: Tensor
     trajectory: Trajectory
     advantages: Tensor
+    noise_seeds: list[int] | None = None
+    """DiffusionNFT: a seed per sample for the noise it is trained with at each step (so the
+    noise follows the sample, not the order of draws: a batch split over processes trains as
+    one); None draws from the loop's generator."""
+
+
+def _nft_noise(batch: FlowBatch, part: Tensor, step: int, generator: torch.Generator) -> Tensor:
+    """The noise of the samples `part` at trained step `step`."""
+    shape = batch.trajectory.final.shape[1:]
+    if batch.noise_seeds is None:
+        return torch.randn(len(part), *shape, generator=generator)
+    return torch.stack(
+        [
+            torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+            for seed in (batch.noise_seeds[int(i)] * 1009 + step for i in part)
+        ]
+    )
 
 
 def roll_out(
@@ -384,7 +407,8 @@ def _train_flow_grpo(
             total += loss.item() / trained
         if sync_grads is not None:
             sync_grads()
-        nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        if s.grad_clip > 0:  # (0: no clipping, as for language models)
+            nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
@@ -416,7 +440,7 @@ def _train_nft(
         total = 0.0
         for j in range(trained):
             t = torch.full((len(part),), float(sigmas[j]), device=x0.device)
-            noise = torch.randn(x0[part].shape, generator=generator).to(x0.device)
+            noise = _nft_noise(batch, part, j, generator).to(x0.device)
             tb = t.view(-1, *[1] * (x0.dim() - 1))
             x_t = (1 - tb) * x0[part] + tb * noise
             text, mask = batch.text[part], batch.mask[part]
@@ -430,7 +454,8 @@ def _train_nft(
             total += loss.item()
         if sync_grads is not None:
             sync_grads()
-        nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        if s.grad_clip > 0:  # (0: no clipping, as for language models)
+            nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
         optimizer.step()
         if scheduler is not None:
             scheduler.step()

@@ -21,14 +21,19 @@ world-model RL is asynchronous and elastic: rollouts sample with weights at most
 
 With `logging.multi_modal_log_interval`, the policy's first replica draws a sample grid every that
 many steps into `<run>/samples/`, which the controller hands to the `[logging]` sinks with the
-step's record. Each replica is one process: the flow model's FSDP/HSDP and context parallelism
-in the runtime are not built yet (the config refuses `[policy.parallelism]` / `[rollout.parallelism]` sizes for
-world models); scale with replicas (`--policy N`, `--rollout N`).
+step's record.
+
+A policy replica of `policy.parallelism.dp_shard_size` ranks shards the flow model with FSDP2
+(each transformer block a unit) and splits its groups between its ranks; `mini_batch` counts
+samples per rank. HSDP, context parallelism and split rollout replicas are not built yet (the
+config refuses those sizes for world models); scale with replicas (`--policy N`,
+`--rollout N`).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import threading
 import time
@@ -39,7 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from nebula_rl.config import Config, GrpoConfig
 from nebula_rl.controller.client import ReplicaSession
@@ -94,7 +101,14 @@ def check_flow_job(cfg: Config) -> None:
             f"train.train_batch_per_replica ({cfg.train.train_batch_per_replica}) must be a "
             f"multiple of rollout.n_generation ({cfg.rollout.n_generation}) for a world model"
         )
-    flow_settings(cfg, num_iterations=1, prompts=cfg.groups_per_replica)  # (checks mini_batch)
+    shards = cfg.policy.parallelism.dp_shard_size
+    if shards > 1 and cfg.groups_per_replica % shards:
+        raise ValueError(
+            f"policy.parallelism.dp_shard_size = {shards} must divide the prompts of a step per "
+            f"replica (train_batch_per_replica / n_generation = {cfg.groups_per_replica})"
+        )
+    # (checks mini_batch: samples per rank)
+    flow_settings(cfg, num_iterations=1, prompts=max(1, cfg.groups_per_replica // max(shards, 1)))
     check_flow_model(cfg)
 
 
@@ -295,24 +309,51 @@ class FlowTrainer:
         store: TrajectoryStore,
         total_steps: int,
         run_dir: Path,
+        mesh: DeviceMesh | None = None,
     ) -> None:
         self.model, self.cfg, self.clips, self.store = model, cfg, clips, store
         self.run_dir = run_dir
+        self.mesh = mesh
+        """The replica's ranks the model is sharded over (None: one process)."""
+        self.dp_rank = 0 if mesh is None else mesh.get_local_rank()
+        self.dp_size = 1 if mesh is None else mesh.size()
         s = self.settings = flow_settings(
-            cfg, num_iterations=total_steps, prompts=cfg.groups_per_replica
+            cfg, num_iterations=total_steps, prompts=max(1, cfg.groups_per_replica // self.dp_size)
         )
         self.optimizer, self.scheduler = flow_optimizer(cfg, model, total_steps * s.num_minibatches)
-        self.reference = copy.deepcopy(model).requires_grad_(False) if s.kl_beta > 0 else None
-        self.old = copy.deepcopy(model).requires_grad_(False) if s.algorithm == "nft" else None
         self.generator = torch.Generator().manual_seed(s.seed)
         self.replicas: ReplicaGroup | None = None
         """The other policy replicas of the step (gradients and metrics are summed)."""
         self.planned_updates: int | None = None
         """Optimiser updates of the step in progress."""
         self.device = next(model.parameters()).device
+        self.reference = self._frozen_copy() if s.kl_beta > 0 else None
+        """FlowGRPO's KL reference: the starting weights."""
+        self.old = self._frozen_copy() if s.algorithm == "nft" else None
+        """DiffusionNFT's old weights."""
+
+    def _frozen_copy(self) -> nn.Module:
+        """A frozen copy of the model as it is now, sharded like it (FSDP2 modules cannot be
+        deep-copied: a fresh model of the same build takes the gathered weights)."""
+        if self.mesh is None:
+            return copy.deepcopy(self.model).requires_grad_(False)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        twin = load_flow_model(self.cfg, seed=self.cfg.train.seed or 0).to(self.device)
+        twin.load_state_dict(state)
+        shard_flow_model(twin, self.device, mesh=self.mesh)
+        # Forward only: FSDP2 keeps a root's parameters gathered after its forward, for the
+        # backward that never comes here; shard them again (soft updates need the shards).
+        twin.register_forward_hook(lambda module, args, out: module.reshard())
+        return twin.requires_grad_(False)
 
     def _sync_grads(self) -> None:
-        """The mean gradient over the replicas (each trained on its own groups)."""
+        """The mean gradient over the replicas (each trained on its own groups; FSDP2 already
+        averaged it over the replica's ranks)."""
         if self.replicas is None:
             return
         self.replicas.all_reduce_grads(self.model.parameters())
@@ -320,12 +361,24 @@ class FlowTrainer:
             if param.grad is not None:
                 param.grad.div_(self.replicas.size)
 
+    def _batch_std(self, groups: list[RolloutGroup]) -> float:
+        """The std of the rewards of the whole step (`global_std`): over this replica's groups
+        and the other replicas'."""
+        rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
+        sums = torch.stack([rewards.sum(), rewards.square().sum(), torch.tensor(len(rewards))])
+        if self.replicas is not None:
+            self.replicas.sum_(sums)
+        total, squares, n = sums.tolist()
+        return max((squares - total * total / n) / max(n - 1, 1), 0.0) ** 0.5
+
     def grpo_step(self, groups: list[RolloutGroup], media: Any = None) -> dict[str, float]:
         """Train on this replica's share of a step; the step's metrics over every replica."""
         s = self.settings
         self.planned_updates = s.num_minibatches
+        batch_std = self._batch_std(groups) if s.global_std else None
+        groups = groups[self.dp_rank :: self.dp_size]  # (this rank's share of the replica's)
         if not groups:
-            raise ValueError("a world-model step gave this policy replica no groups")
+            raise ValueError("a world-model step gave this policy rank no groups")
         trajectories = [self.store.read(g.extra["trajectory"]) for g in groups]
         first = trajectories[0]
         for group, t in zip(groups, trajectories, strict=True):
@@ -344,10 +397,15 @@ class FlowTrainer:
             noise_level=first.noise_level,
         )
         rewards = torch.tensor([r for g in groups for r in g.rewards])
-        advantages = flow_advantages(rewards, s.group_size, s).to(device)
+        advantages = flow_advantages(rewards, s.group_size, s, batch_std=batch_std).to(device)
         prompts = [c.caption for c in real]
-        batch = FlowBatch(prompts, x0, text, mask, trajectory, advantages)
         iteration = self.scheduler.last_epoch // s.num_minibatches + 1
+        seeds = [  # (DiffusionNFT's noise: by sample and step, whichever rank trains it)
+            _sample_seed(s.seed, iteration, g.prompt.prompt_id, k)
+            for g in groups
+            for k in range(s.group_size)
+        ]
+        batch = FlowBatch(prompts, x0, text, mask, trajectory, advantages, noise_seeds=seeds)
         losses, clipped = train_on_batch(
             self.model,
             self.optimizer,
@@ -374,11 +432,13 @@ class FlowTrainer:
             ],
             dtype=torch.float64,
         )
+        if self.mesh is not None:
+            dist.all_reduce(sums, group=self.mesh.get_group())
         if self.replicas is not None:
             self.replicas.sum_(sums)
         every = self.cfg.logging.multi_modal_log_interval
         if every and iteration % every == 0 and (self.replicas is None or self.replicas.rank == 0):
-            self._draw_samples(iteration)
+            self._draw_samples(iteration)  # (every rank of the replica: a sharded forward)
         total, squares, n, loss, clip, distance, lost, num_groups = sums.tolist()
         mean = total / n
         return {
@@ -398,18 +458,60 @@ class FlowTrainer:
         grid = sample_grid(
             self.model, self.clips, num_steps=d.sample.eval_num_steps, shift=d.train_flow_shift
         )
-        save_samples(grid, self.run_dir, step)
+        if self.dp_rank == 0:
+            save_samples(grid, self.run_dir, step)
+
+
+def shard_flow_model(
+    model: nn.Module, device: torch.device, *, mesh: DeviceMesh | None = None
+) -> DeviceMesh | None:
+    """Split `model` over this replica's ranks with FSDP2 (each block a unit, then the root),
+    when the replica has several (`policy.parallelism.dp_shard_size`), over `mesh` (default:
+    a new one of every rank); the mesh."""
+    if mesh is None:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    from torch.distributed.fsdp import fully_shard
+
+    for blocks in _block_lists(model):
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return mesh
+
+
+def _block_lists(model: nn.Module) -> list[nn.ModuleList]:
+    """The model's lists of transformer blocks (the built-in DiT's `blocks`, a diffusers
+    transformer's `transformer_blocks` or `blocks`)."""
+    return [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and name.rsplit(".", 1)[-1] in BLOCK_LISTS and len(m) > 0
+    ]
+
+
+BLOCK_LISTS = ("blocks", "transformer_blocks")
+
+
+def _sample_seed(seed: int, step: int, prompt_id: str, k: int) -> int:
+    """A seed for sample `k` of the group of `prompt_id` at `step`."""
+    digest = hashlib.sha256(f"{seed}:{step}:{prompt_id}:{k}".encode()).digest()
+    return int.from_bytes(digest[:6], "little")
 
 
 def flow_policy(
     cfg: Config, *, device: torch.device, meta: dict[str, Any]
 ) -> tuple[nn.Module, FlowTrainer, Callable[[Path], Any]]:
-    """A world-model policy replica's model, trainer, and export (`safetensors/...` folders
-    loadable as `policy.model_name_or_path`)."""
+    """A world-model policy replica's model (FSDP2-sharded over the replica's ranks when it has
+    several), trainer, and export (`safetensors/...` folders loadable as
+    `policy.model_name_or_path`; every rank of the replica calls it, its rank 0 writes)."""
     run_dir = Path(meta["run_dir"])
     clips = flow_clips(cfg, run_dir, create=False)
     _check_clips(cfg, clips, meta)
-    model = load_flow_model(cfg, seed=cfg.train.seed or 0).to(device)
+    seed = cfg.train.seed or 0
+    model = load_flow_model(cfg, seed=seed).to(device)
+    mesh = shard_flow_model(model, device)
     trainer = FlowTrainer(
         model,
         cfg,
@@ -417,9 +519,24 @@ def flow_policy(
         store=TrajectoryStore.for_job(run_dir),
         total_steps=meta["total_steps"],
         run_dir=run_dir,
+        mesh=mesh,
     )
 
     def export(folder: Path) -> None:
-        save_flow_model(model, folder)
+        if mesh is None:
+            save_flow_model(model, folder)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)  # (a collective)
+        if dist.get_rank() == 0:
+            whole = load_flow_model(cfg, seed=seed)
+            whole.load_state_dict(state)
+            save_flow_model(whole, folder)
+        dist.barrier(group=mesh.get_group())
 
     return model, trainer, export

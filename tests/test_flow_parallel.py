@@ -1,0 +1,190 @@
+"""A world-model policy replica of two ranks (FSDP2 over the flow model, `flow.runtime`) takes the
+steps of one process: every rank of a 2-rank gloo world builds the same model, shards it with
+`shard_flow_model` and trains its half of the same scored trajectories with `FlowTrainer`; after
+two steps the metrics and every parameter (gathered whole) must equal those of one process that
+trained the whole batch.
+
+One optimiser update per step (`mini_batch` = the samples of a rank): the mean loss over the
+whole batch is then what FSDP's averaged gradients compute, whatever the split. Tolerance as in
+test_parallel_grpo.py: 1e-5, while a step moves parameters by about the learning rate (1e-3).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from member_pool import MemberPool
+from nebula_rl.config import config_from_dict
+from nebula_rl.flow.data import make_toy_dataset, read_local_dataset
+from nebula_rl.flow.local import roll_out
+from nebula_rl.flow.models import load_flow_model
+from nebula_rl.flow.runtime import FlowTrainer, flow_settings, shard_flow_model
+from nebula_rl.flow.trajectories import TrajectoryStore
+from nebula_rl.protocol import Completion, Prompt, RolloutGroup
+from nebula_rl.weights import free_port
+
+TOL = 1e-5
+GROUPS = 4
+N = 4
+STEPS = 2
+
+
+def _cfg(root: Path, *, ranks: int, **policy: object) -> object:
+    return config_from_dict(
+        {
+            "train": {
+                "output_dir": str(root),
+                "train_batch_per_replica": GROUPS * N,
+                "optm_lr": 1e-3,
+                "optm_warmup_steps": 0,
+                "epsilon": 1e-6,
+                "optm_grad_norm_clip": 0.5,
+                "train_policy": {
+                    "type": "grpo",
+                    "trainer_type": "flow_grpo",
+                    "reward_function": "brightness",
+                    "mini_batch": GROUPS * N // ranks,
+                    "epsilon_low": 1e-3,
+                    "epsilon_high": 1e-3,
+                    "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": 1}},
+                    **policy,
+                },
+            },
+            "rollout": {"n_generation": N},
+            "policy": {
+                "model_name_or_path": "tiny:dit",
+                "is_diffusers": True,
+                "parallelism": {"dp_shard_size": ranks},
+                "diffusers": {
+                    "weight_copy_decay_type": 1,
+                    "is_video": True,
+                    "inference_size": [8, 8],
+                    "inference_frames": 2,
+                    "train_frames": 2,
+                    "sample": {"num_steps": 4},
+                },
+            },
+        }
+    )
+
+
+def _batches(root: Path, policy: dict) -> list[list[RolloutGroup]]:
+    """STEPS batches of GROUPS scored groups, their trajectories sampled by a model whose output
+    layer is randomised (a fresh DiT predicts zero everywhere) and written to the store."""
+    cfg = _cfg(root, ranks=1, **policy)
+    clips = read_local_dataset(
+        make_toy_dataset(root / "dataset", clips_per_prompt=1, size=8), num_frames=2
+    )
+    model = _model(cfg)
+    store = TrajectoryStore(root / "trajectories")
+    settings = flow_settings(cfg, num_iterations=STEPS, prompts=GROUPS)
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for step in range(STEPS):
+        groups = []
+        for k in range(GROUPS):
+            index = (step * GROUPS + k) % len(clips)
+            *_, t = roll_out(model, [clips[index]] * N, settings, generator)
+            rewards = t.final.mean(dim=(1, 2, 3, 4)).tolist()
+            prompt = Prompt(f"0:{index}", 0, index, None, None)
+            completions = [Completion([], [], "", "stop", [(0, 0)], reward=r) for r in rewards]
+            name = store.write(prompt.prompt_id, t)
+            groups.append(RolloutGroup(prompt, [], completions, "rollout-0", {"trajectory": name}))
+        batches.append(groups)
+    return batches
+
+
+def _model(cfg: object) -> torch.nn.Module:
+    model = load_flow_model(cfg, seed=1)  # type: ignore[arg-type]
+    with torch.no_grad():
+        model.out.weight.normal_(std=0.05, generator=torch.Generator().manual_seed(2))
+    return model
+
+
+def _train(
+    root: Path, batches: list[list[RolloutGroup]], ranks: int, policy: dict
+) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    cfg = _cfg(root, ranks=ranks, **policy)
+    clips = read_local_dataset(root / "dataset", num_frames=2)
+    model = _model(cfg)
+    mesh = shard_flow_model(model, torch.device("cpu"))
+    trainer = FlowTrainer(
+        model,
+        cfg,  # type: ignore[arg-type]
+        clips=clips,
+        store=TrajectoryStore(root / "trajectories"),
+        total_steps=STEPS,
+        run_dir=root,
+        mesh=mesh,
+    )
+    history = [trainer.grpo_step(groups) for groups in batches]
+    if mesh is None:
+        return history, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return history, get_model_state_dict(model, options=options)
+
+
+def _member(rank: int, root: str, port: int, policy: dict) -> tuple[list[dict], dict]:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        batches = _batches_from(Path(root))
+        history, params = _train(Path(root), batches, 2, policy)
+        return history, {k: v.numpy() for k, v in params.items()}  # (rank 0's: the whole)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _batches_from(root: Path) -> list[list[RolloutGroup]]:
+    import pickle
+
+    batches: list[list[RolloutGroup]] = pickle.loads((root / "batches.pickle").read_bytes())
+    return batches
+
+
+@pytest.fixture(scope="module")
+def members():
+    pool = MemberPool(2)
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {},
+        {"kl_beta": 0.1},
+        {"trainer_type": "ddrl", "data_beta": 0.5},
+        {"trainer_type": "diffusion_nft"},  # (with weight_copy_decay_type 1)
+    ],
+    ids=["flow_grpo", "flow_grpo_kl", "ddrl", "nft"],
+)
+def test_a_two_rank_policy_replica_steps_like_one_process(members, tmp_path, policy):
+    import pickle
+
+    batches = _batches(tmp_path, policy)
+    (tmp_path / "batches.pickle").write_bytes(pickle.dumps(batches))
+    want_history, want_params = _train(tmp_path, batches, 1, policy)
+    reports = members.run_on(range(2), _member, str(tmp_path), free_port(), policy)
+    for rank, (history, params) in sorted(reports.items()):
+        for step, (got, want) in enumerate(zip(history, want_history, strict=True)):
+            assert got.keys() == want.keys()
+            for key, value in want.items():
+                assert got[key] == pytest.approx(value, rel=TOL, abs=TOL), (rank, step, key)
+        if rank > 0:
+            continue  # (the gathered parameters are rank 0's)
+        assert params.keys() == want_params.keys()
+        for name, value in params.items():
+            torch.testing.assert_close(
+                torch.from_numpy(value), want_params[name], rtol=0, atol=TOL,
+                msg=lambda m, name=name, rank=rank: f"rank {rank}, {name}: {m}",
+            )  # fmt: skip
+    start = _model(_cfg(tmp_path, ranks=1, **policy)).state_dict()
+    moved = max(float((want_params[n] - p).abs().max()) for n, p in start.items())
+    assert moved > 50 * TOL
