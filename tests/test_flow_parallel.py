@@ -11,6 +11,9 @@ test_parallel_grpo.py: 1e-5, while a step moves parameters by about the learning
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,11 +21,12 @@ import torch
 import torch.distributed as dist
 
 from member_pool import MemberPool
-from nebula_rl.config import config_from_dict
+from nebula_rl.config import ConfigError, config_from_dict
 from nebula_rl.flow.data import make_toy_dataset, read_local_dataset
 from nebula_rl.flow.local import roll_out
 from nebula_rl.flow.models import load_flow_model
-from nebula_rl.flow.runtime import FlowTrainer, flow_settings, shard_flow_model
+from nebula_rl.flow.parallel import shard_flow_model
+from nebula_rl.flow.runtime import FlowTrainer, flow_settings
 from nebula_rl.flow.trajectories import TrajectoryStore
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.weights import free_port
@@ -34,7 +38,11 @@ STEPS = 2
 
 
 def _cfg(root: Path, *, ranks: int, **policy: object) -> object:
-    return config_from_dict(
+    return config_from_dict(_raw(root, ranks=ranks, **policy))
+
+
+def _raw(root: Path, *, ranks: int, **policy: object) -> dict:
+    return dict(
         {
             "train": {
                 "output_dir": str(root),
@@ -188,3 +196,93 @@ def test_a_two_rank_policy_replica_steps_like_one_process(members, tmp_path, pol
     start = _model(_cfg(tmp_path, ranks=1, **policy)).state_dict()
     moved = max(float((want_params[n] - p).abs().max()) for n, p in start.items())
     assert moved > 50 * TOL
+
+
+def _job(tmp_path: Path, **changes: object) -> Path:
+    """A small colocated world-model config (JSON) for `nebula-rl train`, with `changes`
+    (dotted keys)."""
+    import json
+
+    cfg = _raw(tmp_path / "runs", ranks=2)
+    cfg["mode"] = "colocated"
+    cfg["train"]["timestamp"] = "colocated"
+    cfg["train"]["max_num_steps"] = 3
+    cfg["train"]["epoch"] = 5
+    cfg["train"]["train_policy"]["dataset"]["kwargs"] = {"clips_per_prompt": 1}
+    cfg["logging"] = {"multi_modal_log_interval": 3}
+    for key, value in changes.items():
+        node = cfg
+        *path, last = key.split(".")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    config = tmp_path / "job.json"
+    config.write_text(json.dumps(cfg))
+    return config
+
+
+def _train_cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nebula_rl.cli", "train", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
+    )
+
+
+@pytest.mark.parametrize("trainer", ["flow_grpo", "diffusion_nft", "diffusers_sft"])
+def test_colocated_runs_sample_and_train_on_the_policy_ranks(tmp_path, trainer):
+    """`mode = "colocated"` with `dp_shard_size = 2`: `nebula-rl train` starts two ranks that
+    sample (RL), score and train the FSDP2-sharded model in turns; the run records every step
+    once, draws its sample grid on both ranks, and exports the whole model (SFT splits its
+    batches over the same ranks)."""
+    import json
+
+    changes: dict[str, object] = {"train.train_policy.trainer_type": trainer}
+    if trainer == "diffusers_sft":
+        changes["train.train_policy"] = {
+            "type": "sft",
+            "trainer_type": "diffusers_sft",
+            "mini_batch": 4,
+            "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": 1}},
+        }
+        changes["train.train_batch_per_replica"] = 8  # (of the 8 clips)
+    result = _train_cli(_job(tmp_path, **changes))
+    run_dir = tmp_path / "runs" / "colocated"
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    key = "loss" if trainer == "diffusers_sft" else "reward_mean"
+    assert all(torch.isfinite(torch.tensor(r[key])) for r in records)
+    assert (run_dir / "samples" / "step_3.png").is_file()
+    assert (run_dir / "samples.png").is_file()
+    said = result.stdout + result.stderr
+    assert "[rank 1]" in said  # (two ranks ran)
+    raw = _raw(tmp_path, ranks=1)
+    raw["policy"]["model_name_or_path"] = str(run_dir / "safetensors" / "final")
+    trained = load_flow_model(config_from_dict(raw))
+    start = load_flow_model(_cfg(tmp_path, ranks=1))  # type: ignore[arg-type]
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(start.state_dict().values(), trained.state_dict().values(), strict=True)
+    )
+
+
+def test_what_colocated_mode_needs_is_refused_by_name(tmp_path):
+    result = _train_cli(_job(tmp_path, mode="disaggregated"), "--local")
+    assert result.returncode == 2
+    said = " ".join((result.stdout + result.stderr).split())
+    assert (
+        'dp_shard_size = 2: `--local` world-model RL is one process; set mode = "colocated"' in said
+    )
+    assert "[rank 1]" not in said  # (refused before any rank started)
+    with pytest.raises(ConfigError, match=r'mode = "colocated_separated": world models run'):
+        config_from_dict({**_raw(tmp_path, ranks=2), "mode": "colocated_separated"})  # type: ignore[attr-defined]
+    raw = _raw(tmp_path, ranks=2)
+    raw["rollout"]["parallelism"] = {"dp_shard_size": 2}
+    with pytest.raises(ConfigError, match=r"rollout\.parallelism\.dp_shard_size = 2: .*colocated"):
+        config_from_dict(raw)
+    raw["mode"] = "colocated"
+    config_from_dict(raw)  # (equal to the policy's, colocated: accepted)

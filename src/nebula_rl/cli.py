@@ -141,14 +141,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from nebula_rl.ranks import RANKS_ENV
     from nebula_rl.runs import resolve_run_dir
 
+    # (a colocated world model samples and trains on the policy's ranks, in this job)
+    colocated = cfg.policy.is_diffusers and cfg.mode == "colocated"
     distributed = isinstance(cfg.train.train_policy, GrpoConfig) and not args.local
-    one_process = cfg.policy.is_diffusers and not distributed  # (world models: job.run)
-    if (
-        not distributed
-        and not one_process
-        and RANKS_ENV not in os.environ
-        and "WORLD_SIZE" not in os.environ
-    ):
+    distributed = distributed and not colocated
+    if cfg.policy.is_diffusers and not distributed:
+        from nebula_rl.flow.job import check_ranks
+
+        try:
+            check_ranks(cfg)  # (before any rank starts)
+        except ValueError as err:
+            logging.getLogger("nebula_rl").error("%s", err)
+            return 2
+    if not distributed and RANKS_ENV not in os.environ and "WORLD_SIZE" not in os.environ:
         nproc = _sft_nproc(cfg)
         if nproc > 1:  # this process supervises the ranks that split the policy
             argv = [sys.executable, "-m", "nebula_rl.cli", *args.argv]

@@ -387,7 +387,10 @@ class GrpoConfig(_Section):
     """Fully synchronous: rollouts wait for the newest weights (sets `allowed_outdated_steps`
     to 0; needs `train.sync_weight_interval = 1`)."""
     uncentralized_training: bool = Field(
-        default=False, json_schema_extra=refused("colocated mode is not supported yet")
+        default=False,
+        json_schema_extra=refused(
+            "colocated mode is built for world models (policy.is_diffusers) only so far"
+        ),
     )
     """Colocated mode: rollouts go to the local policy without the controller."""
     outdated_rollout_fetch_batch_size: int = Field(
@@ -1423,7 +1426,9 @@ class Config(_Section):
     """nebula-rl: the controller."""
     mode: Literal["disaggregated", "colocated", "colocated_separated"] = Field(
         default="disaggregated",
-        json_schema_extra=refused("colocated mode is not supported yet"),
+        json_schema_extra=refused(
+            "colocated mode is built for world models (policy.is_diffusers) only so far"
+        ),
     )
     """`disaggregated`: policy and rollout replicas on their own devices."""
     redis: str = ""
@@ -1820,6 +1825,10 @@ FLOW_KEYS = (
     "policy.parallelism.n_init_replicas", "policy.parallelism.dp_shard_size",
     "train.sync_weight_interval", "train.transfer_dtype",
     "train.train_policy.allowed_outdated_steps", "controller", "redis",
+    # (colocated mode: the policy's ranks sample and train)
+    "mode", "train.train_policy.uncentralized_training", "rollout.parallelism.dp_shard_size",
+    # (a world model's completions are tensors, sampled by its own sampler)
+    "train.non_text", "rollout.backend",
     "logging.logger", "logging.log_interval", "logging.multi_modal_log_interval",
     "logging.project_name", "logging.group_name", "logging.experiment_name", "logging.wandb_mode",
 )  # fmt: skip
@@ -1890,6 +1899,32 @@ def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
         out.append(
             f"policy.diffusers.weighting_scheme = {json.dumps(d.weighting_scheme)}: "
             'world-model SFT samples noise levels "uniform" or "logit_normal"'
+        )
+    if "rollout.backend" in user_keys and cfg.rollout.backend not in (
+        "vllm",  # (the default: not a choice)
+        "diffusion_nft_rollout",
+    ):
+        out.append(
+            f"rollout.backend = {json.dumps(cfg.rollout.backend)}: a world model samples with "
+            "nebula-rl's flow sampler (cosmos-rl's name for it: \"diffusion_nft_rollout\")"
+        )
+    colocated = cfg.mode == "colocated"
+    if cfg.mode == "colocated_separated":
+        out.append(
+            'mode = "colocated_separated": world models run "disaggregated" (rollout and '
+            'policy replicas) or "colocated" (the policy\'s ranks sample and train)'
+        )
+    if isinstance(p, GrpoConfig) and p.uncentralized_training and not colocated:
+        out.append(
+            'train.train_policy.uncentralized_training = true: needs mode = "colocated" '
+            "(rollouts go straight to the local policy)"
+        )
+    shards = cfg.rollout.parallelism.dp_shard_size
+    if shards != 1 and not (colocated and shards == cfg.policy.parallelism.dp_shard_size):
+        out.append(
+            f"rollout.parallelism.dp_shard_size = {shards}: a world model's rollouts are "
+            'sharded only in mode = "colocated", where they run on the policy\'s ranks (equal '
+            f"to policy.parallelism.dp_shard_size, {cfg.policy.parallelism.dp_shard_size})"
         )
     return out
 

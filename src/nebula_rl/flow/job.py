@@ -1,6 +1,8 @@
-"""A world-model run from its config (`policy.is_diffusers = true`), in this one process:
-`nebula-rl train --config X` for SFT (`trainer_type = "diffusers_sft"`), with `--local` for RL
-(`"flow_grpo"`, `"ddrl"`, `"diffusion_nft"`).
+"""A world-model run from its config (`policy.is_diffusers = true`) in this job:
+`nebula-rl train --config X` for SFT (`trainer_type = "diffusers_sft"`), with `--local` or
+`mode = "colocated"` for RL (`"flow_grpo"`, `"ddrl"`, `"diffusion_nft"`). One process, or
+`policy.parallelism.dp_shard_size` ranks over which the model is FSDP2-sharded (SFT, and
+colocated RL: `nebula_rl.flow.colocated`).
 
 How the config's keys map onto the loop of `nebula_rl.flow.local`:
 
@@ -40,22 +42,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from PIL import Image
 from torch import Tensor
 
 from nebula_rl.config import FLOW_RL_TRAINERS, Config, GrpoConfig, _reward_dict
 from nebula_rl.data import epoch_order, num_train_steps
+from nebula_rl.flow.colocated import run_colocated
 from nebula_rl.flow.data import Clip, make_toy_dataset, read_local_dataset
 from nebula_rl.flow.local import FlowRLSettings, RewardFn, pretrain, run_flow_rl
-from nebula_rl.flow.models import load_flow_model, save_flow_model
+from nebula_rl.flow.models import load_flow_model
+from nebula_rl.flow.parallel import save_sharded_flow_model, shard_flow_model
 from nebula_rl.flow.sampler import guided_velocity, sample
 from nebula_rl.metrics_log import MetricsLogger, log_image_file, open_loggers
 from nebula_rl.policy.optim import build_optimizer, lr_lambda
+from nebula_rl.ranks import close_ranks, init_ranks, rank_env
 from nebula_rl.rewards.visual import VISUAL_REWARDS, pixels_from_samples
 from nebula_rl.runs import resolve_run_dir
 
 __all__ = [
     "TOY_DATASET",
+    "check_ranks",
     "flow_clips",
     "flow_optimizer",
     "flow_rows",
@@ -265,41 +272,64 @@ def save_samples(grid: Image.Image, run_dir: Path, step: int) -> Path:
     return path
 
 
+def check_ranks(cfg: Config) -> None:
+    """Refuse a split of the model this kind of run does not make: world-model RL in this job
+    (`--local`) is one process unless `mode = "colocated"`."""
+    shards = cfg.policy.parallelism.dp_shard_size
+    if shards != 1 and isinstance(cfg.train.train_policy, GrpoConfig) and cfg.mode != "colocated":
+        raise ValueError(
+            f"policy.parallelism.dp_shard_size = {shards}: `--local` world-model RL is one "
+            'process; set mode = "colocated" to sample and train on the policy\'s ranks, or '
+            "run without --local (policy and rollout replicas)"
+        )
+
+
 def run(cfg: Config) -> Path:
     """Run the world-model config `cfg` in this process; its run folder."""
-    shards = cfg.policy.parallelism.dp_shard_size
-    if shards != 1:
-        raise ValueError(
-            f"policy.parallelism.dp_shard_size = {shards}: a world model is sharded by the "
-            "policy replicas of RL runs with replicas (`nebula-rl train` without --local); SFT "
-            "and --local runs are one process"
-        )
     p = cfg.train.train_policy
+    check_ranks(cfg)
+    ranks = rank_env()
+    cuda = torch.cuda.is_available()
+    if ranks.world_size > 1:
+        init_ranks("nccl" if cuda else "gloo")
+    lead = ranks.rank == 0
+    device = torch.device("cuda", ranks.local_rank) if cuda else torch.device("cpu")
     run_dir = resolve_run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    if lead:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     torch.manual_seed(cfg.train.seed or 0)
-    clips = flow_clips(cfg, run_dir)
-    model = load_flow_model(cfg, seed=cfg.train.seed or 0)
+    if lead:
+        clips = flow_clips(cfg, run_dir, create=True)
+    if ranks.world_size > 1:
+        dist.barrier()  # (the toy dataset is written)
+    if not lead:
+        clips = flow_clips(cfg, run_dir, create=False)
+    model = load_flow_model(cfg, seed=cfg.train.seed or 0).to(device)
+    mesh = shard_flow_model(model, device)
+    rank, world = (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
     d = cfg.policy.diffusers
-    metrics = (run_dir / "metrics.jsonl").open("a")
+    metrics = (run_dir / "metrics.jsonl").open("a") if lead else None
     every = cfg.logging.multi_modal_log_interval
     sinks: MetricsLogger | None = None
 
-    def grid() -> Image.Image:
+    def grid() -> Image.Image:  # (every rank: the forward of a sharded model is collective)
         return sample_grid(
             model, clips, num_steps=d.sample.eval_num_steps, shift=d.train_flow_shift
         )
 
     def record(values: dict[str, float]) -> None:
         step = int(values.get("iteration", values.get("step", 0)))
-        values = {"step": float(step), **{k: v for k, v in values.items() if k != "step"}}
+        values = {"step": step, **{k: v for k, v in values.items() if k != "step"}}
+        image = grid() if every and step % every == 0 else None
+        if not lead:
+            return
+        assert metrics is not None and sinks is not None
         metrics.write(json.dumps(values) + "\n")
         metrics.flush()
-        assert sinks is not None
         sinks.log(values)
-        if every and step % every == 0:
-            log_image_file(sinks, "samples", step, save_samples(grid(), run_dir, step))
+        if image is not None:
+            log_image_file(sinks, "samples", step, save_samples(image, run_dir, step))
 
     batch = cfg.train.train_batch_per_replica
     if isinstance(p, GrpoConfig):
@@ -311,35 +341,68 @@ def run(cfg: Config) -> Path:
                 f"({p.mini_batch})"
             )
         prompts = batch // n
+        if prompts % world:
+            raise ValueError(
+                f"policy.parallelism.dp_shard_size = {world} must divide the prompts of a step "
+                f"(train_batch_per_replica / n_generation = {prompts})"
+            )
         steps = num_train_steps(cfg, len(clips), items_per_step=prompts)
-        minibatches = batch // p.mini_batch
-        settings = flow_settings(cfg, num_iterations=steps, prompts=prompts)
-        optimizer, scheduler = flow_optimizer(cfg, model, steps * minibatches)
-        sinks = open_loggers(cfg, run_dir, total_steps=steps)
+        settings = flow_settings(cfg, num_iterations=steps, prompts=prompts // world)
+        optimizer, scheduler = flow_optimizer(cfg, model, steps * settings.num_minibatches)
+        sinks = open_loggers(cfg, run_dir, total_steps=steps) if lead else None
         score = flow_scorer(p)
         log.info(
-            "world-model %s: %d iterations of %d prompts x %d samples, %d clips",
+            "world-model %s: %d iterations of %d prompts x %d samples, %d clips%s",
             p.trainer_type, steps, prompts, n, len(clips),
+            f", colocated on {world} ranks" if mesh is not None else "",
         )  # fmt: skip
-        run_flow_rl(
-            model, clips, settings, score=score, on_iteration=record,
-            prompt_clips=_ordered(cfg, clips, prompts), optimizer=optimizer, scheduler=scheduler,
-        )  # fmt: skip
+        if mesh is None:
+            run_flow_rl(
+                model, clips, settings, score=score, on_iteration=record,
+                prompt_clips=_ordered(cfg, clips, prompts), optimizer=optimizer,
+                scheduler=scheduler,
+            )  # fmt: skip
+        else:
+            run_colocated(
+                model, cfg, clips, settings, mesh=mesh, score=score,
+                prompt_clips=_ordered(cfg, clips, prompts), optimizer=optimizer,
+                scheduler=scheduler, on_iteration=record,
+            )  # fmt: skip
     else:
+        if batch % world:
+            raise ValueError(
+                f"policy.parallelism.dp_shard_size = {world} must divide "
+                f"train.train_batch_per_replica ({batch})"
+            )
         steps = num_train_steps(cfg, len(clips), items_per_step=batch)
         optimizer, scheduler = flow_optimizer(cfg, model, steps)
-        sinks = open_loggers(cfg, run_dir, total_steps=steps)
+        sinks = open_loggers(cfg, run_dir, total_steps=steps) if lead else None
         log.info("world-model SFT: %d steps of %d clips, %d clips", steps, batch, len(clips))
+        ordered = _ordered(cfg, clips, batch)
+
+        def on_step(values: dict[str, float]) -> None:
+            if mesh is not None:  # (the loss of the whole batch: the mean of the ranks')
+                loss = torch.tensor([values["loss"]], dtype=torch.float64)
+                dist.all_reduce(loss, group=mesh.get_group())
+                values = {**values, "loss": float(loss) / world}
+            record(values)
+
         pretrain(
-            model, clips, steps=steps, seed=cfg.train.seed or 0,
-            batches=_ordered(cfg, clips, batch), optimizer=optimizer, scheduler=scheduler,
-            sigma_scheme=d.weighting_scheme, sigma_mean=d.logit_mean, sigma_std=d.logit_std,
-            grad_clip=cfg.train.optm_grad_norm_clip, on_step=record,
+            model, clips, steps=steps, seed=(cfg.train.seed or 0) + 1000 * rank,
+            batches=lambda step: ordered(step)[rank::world], optimizer=optimizer,
+            scheduler=scheduler, sigma_scheme=d.weighting_scheme, sigma_mean=d.logit_mean,
+            sigma_std=d.logit_std, grad_clip=cfg.train.optm_grad_norm_clip, on_step=on_step,
         )  # fmt: skip
-    metrics.close()
-    assert sinks is not None
-    sinks.close()
-    export = save_flow_model(model, run_dir / "safetensors" / "final")
-    grid().save(run_dir / "samples.png")
-    log.info("exported %s", export)
+    if metrics is not None:
+        metrics.close()
+    if sinks is not None:
+        sinks.close()
+    final = run_dir / "safetensors" / "final"
+    save_sharded_flow_model(model, cfg, final, mesh=mesh)
+    image = grid()
+    if lead:
+        image.save(run_dir / "samples.png")
+        log.info("exported %s", final)
+    if mesh is not None:
+        close_ranks()
     return run_dir

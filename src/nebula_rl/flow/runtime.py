@@ -32,8 +32,6 @@ config refuses those sizes for world models); scale with replicas (`--policy N`,
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import logging
 import threading
 import time
@@ -46,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from nebula_rl.config import Config, GrpoConfig
 from nebula_rl.controller.client import ReplicaSession
@@ -67,7 +65,13 @@ from nebula_rl.flow.local import (
     roll_out,
     train_on_batch,
 )
-from nebula_rl.flow.models import check_flow_model, load_flow_model, save_flow_model
+from nebula_rl.flow.models import check_flow_model, load_flow_model
+from nebula_rl.flow.parallel import (
+    frozen_copy,
+    sample_seed,
+    save_sharded_flow_model,
+    shard_flow_model,
+)
 from nebula_rl.flow.sampler import Trajectory
 from nebula_rl.flow.trajectories import TrajectoryStore
 from nebula_rl.models import resolve_dtype
@@ -333,23 +337,7 @@ class FlowTrainer:
         """DiffusionNFT's old weights."""
 
     def _frozen_copy(self) -> nn.Module:
-        """A frozen copy of the model as it is now, sharded like it (FSDP2 modules cannot be
-        deep-copied: a fresh model of the same build takes the gathered weights)."""
-        if self.mesh is None:
-            return copy.deepcopy(self.model).requires_grad_(False)
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        twin = load_flow_model(self.cfg, seed=self.cfg.train.seed or 0).to(self.device)
-        twin.load_state_dict(state)
-        shard_flow_model(twin, self.device, mesh=self.mesh)
-        # Forward only: FSDP2 keeps a root's parameters gathered after its forward, for the
-        # backward that never comes here; shard them again (soft updates need the shards).
-        twin.register_forward_hook(lambda module, args, out: module.reshard())
-        return twin.requires_grad_(False)
+        return frozen_copy(self.model, self.cfg, mesh=self.mesh)
 
     def _sync_grads(self) -> None:
         """The mean gradient over the replicas (each trained on its own groups; FSDP2 already
@@ -401,7 +389,7 @@ class FlowTrainer:
         prompts = [c.caption for c in real]
         iteration = self.scheduler.last_epoch // s.num_minibatches + 1
         seeds = [  # (DiffusionNFT's noise: by sample and step, whichever rank trains it)
-            _sample_seed(s.seed, iteration, g.prompt.prompt_id, k)
+            sample_seed(s.seed, iteration, g.prompt.prompt_id, k)
             for g in groups
             for k in range(s.group_size)
         ]
@@ -462,44 +450,6 @@ class FlowTrainer:
             save_samples(grid, self.run_dir, step)
 
 
-def shard_flow_model(
-    model: nn.Module, device: torch.device, *, mesh: DeviceMesh | None = None
-) -> DeviceMesh | None:
-    """Split `model` over this replica's ranks with FSDP2 (each block a unit, then the root),
-    when the replica has several (`policy.parallelism.dp_shard_size`), over `mesh` (default:
-    a new one of every rank); the mesh."""
-    if mesh is None:
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return None
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
-    from torch.distributed.fsdp import fully_shard
-
-    for blocks in _block_lists(model):
-        for block in blocks:
-            fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return mesh
-
-
-def _block_lists(model: nn.Module) -> list[nn.ModuleList]:
-    """The model's lists of transformer blocks (the built-in DiT's `blocks`, a diffusers
-    transformer's `transformer_blocks` or `blocks`)."""
-    return [
-        m
-        for name, m in model.named_modules()
-        if isinstance(m, nn.ModuleList) and name.rsplit(".", 1)[-1] in BLOCK_LISTS and len(m) > 0
-    ]
-
-
-BLOCK_LISTS = ("blocks", "transformer_blocks")
-
-
-def _sample_seed(seed: int, step: int, prompt_id: str, k: int) -> int:
-    """A seed for sample `k` of the group of `prompt_id` at `step`."""
-    digest = hashlib.sha256(f"{seed}:{step}:{prompt_id}:{k}".encode()).digest()
-    return int.from_bytes(digest[:6], "little")
-
-
 def flow_policy(
     cfg: Config, *, device: torch.device, meta: dict[str, Any]
 ) -> tuple[nn.Module, FlowTrainer, Callable[[Path], Any]]:
@@ -523,20 +473,6 @@ def flow_policy(
     )
 
     def export(folder: Path) -> None:
-        if mesh is None:
-            save_flow_model(model, folder)
-            return
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(model, options=options)  # (a collective)
-        if dist.get_rank() == 0:
-            whole = load_flow_model(cfg, seed=seed)
-            whole.load_state_dict(state)
-            save_flow_model(whole, folder)
-        dist.barrier(group=mesh.get_group())
+        save_sharded_flow_model(model, cfg, folder, mesh=mesh)
 
     return model, trainer, export

@@ -1,0 +1,117 @@
+"""Colocated world-model RL (`mode = "colocated"`, cosmos-rl's way): the policy's ranks sample
+their own rollouts, score them and train on them, taking turns, with the flow model
+FSDP2-sharded over the ranks (`policy.parallelism.dp_shard_size` processes, started by
+`nebula-rl train`). No controller, no rollout replicas, no weight push: the weights that train
+are the weights that sample.
+
+Each iteration every rank takes its share of the iteration's prompts (`prompts[rank::ranks]`),
+samples `group_size` trajectories of each with its own noise, and scores them; the advantages are
+group-relative (with `global_std`, over the rewards of every rank); then `flow.local.
+train_on_batch` trains its share, FSDP2 averaging the gradients. DiffusionNFT's training noise is
+seeded per sample, and the records sum over the ranks, so the numbers are those of the whole
+iteration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from nebula_rl.config import Config
+from nebula_rl.flow.data import Clip
+from nebula_rl.flow.local import (
+    FlowBatch,
+    FlowRLSettings,
+    RewardFn,
+    data_distance,
+    flow_advantages,
+    roll_out,
+    train_on_batch,
+)
+from nebula_rl.flow.parallel import frozen_copy, sample_seed
+
+__all__ = ["run_colocated"]
+
+
+def run_colocated(
+    model: nn.Module,
+    cfg: Config,
+    clips: list[Clip],
+    settings: FlowRLSettings,
+    *,
+    mesh: DeviceMesh,
+    score: RewardFn,
+    prompt_clips: Callable[[int], list[Clip]],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    on_iteration: Callable[[dict[str, float]], None] | None = None,
+) -> None:
+    """Train `model` (sharded over `mesh`) with `settings.algorithm`; `prompt_clips(iteration)`
+    gives the iteration's prompts (all ranks', the same list on every rank); `on_iteration`
+    gets each iteration's record on every rank."""
+    s = settings
+    rank, ranks = mesh.get_local_rank(), mesh.size()
+    group = mesh.get_group()
+    generator = torch.Generator().manual_seed(s.seed + 1000 * rank)  # (each rank's own noise)
+    old = frozen_copy(model, cfg, mesh=mesh) if s.algorithm == "nft" else None
+    reference = frozen_copy(model, cfg, mesh=mesh) if s.kl_beta > 0 else None
+    device = next(model.parameters()).device
+    for iteration in range(1, s.num_iterations + 1):
+        everyone = prompt_clips(iteration)
+        mine = everyone[rank::ranks]
+        if not mine:
+            raise ValueError(
+                f"iteration {iteration}: {len(everyone)} prompts for {ranks} ranks; "
+                "policy.parallelism.dp_shard_size must not exceed the prompts of a step"
+            )
+        real = [c for c in mine for _ in range(s.group_size)]
+        prompts = [c.caption for c in real]
+        x0, text, mask, trajectory = roll_out(model, real, s, generator)
+        scored = score(trajectory.final.float().cpu(), prompts)
+        rewards = torch.tensor(scored if scored is not None else [0.0] * len(prompts))
+        stats = torch.tensor(
+            [float(rewards.sum()), float(rewards.square().sum()), float(len(rewards))],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(stats, group=group)
+        total, squares, n = stats.tolist()
+        batch_std = max((squares - total * total / n) / max(n - 1, 1), 0.0) ** 0.5
+        advantages = flow_advantages(rewards, s.group_size, s, batch_std=batch_std).to(device)
+        seeds = [
+            sample_seed(s.seed, iteration, f"{(rank + ranks * i)}:{c.stem}", k)
+            for i, c in enumerate(mine)
+            for k in range(s.group_size)
+        ]
+        batch = FlowBatch(prompts, x0, text, mask, trajectory, advantages, noise_seeds=seeds)
+        losses, clipped = train_on_batch(
+            model, optimizer, batch, s, generator, iteration=iteration, reference=reference,
+            old=old, scheduler=scheduler,
+        )  # fmt: skip
+        count = float(len(rewards))
+        sums = torch.tensor(
+            [
+                sum(losses) / len(losses) * count,
+                clipped * count,
+                data_distance(trajectory.final.float().cpu(), prompts, clips) * count,
+                float(scored is None),
+            ],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(sums, group=group)
+        loss, clip, distance, lost = sums.tolist()
+        mean = total / n
+        record = {
+            "iteration": float(iteration),
+            "reward_mean": mean,
+            "reward_std": batch_std,
+            "rewards_lost": lost / ranks,
+            "data_distance": distance / n,
+            "loss": loss / n,
+            "clip_fraction": clip / n,
+        }
+        if on_iteration is not None:
+            on_iteration(record)

@@ -1,0 +1,102 @@
+"""Splitting a flow model over ranks with FSDP2, for the runtime's policy replicas
+(`flow.runtime`) and the colocated one-job loop (`flow.job`): the sharding, frozen copies
+sharded alike, an export that gathers, and the per-sample seeds that make a split step equal
+one process's.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from nebula_rl.config import Config
+from nebula_rl.flow.models import load_flow_model, save_flow_model
+
+__all__ = [
+    "BLOCK_LISTS",
+    "frozen_copy",
+    "sample_seed",
+    "save_sharded_flow_model",
+    "shard_flow_model",
+]
+
+
+def shard_flow_model(
+    model: nn.Module, device: torch.device, *, mesh: DeviceMesh | None = None
+) -> DeviceMesh | None:
+    """Split `model` over this replica's ranks with FSDP2 (each block a unit, then the root),
+    when the replica has several (`policy.parallelism.dp_shard_size`), over `mesh` (default:
+    a new one of every rank); the mesh."""
+    if mesh is None:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    from torch.distributed.fsdp import fully_shard
+
+    for blocks in _block_lists(model):
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return mesh
+
+
+def _block_lists(model: nn.Module) -> list[nn.ModuleList]:
+    """The model's lists of transformer blocks (the built-in DiT's `blocks`, a diffusers
+    transformer's `transformer_blocks` or `blocks`)."""
+    return [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and name.rsplit(".", 1)[-1] in BLOCK_LISTS and len(m) > 0
+    ]
+
+
+BLOCK_LISTS = ("blocks", "transformer_blocks")
+
+
+def frozen_copy(model: nn.Module, cfg: Config, *, mesh: DeviceMesh | None) -> nn.Module:
+    """A frozen copy of `model` as it is now, sharded like it over `mesh` (FSDP2 modules cannot
+    be deep-copied: a fresh model of the same build takes the gathered weights)."""
+    if mesh is None:
+        return copy.deepcopy(model).requires_grad_(False)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    device = next(model.parameters()).device
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    twin = load_flow_model(cfg, seed=cfg.train.seed or 0).to(device)
+    twin.load_state_dict(state)
+    shard_flow_model(twin, device, mesh=mesh)
+    # Forward only: FSDP2 keeps a root's parameters gathered after its forward, for the
+    # backward that never comes here; shard them again (soft updates need the shards).
+    twin.register_forward_hook(lambda module, args, out: module.reshard())
+    return twin.requires_grad_(False)
+
+
+def save_sharded_flow_model(
+    model: nn.Module, cfg: Config, folder: Path, *, mesh: DeviceMesh | None
+) -> None:
+    """Export `model` (`flow.models.save_flow_model`); sharded over `mesh`, every rank gathers
+    and rank 0 writes."""
+    if mesh is None:
+        save_flow_model(model, folder)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)  # (a collective)
+    if dist.get_rank() == 0:
+        whole = load_flow_model(cfg, seed=cfg.train.seed or 0)
+        whole.load_state_dict(state)
+        save_flow_model(whole, folder)
+    dist.barrier(group=mesh.get_group())
+
+
+def sample_seed(seed: int, step: int, prompt_id: str, k: int) -> int:
+    """A seed for sample `k` of the group of `prompt_id` at `step`."""
+    digest = hashlib.sha256(f"{seed}:{step}:{prompt_id}:{k}".encode()).digest()
+    return int.from_bytes(digest[:6], "little")
