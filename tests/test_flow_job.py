@@ -76,7 +76,10 @@ def test_the_shipped_world_model_configs_load(path):
             {"rollout": {"max_response_length": 5}},
             r"rollout\.max_response_length = 5: does not apply to world-model runs",
         ),
-        ({"train": {"ema_enable": True}}, r"train\.ema_enable = true: EMA weights"),
+        (
+            {"train": {"param_dtype": "bfloat16"}},
+            r"train\.param_dtype = \"bfloat16\": does not apply",
+        ),
         (
             {"policy": {"lora": {"r": 4, "lora_path": "a"}}},
             r"policy\.lora\.lora_path = \"a\": does not apply",

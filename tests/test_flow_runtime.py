@@ -184,7 +184,8 @@ def test_what_the_runtime_cannot_run_is_refused_before_it_starts(tmp_path):
 def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora, shards):
     """One policy and one rollout replica, one epoch, with the built-in DiT, with a diffusers
     transformer with a LoRA adapter (the base pushed once, the adapter every step), and with a
-    policy replica of two FSDP2 ranks (each pushing its shards): every clip trained once, the policy's weights pushed to the rollout each step, the trajectory files gone at the end, a sample
+    policy replica of two FSDP2 ranks (each pushing its shards; weight averages exported): every
+    clip trained once, the policy's weights pushed to the rollout each step, the trajectory files gone at the end, a sample
     grid every 4 steps in TensorBoard and `<run>/samples/`, and the export loadable as a flow
     model."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -197,6 +198,7 @@ def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora, sha
             "policy.model_name_or_path": model,
             "policy.lora": lora,
             "policy.parallelism.dp_shard_size": shards,
+            "train.ema_enable": shards == 2,  # (averages of the shards, exported)
             "train.train_policy.mini_batch": 8 // shards,
         },
     )

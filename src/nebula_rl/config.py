@@ -645,15 +645,24 @@ class TrainingConfig(_Section):
     optm_grad_norm_clip: float = Field(default=1.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 disables."""
     ema_enable: bool = Field(
-        default=False, json_schema_extra=refused("EMA weights are not supported yet")
+        default=False,
+        json_schema_extra=refused(
+            "EMA weights are built for world models (policy.is_diffusers) only so far"
+        ),
     )
     """Keep an exponential moving average of the weights."""
     ema_decay: float = Field(
-        default=0.9999, json_schema_extra=refused("EMA weights are not supported yet")
+        default=0.9999,
+        json_schema_extra=refused(
+            "EMA weights are built for world models (policy.is_diffusers) only so far"
+        ),
     )
     """EMA decay."""
     ema_update_step_interval: int = Field(
-        default=0, json_schema_extra=refused("EMA weights are not supported yet")
+        default=0,
+        json_schema_extra=refused(
+            "EMA weights are built for world models (policy.is_diffusers) only so far"
+        ),
     )
     """Steps between EMA updates (0: every step)."""
     master_dtype: Dtype = "float32"
@@ -1805,6 +1814,7 @@ FLOW_KEYS = (
     "train.train_policy.epsilon_low", "train.train_policy.epsilon_high",
     "train.train_policy.data_beta", "train.train_policy.exp_reward",
     "policy.model_name_or_path", "policy.model_revision", "policy.is_diffusers",
+    "policy.model_gradient_checkpointing",
     "policy.warmstart_config",
     "policy.lora.r", "policy.lora.lora_alpha", "policy.lora.lora_dropout",
     "policy.lora.target_modules", "policy.lora.use_rslora", "policy.lora.modules_to_save",
@@ -1829,6 +1839,7 @@ FLOW_KEYS = (
     "mode", "train.train_policy.uncentralized_training", "rollout.parallelism.dp_shard_size",
     # (a world model's completions are tensors, sampled by its own sampler)
     "train.non_text", "rollout.backend",
+    "train.ema_enable", "train.ema_decay", "train.ema_update_step_interval",
     "logging.logger", "logging.log_interval", "logging.multi_modal_log_interval",
     "logging.project_name", "logging.group_name", "logging.experiment_name", "logging.wandb_mode",
 )  # fmt: skip

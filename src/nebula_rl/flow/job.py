@@ -34,6 +34,7 @@ images, W&B images, `samples/step_<N>.png`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -50,9 +51,14 @@ from nebula_rl.config import FLOW_RL_TRAINERS, Config, GrpoConfig, _reward_dict
 from nebula_rl.data import epoch_order, num_train_steps
 from nebula_rl.flow.colocated import run_colocated
 from nebula_rl.flow.data import Clip, make_toy_dataset, read_local_dataset
+from nebula_rl.flow.ema import WeightEMA
 from nebula_rl.flow.local import FlowRLSettings, RewardFn, pretrain, run_flow_rl
 from nebula_rl.flow.models import load_flow_model
-from nebula_rl.flow.parallel import save_sharded_flow_model, shard_flow_model
+from nebula_rl.flow.parallel import (
+    checkpoint_blocks,
+    save_sharded_flow_model,
+    shard_flow_model,
+)
 from nebula_rl.flow.sampler import guided_velocity, sample
 from nebula_rl.metrics_log import MetricsLogger, log_image_file, open_loggers
 from nebula_rl.policy.optim import build_optimizer, lr_lambda
@@ -72,6 +78,7 @@ __all__ = [
     "sample_grid",
     "save_samples",
     "visual_scorer",
+    "weight_ema",
 ]
 
 log = logging.getLogger(__name__)
@@ -177,6 +184,19 @@ def _remote_rewards(p: GrpoConfig) -> RewardFn:
         return total
 
     return score
+
+
+def weight_ema(
+    cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> WeightEMA | None:
+    """With `train.ema_enable`, the averages of `model`'s weights, moved after each step of
+    `optimizer`."""
+    t = cfg.train
+    if not t.ema_enable:
+        return None
+    ema = WeightEMA(model, decay=t.ema_decay, interval=t.ema_update_step_interval)
+    optimizer.register_step_post_hook(lambda *_: ema.step())
+    return ema
 
 
 def flow_scorer(p: GrpoConfig) -> RewardFn:
@@ -306,6 +326,8 @@ def run(cfg: Config) -> Path:
     if not lead:
         clips = flow_clips(cfg, run_dir, create=False)
     model = load_flow_model(cfg, seed=cfg.train.seed or 0).to(device)
+    if cfg.policy.model_gradient_checkpointing:
+        checkpoint_blocks(model)
     mesh = shard_flow_model(model, device)
     rank, world = (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
     d = cfg.policy.diffusers
@@ -349,6 +371,7 @@ def run(cfg: Config) -> Path:
         steps = num_train_steps(cfg, len(clips), items_per_step=prompts)
         settings = flow_settings(cfg, num_iterations=steps, prompts=prompts // world)
         optimizer, scheduler = flow_optimizer(cfg, model, steps * settings.num_minibatches)
+        ema = weight_ema(cfg, model, optimizer)
         sinks = open_loggers(cfg, run_dir, total_steps=steps) if lead else None
         score = flow_scorer(p)
         log.info(
@@ -376,6 +399,7 @@ def run(cfg: Config) -> Path:
             )
         steps = num_train_steps(cfg, len(clips), items_per_step=batch)
         optimizer, scheduler = flow_optimizer(cfg, model, steps)
+        ema = weight_ema(cfg, model, optimizer)
         sinks = open_loggers(cfg, run_dir, total_steps=steps) if lead else None
         log.info("world-model SFT: %d steps of %d clips, %d clips", steps, batch, len(clips))
         ordered = _ordered(cfg, clips, batch)
@@ -398,8 +422,9 @@ def run(cfg: Config) -> Path:
     if sinks is not None:
         sinks.close()
     final = run_dir / "safetensors" / "final"
-    save_sharded_flow_model(model, cfg, final, mesh=mesh)
-    image = grid()
+    with ema.applied() if ema is not None else contextlib.nullcontext():  # (cosmos-rl's export)
+        save_sharded_flow_model(model, cfg, final, mesh=mesh)
+        image = grid()
     if lead:
         image.save(run_dir / "samples.png")
         log.info("exported %s", final)

@@ -20,6 +20,7 @@ from nebula_rl.flow.models import load_flow_model, save_flow_model
 
 __all__ = [
     "BLOCK_LISTS",
+    "checkpoint_blocks",
     "frozen_copy",
     "sample_seed",
     "save_sharded_flow_model",
@@ -57,6 +58,20 @@ def _block_lists(model: nn.Module) -> list[nn.ModuleList]:
 
 
 BLOCK_LISTS = ("blocks", "transformer_blocks")
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Recompute each transformer block's activations in the backward pass instead of keeping
+    them (`policy.model_gradient_checkpointing`; torch's composable `checkpoint`, which keeps
+    the parameter names, applied before FSDP2 wraps the blocks); how many blocks."""
+    from torch.distributed._composable import checkpoint
+
+    count = 0
+    for blocks in _block_lists(model):
+        for block in blocks:
+            checkpoint(block)
+            count += 1
+    return count
 
 
 def frozen_copy(model: nn.Module, cfg: Config, *, mesh: DeviceMesh | None) -> nn.Module:

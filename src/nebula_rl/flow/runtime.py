@@ -32,6 +32,7 @@ config refuses those sizes for world models); scale with replicas (`--policy N`,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -56,6 +57,7 @@ from nebula_rl.flow.job import (
     flow_settings,
     sample_grid,
     save_samples,
+    weight_ema,
 )
 from nebula_rl.flow.local import (
     FlowBatch,
@@ -67,6 +69,7 @@ from nebula_rl.flow.local import (
 )
 from nebula_rl.flow.models import check_flow_model, load_flow_model
 from nebula_rl.flow.parallel import (
+    checkpoint_blocks,
     frozen_copy,
     sample_seed,
     save_sharded_flow_model,
@@ -325,6 +328,8 @@ class FlowTrainer:
             cfg, num_iterations=total_steps, prompts=max(1, cfg.groups_per_replica // self.dp_size)
         )
         self.optimizer, self.scheduler = flow_optimizer(cfg, model, total_steps * s.num_minibatches)
+        self.ema = weight_ema(cfg, model, self.optimizer)
+        """`train.ema_enable`: the averages exports hold."""
         self.generator = torch.Generator().manual_seed(s.seed)
         self.replicas: ReplicaGroup | None = None
         """The other policy replicas of the step (gradients and metrics are summed)."""
@@ -461,6 +466,8 @@ def flow_policy(
     _check_clips(cfg, clips, meta)
     seed = cfg.train.seed or 0
     model = load_flow_model(cfg, seed=seed).to(device)
+    if cfg.policy.model_gradient_checkpointing:
+        checkpoint_blocks(model)
     mesh = shard_flow_model(model, device)
     trainer = FlowTrainer(
         model,
@@ -472,7 +479,8 @@ def flow_policy(
         mesh=mesh,
     )
 
-    def export(folder: Path) -> None:
-        save_sharded_flow_model(model, cfg, folder, mesh=mesh)
+    def export(folder: Path) -> None:  # (the weights' averages with train.ema_enable)
+        with trainer.ema.applied() if trainer.ema is not None else contextlib.nullcontext():
+            save_sharded_flow_model(model, cfg, folder, mesh=mesh)
 
     return model, trainer, export
