@@ -256,3 +256,23 @@ def test_tiny_dit_learns_a_flow_and_guidance_detaches_the_unconditional_branch()
     for name, p in model.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-3, atol=1e-4)
+
+
+def test_dpm2_solves_the_ode_to_second_order():
+    """x0 ~ N(1.5, 0.5^2) with the exact velocity: the ODE takes noise z to 1.5 + 0.5 z. In 10
+    steps DPM-Solver++(2M) lands 20x closer than Euler does (Euler: 0.28, dpm2: 0.013, the
+    largest error over 1000 samples), closer than Euler in 20 steps; it records no log-probs
+    and refuses the SDE."""
+    mu, s = 1.5, 0.5
+    z = torch.randn(1000, 1, generator=torch.Generator().manual_seed(0))
+    want = mu + s * z
+
+    def error(solver: str, steps: int) -> float:
+        x = sample(_exact_velocity(mu, s), z, num_steps=steps, noise_level=0.0, solver=solver)
+        assert solver == "euler" or not x.log_probs.any()
+        return float((x.final - want).abs().max())
+
+    assert error("dpm2", 10) < error("euler", 10) / 10
+    assert error("dpm2", 10) < error("euler", 20)
+    with pytest.raises(ValueError, match="needs noise_level 0"):
+        sample(_exact_velocity(mu, s), z, num_steps=4, noise_level=0.7, solver="dpm2")

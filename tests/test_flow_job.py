@@ -102,7 +102,14 @@ def test_the_shipped_world_model_configs_load(path):
             r'trainer_type = "grpo": world-model RL trains with',
         ),
         ({"policy": {"diffusers": {"offload": True}}}, r"offload = true: offloading"),
-        ({"policy": {"diffusers": {"sample": {"solver": "dpm2"}}}}, r'solver = "dpm2"'),
+        (
+            {"policy": {"diffusers": {"sample": {"solver": "dpm2"}}}},
+            r'solver = "dpm2" solves the ODE',
+        ),
+        (
+            {"policy": {"diffusers": {"sample": {"solver": "ddim"}}}},
+            r'solver = "ddim": world-model',
+        ),
         (
             {"train": {"train_policy": {"use_remote_reward": True}}},
             r"reward_function: a world-model run with use_remote_reward",

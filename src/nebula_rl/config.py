@@ -896,14 +896,9 @@ class SampleConfig(_Section):
     """SDE noise level."""
     deterministic_sampling: bool = False
     """Deterministic sampling."""
-    solver: str = Field(
-        default="euler",
-        json_schema_extra=refused(
-            "world-model rollouts use the SDE sampler, or with deterministic_sampling the "
-            "Euler ODE step; other solvers (cosmos-rl's dpm2) are not implemented"
-        ),
-    )
-    """Solver of deterministic rollouts."""
+    solver: str = "euler"
+    """Solver of deterministic rollouts: `euler` (the ODE step), or `dpm2` (DPM-Solver++(2M),
+    second order; cosmos-rl's default) with `deterministic_sampling`."""
 
 
 class DiffusersTokenizerConfig(_Section):
@@ -1829,6 +1824,7 @@ FLOW_KEYS = (
     "policy.diffusers.sample.num_steps", "policy.diffusers.sample.eval_num_steps",
     "policy.diffusers.sample.guidance_scale", "policy.diffusers.sample.global_std",
     "policy.diffusers.sample.noise_level", "policy.diffusers.sample.deterministic_sampling",
+    "policy.diffusers.sample.solver",
     "rollout.n_generation",
     # (the runtime's: replicas, the controller, the staleness bound, weight pushes)
     "rollout.batch_size", "rollout.seed", "rollout.parallelism.n_init_replicas",
@@ -1837,6 +1833,8 @@ FLOW_KEYS = (
     "train.train_policy.allowed_outdated_steps", "controller", "redis",
     # (colocated mode: the policy's ranks sample and train)
     "mode", "train.train_policy.uncentralized_training", "rollout.parallelism.dp_shard_size",
+    # (read by nothing while validation.enable is false, which a rule below requires)
+    "validation.enable", "validation.dataset", "validation.freq",
     # (a world model's completions are tensors, sampled by its own sampler)
     "train.non_text", "rollout.backend",
     "train.ema_enable", "train.ema_decay", "train.ema_update_step_interval",
@@ -1910,6 +1908,22 @@ def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
         out.append(
             f"policy.diffusers.weighting_scheme = {json.dumps(d.weighting_scheme)}: "
             'world-model SFT samples noise levels "uniform" or "logit_normal"'
+        )
+    solver = d.sample.solver
+    if solver not in ("euler", "dpm2"):
+        out.append(
+            f"policy.diffusers.sample.solver = {json.dumps(solver)}: world-model rollouts take "
+            '"euler" (the SDE, or its ODE with deterministic_sampling) or "dpm2"'
+        )
+    elif solver == "dpm2" and not d.sample.deterministic_sampling:
+        out.append(
+            'policy.diffusers.sample.solver = "dpm2" solves the ODE: it needs '
+            "policy.diffusers.sample.deterministic_sampling = true (DiffusionNFT)"
+        )
+    if cfg.validation.enable:
+        out.append(
+            "validation.enable = true: world-model validation is not built yet (its "
+            "other [validation] keys are accepted while it is off)"
         )
     if "rollout.backend" in user_keys and cfg.rollout.backend not in (
         "vllm",  # (the default: not a choice)

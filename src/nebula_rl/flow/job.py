@@ -235,6 +235,7 @@ def flow_settings(cfg: Config, *, num_iterations: int, prompts: int) -> FlowRLSe
         exp_reward=p.exp_reward,
         nft_beta=d.nft_beta,
         guidance_scale=d.sample.guidance_scale,
+        solver=d.sample.solver,
         seed=cfg.train.seed or 0,
     )
 

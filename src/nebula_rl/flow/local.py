@@ -97,6 +97,8 @@ class FlowRLSettings:
     nft_beta: float = 1.0
     """DiffusionNFT's beta: how far the implicit policies lie from the old weights."""
     guidance_scale: float = 1.0
+    solver: str = "euler"
+    """Rollouts' ODE solver at noise level 0: "euler" or "dpm2" (DPM-Solver++(2M))."""
     seed: int = 0
 
 
@@ -242,7 +244,7 @@ def roll_out(
         trajectory = sample(
             _velocity(model, text, mask, s), noise,
             num_steps=s.sample_steps, noise_level=s.noise_level, shift=s.shift,
-            generator=generator,
+            generator=generator, solver=s.solver,
         )  # fmt: skip
     model.train(training)
     return x0, text, mask, trajectory
