@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nebula_rl.flow.dit import autocast
+
 __all__ = [
     "DIFFUSERS_CLASSES",
     "DIFFUSERS_PRESETS",
@@ -78,7 +80,14 @@ class DiffusersFlowModel(nn.Module):
         """The transformer's diffusers config."""
         return self.transformer.config
 
+    compute_dtype: torch.dtype = torch.float32
+    """The dtype the forward computes in (`train.param_dtype`; autocast below float32)."""
+
     def forward(self, x: Tensor, sigma: Tensor, text: Tensor, text_mask: Tensor) -> Tensor:
+        with autocast(self.compute_dtype, x):
+            return self._velocity(x, sigma, text, text_mask)
+
+    def _velocity(self, x: Tensor, sigma: Tensor, text: Tensor, text_mask: Tensor) -> Tensor:
         dtype = next(self.transformer.parameters()).dtype
         text = (text * text_mask.unsqueeze(-1).to(text.dtype)).to(dtype)
         t = (sigma * 1000 if self.kind in _THOUSAND else sigma).to(dtype)

@@ -11,6 +11,7 @@ The output projection starts at zero, so a fresh model predicts zero velocity.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 
@@ -103,6 +104,14 @@ class _Block(nn.Module):
         return x + gate2[:, None] * self.mlp(_modulate(self.norm2(x), shift2, scale2))
 
 
+def autocast(dtype: torch.dtype, x: Tensor) -> contextlib.AbstractContextManager[object]:
+    """Autocast to `dtype` on `x`'s device, or nothing at float32 (a flow model's mixed
+    precision)."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=x.device.type, dtype=dtype)
+
+
 class TinyDiT(nn.Module):
     """Velocity `v = model(x, sigma, text, text_mask)` of a rectified flow
     `x_sigma = (1 - sigma) x0 + sigma noise` (so `v` estimates `noise - x0`)."""
@@ -129,9 +138,17 @@ class TinyDiT(nn.Module):
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
 
+    compute_dtype: torch.dtype = torch.float32
+    """The dtype the forward computes in (`train.param_dtype`): below float32, under autocast;
+    the velocity comes back in the input's dtype."""
+
     def forward(self, x: Tensor, sigma: Tensor, text: Tensor, text_mask: Tensor) -> Tensor:
         """`x` [B, C, T, H, W], `sigma` [B], `text` [B, L, D], `text_mask` [B, L] (1 for a
         token) -> velocity [B, C, T, H, W]."""
+        with autocast(self.compute_dtype, x):
+            return self._velocity(x, sigma, text, text_mask).to(x.dtype)
+
+    def _velocity(self, x: Tensor, sigma: Tensor, text: Tensor, text_mask: Tensor) -> Tensor:
         c = self.config
         b, channels, frames, height, width = x.shape
         if (channels, frames, height, width) != (c.channels, c.frames, c.size, c.size):

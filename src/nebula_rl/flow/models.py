@@ -34,6 +34,7 @@ from nebula_rl.flow.diffusers_models import (
 from nebula_rl.flow.dit import TinyDiT, TinyDiTConfig
 from nebula_rl.flow.lora import apply_lora, lora_adapter_state, merged_copy, save_adapter
 from nebula_rl.hub import is_hub_id
+from nebula_rl.models import resolve_dtype
 
 __all__ = [
     "FLOW_MODEL_TYPE",
@@ -125,13 +126,17 @@ def load_flow_model(cfg: Config, *, seed: int = 0) -> nn.Module:
     diffusers transformer (local or from the Hub); with `policy.lora`, its adapter injected
     (seeded: every process of a job builds the same)."""
     model = _base_model(cfg, seed=seed)
+    compute = resolve_dtype(cfg.train.param_dtype)
+    if compute not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"train.param_dtype = {cfg.train.param_dtype!r}: a float dtype")
+    model.compute_dtype = compute  # (mixed precision: autocast in the forward)
     if cfg.policy.lora is not None:
         torch.manual_seed(seed)
         apply_lora(model, cfg.policy.lora, trainer_type=cfg.train.train_policy.trainer_type)
     return model
 
 
-def _base_model(cfg: Config, *, seed: int) -> nn.Module:
+def _base_model(cfg: Config, *, seed: int) -> TinyDiT | DiffusersFlowModel:
     name = cfg.policy.model_name_or_path
     if name in DIFFUSERS_PRESETS:
         frames, size = _shape(cfg)
