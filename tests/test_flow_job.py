@@ -77,8 +77,8 @@ def test_the_shipped_world_model_configs_load(path):
             r"rollout\.max_response_length = 5: does not apply to world-model runs",
         ),
         (
-            {"train": {"ckpt": {"enable_checkpoint": True}}},
-            r"train\.ckpt\.enable_checkpoint = true: does not apply",
+            {"train": {"compile": True}},
+            r"train\.compile = true: does not apply",
         ),
         (
             {"policy": {"lora": {"r": 4, "lora_path": "a"}}},

@@ -160,3 +160,39 @@ def test_bf16_param_dtype_computes_the_velocity_in_bf16(tmp_path):
     run_dir = job.run(config_from_dict(rl))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(0 <= r["reward_mean"] <= 1 for r in records)
+
+
+def test_a_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path):
+    """DiffusionNFT with weight averages, checkpointed every 2 of 4 steps (the model, its old
+    weights, the averages, the optimiser, the noise generator): a new run resumed from step 2
+    exports the same weights as the run that went through, and records steps 3 and 4 only."""
+    import json
+
+    def cfg(name: str, **train: object) -> dict:
+        raw = _sft(tmp_path, name, ema_enable=True, ema_decay=0.9, **train)
+        raw["train"]["train_policy"] = {
+            "type": "grpo",
+            "trainer_type": "diffusion_nft",
+            "reward_function": "brightness",
+            "mini_batch": 4,
+            "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": 1}},
+        }
+        raw["train"]["epoch"] = 4
+        raw["policy"]["diffusers"]["weight_copy_decay_type"] = 1
+        raw["policy"]["diffusers"]["sample"]["deterministic_sampling"] = True
+        raw["rollout"] = {"n_generation": 4}
+        return raw
+
+    ckpt = {"enable_checkpoint": True, "save_freq": 2, "export_safetensors": False}
+    through = cfg("through", ckpt=ckpt)
+    first = job.run(config_from_dict(through))
+    assert (first / "checkpoints" / "step_2").is_dir()
+    resumed = cfg("resumed", resume=str(first / "checkpoints" / "step_2"))
+    second = job.run(config_from_dict(resumed))
+    want, got = _exported(tmp_path, through, first), _exported(tmp_path, resumed, second)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=name)
+    steps = [
+        json.loads(line)["step"] for line in (second / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == [3, 4]

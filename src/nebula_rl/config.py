@@ -1838,7 +1838,7 @@ FLOW_KEYS = (
     # (a world model's completions are tensors, sampled by its own sampler)
     "train.non_text", "rollout.backend",
     "train.ema_enable", "train.ema_decay", "train.ema_update_step_interval",
-    "train.param_dtype",
+    "train.param_dtype", "train.ckpt", "train.resume",
     "logging.logger", "logging.log_interval", "logging.multi_modal_log_interval",
     "logging.project_name", "logging.group_name", "logging.experiment_name", "logging.wandb_mode",
 )  # fmt: skip

@@ -52,7 +52,7 @@ from nebula_rl.metrics_log import open_loggers
 from nebula_rl.models import load_tokenizer
 from nebula_rl.models.export import export_hf
 from nebula_rl.policy.batching import rollout_media
-from nebula_rl.policy.checkpoint import Checkpointer, Restored
+from nebula_rl.policy.checkpoint import Checkpointer, resume_checkpoint
 from nebula_rl.policy.parallelize import ParallelModel
 from nebula_rl.policy.setup import (
     load_policy_model,
@@ -76,7 +76,7 @@ from nebula_rl.rollout.worker import (
     sampling_params,
     validation_sampling_params,
 )
-from nebula_rl.runs import drop_steps_after, is_checkpoint, latest_checkpoint, resolve_run_dir
+from nebula_rl.runs import drop_steps_after, resolve_run_dir
 from nebula_rl.signals import CheckpointSignal
 from nebula_rl.validation import validation_due, validation_metrics, validation_seed
 
@@ -159,26 +159,6 @@ def _init_distributed(cfg: Config) -> bool:
         )
     init_ranks("nccl" if torch.cuda.is_available() else "gloo")
     return True
-
-
-def _resume(cfg: Config, run_dir: Path, checkpointer: Checkpointer) -> Restored | None:
-    """Load the checkpoint `train.resume` names, if any."""
-    resume = cfg.train.resume
-    if resume is False:
-        return None
-    if resume is True:
-        path = latest_checkpoint(run_dir)
-        if path is None:
-            log.info("train.resume: no checkpoint under %s yet: starting at step 1", run_dir)
-            return None
-    else:
-        path = Path(resume)
-        if not is_checkpoint(path):
-            raise ValueError(
-                f"train.resume: {path} is not a complete checkpoint folder "
-                "(expected <run>/checkpoints/step_<N> with a manifest.json)"
-            )
-    return checkpointer.load(path)
 
 
 class _PromptStream:
@@ -398,7 +378,7 @@ def _run_grpo(
     prompts = _PromptStream(rows, cfg)
     trained: list[str] = []
     done = 0
-    restored = _resume(cfg, run_dir, checkpointer)
+    restored = resume_checkpoint(cfg, run_dir, checkpointer)
     if restored is not None:
         done, trained = restored.step, restored.data["trained_prompts"]
         prompts.epoch, prompts.position = restored.data["epoch"], restored.data["position"]
@@ -577,7 +557,7 @@ def _run_sft(
     checkpointer = _checkpointer(cfg, run_dir, model, vision or tokenizer, trainer)
     val_rows_per_forward = cfg.validation.batch_size or p.mini_batch
     step, first_epoch, first_position = 0, 0, 0
-    restored = _resume(cfg, run_dir, checkpointer)
+    restored = resume_checkpoint(cfg, run_dir, checkpointer)
     if restored is not None:
         step = restored.step
         first_epoch, first_position = restored.data["epoch"], restored.data["position"]

@@ -132,6 +132,25 @@ def _layout(cfg: Config, num_policy: int, num_rollout: int, p: Preflight) -> Non
         )
 
 
+def _flow_model(cfg: Config, p: Preflight) -> None:
+    """A world model on disk or a preset is checked here (its class, its pixel space); a Hub
+    model's configs are fetched and checked at launch."""
+    from nebula_rl.flow.models import check_flow_model
+
+    name = cfg.policy.model_name_or_path
+    if Path(name).exists() or name.startswith("tiny:"):
+        try:
+            check_flow_model(cfg)
+        except ValueError as err:
+            p.errors.append(str(err))
+    elif is_hub_id(name):
+        p.notes.append(
+            f"policy.model_name_or_path: {name} is fetched from the Hub at launch; its "
+            "transformer must be a pixel-space CosmosTransformer3DModel, WanTransformer3DModel "
+            "or SD3Transformer2DModel (in_channels = 3; no VAE is run yet)"
+        )
+
+
 def preflight(
     cfg: Config, *, num_policy: int | None = None, num_rollout: int | None = None
 ) -> Preflight:
@@ -170,11 +189,20 @@ def preflight(
                 f"({cfg.groups_per_replica * cfg.rollout.n_generation} completions)"
             )
     if cfg.policy.is_diffusers:
-        p.notes.append(
-            f"layout: world-model RL runs {num_policy} policy and {num_rollout} rollout "
-            "replica(s) of one process each (`--local`: all in this one process; "
-            "docs/world-models.md)"
-        )
+        _flow_model(cfg, p)
+        shards = cfg.policy.parallelism.dp_shard_size
+        if cfg.mode == "colocated" or not isinstance(rl, GrpoConfig):
+            p.notes.append(
+                f"layout: the world model trains on {shards} rank(s), FSDP2-sharded"
+                + (", sampling its own rollouts (colocated)" if isinstance(rl, GrpoConfig) else "")
+                + " (docs/world-models.md)"
+            )
+        else:
+            p.notes.append(
+                f"layout: world-model RL runs {num_policy} policy replica(s) of {shards} "
+                f"process(es) and {num_rollout} rollout replica(s) of one (`--local`: all in "
+                "this one process; docs/world-models.md)"
+            )
         return p
     _layout(cfg, num_policy, num_rollout, p)
     return p

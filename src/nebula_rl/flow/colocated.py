@@ -49,18 +49,26 @@ def run_colocated(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     on_iteration: Callable[[dict[str, float]], None] | None = None,
+    start: int = 1,
+    generator: torch.Generator | None = None,
+    old: nn.Module | None = None,
+    reference: nn.Module | None = None,
 ) -> None:
     """Train `model` (sharded over `mesh`) with `settings.algorithm`; `prompt_clips(iteration)`
     gives the iteration's prompts (all ranks', the same list on every rank); `on_iteration`
-    gets each iteration's record on every rank."""
+    gets each iteration's record on every rank. Iterations `start`.. run, with noise from
+    `generator`; DiffusionNFT's old weights and the KL reference are made here unless given."""
     s = settings
     rank, ranks = mesh.get_local_rank(), mesh.size()
     group = mesh.get_group()
-    generator = torch.Generator().manual_seed(s.seed + 1000 * rank)  # (each rank's own noise)
-    old = frozen_copy(model, cfg, mesh=mesh) if s.algorithm == "nft" else None
-    reference = frozen_copy(model, cfg, mesh=mesh) if s.kl_beta > 0 else None
+    # (each rank's own noise)
+    generator = generator or torch.Generator().manual_seed(s.seed + 1000 * rank)
+    if old is None and s.algorithm == "nft":
+        old = frozen_copy(model, cfg, mesh=mesh)
+    if reference is None and s.kl_beta > 0:
+        reference = frozen_copy(model, cfg, mesh=mesh)
     device = next(model.parameters()).device
-    for iteration in range(1, s.num_iterations + 1):
+    for iteration in range(start, s.num_iterations + 1):
         everyone = prompt_clips(iteration)
         mine = everyone[rank::ranks]
         if not mine:

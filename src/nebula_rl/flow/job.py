@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from PIL import Image
-from torch import Tensor
+from torch import Tensor, nn
 
 from nebula_rl.config import FLOW_RL_TRAINERS, Config, GrpoConfig, _reward_dict
 from nebula_rl.data import epoch_order, num_train_steps
@@ -56,11 +56,13 @@ from nebula_rl.flow.local import FlowRLSettings, RewardFn, pretrain, run_flow_rl
 from nebula_rl.flow.models import load_flow_model
 from nebula_rl.flow.parallel import (
     checkpoint_blocks,
+    frozen_copy,
     save_sharded_flow_model,
     shard_flow_model,
 )
 from nebula_rl.flow.sampler import guided_velocity, sample
-from nebula_rl.metrics_log import MetricsLogger, log_image_file, open_loggers
+from nebula_rl.metrics_log import log_image_file, open_loggers
+from nebula_rl.policy.checkpoint import Checkpointer, resume_checkpoint
 from nebula_rl.policy.optim import build_optimizer, lr_lambda
 from nebula_rl.ranks import close_ranks, init_ranks, rank_env
 from nebula_rl.rewards.visual import VISUAL_REWARDS, pixels_from_samples
@@ -305,8 +307,21 @@ def check_ranks(cfg: Config) -> None:
         )
 
 
+class _TrainingState(nn.Module):
+    """What a world-model checkpoint holds besides the optimiser and the schedule: the model,
+    DiffusionNFT's old weights, the weight averages (as buffers)."""
+
+    def __init__(self, model: nn.Module, old: nn.Module | None, ema: WeightEMA | None) -> None:
+        super().__init__()
+        self.model = model
+        if old is not None:
+            self.old = old
+        for i, average in enumerate(ema.averages if ema is not None else []):
+            self.register_buffer(f"ema_{i}", average)
+
+
 def run(cfg: Config) -> Path:
-    """Run the world-model config `cfg` in this process; its run folder."""
+    """Run the world-model config `cfg` in this process (one of its ranks); its run folder."""
     p = cfg.train.train_policy
     check_ranks(cfg)
     ranks = rank_env()
@@ -319,42 +334,31 @@ def run(cfg: Config) -> Path:
     if lead:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-    torch.manual_seed(cfg.train.seed or 0)
+    seed = cfg.train.seed or 0
+    torch.manual_seed(seed)
     if lead:
         clips = flow_clips(cfg, run_dir, create=True)
     if ranks.world_size > 1:
         dist.barrier()  # (the toy dataset is written)
     if not lead:
         clips = flow_clips(cfg, run_dir, create=False)
-    model = load_flow_model(cfg, seed=cfg.train.seed or 0).to(device)
+    model = load_flow_model(cfg, seed=seed).to(device)
     if cfg.policy.model_gradient_checkpointing:
         checkpoint_blocks(model)
     mesh = shard_flow_model(model, device)
     rank, world = (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
     d = cfg.policy.diffusers
-    metrics = (run_dir / "metrics.jsonl").open("a") if lead else None
+    generator = torch.Generator().manual_seed(seed + 1000 * rank)  # (each rank its own noise)
     every = cfg.logging.multi_modal_log_interval
-    sinks: MetricsLogger | None = None
 
     def grid() -> Image.Image:  # (every rank: the forward of a sharded model is collective)
         return sample_grid(
             model, clips, num_steps=d.sample.eval_num_steps, shift=d.train_flow_shift
         )
 
-    def record(values: dict[str, float]) -> None:
-        step = int(values.get("iteration", values.get("step", 0)))
-        values = {"step": step, **{k: v for k, v in values.items() if k != "step"}}
-        image = grid() if every and step % every == 0 else None
-        if not lead:
-            return
-        assert metrics is not None and sinks is not None
-        metrics.write(json.dumps(values) + "\n")
-        metrics.flush()
-        sinks.log(values)
-        if image is not None:
-            log_image_file(sinks, "samples", step, save_samples(image, run_dir, step))
-
     batch = cfg.train.train_batch_per_replica
+    settings: FlowRLSettings | None = None
+    old = reference = None
     if isinstance(p, GrpoConfig):
         n = cfg.rollout.n_generation
         if batch % n or batch % p.mini_batch:
@@ -369,41 +373,96 @@ def run(cfg: Config) -> Path:
                 f"policy.parallelism.dp_shard_size = {world} must divide the prompts of a step "
                 f"(train_batch_per_replica / n_generation = {prompts})"
             )
+        per_step = prompts
         steps = num_train_steps(cfg, len(clips), items_per_step=prompts)
         settings = flow_settings(cfg, num_iterations=steps, prompts=prompts // world)
-        optimizer, scheduler = flow_optimizer(cfg, model, steps * settings.num_minibatches)
-        ema = weight_ema(cfg, model, optimizer)
-        sinks = open_loggers(cfg, run_dir, total_steps=steps) if lead else None
-        score = flow_scorer(p)
-        log.info(
-            "world-model %s: %d iterations of %d prompts x %d samples, %d clips%s",
-            p.trainer_type, steps, prompts, n, len(clips),
-            f", colocated on {world} ranks" if mesh is not None else "",
-        )  # fmt: skip
-        if mesh is None:
-            run_flow_rl(
-                model, clips, settings, score=score, on_iteration=record,
-                prompt_clips=_ordered(cfg, clips, prompts), optimizer=optimizer,
-                scheduler=scheduler,
-            )  # fmt: skip
-        else:
-            run_colocated(
-                model, cfg, clips, settings, mesh=mesh, score=score,
-                prompt_clips=_ordered(cfg, clips, prompts), optimizer=optimizer,
-                scheduler=scheduler, on_iteration=record,
-            )  # fmt: skip
+        updates = steps * settings.num_minibatches
+        # (the KL reference is the starting weights: copied before a checkpoint is loaded)
+        old = frozen_copy(model, cfg, mesh=mesh) if settings.algorithm == "nft" else None
+        reference = frozen_copy(model, cfg, mesh=mesh) if settings.kl_beta > 0 else None
     else:
         if batch % world:
             raise ValueError(
                 f"policy.parallelism.dp_shard_size = {world} must divide "
                 f"train.train_batch_per_replica ({batch})"
             )
-        steps = num_train_steps(cfg, len(clips), items_per_step=batch)
-        optimizer, scheduler = flow_optimizer(cfg, model, steps)
-        ema = weight_ema(cfg, model, optimizer)
-        sinks = open_loggers(cfg, run_dir, total_steps=steps) if lead else None
+        per_step = batch
+        steps = updates = num_train_steps(cfg, len(clips), items_per_step=batch)
+    optimizer, scheduler = flow_optimizer(cfg, model, updates)
+    ema = weight_ema(cfg, model, optimizer)
+
+    def export(folder: Path) -> None:  # (every rank; the weights' averages with ema_enable)
+        with ema.applied() if ema is not None else contextlib.nullcontext():
+            save_sharded_flow_model(model, cfg, folder, mesh=mesh)
+
+    checkpointer = Checkpointer(
+        cfg.train.ckpt,
+        run_dir,
+        model=_TrainingState(model, old, ema),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        export=export,
+    )
+    start = 1
+    restored = resume_checkpoint(cfg, run_dir, checkpointer)
+    if restored is not None:
+        start = restored.step + 1
+        generator.set_state(restored.data["generators"][rank])
+        if ema is not None:
+            ema.steps = scheduler.last_epoch
+    metrics_path = run_dir / "metrics.jsonl"
+    if lead and restored is not None and metrics_path.exists():  # (steps after it run again)
+        kept = [
+            line
+            for line in metrics_path.read_text().splitlines(keepends=True)
+            if line.endswith("\n") and json.loads(line)["step"] <= restored.step
+        ]
+        metrics_path.write_text("".join(kept))
+    metrics = metrics_path.open("a") if lead else None
+    sinks = open_loggers(cfg, run_dir, total_steps=steps) if lead else None
+
+    def record(values: dict[str, float]) -> None:
+        step = int(values.get("iteration", values.get("step", 0)))
+        values = {"step": step, **{k: v for k, v in values.items() if k != "step"}}
+        image = grid() if every and step % every == 0 else None
+        if lead:
+            assert metrics is not None and sinks is not None
+            metrics.write(json.dumps(values) + "\n")
+            metrics.flush()
+            sinks.log(values)
+            if image is not None:
+                log_image_file(sinks, "samples", step, save_samples(image, run_dir, step))
+        if checkpointer.due(step, last=step == steps):
+            states: list[Any] = [generator.get_state()]
+            if mesh is not None:  # (every rank's noise generator)
+                states = [None] * world
+                dist.all_gather_object(states, generator.get_state(), group=mesh.get_group())
+            checkpointer.save(step, data={"generators": states})
+
+    ordered = _ordered(cfg, clips, per_step)
+    if settings is not None:
+        assert isinstance(p, GrpoConfig)
+        score = flow_scorer(p)
+        log.info(
+            "world-model %s: %d iterations of %d prompts x %d samples, %d clips%s%s",
+            p.trainer_type, steps, per_step, settings.group_size, len(clips),
+            f", colocated on {world} ranks" if mesh is not None else "",
+            f", from step {start}" if start > 1 else "",
+        )  # fmt: skip
+        if mesh is None:
+            run_flow_rl(
+                model, clips, settings, score=score, on_iteration=record, prompt_clips=ordered,
+                optimizer=optimizer, scheduler=scheduler, start=start, generator=generator,
+                old=old, reference=reference,
+            )  # fmt: skip
+        else:
+            run_colocated(
+                model, cfg, clips, settings, mesh=mesh, score=score, prompt_clips=ordered,
+                optimizer=optimizer, scheduler=scheduler, on_iteration=record, start=start,
+                generator=generator, old=old, reference=reference,
+            )  # fmt: skip
+    else:
         log.info("world-model SFT: %d steps of %d clips, %d clips", steps, batch, len(clips))
-        ordered = _ordered(cfg, clips, batch)
 
         def on_step(values: dict[str, float]) -> None:
             if mesh is not None:  # (the loss of the whole batch: the mean of the ranks')
@@ -413,11 +472,13 @@ def run(cfg: Config) -> Path:
             record(values)
 
         pretrain(
-            model, clips, steps=steps, seed=(cfg.train.seed or 0) + 1000 * rank,
-            batches=lambda step: ordered(step)[rank::world], optimizer=optimizer,
-            scheduler=scheduler, sigma_scheme=d.weighting_scheme, sigma_mean=d.logit_mean,
-            sigma_std=d.logit_std, grad_clip=cfg.train.optm_grad_norm_clip, on_step=on_step,
+            model, clips, steps=steps, batches=lambda step: ordered(step)[rank::world],
+            optimizer=optimizer, scheduler=scheduler, sigma_scheme=d.weighting_scheme,
+            sigma_mean=d.logit_mean, sigma_std=d.logit_std,
+            grad_clip=cfg.train.optm_grad_norm_clip, on_step=on_step, start=start,
+            generator=generator,
         )  # fmt: skip
+    checkpointer.close()
     if metrics is not None:
         metrics.close()
     if sinks is not None:

@@ -135,15 +135,18 @@ def pretrain(
     sigma_std: float = 1.0,
     grad_clip: float | None = None,
     on_step: Callable[[dict[str, float]], None] | None = None,
+    start: int = 1,
+    generator: torch.Generator | None = None,
 ) -> list[float]:
-    """Flow-matching SFT: `steps` optimiser steps on `batches(step)` (default: `batch_size`
-    random clips), noise levels from :func:`sft_sigmas`; the losses."""
-    generator = torch.Generator().manual_seed(seed)
+    """Flow-matching SFT: steps `start`..`steps` (optimiser steps) on `batches(step)` (default:
+    `batch_size` random clips), noise levels from :func:`sft_sigmas`, noise from `generator`
+    (default: seeded by `seed`); the losses."""
+    generator = generator or torch.Generator().manual_seed(seed)
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     model.train()
-    for step in range(1, steps + 1):
+    for step in range(start, steps + 1):
         if batches is not None:
             chosen = batches(step)
         else:
@@ -286,9 +289,17 @@ def run_flow_rl(
     prompt_clips: Callable[[int], list[Clip]] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    start: int = 1,
+    generator: torch.Generator | None = None,
+    old: nn.Module | None = None,
+    reference: nn.Module | None = None,
 ) -> list[dict[str, float]]:
     """Train `model` with FlowGRPO, DDRL or DiffusionNFT on the captions of `clips`; one record
     per iteration (reward mean, data distance, loss, the fraction of clipped ratios).
+
+    Iterations `start`..`num_iterations` run (a resumed run starts later), their noise drawn
+    from `generator` (default: seeded by `seed`). DiffusionNFT's old weights and the KL
+    reference are copies of `model` made here unless given (`old`, `reference`).
 
     Each iteration's prompts are the captions of `prompt_clips(iteration)` (default:
     `prompts_per_iteration` distinct random captions), each sampled `group_size` times; DDRL's
@@ -298,14 +309,16 @@ def run_flow_rl(
     if s.algorithm == "ddrl" and s.data_beta <= 0:
         raise ValueError("ddrl: data_beta must be > 0 (with 0 it is FlowGRPO)")
     rng = random.Random(s.seed)
-    generator = torch.Generator().manual_seed(s.seed)
+    generator = generator or torch.Generator().manual_seed(s.seed)
     captions = sorted({c.caption for c in clips})
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
-    old = copy.deepcopy(model).requires_grad_(False) if s.algorithm == "nft" else None
-    reference = copy.deepcopy(model).requires_grad_(False) if s.kl_beta > 0 else None
+    if old is None and s.algorithm == "nft":
+        old = copy.deepcopy(model).requires_grad_(False)
+    if reference is None and s.kl_beta > 0:
+        reference = copy.deepcopy(model).requires_grad_(False)
     records = []
-    for iteration in range(1, s.num_iterations + 1):
+    for iteration in range(start, s.num_iterations + 1):
         if prompt_clips is not None:
             real = [c for c in prompt_clips(iteration) for _ in range(s.group_size)]
         else:

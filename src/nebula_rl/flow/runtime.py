@@ -103,6 +103,12 @@ def check_flow_job(cfg: Config) -> None:
             f"train.train_policy.trainer_type = {p.trainer_type!r}: world-model SFT runs in one "
             "process (the replicas run RL); `nebula-rl train --config X` runs it"
         )
+    if cfg.train.ckpt.enable_checkpoint or cfg.train.resume is not False:
+        key = "train.ckpt.enable_checkpoint" if cfg.train.ckpt.enable_checkpoint else "train.resume"
+        raise ValueError(
+            f"{key}: a world model's checkpoints are written by runs in one job (--local, "
+            'mode = "colocated", SFT); its policy replicas do not checkpoint yet'
+        )
     if cfg.train.train_batch_per_replica % cfg.rollout.n_generation:
         raise ValueError(
             f"train.train_batch_per_replica ({cfg.train.train_batch_per_replica}) must be a "

@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from nebula_rl.config import CheckpointConfig
+from nebula_rl.config import CheckpointConfig, Config
 from nebula_rl.runs import (
     MANIFEST,
     checkpoint_path,
@@ -60,6 +60,7 @@ __all__ = [
     "complete_checkpoints",
     "is_checkpoint",
     "latest_checkpoint",
+    "resume_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
@@ -281,3 +282,23 @@ class Checkpointer:
         train = pickle.loads(state["train"])
         log.info("resumed from %s (step %d)", path, train["step"])
         return Restored(path, train["step"], train["data"], train["ledger"])
+
+
+def resume_checkpoint(cfg: Config, run_dir: Path, checkpointer: Checkpointer) -> Restored | None:
+    """Load the checkpoint `train.resume` names, if any."""
+    resume = cfg.train.resume
+    if resume is False:
+        return None
+    if resume is True:
+        path = latest_checkpoint(run_dir)
+        if path is None:
+            log.info("train.resume: no checkpoint under %s yet: starting at step 1", run_dir)
+            return None
+    else:
+        path = Path(resume)
+        if not is_checkpoint(path):
+            raise ValueError(
+                f"train.resume: {path} is not a complete checkpoint folder "
+                "(expected <run>/checkpoints/step_<N> with a manifest.json)"
+            )
+    return checkpointer.load(path)
