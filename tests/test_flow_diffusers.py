@@ -12,6 +12,7 @@ import pytest
 import torch
 from diffusers import CosmosTransformer3DModel
 
+from flow_configs import tiny_flow_policy
 from nebula_rl.config import config_from_dict
 from nebula_rl.flow.diffusers_models import DIFFUSERS_PRESETS, DiffusersFlowModel
 from nebula_rl.flow.models import check_flow_model, load_flow_model, save_flow_model
@@ -21,7 +22,6 @@ VIDEO_PRESETS = ["tiny:cosmos_transformer3d", "tiny:wan_transformer3d"]
 
 def _cfg(tmp_path: Path, model: str, *, frames: int = 2, **train: object) -> dict:
     """A small world-model FlowGRPO config (8 x 8 pixels) of `model`, as a dict."""
-    video = frames > 1
     return {
         "train": {
             "output_dir": str(tmp_path / "runs"),
@@ -41,17 +41,7 @@ def _cfg(tmp_path: Path, model: str, *, frames: int = 2, **train: object) -> dic
             **train,
         },
         "rollout": {"n_generation": 4},
-        "policy": {
-            "model_name_or_path": model,
-            "is_diffusers": True,
-            "diffusers": {
-                "is_video": video,
-                "inference_size": [8, 8],
-                "inference_frames": frames,
-                "train_frames": frames,
-                "sample": {"num_steps": 4, "eval_num_steps": 4},
-            },
-        },
+        "policy": tiny_flow_policy(model, frames=frames),
     }
 
 

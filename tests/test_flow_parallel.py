@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from flow_configs import tiny_flow_policy
 from member_pool import MemberPool
 from nebula_rl.config import ConfigError, config_from_dict
 from nebula_rl.flow.data import make_toy_dataset, read_local_dataset
@@ -64,17 +65,8 @@ def _raw(root: Path, *, ranks: int, **policy: object) -> dict:
             },
             "rollout": {"n_generation": N},
             "policy": {
-                "model_name_or_path": "tiny:dit",
-                "is_diffusers": True,
+                **tiny_flow_policy(weight_copy_decay_type=1),
                 "parallelism": {"dp_shard_size": ranks},
-                "diffusers": {
-                    "weight_copy_decay_type": 1,
-                    "is_video": True,
-                    "inference_size": [8, 8],
-                    "inference_frames": 2,
-                    "train_frames": 2,
-                    "sample": {"num_steps": 4},
-                },
             },
         }
     )

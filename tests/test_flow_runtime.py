@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from flow_configs import tiny_flow_policy
 from nebula_rl.config import config_from_dict
 from nebula_rl.controller import JobState, connect, start_redis
 from nebula_rl.flow.runtime import check_flow_job
 from nebula_rl.flow.sampler import Trajectory
 from nebula_rl.flow.trajectories import TRAJECTORY_DIR_ENV, TrajectoryStore
 from nebula_rl.weights import free_port
+from test_chaos import _descendants
 
 CLIPS_PER_PROMPT = 4
 NUM_ROWS = 8 * CLIPS_PER_PROMPT  # (the toy dataset's 8 captions)
@@ -54,17 +56,7 @@ def _job(tmp_path: Path, **changes: object) -> dict:
         },
         "rollout": {"n_generation": 4, "batch_size": 2},
         "controller": {"port": free_port(), "heartbeat_timeout": 4.0, "collective_timeout": 30.0},
-        "policy": {
-            "model_name_or_path": "tiny:dit",
-            "is_diffusers": True,
-            "diffusers": {
-                "is_video": True,
-                "inference_size": [8, 8],
-                "inference_frames": 2,
-                "train_frames": 2,
-                "sample": {"num_steps": 4, "eval_num_steps": 4},
-            },
-        },
+        "policy": tiny_flow_policy(),
     }
     for key, value in changes.items():
         node = cfg
@@ -232,31 +224,6 @@ def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora, sha
     )
     model = load_flow_model(exported)
     assert sum(p.numel() for p in model.parameters()) > 0
-
-
-def _descendants(root: int) -> dict[int, str]:
-    """pid -> command line of every descendant of `root`."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found: dict[int, str] = {}
-    frontier = [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, ppid in parents.items():
-            if ppid == parent and pid not in found:
-                try:
-                    raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-                except OSError:
-                    continue
-                found[pid] = raw.replace(b"\0", b" ").decode(errors="replace")
-                frontier.append(pid)
-    return found
 
 
 @pytest.mark.slow

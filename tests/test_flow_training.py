@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from flow_configs import tiny_flow_policy
 from nebula_rl.config import config_from_dict
 from nebula_rl.flow import job
 from nebula_rl.flow.dit import TinyDiT, TinyDiTConfig
@@ -59,17 +60,7 @@ def _sft(tmp_path: Path, name: str, **train: object) -> dict:
             },
             **train,
         },
-        "policy": {
-            "model_name_or_path": "tiny:dit",
-            "is_diffusers": True,
-            "diffusers": {
-                "is_video": True,
-                "inference_size": [8, 8],
-                "inference_frames": 2,
-                "train_frames": 2,
-                "sample": {"num_steps": 2, "eval_num_steps": 2},
-            },
-        },
+        "policy": tiny_flow_policy(steps=2),
     }
 
 
