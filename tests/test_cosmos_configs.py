@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from nebula_rl.config import ConfigError, load_config
+from nebula_rl.config import ConfigError, config_from_dict, load_config
+from nebula_rl.wfm_schema import translate_wfm
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "cosmos-rl"
@@ -203,3 +204,67 @@ def test_the_cosmos_reason_sft_recipe_loads_with_its_pre_validation_keys_noted(t
         )
     assert not cfg.validation.enable  # (ignored, as in cosmos-rl: [validation] decides)
     assert cfg.custom == {"dataset": {"media_path": "/data/train2017"}}
+
+
+def test_a_wfm_mode_config_reads_key_by_key() -> None:
+    """cosmos-rl's `--wfm-mode` schema: each key becomes the nebula-rl key that does the same,
+    or is named with why not. One whose other keys all translate (its model given by
+    `[policy]`) differs only in its rewards, and the translation with a reward loads as a
+    world-model config."""
+    shipped = (
+        DATA
+        / "configs"
+        / "cosmos-predict2-5"
+        / "cosmos-predict2-5-2b-720-reason-embedding-ddrl.toml"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(shipped)
+    said = str(err.value)
+    assert "model.rl.train_on = [0, 2, 4" in said and "not a pick of them" in said
+    assert "model_parallel.context_parallel_size = 2" in said
+    assert "checkpoint.load_path" in said and "Cosmos-Predict2.5 network" in said
+    assert "model.rl.data_beta" not in said  # (read: DDRL's data_beta)
+    translatable = {
+        "model": {
+            "fsdp_shard_size": 2,
+            "rl": {
+                "sample_steps": 10,
+                "num_rollout": 4,
+                "train_on": list(range(8)),
+                "data_beta": 0.01,
+                "kl_beta": 0.0,
+                "guidance": 0.5,
+                "max_num_conditional_frames": 0,
+                "use_same_seed": False,
+            },
+        },
+        "optimizer": {"lr": 1e-5, "weight_decay": 1e-4},
+        "scheduler": {"warm_up_steps": [50]},
+        "trainer": {
+            "max_iter": 2001,
+            "callbacks": [{"name": "grad_clip", "args": {"clip_norm": 1.0}}],
+        },
+        "dataloader_train": {"type": "local", "video_dataloader": {"dataset_dir": "/data/clips"}},
+        "job": {"project": "p", "group": "g", "name": "n"},
+        "policy": {"model_name_or_path": "tiny:cosmos_transformer3d"},
+    }
+    with pytest.raises(ConfigError) as err:  # (only the rewards differ)
+        config_from_dict(translatable, source="wfm.toml")
+    assert str(err.value).splitlines() == [
+        line for line in str(err.value).splitlines() if line.startswith("wfm.toml: rewards")
+    ]
+    translated, problems = translate_wfm(translatable)
+    assert [line.split(" ")[0] for line in problems] == ["rewards"]
+    translated["train"]["train_policy"]["reward_function"] = "brightness"
+    cfg = config_from_dict(translated, source="wfm.toml")
+    p, d = cfg.train.train_policy, cfg.policy.diffusers
+    assert cfg.policy.is_diffusers and p.trainer_type == "ddrl" and p.data_beta == 0.01
+    assert cfg.rollout.n_generation == 4 and d.sample.num_steps == 10
+    assert d.timesteps_fraction == 0.8 and d.sample.guidance_scale == 1.5
+    assert (cfg.train.optm_lr, cfg.train.optm_warmup_steps, cfg.train.max_num_steps) == (
+        1e-5,
+        50,
+        2001,
+    )
+    assert cfg.policy.parallelism.dp_shard_size == 2 and p.dataset.name == "/data/clips"
+    assert (cfg.logging.project_name, cfg.logging.group_name) == ("p", "g")

@@ -1404,8 +1404,6 @@ STALE_KEYS: dict[str, str] = {
 """Keys that cosmos-rl's own shipped configs carry but no cosmos-rl code reads (it drops unknown
 keys silently): accepted here with a warning that names them, and then ignored, as there."""
 
-_WFM_TABLES = {"trainer", "model_parallel", "dataloader_train", "checkpoint", "optimizer"}
-
 
 class Config(_Section):
     """A whole job."""
@@ -2021,13 +2019,17 @@ def _rule_refusals(cfg: Config) -> list[str]:
     return out
 
 
-def _check_wfm(data: dict[str, Any], source: str) -> None:
-    if "train" not in data and _WFM_TABLES & data.keys():
-        raise ConfigError(
-            f"{source}: a cosmos-rl --wfm-mode config (world-model schema: "
-            f"{', '.join(sorted(_WFM_TABLES & data.keys()))}): world-model RL is not "
-            "supported yet"
-        )
+def _check_wfm(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """`data`, or for a cosmos-rl `--wfm-mode` config the nebula-rl config its keys translate
+    to (`nebula_rl.wfm_schema`); raises naming each key that cannot be honoured."""
+    from nebula_rl.wfm_schema import is_wfm, translate_wfm
+
+    if not is_wfm(data):
+        return data
+    translated, problems = translate_wfm(data)
+    if problems:
+        raise ConfigError("\n".join(f"{source}: {p}" for p in problems))
+    return translated
 
 
 def config_from_dict(
@@ -2038,8 +2040,7 @@ def config_from_dict(
     `resolved` marks a config nebula-rl wrote itself (a run's `config.json`, the controller's
     copy): it was checked for refusals when the job started, and its values include the side
     effects of its keys."""
-    data = copy.deepcopy(data)
-    _check_wfm(data, source)
+    data = _check_wfm(copy.deepcopy(data), source)
     warnings = _pop_stale(data)
     user_keys = _flat_keys(data)
     try:

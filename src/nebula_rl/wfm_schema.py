@@ -1,0 +1,191 @@
+"""cosmos-rl's `--wfm-mode` configs (the world-model schema of its cosmos-predict2-5 GRPO/DDRL
+recipes: `[model.rl]`, `[trainer]`, `[optimizer]`, `[dataloader_train]`, ...), read key by key.
+
+Each key either becomes the nebula-rl key that does the same (`model.rl.num_rollout` ->
+`rollout.n_generation`, `model.rl.guidance = g` -> `policy.diffusers.sample.guidance_scale =
+1 + g`, ...), or is named with the reason nebula-rl cannot honour it (cosmos-rl's own
+Cosmos-Predict2.5 network, VAE and `.pt` checkpoints; context parallelism; image-to-video
+conditioning frames; a pick of denoising steps to train; the rewards, which the schema takes
+from cosmos-rl's reward service under score keys nebula-rl's service does not give). So such a
+config never runs as it is: loading it names every key that differs, and
+:func:`translate_wfm` gives the nebula-rl config the rest of its keys describe (its model from a
+`[policy]` table: `model_name_or_path`, a diffusers folder or Hub id), a start for the port.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["WFM_TABLES", "is_wfm", "translate_wfm"]
+
+WFM_TABLES = {"trainer", "model_parallel", "dataloader_train", "checkpoint", "optimizer"}
+"""Top-level tables only the world-model schema has."""
+
+_NETWORK = (
+    "cosmos-rl's own Cosmos-Predict2.5 network (its DiT, Wan2.1 VAE, text encoders and .pt "
+    "checkpoints) is not run by nebula-rl, which trains diffusers transformers in pixel space: "
+    "set policy.model_name_or_path (docs/world-models.md)"
+)
+_HOOK = (
+    "cosmos-rl's training callbacks (speed, memory, S3 uploads, preview samples); nebula-rl logs "
+    "through [logging] instead: drop them"
+)
+
+
+def is_wfm(data: dict[str, Any]) -> bool:
+    """Whether `data` is a config of cosmos-rl's world-model schema."""
+    return "train" not in data and bool(WFM_TABLES & data.keys())
+
+
+def _set(out: dict[str, Any], dotted: str, value: Any) -> None:
+    node = out
+    *path, last = dotted.split(".")
+    for part in path:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(the nebula-rl config the keys of `data` ask for, one line per key it cannot honour:
+    `<key> = <value>: <why>`)."""
+    out: dict[str, Any] = {"policy": {"is_diffusers": True}}
+    problems: list[str] = []
+
+    def refuse(key: str, value: Any, why: str) -> None:
+        problems.append(f"{key} = {value!r} (--wfm-mode schema): {why}")
+
+    model = dict(data.get("model", {}))
+    rl = dict(model.pop("rl", {}))
+    steps = int(rl.pop("sample_steps", 10))
+    _set(out, "policy.diffusers.sample.num_steps", steps)
+    _set(out, "rollout.n_generation", int(rl.pop("num_rollout", 8)))
+    data_beta = float(rl.pop("data_beta", 0.0))
+    _set(out, "train.train_policy.type", "grpo")
+    _set(out, "train.train_policy.trainer_type", "ddrl" if data_beta > 0 else "flow_grpo")
+    _set(out, "train.train_policy.data_beta", data_beta)
+    kl_beta = float(rl.pop("kl_beta", 0.01))
+    _set(out, "train.train_policy.kl_beta", kl_beta)
+    clip = float(rl.pop("clip_ratio", 1e-4))
+    _set(out, "train.train_policy.epsilon_low", clip)
+    _set(out, "train.train_policy.epsilon_high", clip)
+    _set(out, "policy.diffusers.sample.guidance_scale", 1.0 + float(rl.pop("guidance", 0.0)))
+    train_on = rl.pop("train_on", list(range(8)))
+    if list(train_on) == list(range(len(train_on))):
+        _set(out, "policy.diffusers.timesteps_fraction", len(train_on) / steps)
+    else:
+        refuse(
+            "model.rl.train_on",
+            train_on,
+            "nebula-rl trains the first steps of each trajectory "
+            "(policy.diffusers.timesteps_fraction), not a pick of them",
+        )
+    refresh = int(rl.pop("update_ref_every_iter", 16))
+    if kl_beta > 0 and refresh:
+        refuse(
+            "model.rl.update_ref_every_iter",
+            refresh,
+            "nebula-rl's KL reference is the starting weights, never refreshed",
+        )
+    frames = int(rl.pop("max_num_conditional_frames", 1))
+    rl.pop("min_num_conditional_frames", None)
+    if frames > 0:
+        refuse(
+            "model.rl.max_num_conditional_frames",
+            frames,
+            "image/video-to-video conditioning frames are not built (text-to-video only)",
+        )
+    if rl.pop("use_same_seed", True):
+        refuse(
+            "model.rl.use_same_seed",
+            True,
+            "nebula-rl draws each sample of a group its own noise",
+        )
+    rl.pop("enabled", None)
+    rl.pop("on_policy", None)
+    for key, value in rl.items():
+        refuse(f"model.rl.{key}", value, "not read by nebula-rl")
+
+    # The schema's model is cosmos-rl's own network; a diffusers model comes from [policy].
+    named = [f"model.{k}" for k in ("net", "tokenizer", "text_encoder_config") if k in model]
+    named += ["checkpoint.load_path"] if "load_path" in data.get("checkpoint", {}) else []
+    policy = data.get("policy", {})
+    if named:
+        problems.append(f"{', '.join(named)} (--wfm-mode schema): {_NETWORK}")
+    elif "model_name_or_path" not in policy:
+        problems.append(f"model (--wfm-mode schema): {_NETWORK}")
+    for key, value in policy.items():
+        _set(out, f"policy.{key}", value)
+    if "fsdp_shard_size" in model:
+        _set(out, "policy.parallelism.dp_shard_size", int(model["fsdp_shard_size"]))
+    if int(model.get("dp_replicate_size", 1)) > 1:
+        refuse(
+            "model.dp_replicate_size",
+            model["dp_replicate_size"],
+            "HSDP of a world model is not built; policy replicas (--policy N) replicate",
+        )
+    cp = int(data.get("model_parallel", {}).get("context_parallel_size", 1))
+    if cp > 1:
+        refuse(
+            "model_parallel.context_parallel_size",
+            cp,
+            "context parallelism of a world model is not built (CUDA only in torch)",
+        )
+
+    optimizer = data.get("optimizer", {})
+    if "lr" in optimizer:
+        _set(out, "train.optm_lr", float(optimizer["lr"]))
+    if "weight_decay" in optimizer:
+        _set(out, "train.optm_weight_decay", float(optimizer["weight_decay"]))
+    warm = data.get("scheduler", {}).get("warm_up_steps")
+    if warm:
+        _set(out, "train.optm_warmup_steps", int(warm[0]))
+    trainer = data.get("trainer", {})
+    _set(out, "train.max_num_steps", int(trainer.get("max_iter", 25)))
+    hooks = []
+    for callback in trainer.get("callbacks", []):
+        name = callback.get("name")
+        if name == "grad_clip":
+            norm = callback.get("args", {}).get("clip_norm", 1.0)
+            _set(out, "train.optm_grad_norm_clip", float(norm))
+        elif name in ("wandb", "wandb_10x"):  # (W&B logging: nebula-rl's own sink)
+            _set(out, "logging.logger", ["console", "wandb"])
+        else:
+            hooks.append(str(callback.get("name")))
+    if hooks:
+        problems.append(f"trainer.callbacks {', '.join(hooks)} (--wfm-mode schema): {_HOOK}")
+
+    loader = data.get("dataloader_train", {})
+    videos = loader.get("video_dataloader", {})
+    if loader.get("type", "local") != "local":
+        refuse(
+            "dataloader_train.type",
+            loader.get("type"),
+            "nebula-rl reads cosmos-rl's local video layout (metas/, videos/, t5_xxl/)",
+        )
+    elif "dataset_dir" in videos:
+        _set(out, "train.train_policy.dataset.name", str(videos["dataset_dir"]))
+    if "num_frames" in videos:
+        count = int(videos["num_frames"])
+        _set(out, "policy.diffusers.inference_frames", count)
+        _set(out, "policy.diffusers.train_frames", count)
+    if "video_size" in videos:
+        width, height = videos["video_size"]
+        _set(out, "policy.diffusers.inference_size", [int(height), int(width)])
+
+    # The schema's rewards come from cosmos-rl's reward service under its score keys.
+    problems.append(
+        "rewards (--wfm-mode schema): cosmos-rl's world-model recipes score through its reward "
+        "service (dance_grpo's overall_reward); nebula-rl's gives each reward one score under "
+        "its name: write the run in nebula-rl's schema with reward_function or remote_reward "
+        "(configs/wfm/, docs/world-models.md)"
+    )
+    job = data.get("job", {})
+    for ours, theirs in (
+        ("logging.project_name", "project"),
+        ("logging.group_name", "group"),
+        ("logging.experiment_name", "name"),
+        ("logging.wandb_mode", "wandb_mode"),
+    ):
+        if theirs in job:
+            _set(out, ours, job[theirs])
+    return out, problems
