@@ -10,6 +10,7 @@ kept in `artifacts/panel.png`.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from PIL import Image
 from playwright.sync_api import Page, expect, sync_playwright
 
 from nebula_rl.config import Config
@@ -366,3 +368,29 @@ def test_replica_states_follow_heartbeat_age() -> None:
     rows = replica_rows(replicas, now=100.0, heartbeat_timeout=15.0)
     assert [r["state"] for r in rows] == ["lost", "late", "alive"]
     assert rows[0]["heartbeat_age_s"] == 40.0 and rows[0]["tokens_per_s"] is None
+
+
+def test_panel_serves_a_world_models_sample_grids(job: _Job) -> None:
+    """A world-model run's grids (`<run>/samples/step_<N>.png`): `/api/panel` names the latest
+    step with one, `/api/panel/samples?step=N` serves it to the signed-in browser (the page
+    shows it), and nothing else: no other step, no path, no stranger."""
+    samples = job.scheduler.run_dir / "samples"
+    samples.mkdir()
+    grids = {}
+    for step in (2, 4):
+        png = io.BytesIO()
+        Image.new("RGB", (8, 4), (40 * step, 0, 0)).save(png, format="PNG")
+        grids[step] = png.getvalue()
+        (samples / f"step_{step}.png").write_bytes(grids[step])
+    cookie = {"Cookie": f"{cookie_name('panel-job')}={session_value(TOKEN)}"}
+    with httpx.Client(base_url=job.url, timeout=10.0) as client:
+        assert client.get("/api/panel", headers=cookie).json()["samples_step"] == 4
+        reply = client.get("/api/panel/samples?step=4", headers=cookie)
+        assert reply.status_code == 200 and reply.headers["content-type"] == "image/png"
+        assert reply.content == grids[4]
+        assert client.get("/api/panel/samples?step=3", headers=cookie).status_code == 404
+        for query in ("step=-1", "step=../token", "step="):
+            assert client.get(f"/api/panel/samples?{query}", headers=cookie).status_code == 422
+        assert client.get("/api/panel/samples?step=4").status_code == 401
+        page = client.get("/panel", headers=cookie)
+        assert "img-src data: 'self'" in page.headers["content-security-policy"]

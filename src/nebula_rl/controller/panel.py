@@ -1,5 +1,6 @@
-"""The controller's web dashboard: `GET /panel` (one self-contained page) and `GET /api/panel`
-(the JSON it polls: the replicas and the per-step metrics of `<run>/metrics.jsonl`).
+"""The controller's web dashboard: `GET /panel` (one self-contained page), `GET /api/panel`
+(the JSON it polls: the replicas and the per-step metrics of `<run>/metrics.jsonl`) and
+`GET /api/panel/samples?step=N` (a world-model run's sample grid of that step).
 
 Signing in. A browser cannot send a bearer header when it navigates, so the page has its own
 session: opening `/panel?token=<the job's token>` sets an HttpOnly, SameSite=Strict cookie and
@@ -37,7 +38,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Query, Response
+from fastapi import FastAPI, HTTPException, Query, Response
 
 from nebula_rl.controller.state import JobState
 
@@ -45,6 +46,7 @@ __all__ = [
     "COOKIE_PATHS",
     "DATA_PATH",
     "PAGE_PATH",
+    "SAMPLES_PATH",
     "MetricsLog",
     "add_panel_routes",
     "content_security_policy",
@@ -60,7 +62,9 @@ PAGE_PATH = "/panel"
 """The dashboard page; `?token=...` signs a browser in."""
 DATA_PATH = "/api/panel"
 """What the page polls."""
-COOKIE_PATHS = frozenset({PAGE_PATH, DATA_PATH})
+SAMPLES_PATH = "/api/panel/samples"
+"""A world-model run's sample grid of a step (`<run>/samples/step_<N>.png`, PNG)."""
+COOKIE_PATHS = frozenset({PAGE_PATH, DATA_PATH, SAMPLES_PATH})
 """Paths where the session cookie stands in for the bearer token (GET only)."""
 
 _SESSION_CONTEXT = b"nebula-rl panel session v1"
@@ -200,7 +204,8 @@ def replica_rows(
 
 def content_security_policy(html: str) -> str:
     """The Content-Security-Policy for page `html`: only its inline `<script>` and `<style>`
-    (by hash) and requests to its own origin; nothing is loaded from anywhere else."""
+    (by hash), requests and images (the sample grids) of its own origin; nothing is loaded
+    from anywhere else."""
     hashes = {}
     for tag in ("script", "style"):
         blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.DOTALL)
@@ -209,7 +214,7 @@ def content_security_policy(html: str) -> str:
         hashes[tag] = f"'sha256-{base64.b64encode(digest).decode()}'"
     return (
         f"default-src 'none'; script-src {hashes['script']}; style-src {hashes['style']}; "
-        "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
+        "connect-src 'self'; img-src data: 'self'; base-uri 'none'; form-action 'none'; "
         "frame-ancestors 'none'"
     )
 
@@ -232,6 +237,16 @@ def add_panel_routes(
         "X-Frame-Options": "DENY",
     }
     metrics = MetricsLog(metrics_path)
+    samples = None if metrics_path is None else metrics_path.parent / "samples"
+
+    def latest_samples() -> int | None:
+        """The last step with a sample grid (a world-model run's `logging.multi_modal_log_interval`)."""
+        if samples is None or not samples.is_dir():
+            return None
+        found = [
+            int(m[1]) for f in samples.iterdir() if (m := re.fullmatch(r"step_(\d+)\.png", f.name))
+        ]
+        return max(found, default=None)
 
     @app.get(PAGE_PATH, include_in_schema=False)
     def panel() -> Response:
@@ -257,4 +272,15 @@ def add_panel_routes(
             ),
             "metrics": records,
             "cursor": cursor,
+            "samples_step": latest_samples(),
         }
+
+    @app.get(SAMPLES_PATH)
+    def panel_samples(step: int = Query(ge=0, le=1 << 53)) -> Response:
+        """The sample grid of `step` (PNG); 404 when that step has none."""
+        path = None if samples is None else samples / f"step_{step}.png"
+        if path is None or not path.is_file():
+            raise HTTPException(status_code=404, detail=f"no sample grid of step {step}")
+        return Response(
+            path.read_bytes(), media_type="image/png", headers={"Cache-Control": "no-store"}
+        )
