@@ -258,3 +258,28 @@ def test_a_rollout_replica_killed_mid_run_loses_nothing(tmp_path):
     assert (
         "replica rollout-1 missed heartbeats" in (run_dir / "logs" / "controller.log").read_text()
     )
+
+
+def test_a_world_model_job_resumes_from_its_checkpoint(tmp_path):
+    """A DiffusionNFT job with weight averages stopped after step 3 (checkpoints at steps 2 and
+    3: the model, its old weights, the averages, the optimiser) and run again from step 2
+    continues at step 3, and the epoch still trains every clip exactly once."""
+    cfg = _job(
+        tmp_path,
+        **{
+            "train.train_policy.trainer_type": "diffusion_nft",
+            "policy.diffusers.weight_copy_decay_type": 1,
+            "train.ema_enable": True,
+            "train.ckpt": {"enable_checkpoint": True, "save_freq": 2},
+            "train.max_num_steps": 3,
+        },
+    )
+    run_dir = _finish(_start(tmp_path, cfg), tmp_path)
+    assert [s["step"] for s in _steps(run_dir)] == [1, 2, 3]
+    assert (run_dir / "checkpoints" / "controller" / "step_2.json").exists()
+    cfg["train"]["max_num_steps"] = None
+    cfg["train"]["resume"] = str(run_dir / "checkpoints" / "step_2")
+    _finish(_start(tmp_path, cfg), tmp_path)
+    _assert_every_row_trained_once(run_dir)
+    policy_log = (run_dir / "logs" / "policy-0.log").read_text()
+    assert "resumed from" in policy_log and "step_2" in policy_log

@@ -95,10 +95,11 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from nebula_rl.config import Config
 from nebula_rl.controller.app import RegisterRequest
@@ -111,6 +112,15 @@ from nebula_rl.validation import validation_due, validation_metrics
 __all__ = ["Scheduler"]
 
 log = logging.getLogger(__name__)
+
+
+class SideFiles(Protocol):
+    """Files outside Redis that the job's buffered groups refer to (a world model's trajectory
+    files): a snapshot keeps a copy, a restore puts it back."""
+
+    def keep(self, folder: Path) -> None: ...
+
+    def put_back(self, folder: Path) -> None: ...
 
 
 class Scheduler:
@@ -128,12 +138,16 @@ class Scheduler:
         num_policy: int = 1,
         val_rows: list[dict[str, Any]] | None = None,
         on_trained: Callable[[list[str]], object] | None = None,
+        side_files: SideFiles | None = None,
     ) -> None:
         p = cfg.grpo
         self.cfg, self.state, self.rows = cfg, state, rows
         self.on_trained = on_trained
         """Called with the prompt ids of each recorded step (a world model's trajectory files
         are deleted then)."""
+        self.side_files = side_files
+        """Files the buffered groups refer to (a world model's trajectories), kept with each
+        snapshot and put back by :meth:`restore`."""
         self.total_steps, self.num_rollout, self.run_dir = total_steps, num_rollout, run_dir
         self.num_policy = num_policy
         self.batch_per_replica = cfg.groups_per_replica
@@ -667,12 +681,15 @@ class Scheduler:
         path = self.snapshots / f"step_{step}.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"step": step, "keys": self.state.snapshot()}))
+        if self.side_files is not None:  # (after the state: its groups' files exist now)
+            self.side_files.keep(path.with_suffix(".files"))
         tmp.replace(path)
         kept = [s for s, _ in complete_checkpoints(self.run_dir)]
         for old in self.snapshots.glob("step_*.json"):
             old_step = int(old.stem.removeprefix("step_"))
             if kept and old_step < min(kept):
                 old.unlink()
+                shutil.rmtree(old.with_suffix(".files"), ignore_errors=True)
 
     def restore(self) -> Path | None:
         """Put the job back at the checkpoint `train.resume` names; returns the policy's
@@ -705,6 +722,8 @@ class Scheduler:
                 )
         data = json.loads(snapshot.read_text())
         self.state.restore(data["keys"])
+        if self.side_files is not None:
+            self.side_files.put_back(snapshot.with_suffix(".files"))
         drop_steps_after(self.metrics_path, data["step"])  # later steps are trained again
         log.info("resumed the job at step %d from %s", data["step"], path)
         return path
@@ -808,6 +827,7 @@ def run_controller(
         run_dir=run_dir,
         val_rows=rl_validation_rows(cfg) if cfg.validation.enable else [],
         on_trained=None if store is None else store.discard,
+        side_files=store,
     )
     restarted = os.environ.get(RESTART_ENV) == "1"
     # A restart continues from Redis, which is newer than any checkpoint.

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-__all__ = ["WeightEMA"]
+__all__ = ["FlowTrainingState", "WeightEMA"]
 
 
 class WeightEMA:
@@ -60,3 +60,16 @@ class WeightEMA:
             with torch.no_grad():
                 for param, saved in zip(self.params, live, strict=True):
                     param.copy_(saved)
+
+
+class FlowTrainingState(nn.Module):
+    """What a world-model checkpoint holds besides the optimiser and the schedule: the model,
+    DiffusionNFT's old weights, the weight averages (as buffers, FSDP2 shards alike)."""
+
+    def __init__(self, model: nn.Module, old: nn.Module | None, ema: WeightEMA | None) -> None:
+        super().__init__()
+        self.model = model
+        if old is not None:
+            self.old = old
+        for i, average in enumerate(ema.averages if ema is not None else []):
+            self.register_buffer(f"ema_{i}", average)

@@ -45,13 +45,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from PIL import Image
-from torch import Tensor, nn
+from torch import Tensor
 
 from nebula_rl.config import FLOW_RL_TRAINERS, Config, GrpoConfig, _reward_dict
 from nebula_rl.data import epoch_order, num_train_steps
 from nebula_rl.flow.colocated import run_colocated
 from nebula_rl.flow.data import Clip, make_toy_dataset, read_local_dataset
-from nebula_rl.flow.ema import WeightEMA
+from nebula_rl.flow.ema import FlowTrainingState, WeightEMA
 from nebula_rl.flow.local import FlowRLSettings, RewardFn, pretrain, run_flow_rl
 from nebula_rl.flow.models import load_flow_model
 from nebula_rl.flow.parallel import (
@@ -307,19 +307,6 @@ def check_ranks(cfg: Config) -> None:
         )
 
 
-class _TrainingState(nn.Module):
-    """What a world-model checkpoint holds besides the optimiser and the schedule: the model,
-    DiffusionNFT's old weights, the weight averages (as buffers)."""
-
-    def __init__(self, model: nn.Module, old: nn.Module | None, ema: WeightEMA | None) -> None:
-        super().__init__()
-        self.model = model
-        if old is not None:
-            self.old = old
-        for i, average in enumerate(ema.averages if ema is not None else []):
-            self.register_buffer(f"ema_{i}", average)
-
-
 def run(cfg: Config) -> Path:
     """Run the world-model config `cfg` in this process (one of its ranks); its run folder."""
     p = cfg.train.train_policy
@@ -398,7 +385,7 @@ def run(cfg: Config) -> Path:
     checkpointer = Checkpointer(
         cfg.train.ckpt,
         run_dir,
-        model=_TrainingState(model, old, ema),
+        model=FlowTrainingState(model, old, ema),
         optimizer=optimizer,
         scheduler=scheduler,
         export=export,
@@ -409,7 +396,7 @@ def run(cfg: Config) -> Path:
         start = restored.step + 1
         generator.set_state(restored.data["generators"][rank])
         if ema is not None:
-            ema.steps = scheduler.last_epoch
+            ema.steps = scheduler.last_epoch  # (the optimiser steps the averages have seen)
     metrics_path = run_dir / "metrics.jsonl"
     if lead and restored is not None and metrics_path.exists():  # (steps after it run again)
         kept = [

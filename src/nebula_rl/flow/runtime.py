@@ -50,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from nebula_rl.config import Config, GrpoConfig
 from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.flow.data import Clip, clip_batch
+from nebula_rl.flow.ema import FlowTrainingState
 from nebula_rl.flow.job import (
     flow_clips,
     flow_optimizer,
@@ -102,12 +103,6 @@ def check_flow_job(cfg: Config) -> None:
         raise ValueError(
             f"train.train_policy.trainer_type = {p.trainer_type!r}: world-model SFT runs in one "
             "process (the replicas run RL); `nebula-rl train --config X` runs it"
-        )
-    if cfg.train.ckpt.enable_checkpoint or cfg.train.resume is not False:
-        key = "train.ckpt.enable_checkpoint" if cfg.train.ckpt.enable_checkpoint else "train.resume"
-        raise ValueError(
-            f"{key}: a world model's checkpoints are written by runs in one job (--local, "
-            'mode = "colocated", SFT); its policy replicas do not checkpoint yet'
         )
     if cfg.train.train_batch_per_replica % cfg.rollout.n_generation:
         raise ValueError(
@@ -346,6 +341,15 @@ class FlowTrainer:
         """FlowGRPO's KL reference: the starting weights."""
         self.old = self._frozen_copy() if s.algorithm == "nft" else None
         """DiffusionNFT's old weights."""
+        self.checkpoint_module = FlowTrainingState(model, self.old, self.ema)
+        """What the policy's checkpoints save and load (the model, the old weights, the
+        averages; the optimiser and the schedule come with them)."""
+
+    def resumed(self) -> None:
+        """After a checkpoint was loaded into `checkpoint_module`: the averages have seen the
+        restored optimiser steps."""
+        if self.ema is not None:
+            self.ema.steps = self.scheduler.last_epoch
 
     def _frozen_copy(self) -> nn.Module:
         return frozen_copy(self.model, self.cfg, mesh=self.mesh)

@@ -6,7 +6,8 @@ the log-prob of each SDE step, the noise levels) as one safetensors file, writte
 temporary name and renamed, so a reader never sees half a file; the group it pushes to the
 controller names the file (`RolloutGroup.extra["trajectory"]`). The policy replica that trains
 the group reads it; the controller deletes the files of the groups a step trained, and the
-folder when the job ends.
+folder when the job ends. A controller snapshot (a checkpoint of the job) keeps a copy of the
+files its buffered groups need, which a resumed job puts back.
 
 The folder is `/dev/shm/nebula-rl/<job>` (shared memory: a page-cache copy each way) where
 `/dev/shm` exists, else under the system's temporary folder. The replicas of a job must
@@ -101,6 +102,21 @@ class TrajectoryStore:
                 path.unlink(missing_ok=True)
                 removed += 1
         return removed
+
+    def keep(self, folder: Path) -> None:
+        """Copy every trajectory file to `folder` (a controller snapshot's: the buffered groups
+        of a checkpointed step must find theirs when the job resumes)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for path in self.root.glob("*.safetensors") if self.root.is_dir() else []:
+            shutil.copy2(path, folder / path.name)
+
+    def put_back(self, folder: Path) -> None:
+        """Copy the files a snapshot kept (`keep`) into the store."""
+        if not folder.is_dir():
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        for path in folder.glob("*.safetensors"):
+            shutil.copy2(path, self.root / path.name)
 
     def remove(self) -> None:
         """Delete the whole folder (the job ended)."""

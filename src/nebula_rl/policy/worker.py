@@ -132,7 +132,9 @@ class PolicyWorker:
         if cfg.policy.is_diffusers:  # a world model
             from nebula_rl.flow.runtime import flow_policy
 
-            self.hf_model, self.trainer, self._export = flow_policy(cfg, device=device, meta=meta)
+            self.hf_model, flow, self._export = flow_policy(cfg, device=device, meta=meta)
+            self.trainer = flow
+            saved = flow.checkpoint_module  # (with the old weights and the averages)
         else:
             self._language_model(cfg, path, device)
         self.model = self.trainer.model
@@ -143,7 +145,7 @@ class PolicyWorker:
         self.checkpointer = Checkpointer(
             cfg.train.ckpt,
             Path(meta["run_dir"]),
-            model=self.model,
+            model=saved if cfg.policy.is_diffusers else self.model,
             optimizer=self.trainer.optimizer,
             scheduler=self.trainer.scheduler,
             export=self._export,
@@ -154,6 +156,8 @@ class PolicyWorker:
         """The last step the training state includes (its policy version)."""
         if meta["resume_from"] is not None:  # every replica loads it: they stay identical
             self.version = self.checkpointer.load(Path(meta["resume_from"])).step
+            if cfg.policy.is_diffusers:
+                flow.resumed()
         self.clean = True
         """False after a step failed between two of its optimiser updates."""
         self.optimizer_steps = 0
