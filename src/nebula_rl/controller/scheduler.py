@@ -97,7 +97,6 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -115,8 +114,11 @@ log = logging.getLogger(__name__)
 
 
 class SideFiles(Protocol):
-    """Files outside Redis that the job's buffered groups refer to (a world model's trajectory
-    files): a snapshot keeps a copy, a restore puts it back."""
+    """Files outside Redis that the job's groups refer to (a world model's trajectory files):
+    those of a recorded step's groups are deleted, a snapshot keeps a copy, a restore puts it
+    back."""
+
+    def discard(self, prompt_ids: list[str]) -> int: ...
 
     def keep(self, folder: Path) -> None: ...
 
@@ -137,17 +139,13 @@ class Scheduler:
         run_dir: Path,
         num_policy: int = 1,
         val_rows: list[dict[str, Any]] | None = None,
-        on_trained: Callable[[list[str]], object] | None = None,
         side_files: SideFiles | None = None,
     ) -> None:
         p = cfg.grpo
         self.cfg, self.state, self.rows = cfg, state, rows
-        self.on_trained = on_trained
-        """Called with the prompt ids of each recorded step (a world model's trajectory files
-        are deleted then)."""
         self.side_files = side_files
-        """Files the buffered groups refer to (a world model's trajectories), kept with each
-        snapshot and put back by :meth:`restore`."""
+        """Files the groups refer to (a world model's trajectories): deleted once their step is
+        recorded, kept with each snapshot and put back by :meth:`restore`."""
         self.total_steps, self.num_rollout, self.run_dir = total_steps, num_rollout, run_dir
         self.num_policy = num_policy
         self.batch_per_replica = cfg.groups_per_replica
@@ -629,8 +627,8 @@ class Scheduler:
         record["stale_dropped"] = ledger["stale_dropped"]
         record["groups_filtered"] = ledger["filtered"]
         self.state.mark_trained(plan["prompt_ids"], step, policy_version=step, record=record)
-        if self.on_trained is not None:
-            self.on_trained(plan["prompt_ids"])
+        if self.side_files is not None:
+            self.side_files.discard(plan["prompt_ids"])
         self._plan, self._sent = None, None
         self._last_step_end = now
         if validation_due(self.cfg, step, total_steps=self.total_steps):
@@ -826,7 +824,6 @@ def run_controller(
         num_policy=num_policy,
         run_dir=run_dir,
         val_rows=rl_validation_rows(cfg) if cfg.validation.enable else [],
-        on_trained=None if store is None else store.discard,
         side_files=store,
     )
     restarted = os.environ.get(RESTART_ENV) == "1"

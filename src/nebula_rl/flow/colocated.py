@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from nebula_rl.config import Config
 from nebula_rl.flow.data import Clip
 from nebula_rl.flow.local import (
     FlowBatch,
@@ -29,17 +28,17 @@ from nebula_rl.flow.local import (
     RewardFn,
     data_distance,
     flow_advantages,
+    pooled_std,
     roll_out,
     train_on_batch,
 )
-from nebula_rl.flow.parallel import frozen_copy, sample_seed
+from nebula_rl.flow.parallel import sample_seed
 
 __all__ = ["run_colocated"]
 
 
 def run_colocated(
     model: nn.Module,
-    cfg: Config,
     clips: list[Clip],
     settings: FlowRLSettings,
     *,
@@ -48,25 +47,20 @@ def run_colocated(
     prompt_clips: Callable[[int], list[Clip]],
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    generator: torch.Generator,
+    old: nn.Module | None,
+    reference: nn.Module | None,
     on_iteration: Callable[[dict[str, float]], None] | None = None,
     start: int = 1,
-    generator: torch.Generator | None = None,
-    old: nn.Module | None = None,
-    reference: nn.Module | None = None,
 ) -> None:
     """Train `model` (sharded over `mesh`) with `settings.algorithm`; `prompt_clips(iteration)`
     gives the iteration's prompts (all ranks', the same list on every rank); `on_iteration`
-    gets each iteration's record on every rank. Iterations `start`.. run, with noise from
-    `generator`; DiffusionNFT's old weights and the KL reference are made here unless given."""
+    gets each iteration's record on every rank. Iterations `start`.. run, with this rank's
+    noise from `generator`; `old` is DiffusionNFT's old weights and `reference` the KL's
+    (`flow.parallel.frozen_copy`: sharded like `model`), each None where not used."""
     s = settings
     rank, ranks = mesh.get_local_rank(), mesh.size()
     group = mesh.get_group()
-    # (each rank's own noise)
-    generator = generator or torch.Generator().manual_seed(s.seed + 1000 * rank)
-    if old is None and s.algorithm == "nft":
-        old = frozen_copy(model, cfg, mesh=mesh)
-    if reference is None and s.kl_beta > 0:
-        reference = frozen_copy(model, cfg, mesh=mesh)
     device = next(model.parameters()).device
     for iteration in range(start, s.num_iterations + 1):
         everyone = prompt_clips(iteration)
@@ -87,7 +81,7 @@ def run_colocated(
         )
         dist.all_reduce(stats, group=group)
         total, squares, n = stats.tolist()
-        batch_std = max((squares - total * total / n) / max(n - 1, 1), 0.0) ** 0.5
+        batch_std = pooled_std(total, squares, n)
         advantages = flow_advantages(rewards, s.group_size, s, batch_std=batch_std).to(device)
         seeds = [
             sample_seed(s.seed, iteration, f"{(rank + ranks * i)}:{c.stem}", k)

@@ -444,9 +444,9 @@ def run(cfg: Config) -> Path:
             )  # fmt: skip
         else:
             run_colocated(
-                model, cfg, clips, settings, mesh=mesh, score=score, prompt_clips=ordered,
-                optimizer=optimizer, scheduler=scheduler, on_iteration=record, start=start,
-                generator=generator, old=old, reference=reference,
+                model, clips, settings, mesh=mesh, score=score, prompt_clips=ordered,
+                optimizer=optimizer, scheduler=scheduler, generator=generator, old=old,
+                reference=reference, on_iteration=record, start=start,
             )  # fmt: skip
     else:
         log.info("world-model SFT: %d steps of %d clips, %d clips", steps, batch, len(clips))

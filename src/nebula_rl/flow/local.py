@@ -48,6 +48,7 @@ __all__ = [
     "RewardFn",
     "data_distance",
     "flow_advantages",
+    "pooled_std",
     "pretrain",
     "roll_out",
     "run_flow_rl",
@@ -185,6 +186,12 @@ def data_distance(samples: Tensor, prompts: Sequence[str], clips: list[Clip]) ->
         real = torch.stack(by_caption[prompt])
         total += float(((real - x) ** 2).flatten(1).mean(dim=1).sqrt().min())
     return total / len(prompts)
+
+
+def pooled_std(total: float, squares: float, count: float) -> float:
+    """The (unbiased) std of `count` rewards from their sum and sum of squares: the batch-wide
+    std of rewards summed over processes."""
+    return max((squares - total * total / count) / max(count - 1, 1), 0.0) ** 0.5
 
 
 def flow_advantages(
@@ -365,6 +372,25 @@ def _trained_steps(s: FlowRLSettings) -> int:
     return max(1, int(s.sample_steps * s.timestep_fraction))
 
 
+def _update(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    s: FlowRLSettings,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    sync_grads: Callable[[], None] | None,
+) -> None:
+    """One optimiser update from the gradients accumulated: summed with the other processes'
+    (`sync_grads`), clipped to `grad_clip` (0: not clipped, as for language models), stepped,
+    and the schedule advanced."""
+    if sync_grads is not None:
+        sync_grads()
+    if s.grad_clip > 0:
+        nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+
+
 def _train_flow_grpo(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -420,13 +446,7 @@ def _train_flow_grpo(
             loss = ddrl_loss(policy, data, data_beta=s.data_beta, kl=kl, kl_beta=s.kl_beta)
             (loss / trained).backward()
             total += loss.item() / trained
-        if sync_grads is not None:
-            sync_grads()
-        if s.grad_clip > 0:  # (0: no clipping, as for language models)
-            nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
+        _update(model, optimizer, s, scheduler, sync_grads)
         losses.append(total)
     return losses, clipped / max(seen, 1)
 
@@ -467,13 +487,7 @@ def _train_nft(
             ) / trained  # fmt: skip
             loss.backward()
             total += loss.item()
-        if sync_grads is not None:
-            sync_grads()
-        if s.grad_clip > 0:  # (0: no clipping, as for language models)
-            nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
+        _update(model, optimizer, s, scheduler, sync_grads)
         soft_update(old, model, decay=nft_old_decay(iteration))
         losses.append(total)
     return losses, 0.0

@@ -65,6 +65,7 @@ from nebula_rl.flow.local import (
     FlowRLSettings,
     data_distance,
     flow_advantages,
+    pooled_std,
     roll_out,
     train_on_batch,
 )
@@ -163,7 +164,8 @@ class FlowRolloutWorker:
         self.damaged = False
         self.num_groups = 0
         self.start_time = time.monotonic()
-        self._weight_error: BaseException | None = None
+        self._weight_errors: list[BaseException] = []
+        """What the weight thread raised (the main loop fails with it)."""
         self._closing = False
         session.policy_version = lambda: self.version
         session.stats = self.stats
@@ -207,20 +209,15 @@ class FlowRolloutWorker:
             backend="nccl" if next(self.model.parameters()).is_cuda else "gloo",
             timeout=timedelta(seconds=cfg.controller.collective_timeout),
         )
-
-        def receive_forever() -> None:
-            try:
-                receiver.run(stopped=lambda: self._closing or self.session.finished() is not None)
-            except BaseException as err:  # supervised: the main loop re-raises it
-                self._weight_error = err
-
-        threading.Thread(target=receive_forever, name="nebula-weights", daemon=True).start()
+        self._weight_errors = receiver.run_in_background(
+            stopped=lambda: self._closing or self.session.finished() is not None
+        )
 
     def run(self) -> None:
         """Sample until the controller ends the job."""
         while self.session.finished() is None:
-            if self._weight_error is not None:
-                raise RuntimeError("the weight thread failed") from self._weight_error
+            if self._weight_errors:
+                raise RuntimeError("the weight thread failed") from self._weight_errors[0]
             self.step()
 
     def step(self) -> None:
@@ -305,9 +302,6 @@ class FlowTrainer:
     """The policy replica's trainer for a flow model: what `PolicyWorker` asks of the
     language-model trainer (`grpo_step`, the optimiser and schedule, the replica group)."""
 
-    parallel = None
-    """(No split of the model within the replica.)"""
-
     def __init__(
         self,
         model: nn.Module,
@@ -372,7 +366,7 @@ class FlowTrainer:
         if self.replicas is not None:
             self.replicas.sum_(sums)
         total, squares, n = sums.tolist()
-        return max((squares - total * total / n) / max(n - 1, 1), 0.0) ** 0.5
+        return pooled_std(total, squares, n)
 
     def grpo_step(self, groups: list[RolloutGroup], media: Any = None) -> dict[str, float]:
         """Train on this replica's share of a step; the step's metrics over every replica."""

@@ -245,7 +245,8 @@ class RolloutWorker:
         self.num_tokens = 0
         self.num_groups = 0
         self.start_time = time.monotonic()
-        self._weight_error: BaseException | None = None
+        self._weight_errors: list[BaseException] = []
+        """What the weight thread raised (the main loop fails with it)."""
         self._closing = False
         session.policy_version = lambda: self.engine.policy_version
         session.stats = self.stats
@@ -279,14 +280,9 @@ class RolloutWorker:
                 log.info("weights of version %d in place", engine.policy_version)
 
         receiver = _receiver(self.session, engine, apply=apply)
-
-        def receive_forever() -> None:
-            try:
-                receiver.run(stopped=lambda: self._closing or self.session.finished() is not None)
-            except BaseException as err:  # supervised: the main loop re-raises it
-                self._weight_error = err
-
-        threading.Thread(target=receive_forever, name="nebula-weights", daemon=True).start()
+        self._weight_errors = receiver.run_in_background(
+            stopped=lambda: self._closing or self.session.finished() is not None
+        )
 
     @property
     def _model(self) -> torch.nn.Module:
@@ -304,8 +300,8 @@ class RolloutWorker:
         """Generate until the controller ends the job."""
         self.engine.start()
         while self.session.finished() is None:
-            if self._weight_error is not None:
-                raise RuntimeError("the weight thread failed") from self._weight_error
+            if self._weight_errors:
+                raise RuntimeError("the weight thread failed") from self._weight_errors[0]
             self.step()
 
     def step(self) -> None:

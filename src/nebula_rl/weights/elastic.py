@@ -31,6 +31,7 @@ from __future__ import annotations
 import gc
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -368,6 +369,20 @@ class ElasticReceiver(_Member):
                 time.sleep(self.poll_s)
         finally:
             self._leave()
+
+    def run_in_background(self, stopped: Callable[[], bool]) -> list[BaseException]:
+        """:meth:`run` in a daemon thread; the list it returns receives what the thread raised
+        (the replica's main loop checks it and fails with it: supervised, not lost)."""
+        errors: list[BaseException] = []
+
+        def body() -> None:
+            try:
+                self.run(stopped=stopped)
+            except BaseException as err:
+                errors.append(err)
+
+        threading.Thread(target=body, name="nebula-weights", daemon=True).start()
+        return errors
 
     def follow(self) -> None:
         """One poll: join a new generation if it names this replica, then (unless
