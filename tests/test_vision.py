@@ -97,6 +97,43 @@ def test_presets_build_and_reload_with_the_auto_class(vlm, tok, tmp_path):
         torch.testing.assert_close(again(**batch).logits, model(**batch).logits)
 
 
+def _image_only_processor(family: str):
+    """transformers' own processor class of `family` (what `AutoProcessor` builds for it),
+    taking the image processor and tokenizer only: its video processor needs torchvision, and
+    no CPU torchvision build for torch 2.13 installs here (the PyPI wheel links CUDA libraries)."""
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    base = {"qwen3_vl": Qwen3VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}[family]
+
+    class ImageOnly(base):  # type: ignore[misc, valid-type]
+        @classmethod
+        def get_attributes(cls):
+            return ["image_processor", "tokenizer"]
+
+    return ImageOnly
+
+
+def test_image_prompts_match_the_transformers_processor(vlm, tok):
+    """Our packer against the transformers processor class of each family, on a conversation
+    with two images of other sizes than the patch grid (so both resize): the same token ids
+    (pads expanded per image), `mm_token_type_ids`, pixel rows and grids."""
+    _, _, processor = vlm
+    theirs = _image_only_processor(processor.layout.model_type)(
+        image_processor=processor.image_processor, tokenizer=tok
+    )
+    images = [_image(3, (70, 45)), _image(4, (33, 100))]
+    chat = _ask(*({"type": "image", "image": im} for im in images))
+    ours = processor(chat, add_generation_prompt=True)
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    want = theirs(text=[text], images=images, return_tensors="pt")
+    assert ours.input_ids == want["input_ids"][0].tolist()
+    assert torch.equal(ours.pixel_values, want["pixel_values"])
+    assert torch.equal(ours.image_grid_thw, want["image_grid_thw"])
+    batch = _batch(processor, [ours], tok)
+    assert torch.equal(batch["mm_token_type_ids"], want["mm_token_type_ids"])
+
+
 def test_media_expand_to_their_tokens_and_a_mixed_batch_trains(vlm, tok):
     """An image, a video (as frames) and a text-only sample in one batch: each pad run is as
     long as its grid says, `mm_token_type_ids` marks them, and the forward (which checks that
@@ -482,25 +519,38 @@ def _squares_config(tmp_path, name: str, dataset: dict | None = None, **parallel
     return path
 
 
-def test_fsdp_sft_of_a_vision_language_model_steps_like_one_process(tmp_path):
+_FOUR_RANKS = [
+    pytest.param({"tp_size": 2, axis: 2}, id=f"tp-{axis}", marks=pytest.mark.slow)
+    for axis in ("dp_shard_size", "dp_replicate_size")
+]
+
+
+@pytest.mark.parametrize(
+    "layout", [{"dp_shard_size": 2}, {"tp_size": 2}, *_FOUR_RANKS], ids=lambda d: "-".join(d)
+)
+def test_multi_rank_sft_of_a_vision_language_model_steps_like_one_process(tmp_path, layout):
     """`nebula-rl train` with `dp_shard_size = 2`: FSDP2 shards the vision blocks and the
-    decoder layers; each rank trains half of every batch (with its own images); the losses and
-    the exported weights are one process's."""
+    decoder layers; each rank trains half of every batch (with its own images). With
+    `tp_size = 2`: the language model is split by heads and columns (sequence parallel between
+    its layers, DeepStack features added where the sequence is whole), the vision tower is
+    FSDP2-sharded over the two ranks, which run the same rows. With both (4 ranks), FSDP2 or DDP
+    splits the rows, and the tower is sharded over the TP and FSDP ranks. Each way the losses, gradient
+    norms and exported weights are one process's."""
     from sft_runs import assert_two_like_one, train
 
-    for name, parallelism in (("one", {}), ("two", {"dp_shard_size": 2})):
+    for name, parallelism in (("one", {}), ("two", layout)):
         train(_squares_config(tmp_path, name, **parallelism))
     weights = assert_two_like_one(tmp_path, 3, atol=1e-5)
     assert any(k.startswith("model.visual.") for k in weights)
 
 
-def test_fsdp_sft_with_images_on_one_rank_and_videos_on_the_other_steps_like_one_process(
-    tmp_path,
-):
-    """Rows with an image, with a video (two frames) or text only, in a seeded order that gives
-    the two ranks passes with different kinds of media: every rank still runs the vision tower
-    on images and then on videos (blank ones where its rows have none), so FSDP's collectives
-    pair up, and the job steps like one process."""
+@pytest.mark.parametrize("split", ["dp_shard_size", "tp_size"])
+def test_two_rank_sft_with_images_videos_and_text_steps_like_one_process(tmp_path, split):
+    """Rows with an image, with a video (two frames) or text only. FSDP: in a seeded order that
+    gives the two ranks passes with different kinds of media, every rank still runs the vision
+    tower on images and then on videos (blank ones where its rows have none), so FSDP's
+    collectives pair up. TP: passes without images or videos leave the tower (sharded over the
+    TP ranks) alone on both ranks. Either way the job steps like one process."""
     import json
 
     from nebula_rl.data import squares_task
@@ -517,19 +567,20 @@ def test_fsdp_sft_with_images_on_one_rank_and_videos_on_the_other_steps_like_one
         rows.append({"conversations": [user, reply]})
     data = tmp_path / "mixed.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    for name, parallelism in (("one", {}), ("two", {"dp_shard_size": 2})):
+    for name, parallelism in (("one", {}), ("two", {split: 2})):
         train(_squares_config(tmp_path, name, {"name": str(data)}, **parallelism))
     assert_two_like_one(tmp_path, 3, atol=1e-5)
 
 
-@pytest.mark.parametrize("split", ["tp_size", "pp_size", "cp_size"])
-def test_model_parallel_layouts_of_a_vision_language_model_are_refused(split):
+@pytest.mark.parametrize("split", ["pp_size", "cp_size"])
+def test_pipeline_and_context_parallel_layouts_of_a_vision_language_model_are_refused(split):
     from nebula_rl.models import load_model_config
     from nebula_rl.policy.parallelize import ParallelDims
 
     sizes = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, split[:2]: 2}
     with pytest.raises(ValueError, match=rf"{split} > 1: a vision-language model \(qwen3_vl\)"):
         ParallelDims(**sizes).check_model(load_model_config("tiny:qwen3_vl"))
-    ParallelDims(**{**sizes, split[:2]: 1, "dp_shard": 2}).check_model(
-        load_model_config("tiny:qwen3_vl")
-    )
+    for fine in ("dp_shard", "tp"):
+        ParallelDims(**{**sizes, split[:2]: 1, fine: 2}).check_model(
+            load_model_config("tiny:qwen3_vl")
+        )

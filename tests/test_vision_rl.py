@@ -252,11 +252,11 @@ def _grpo(trainer: PolicyTrainer, tokenizer, vision) -> list[dict]:
     return [trainer.grpo_step(groups, media) for _ in range(2)]
 
 
-def _fsdp_body(member, port):
+def _two_rank_body(member, port, parallelism):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=member,
                             world_size=2)  # fmt: skip
     try:
-        cfg = _cfg({"dp_shard_size": 2})
+        cfg = _cfg(parallelism)
         tokenizer = load_tokenizer("tiny:qwen3_vl")
         model = load_model("tiny:qwen3_vl", seed=0)
         vision = VisionProcessor(tokenizer, model.config)
@@ -270,17 +270,19 @@ def _fsdp_body(member, port):
         dist.destroy_process_group()
 
 
-def test_fsdp2_grpo_on_images_steps_like_one_process(members):
-    """One pass per row (mini_batch 1) over 9 rows: the ranks' passes hold images, text only, or
-    nothing (a dummy row), and still pair their vision-block collectives up; two steps equal
-    one process's."""
+@pytest.mark.parametrize("parallelism", [{"dp_shard_size": 2}, {"tp_size": 2}], ids=str)
+def test_two_rank_grpo_on_images_steps_like_one_process(members, parallelism):
+    """One pass per row (mini_batch 1) over 9 rows. FSDP2: the ranks' passes hold images, text
+    only, or nothing (a dummy row), and still pair their vision-block collectives up. TP: the
+    language model split over the two ranks, the vision tower sharded over them. Two steps
+    equal one process's."""
     cfg = _cfg({})
     tokenizer = load_tokenizer("tiny:qwen3_vl")
     model = load_model("tiny:qwen3_vl", seed=0)
     vision = VisionProcessor(tokenizer, model.config)
     trainer = PolicyTrainer(model, cfg, total_steps=4, pad_id=0)
     want = _grpo(trainer, tokenizer, vision)
-    reports = members.run_on(range(2), _fsdp_body, free_port(), timeout_s=240)
+    reports = members.run_on(range(2), _two_rank_body, free_port(), parallelism, timeout_s=240)
     start = dict(load_model("tiny:qwen3_vl", seed=0).named_parameters())
     for history, params in reports.values():
         for got, expected in zip(history, want, strict=True):
@@ -292,3 +294,85 @@ def test_fsdp2_grpo_on_images_steps_like_one_process(members):
     name = "model.visual.blocks.0.attn.qkv.weight"
     moved = float((model.get_parameter(name) - start[name]).detach().abs().max())
     assert moved > 1e-4  # the images' gradients reached the vision tower
+
+
+def _weights_body(member, policy_port, rollout_port, weights_port, shm_dir):
+    """Members 0-1: a TP-2 policy of tiny:qwen3_vl (its weights moved off the init); members
+    2-3: a TP-2 rollout replica of it starting from other weights. One push, zero-copy through
+    shared memory as in jobs."""
+    from datetime import timedelta
+
+    from nebula_rl.policy.parallelize import ParallelDims, parallelize_model
+    from nebula_rl.weights import Rendezvous, build_group, shared
+    from nebula_rl.weights.reshard import ShardedReceiver, ShardedSender
+
+    shared.SHM_DIR = shm_dir
+    timeout = timedelta(seconds=60)
+    rank, port = (member, policy_port) if member < 2 else (member - 2, rollout_port)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timeout)  # fmt: skip
+    rdzv = Rendezvous("127.0.0.1", weights_port, "vlm-tp-push", 4)
+    if member < 2:
+        model = load_model("tiny:qwen3_vl", seed=0)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=2)
+        parallelize_model(model, dims, dims.build_mesh("cpu"))
+        placements = {n: str(p.placements) for n, p in model.named_parameters()}
+        group = build_group(rdzv, rank=member, timeout=timeout)
+        sender = ShardedSender(group, model.named_parameters(), num_senders=2)
+        sender.push(model.named_parameters(), version=1).wait()
+        sender.close()
+        result = ({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+                  placements)  # fmt: skip
+    else:
+        engine = TorchEngine(load_model("tiny:qwen3_vl", seed=99), max_num_seqs=4,
+                             max_model_len=256, tensor_parallel=TensorParallel.of())  # fmt: skip
+        group = build_group(rdzv, rank=member, timeout=timeout)
+        boxes = engine.tp_boxes()
+        receiver = ShardedReceiver(group, dict(engine.model.named_parameters()), boxes,
+                                   num_senders=2, zero_copy=True)  # fmt: skip
+        engine.update_weights_with(receiver.receive)
+        local = {n: t.detach().clone() for n, t in engine.model.named_parameters()}
+        receiver.close()
+        result = (boxes, local, engine.policy_version)
+    dist.barrier()
+    dist.destroy_process_group()
+    group.close()
+    return result
+
+
+def test_tp2_policy_of_a_vision_language_model_pushes_its_weights_to_a_tp2_rollout():
+    """Policy TP 2 (language model split, vision tower FSDP-sharded over the TP ranks: two
+    kinds of DTensor on two meshes) -> rollout TP 2 (vision tower whole on each rank): every
+    rollout rank holds its slice of every policy weight, bit for bit."""
+    import shutil
+    import tempfile
+
+    from nebula_rl.weights import shared
+
+    shm_dir = tempfile.mkdtemp(prefix="nebula-test-", dir=shared.SHM_DIR)
+    pool = MemberPool(4)
+    try:
+        ports = [free_port() for _ in range(3)]
+        reports = pool.run_on(range(4), _weights_body, *ports, shm_dir, timeout_s=180)
+    finally:
+        pool.close()
+        shutil.rmtree(shm_dir)
+    full, placements = reports[0]
+    assert "Shard(dim=0)" in placements["model.visual.blocks.0.attn.qkv.weight"]
+    assert "Shard(dim=1)" in placements["model.language_model.layers.0.self_attn.o_proj.weight"]
+    for member in (2, 3):
+        boxes, local, version = reports[member]
+        assert version == 1 and set(local) == set(full)
+        for name, (shape, box) in boxes.items():
+            assert tuple(full[name].shape) == tuple(shape)
+            index = tuple(slice(lo, hi) for lo, hi in box)
+            assert torch.equal(local[name], full[name][index]), (member, name)
+        qkv = "model.visual.blocks.0.attn.qkv.weight"
+        assert [tuple(b) for b in boxes[qkv][1]] == [(0, n) for n in full[qkv].shape]  # whole
+        q = "model.language_model.layers.0.self_attn.q_proj.weight"
+        rows, half = full[q].shape[0], member - 2
+        assert tuple(boxes[q][1][0]) == (half * rows // 2, (half + 1) * rows // 2)

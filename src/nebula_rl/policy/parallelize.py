@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -130,14 +131,12 @@ class ParallelDims:
     def check_model(self, config: PretrainedConfig) -> None:
         """Raise a ValueError naming the config key if `config`'s model cannot be split so."""
         if getattr(config, "vision_config", None) is not None:
-            split = [
-                f"{k}_size" for k, n in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp)) if n > 1
-            ]
+            split = [f"{k}_size" for k, n in (("pp", self.pp), ("cp", self.cp)) if n > 1]
             if split:
                 raise ValueError(
                     f"{KEY}.{', '.join(split)} > 1: a vision-language model ({config.model_type}) "
-                    "is split only data-parallel so far (dp_shard_size, dp_replicate_size: FSDP2 "
-                    "shards its vision blocks and decoder layers alike)"
+                    "is split data-parallel (FSDP2 shards its vision blocks and decoder layers "
+                    "alike) and tensor-parallel (tp_size: its language model) only so far"
                 )
             config = config.get_text_config()
         if self.tp > 1:
@@ -236,8 +235,51 @@ TP_PLANS: dict[str, Callable[[], tuple[dict[str, ParallelStyle], dict[str, Paral
     "llama": _decoder_tp_plan,
     "qwen2": _decoder_tp_plan,
     "qwen3": _qwen3_tp_plan,
+    "qwen2_5_vl_text": _decoder_tp_plan,  # Qwen2.5-VL's language model
+    "qwen3_vl_text": _qwen3_tp_plan,  # Qwen3-VL's
 }
-"""HF `model_type` -> its TP plan (module names as in Hugging Face's implementation)."""
+"""HF `model_type` (a vision-language model's: its text config's) -> its TP plan (module names
+as in Hugging Face's implementation)."""
+
+
+def _vision_language_tp_plan(
+    model: nn.Module, layer_plan: dict[str, ParallelStyle]
+) -> tuple[dict[str, ParallelStyle], dict[int, dict[str, ParallelStyle]]]:
+    """The TP plan of a vision-language model's language model: (root plan, layer index -> its
+    plan). Its forward writes the vision embeddings into the token embeddings
+    (`masked_scatter`) and, in Qwen3-VL, adds DeepStack features to the outputs of the first
+    layers (boolean indexing): both are plain-tensor code. So the embedding gives a replicated
+    plain tensor; each layer takes its input as it comes (replicated or already sharded) and
+    shards it on the sequence, where the text plan's layers start; a DeepStack layer gives its
+    output back replicated. The vision tower is not split: `parallelize_model` shards it with
+    FSDP2 over the TP ranks too."""
+    decoder = "model.language_model"
+    root: dict[str, ParallelStyle] = {
+        f"{decoder}.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True
+        ),
+        f"{decoder}.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True
+        ),
+    }
+    into_layer = PrepareModuleInput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=False
+    )
+    deepstack = len(getattr(_config(model).vision_config, "deepstack_visual_indexes", None) or [])
+    plans: dict[int, dict[str, ParallelStyle]] = {}
+    for i in range(len(_layers(model))):
+        plans[i] = {"": into_layer, **layer_plan}
+        if i < deepstack:
+            plans[i][""] = PrepareModuleInputOutput(
+                input_layouts=(Replicate(),),
+                desired_input_layouts=(Shard(1),),
+                use_local_input=False,
+                output_layouts=(Shard(1),),
+                desired_output_layouts=(Replicate(),),
+                use_local_output=True,
+            )
+    return root, plans
 
 
 def _decoder(model: nn.Module) -> Any:
@@ -266,6 +308,11 @@ def _vision_blocks(model: nn.Module) -> list[nn.Module]:
     return list(blocks.children()) if blocks is not None else []
 
 
+def _visual(model: nn.Module) -> nn.Module:
+    """A vision-language model's vision tower (`model.model.visual`)."""
+    return model.get_submodule("model.visual")
+
+
 def _config(model: nn.Module) -> Any:
     return model.config
 
@@ -275,17 +322,25 @@ def _tied(model: nn.Module) -> bool:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard `model` (an HF causal LM or a pipeline stage of one) over `tp_mesh`, in place."""
-    root, layer_plan = TP_PLANS[_config(model).model_type]()
+    """Shard `model` (an HF causal LM or a pipeline stage of one, or a vision-language model's
+    language model) over `tp_mesh`, in place."""
+    root, layer_plan = TP_PLANS[_config(model).get_text_config().model_type]()
     decoder = _decoder(model)
+    layers = list(decoder.layers.children())
+    plans = {i: layer_plan for i in range(len(layers))}
+    if _vision_blocks(model):
+        root, plans = _vision_language_tp_plan(model, layer_plan)
     # A pipeline stage lacks the embedding or the head; plan only what it holds.
     present = {name: style for name, style in root.items() if _has(model, name)}
     parallelize_module(model, tp_mesh, present)
-    for layer in decoder.layers.children():
-        parallelize_module(layer, tp_mesh, layer_plan)
+    for i, layer in enumerate(layers):
+        plan = dict(plans[i])
+        if "" in plan:  # the layer's own inputs and outputs
+            parallelize_module(layer, tp_mesh, plan.pop(""))
+        parallelize_module(layer, tp_mesh, plan)
     # Both sides of a tied embedding are sharded on the vocabulary (Shard(0) of [V, H]), so one
     # DTensor serves both; parallelize_module made two, re-tie them.
-    if _tied(model) and _has(model, "lm_head") and _has(model, "model.embed_tokens"):
+    if _tied(model) and _has(model, "lm_head") and getattr(decoder, "embed_tokens", None):
         head: Any = model.lm_head
         head.weight = decoder.embed_tokens.weight
 
@@ -499,14 +554,15 @@ def apply_compile(model: nn.Module) -> None:
         layer.compile()
 
 
-def _sum_gradients(model: nn.Module) -> None:
+def _sum_gradients(model: nn.Module, divide: float = 1.0) -> None:
     """Make every FSDP/replicate group sum gradients over its data axes instead of averaging:
-    each rank's loss is already its share of the global loss (module docstring)."""
+    each rank's loss is already its share of the global loss (module docstring). With
+    `divide`, the sums are divided by it."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
+            module.set_gradient_divide_factor(divide)
             # A plain SUM: gloo has no AVG/PREMUL_SUM, and a factor of 1 needs no scaling.
             module.set_force_sum_reduction_for_comms(True)
 
@@ -555,10 +611,44 @@ def apply_fsdp(
         mp_policy=_fsdp_precision(param_dtype, reduce_dtype),
         offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
     )
+    from torch.distributed.fsdp import FSDPModule
+
     for layer in [*_vision_blocks(model), *_layers(model)]:
-        fully_shard(layer, **kwargs)
+        if not isinstance(layer, FSDPModule):  # (a vision block `shard_vision_over_tp` took)
+            fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     _sum_gradients(model)
+
+
+def shard_vision_over_tp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    dims: ParallelDims,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> None:
+    """FSDP2 of a vision-language model's vision tower over the data and TP ranks together
+    (`tp_size > 1`; the language model is TP-split): the tower is never TP-split, and with its
+    parameters sharded like the language model's DTensors every parameter of the model is one.
+    Each block is a group, then the tower's root (patch and position embeddings, mergers).
+
+    TP ranks run the same rows, so their tower gradients are equal: summed over the TP ranks
+    they are divided by `tp_size` again, and data ranks' are summed as everywhere (set after
+    the data-parallel step, whose own setting covers every FSDP group)."""
+    from torch.distributed.fsdp import fully_shard
+
+    axes = ("dp_shard", "cp", "tp")
+    if "dp_shard_cp_tp" not in (mesh.mesh_dim_names or ()):
+        mesh[axes]._flatten("dp_shard_cp_tp")
+    over = (
+        mesh["dp_replicate", "dp_shard_cp_tp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp_tp"]
+    )
+    visual = _visual(model)
+    kwargs: dict[str, Any] = dict(mesh=over, mp_policy=_fsdp_precision(param_dtype, reduce_dtype))
+    for block in _vision_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(visual, **kwargs)
 
 
 def apply_ddp(
@@ -591,9 +681,22 @@ def total_grad_norm(grads: Sequence[Tensor]) -> Tensor:
     in float64: float32 norms of tensors of 1e5 elements are off by ~1e-5 on CPU."""
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
-    norm = torch.linalg.vector_norm(torch.stack(norms))
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    totals = []
+    for group in _by_mesh(grads):
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in group]
+        norm = torch.linalg.vector_norm(torch.stack(norms))
+        totals.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return torch.linalg.vector_norm(torch.stack(totals))
+
+
+def _by_mesh(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
+    """`tensors` grouped by device mesh (plain tensors together), in first-seen order: DTensor
+    ops take one mesh at a time (a vision tower sharded over more ranks than the language
+    model's parameters is on another mesh)."""
+    groups: dict[Any, list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values())
 
 
 def _full(param: Tensor) -> Tensor:
@@ -1036,7 +1139,8 @@ class ParallelModel:
             dist.all_reduce(squared, group=self.mesh["pp"].get_group())
             norm = squared.sqrt()
         if max_norm < float("inf"):
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            for group in _by_mesh(params):
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         return float(norm)
 
 
@@ -1103,6 +1207,8 @@ def parallelize_model(
     #    stage. CP ranks are FSDP ranks (dp_shard_cp): they hold different tokens, so their
     #    gradients are summed like DP's.
     roots = [stage for _, stage in stages] or [model]
+    if tp_mesh is not None and _vision_blocks(model):
+        shard_vision_over_tp(model, mesh, dims, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if dims.fsdp_enabled:
         axes = ("dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else ("dp_shard_cp",)
         for root in roots:
@@ -1120,6 +1226,8 @@ def parallelize_model(
             apply_ddp(
                 root, mesh["dp_replicate"], param_dtype=param_dtype, reduce_dtype=reduce_dtype
             )
+    if tp_mesh is not None and _vision_blocks(model):
+        _sum_gradients(_visual(model), divide=float(dims.tp))
     data_parallel = dims.fsdp_enabled or dims.dp_replicate > 1
     # A tied embedding's copies live on the first and last stage; their gradients are summed
     # by ParallelModel.reduce_tied_grads.
