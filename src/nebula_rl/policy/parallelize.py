@@ -16,7 +16,9 @@ and over pipeline micro-batches, and the result does not depend on how the batch
 Simplifications: pipeline stages hold whole decoder layers, in equal numbers; under PP and CP
 batches are unpadded or right-padded (the causal mask alone is exact there, so no attention mask
 is taken); CP needs SDPA attention and CUDA, and cannot be combined with PP; the TP plan covers
-the Llama, Qwen2 and Qwen3 families.
+the Llama, Qwen2 and Qwen3 families and the language models of Qwen2.5-VL and Qwen3-VL (whose vision
+tower FSDP2 shards over the TP ranks instead: `shard_vision_over_tp`); PP and CP of a
+vision-language model are refused.
 """
 
 from __future__ import annotations
