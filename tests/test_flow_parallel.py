@@ -24,7 +24,7 @@ from flow_configs import tiny_flow_policy
 from member_pool import MemberPool
 from nebula_rl.config import ConfigError, config_from_dict
 from nebula_rl.flow.data import make_toy_dataset, read_local_dataset
-from nebula_rl.flow.local import roll_out
+from nebula_rl.flow.local import data_distance, roll_out
 from nebula_rl.flow.models import load_flow_model
 from nebula_rl.flow.parallel import shard_flow_model
 from nebula_rl.flow.runtime import FlowTrainer, flow_settings
@@ -93,7 +93,9 @@ def _batches(root: Path, policy: dict) -> list[list[RolloutGroup]]:
             prompt = Prompt(f"0:{index}", 0, index, None, None)
             completions = [Completion([], [], "", "stop", [(0, 0)], reward=r) for r in rewards]
             name = store.write(prompt.prompt_id, t)
-            groups.append(RolloutGroup(prompt, [], completions, "rollout-0", {"trajectory": name}))
+            distance = data_distance(t.final, [clips[index].caption] * N, clips)
+            extra = {"trajectory": name, "data_distance": distance}
+            groups.append(RolloutGroup(prompt, [], completions, "rollout-0", extra))
         batches.append(groups)
     return batches
 

@@ -283,3 +283,35 @@ def test_a_world_model_job_resumes_from_its_checkpoint(tmp_path):
     _assert_every_row_trained_once(run_dir)
     policy_log = (run_dir / "logs" / "policy-0.log").read_text()
     assert "resumed from" in policy_log and "step_2" in policy_log
+
+
+def test_a_latent_world_model_job_runs_with_rollout_replicas(tmp_path):
+    """DDRL with the latent Wan preset (a tiny transformer on a tiny AutoencoderKLWan's
+    latents, 5 frames): the rollout decodes its samples for the rewards and the distance to the
+    data, the policy encodes the real clips for DDRL's data term, only the transformer's weights
+    are pushed, every clip is trained once, and the export is a pipeline folder with its VAE."""
+    from nebula_rl.flow.models import load_flow_model
+    from nebula_rl.flow.vae import flow_vae
+
+    cfg = _job(
+        tmp_path,
+        **{
+            "policy": tiny_flow_policy("tiny:wan_transformer3d_latent", frames=5),
+            "train.train_policy.trainer_type": "ddrl",
+            "train.train_policy.data_beta": 0.1,
+        },
+    )
+    run_dir = _finish(_start(tmp_path, cfg), tmp_path)
+    _assert_every_row_trained_once(run_dir)
+    steps = _steps(run_dir)
+    assert len(steps) == NUM_ROWS // PROMPTS_PER_STEP
+    for s in steps:
+        assert 0.0 <= s["reward_mean"] <= 1.0 and s["rewards_lost"] == 0.0
+        assert s["data_distance"] > 0 and torch.isfinite(torch.tensor(s["loss"]))
+    assert "weights of version 3 in place" in (run_dir / "logs" / "rollout-0.log").read_text()
+    final = run_dir / "safetensors" / "final"
+    assert json.loads((final / "model_index.json").read_text())["vae"][1] == "AutoencoderKLWan"
+    exported = config_from_dict(
+        {**cfg, "policy": {**cfg["policy"], "model_name_or_path": str(final)}}
+    )
+    assert flow_vae(load_flow_model(exported)) is not None

@@ -902,16 +902,39 @@ class SampleConfig(_Section):
 
 
 class DiffusersTokenizerConfig(_Section):
-    """Video tokenizer settings (cosmos-rl's `policy.diffusers.tokenizer`)."""
+    """The VAE of a latent-space world model (cosmos-rl's `policy.diffusers.tokenizer`); the VAE
+    itself comes from the model's pipeline folder (`vae/`)."""
 
-    chunk_duration: int = 81
-    """Frames per chunk."""
-    load_mean_std: bool = False
-    """Load latent mean/std."""
+    chunk_duration: int = Field(
+        default=81,
+        json_schema_extra=refused(
+            "diffusers' Wan VAE encodes and decodes a clip in one causal pass, a latent frame "
+            "at a time; independent chunks would change its latents and its frame count "
+            "(cosmos-rl's tokenizer keeps the value but cuts nothing either)"
+        ),
+    )
+    """Pixel frames per chunk of cosmos-rl's tokenizer."""
+    load_mean_std: bool = Field(
+        default=False,
+        json_schema_extra=refused(
+            "cosmos-rl's per-frame latent statistics files (images_mean_std.pt, "
+            "video_mean_std.pt) are not part of a diffusers pipeline; latents are normalised "
+            "with the VAE config's latents_mean / latents_std"
+        ),
+    )
+    """Load cosmos-rl's per-frame latent statistics on top of the VAE's own."""
     compile_encode: bool = False
-    """Compile the encoder."""
-    temporal_window: int = 16
-    """Temporal window."""
+    """Compile the VAE's encoder call (`torch.compile`; clips are encoded for SFT and DDRL's data
+    term)."""
+    temporal_window: int = Field(
+        default=16,
+        json_schema_extra=refused(
+            "diffusers' Wan VAE encodes 4 frames (one latent frame) per pass through its causal "
+            "cache; any other window gives the same latents, and nebula-rl does not re-drive the "
+            "VAE's internals"
+        ),
+    )
+    """Frames per pass of cosmos-rl's tokenizer encoder."""
 
 
 class DiffusersConfig(_Section):
@@ -956,13 +979,8 @@ class DiffusersConfig(_Section):
     """LoRA of the diffusion model."""
     sample: SampleConfig = Field(default_factory=SampleConfig)
     """Sampling."""
-    tokenizer: DiffusersTokenizerConfig = Field(
-        default_factory=DiffusersTokenizerConfig,
-        json_schema_extra=refused(
-            "video tokenizers (VAEs) are not supported yet: world models work in pixel space"
-        ),
-    )
-    """Video tokenizer."""
+    tokenizer: DiffusersTokenizerConfig = Field(default_factory=DiffusersTokenizerConfig)
+    """The VAE of a latent-space model."""
 
 
 class PolicyConfig(_Section):
@@ -1822,7 +1840,7 @@ FLOW_KEYS = (
     "policy.diffusers.sample.num_steps", "policy.diffusers.sample.eval_num_steps",
     "policy.diffusers.sample.guidance_scale", "policy.diffusers.sample.global_std",
     "policy.diffusers.sample.noise_level", "policy.diffusers.sample.deterministic_sampling",
-    "policy.diffusers.sample.solver",
+    "policy.diffusers.sample.solver", "policy.diffusers.tokenizer.compile_encode",
     "rollout.n_generation",
     # (the runtime's: replicas, the controller, the staleness bound, weight pushes)
     "rollout.batch_size", "rollout.seed", "rollout.parallelism.n_init_replicas",

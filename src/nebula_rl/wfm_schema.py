@@ -23,8 +23,8 @@ WFM_TABLES = {"trainer", "model_parallel", "dataloader_train", "checkpoint", "op
 
 _NETWORK = (
     "cosmos-rl's own Cosmos-Predict2.5 network (its DiT, Wan2.1 VAE, text encoders and .pt "
-    "checkpoints) is not run by nebula-rl, which trains diffusers transformers in pixel space: "
-    "set policy.model_name_or_path (docs/world-models.md)"
+    "checkpoints) is not run by nebula-rl, which trains diffusers transformers (with their "
+    "pipeline's VAE in latent space): set policy.model_name_or_path (docs/world-models.md)"
 )
 _HOOK = (
     "cosmos-rl's training callbacks (speed, memory, S3 uploads, preview samples); nebula-rl logs "

@@ -5,7 +5,8 @@ FSDP2-sharded over the ranks (`policy.parallelism.dp_shard_size` processes, star
 are the weights that sample.
 
 Each iteration every rank takes its share of the iteration's prompts (`prompts[rank::ranks]`),
-samples `group_size` trajectories of each with its own noise, and scores them; the advantages are
+samples `group_size` trajectories of each with its own noise, and scores them (a latent-space
+model's decoded by its VAE, which each rank holds whole); the advantages are
 group-relative (with `global_std`, over the rewards of every rank); then `flow.local.
 train_on_batch` trains its share, FSDP2 averaging the gradients. DiffusionNFT's training noise is
 seeded per sample, and the records sum over the ranks, so the numbers are those of the whole
@@ -33,6 +34,7 @@ from nebula_rl.flow.local import (
     train_on_batch,
 )
 from nebula_rl.flow.parallel import sample_seed
+from nebula_rl.flow.vae import samples_to_pixels
 
 __all__ = ["run_colocated"]
 
@@ -73,7 +75,8 @@ def run_colocated(
         real = [c for c in mine for _ in range(s.group_size)]
         prompts = [c.caption for c in real]
         x0, text, mask, trajectory = roll_out(model, real, s, generator)
-        scored = score(trajectory.final.float().cpu(), prompts)
+        pixels = samples_to_pixels(model, trajectory.final).float().cpu()
+        scored = score(pixels, prompts)
         rewards = torch.tensor(scored if scored is not None else [0.0] * len(prompts))
         stats = torch.tensor(
             [float(rewards.sum()), float(rewards.square().sum()), float(len(rewards))],
@@ -98,7 +101,7 @@ def run_colocated(
             [
                 sum(losses) / len(losses) * count,
                 clipped * count,
-                data_distance(trajectory.final.float().cpu(), prompts, clips) * count,
+                data_distance(pixels, prompts, clips) * count,
                 float(scored is None),
             ],
             dtype=torch.float64,

@@ -12,14 +12,19 @@ in how they take the noise level and the text:
 - SD3 also takes a pooled text vector: here the mean of the caption's token embeddings (the
   datasets carry no CLIP pooled embedding), and it makes images only (one frame).
 
-The models run in pixel space (`in_channels = 3`): the VAEs that map clips to the latents the
-released checkpoints expect are not run yet, so a latent-space checkpoint is refused by name.
-diffusers is an optional extra (`pip install nebula-rl[wfm]`).
+A transformer with `in_channels = 3` runs in pixel space. Any other runs in the latent space of
+the VAE its pipeline folder holds (`model_index.json` naming `transformer` and `vae`; the VAE is
+loaded from `vae/`, frozen: `nebula_rl.flow.vae`): its `out_channels` are the VAE's latent
+channels, and its `in_channels` too, or one more for Cosmos-Predict2.5's condition-mask channel
+(all zeros: text-to-world, no frame is given). A latent-space transformer without its VAE, a
+VAE nebula-rl does not run, or channels that do not match are refused by name before the job
+starts. diffusers is an optional extra (`pip install nebula-rl[wfm]`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +32,20 @@ import torch
 from torch import Tensor, nn
 
 from nebula_rl.flow.dit import autocast
+from nebula_rl.flow.vae import FlowVAE, vae_factors
 
 __all__ = [
     "DIFFUSERS_CLASSES",
     "DIFFUSERS_PRESETS",
+    "PRESET_VAES",
     "DiffusersFlowModel",
+    "DiffusersFolder",
     "check_diffusers_folder",
     "diffusers_class_of",
     "load_diffusers_flow_model",
+    "save_diffusers_flow_model",
     "tiny_diffusers_flow_model",
+    "tiny_vae_config",
 ]
 
 DIFFUSERS_CLASSES = ("CosmosTransformer3DModel", "WanTransformer3DModel", "SD3Transformer2DModel")
@@ -45,8 +55,27 @@ DIFFUSERS_PRESETS = {
     "tiny:cosmos_transformer3d": "CosmosTransformer3DModel",
     "tiny:wan_transformer3d": "WanTransformer3DModel",
     "tiny:sd3_transformer2d": "SD3Transformer2DModel",
+    "tiny:cosmos_transformer3d_latent": "CosmosTransformer3DModel",
+    "tiny:wan_transformer3d_latent": "WanTransformer3DModel",
+    "tiny:sd3_transformer2d_latent": "SD3Transformer2DModel",
 }
-"""Random-init miniatures of each class (two blocks, width 64) for CPU tests and demos."""
+"""Random-init miniatures of each class (two blocks, width 64) for CPU tests and demos; the
+`_latent` ones with a miniature VAE (:data:`PRESET_VAES`)."""
+
+PRESET_VAES = {
+    "tiny:cosmos_transformer3d_latent": "AutoencoderKLWan",
+    "tiny:wan_transformer3d_latent": "AutoencoderKLWan",
+    "tiny:sd3_transformer2d_latent": "AutoencoderKL",
+}
+"""The latent-space presets' VAE classes (:func:`tiny_vae_config`: 4 latent channels, frames
+halved in size, Wan's also in time; a fixed random init)."""
+
+PIPELINES = {
+    "CosmosTransformer3DModel": "Cosmos2_5_PredictBasePipeline",
+    "WanTransformer3DModel": "WanPipeline",
+    "SD3Transformer2DModel": "StableDiffusion3Pipeline",
+}
+"""The pipeline class an export's `model_index.json` names, by transformer class."""
 
 _THOUSAND = {"WanTransformer3DModel", "SD3Transformer2DModel"}
 """Classes whose timestep is 1000 sigma."""
@@ -66,14 +95,22 @@ def _diffusers() -> Any:
 
 class DiffusersFlowModel(nn.Module):
     """A diffusers transformer behind `forward(x [B, C, T, H, W], sigma [B], text [B, L, D],
-    text_mask [B, L]) -> velocity [B, C, T, H, W]`."""
+    text_mask [B, L]) -> velocity [B, C, T, H, W]`; `x` is pixels, or the latents of `vae`."""
 
-    def __init__(self, transformer: nn.Module) -> None:
+    def __init__(self, transformer: nn.Module, *, vae: FlowVAE | None = None) -> None:
         super().__init__()
         self.transformer = transformer
         self.kind = type(transformer).__name__
         if self.kind not in DIFFUSERS_CLASSES:
             raise ValueError(f"{KEY}: {self.kind} is not one of {DIFFUSERS_CLASSES}")
+        self.vae = vae
+        """The frozen VAE of a latent-space model (a plain attribute: not a submodule)."""
+        config = self.config
+        self.condition_channel = (
+            self.kind == "CosmosTransformer3DModel"
+            and config.in_channels == config.out_channels + 1
+        )
+        """Cosmos-Predict2.5's condition-mask channel, given as zeros (no conditioning frame)."""
 
     @property
     def config(self) -> Any:
@@ -105,8 +142,12 @@ class DiffusersFlowModel(nn.Module):
             padding = None
             if self.config.concat_padding_mask:  # (no padded pixels)
                 padding = x.new_zeros(1, x.shape[-2], x.shape[-1], dtype=dtype)
+            condition = None
+            if self.condition_channel:
+                condition = hidden.new_zeros(x.shape[0], 1, *x.shape[2:])
             out = self.transformer(
-                hidden, t, text, padding_mask=padding, return_dict=False
+                hidden, t, text, condition_mask=condition, padding_mask=padding,
+                return_dict=False,
             )[0]  # fmt: skip
         else:
             out = self.transformer(hidden, t, text, return_dict=False)[0]
@@ -129,9 +170,40 @@ def diffusers_class_of(folder: Path) -> tuple[str, Path] | None:
     return None
 
 
-def check_diffusers_folder(name: str, folder: Path) -> tuple[str, Path]:
-    """(class name, transformer folder) of a diffusers folder nebula-rl can train, read from its
-    configs without loading weights; a ValueError naming the key otherwise."""
+@dataclass(frozen=True, slots=True)
+class DiffusersFolder:
+    """What a diffusers folder holds for nebula-rl: its transformer and, for a latent-space
+    model, its VAE."""
+
+    transformer_class: str
+    transformer: Path
+    vae_class: str | None = None
+    vae: Path | None = None
+    """`vae/` of the pipeline folder (None: a pixel-space model)."""
+
+    def vae_config(self) -> dict[str, Any]:
+        """The VAE's diffusers config."""
+        assert self.vae is not None
+        return json.loads((self.vae / "config.json").read_text())  # type: ignore[no-any-return]
+
+
+def _check_channels(name: str, class_name: str, config: dict[str, Any], latent: int) -> None:
+    """Refuse a transformer whose channels are not `latent` (Cosmos: in, or one more)."""
+    channels_in, channels_out = config.get("in_channels"), config.get("out_channels")
+    allowed = {latent, latent + 1} if class_name == "CosmosTransformer3DModel" else {latent}
+    if channels_out not in (None, latent) or channels_in not in allowed:
+        raise ValueError(
+            f"{KEY}: {name}: the {class_name} takes {channels_in} channels and gives "
+            f"{channels_out}, its VAE's latents have {latent}; nebula-rl runs text-to-world "
+            "models (in_channels = the latent channels, or one more for Cosmos-Predict2.5's "
+            "condition mask; image-to-video conditioning channels are not built)"
+        )
+
+
+def check_diffusers_folder(name: str, folder: Path) -> DiffusersFolder:
+    """What the diffusers folder `folder` (`name`, as the user wrote it) holds for nebula-rl,
+    read from its configs without loading weights; a ValueError naming the key if nebula-rl
+    cannot train it."""
     found = diffusers_class_of(folder)
     if found is None:
         raise ValueError(f"{KEY}: {name} is not a diffusers pipeline or transformer folder")
@@ -140,53 +212,142 @@ def check_diffusers_folder(name: str, folder: Path) -> tuple[str, Path]:
         raise ValueError(
             f"{KEY}: {name} holds a {class_name}; nebula-rl trains {', '.join(DIFFUSERS_CLASSES)}"
         )
-    channels = json.loads((where / "config.json").read_text()).get("in_channels")
-    if channels != 3:
+    config = json.loads((where / "config.json").read_text())
+    if config.get("in_channels") == 3:
+        return DiffusersFolder(class_name, where)
+    index = folder / "model_index.json"
+    entry = json.loads(index.read_text()).get("vae") if index.is_file() else None
+    vae = folder / "vae"
+    if not (isinstance(entry, list) and len(entry) == 2 and (vae / "config.json").is_file()):
         raise ValueError(
-            f"{KEY}: {name} is a latent-space {class_name} (in_channels = {channels}); "
-            "nebula-rl does not run the VAE its clips need yet, so only pixel-space models "
-            "(in_channels = 3) train"
+            f"{KEY}: {name} is a latent-space {class_name} (in_channels = "
+            f"{config.get('in_channels')}) without its VAE: name the pipeline folder whose "
+            "model_index.json names a vae and holds vae/ (a transformer folder alone has none)"
         )
-    return class_name, where
+    found_vae = DiffusersFolder(class_name, where, str(entry[1]), vae)
+    latent, _, _ = vae_factors(str(entry[1]), found_vae.vae_config())
+    _check_channels(name, class_name, config, latent)
+    return found_vae
 
 
-def load_diffusers_flow_model(name: str, folder: Path) -> DiffusersFlowModel:
-    """The transformer of the diffusers folder `folder` (`name`, as the user wrote it)."""
-    class_name, where = check_diffusers_folder(name, folder)
-    return DiffusersFlowModel(getattr(_diffusers(), class_name).from_pretrained(str(where)))
+def load_diffusers_flow_model(
+    name: str, folder: Path, *, compile_encode: bool = False
+) -> DiffusersFlowModel:
+    """The transformer of the diffusers folder `folder` (`name`, as the user wrote it), with
+    its VAE for a latent-space model (`compile_encode`: its encoder call compiled)."""
+    found = check_diffusers_folder(name, folder)
+    diffusers = _diffusers()
+    transformer = getattr(diffusers, found.transformer_class).from_pretrained(
+        str(found.transformer)
+    )
+    vae = None
+    if found.vae is not None:
+        module = getattr(diffusers, str(found.vae_class)).from_pretrained(
+            str(found.vae), torch_dtype=torch.float32
+        )
+        vae = FlowVAE(module, compile_encode=compile_encode)
+    return DiffusersFlowModel(transformer, vae=vae)
+
+
+def save_diffusers_flow_model(model: DiffusersFlowModel, folder: Path) -> None:
+    """Export `model` as diffusers loads it: a transformer folder in pixel space; in latent
+    space a pipeline folder, `transformer/` and the VAE as it was loaded in `vae/`, with a
+    `model_index.json` naming them (loadable as `policy.model_name_or_path`)."""
+    if model.vae is None:
+        model.transformer.save_pretrained(str(folder))  # type: ignore[operator]
+        return
+    model.transformer.save_pretrained(str(folder / "transformer"))  # type: ignore[operator]
+    model.vae.module.save_pretrained(str(folder / "vae"))  # type: ignore[operator]
+    index = {
+        "_class_name": PIPELINES[model.kind],
+        "_diffusers_version": _diffusers().__version__,
+        "transformer": ["diffusers", model.kind],
+        "vae": ["diffusers", model.vae.kind],
+    }
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def tiny_vae_config(class_name: str) -> dict[str, Any]:
+    """The miniature VAE of the latent presets: 4 latent channels, frames halved in size (Wan's
+    also in time), normalised to about unit scale on the toy dataset."""
+    if class_name == "AutoencoderKLWan":
+        return {
+            "base_dim": 8, "z_dim": 4, "dim_mult": [1, 2], "num_res_blocks": 1,
+            "temperal_downsample": [True], "scale_factor_temporal": 2, "scale_factor_spatial": 2,
+            "latents_mean": [-0.17, 0.07, -0.31, -0.36], "latents_std": [0.09, 0.11, 0.14, 0.23],
+        }  # fmt: skip
+    assert class_name == "AutoencoderKL"
+    return {
+        "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2,
+        "block_out_channels": [8, 16], "layers_per_block": 1, "latent_channels": 4,
+        "norm_num_groups": 4, "use_quant_conv": False, "use_post_quant_conv": False,
+        "shift_factor": -0.03, "scaling_factor": 2.8,
+    }  # fmt: skip
+
+
+TINY_VAE_SEED = 0
+"""The latent presets' VAE is the same whatever the run's seed (a pretrained VAE stands in)."""
 
 
 def tiny_diffusers_flow_model(
-    preset: str, *, frames: int, size: int, text_dim: int, seed: int = 0
+    preset: str,
+    *,
+    frames: int,
+    size: int,
+    text_dim: int,
+    seed: int = 0,
+    compile_encode: bool = False,
 ) -> DiffusersFlowModel:
     """The random-init miniature `preset` of :data:`DIFFUSERS_PRESETS` for `frames` frames of
-    `size` x `size` pixels and text embeddings `text_dim` wide."""
+    `size` x `size` pixels and text embeddings `text_dim` wide (`compile_encode`: a latent
+    preset's VAE encoder call compiled)."""
     diffusers = _diffusers()
     class_name = DIFFUSERS_PRESETS[preset]
+    if class_name == "SD3Transformer2DModel" and frames != 1:
+        raise ValueError(f"{KEY} = {preset!r} makes images: set policy.diffusers.is_video = false")
+    vae = None
+    channels = 3
+    if preset in PRESET_VAES:
+        torch.manual_seed(TINY_VAE_SEED)
+        vae_class = PRESET_VAES[preset]
+        vae = FlowVAE(
+            getattr(diffusers, vae_class)(**tiny_vae_config(vae_class)),
+            compile_encode=compile_encode,
+        )
+        channels, frames, size, _ = vae.latent_shape((3, frames, size, size))
     torch.manual_seed(seed)
+    channels_in = (
+        channels + 1 if vae is not None and class_name == "CosmosTransformer3DModel" else channels
+    )
+    transformer = _tiny_transformer(
+        class_name, channels_in, channels, frames=frames, size=size, text_dim=text_dim
+    )
+    return DiffusersFlowModel(transformer, vae=vae)
+
+
+def _tiny_transformer(
+    class_name: str, channels_in: int, channels_out: int, *, frames: int, size: int, text_dim: int
+) -> nn.Module:
+    """A two-block `class_name` of width 64 for `frames` frames of `size` x `size` (latents or
+    pixels) with `channels_in` / `channels_out` channels."""
+    diffusers = _diffusers()
     heads, head_dim = 2, 32
     if class_name == "CosmosTransformer3DModel":
-        transformer = diffusers.CosmosTransformer3DModel(
-            in_channels=3, out_channels=3, num_attention_heads=heads, attention_head_dim=head_dim,
-            num_layers=2, text_embed_dim=text_dim, adaln_lora_dim=16,
+        return diffusers.CosmosTransformer3DModel(  # type: ignore[no-any-return]
+            in_channels=channels_in, out_channels=channels_out, num_attention_heads=heads,
+            attention_head_dim=head_dim, num_layers=2, text_embed_dim=text_dim, adaln_lora_dim=16,
             max_size=(max(frames, 2), size, size), patch_size=(1, 2, 2),
             concat_padding_mask=False, encoder_hidden_states_channels=text_dim,
         )  # fmt: skip
-    elif class_name == "WanTransformer3DModel":
-        transformer = diffusers.WanTransformer3DModel(
+    if class_name == "WanTransformer3DModel":
+        return diffusers.WanTransformer3DModel(  # type: ignore[no-any-return]
             patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim,
-            in_channels=3, out_channels=3, text_dim=text_dim, freq_dim=32, ffn_dim=128,
-            num_layers=2, rope_max_seq_len=64,
+            in_channels=channels_in, out_channels=channels_out, text_dim=text_dim, freq_dim=32,
+            ffn_dim=128, num_layers=2, rope_max_seq_len=64,
         )  # fmt: skip
-    else:
-        if frames != 1:
-            raise ValueError(
-                f"{KEY} = {preset!r} makes images: set policy.diffusers.is_video = false"
-            )
-        transformer = diffusers.SD3Transformer2DModel(
-            sample_size=size, patch_size=2, in_channels=3, out_channels=3, num_layers=2,
-            attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=text_dim,
-            caption_projection_dim=heads * head_dim, pooled_projection_dim=text_dim,
-            pos_embed_max_size=size,
-        )  # fmt: skip
-    return DiffusersFlowModel(transformer)
+    return diffusers.SD3Transformer2DModel(  # type: ignore[no-any-return]
+        sample_size=size, patch_size=2, in_channels=channels_in, out_channels=channels_out,
+        num_layers=2, attention_head_dim=head_dim, num_attention_heads=heads,
+        joint_attention_dim=text_dim, caption_projection_dim=heads * head_dim,
+        pooled_projection_dim=text_dim, pos_embed_max_size=size,
+    )  # fmt: skip

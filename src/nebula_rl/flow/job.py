@@ -24,7 +24,12 @@ How the config's keys map onto the loop of `nebula_rl.flow.local`:
 - rewards: `reward_function` names of `nebula_rl.rewards.visual` with weights, or with
   `use_remote_reward` the reward service (`remote_reward.reward_fns`: name, weight, score_key,
   clip; `scale`, the total's clip, `batch_size` samples per request), reached through
-  `REMOTE_REWARD_*` environment variables.
+  `REMOTE_REWARD_*` environment variables. Both score pixels: a latent-space model's samples
+  are decoded by its own VAE first, and the service gets uint8 clips (`media_type = "video"`,
+  [B, 3, T, H, W]), never latents (nebula-rl's service runs no VAE, and cosmos-rl's decodes
+  only Wan latents, with its own checkpoint);
+- `policy.diffusers.tokenizer.compile_encode` compiles a latent-space model's VAE encoder
+  (`nebula_rl.flow.vae`); the tokenizer's other keys are refused.
 
 The run folder gets `metrics.jsonl`, `logs/`, the export `safetensors/final` (loadable as
 `policy.model_name_or_path`) and `samples.png`. `[logging] logger` sinks get every record, and
@@ -61,6 +66,7 @@ from nebula_rl.flow.parallel import (
     shard_flow_model,
 )
 from nebula_rl.flow.sampler import guided_velocity, sample
+from nebula_rl.flow.vae import sample_shape, samples_to_pixels
 from nebula_rl.metrics_log import log_image_file, open_loggers
 from nebula_rl.policy.checkpoint import Checkpointer, resume_checkpoint
 from nebula_rl.policy.optim import build_optimizer, lr_lambda
@@ -171,10 +177,11 @@ def _remote_rewards(p: GrpoConfig) -> RewardFn:
     asked = dict.fromkeys(names, 1.0)
 
     def score(samples: Tensor, prompts: Sequence[str]) -> list[float] | None:
+        pixels = pixels_from_samples(samples)  # (uint8: what a clip is to the service)
         total: list[float] = []
         for start in range(0, len(prompts), r.batch_size):
             part = slice(start, start + r.batch_size)
-            uuid = client.enqueue(samples[part], list(prompts[part]), asked)
+            uuid = client.enqueue(pixels[part], list(prompts[part]), asked, media_type="video")
             scores = client.pull(uuid, list(names))
             if scores is None:
                 return None
@@ -253,14 +260,15 @@ def sample_grid(
     model: torch.nn.Module, clips: list[Clip], *, num_steps: int, shift: float = 1.0, seed: int = 0
 ) -> Image.Image:
     """One row per caption (at most 8, sorted), four samples each (the Euler ODE in `num_steps`
-    steps with the schedule's `shift`, noise drawn from `seed`), frames side by side."""
+    steps with the schedule's `shift`, noise drawn from `seed`; a latent-space model's decoded),
+    frames side by side."""
     from nebula_rl.flow.data import clip_batch
 
     captions = sorted({c.caption for c in clips})[:8]
     chosen = [next(c for c in clips if c.caption == caption) for caption in captions]
     device = next(model.parameters()).device
     _, text, mask = (t.to(device) for t in clip_batch([c for c in chosen for _ in range(4)]))
-    shape = chosen[0].video.shape
+    shape = sample_shape(model, chosen[0].video.shape)
     noise = torch.randn(len(text), *shape, generator=torch.Generator().manual_seed(seed))
     noise = noise.to(device)
     training = model.training
@@ -273,8 +281,9 @@ def sample_grid(
             noise_level=0.0,
             shift=shift,
         ).final
+        final = samples_to_pixels(model, final)
     model.train(training)
-    channels, frames, height, width = shape
+    channels, frames, height, width = chosen[0].video.shape
     pixels = pixels_from_samples(final.float().cpu()).view(
         len(captions), 4, channels, frames, height, width
     )

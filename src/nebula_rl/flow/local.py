@@ -15,6 +15,12 @@ noises them afresh at the rollout's noise levels and trains the implicit positiv
 policies around a copy of the "old" weights, soft-updated after each optimiser step.
 
 :func:`pretrain` is the SFT warm start: plain flow matching on the dataset's clips.
+
+A latent-space model (a diffusers transformer with its VAE, `nebula_rl.flow.vae`) samples,
+records and trains on latents throughout: the trajectories, log-probabilities and losses are
+those of its latents, and the real clips are encoded only where a loss needs them (SFT, DDRL's
+data term). The final latents are decoded to pixels for the rewards and the distance to the data
+only.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from nebula_rl.algorithms.flow import (
 )
 from nebula_rl.flow.data import Clip, clip_batch
 from nebula_rl.flow.sampler import Trajectory, guided_velocity, sample, sde_step
+from nebula_rl.flow.vae import pixels_to_samples, sample_shape, samples_to_pixels
 
 __all__ = [
     "FlowBatch",
@@ -59,8 +66,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 RewardFn = Callable[[Tensor, Sequence[str]], list[float] | None]
-"""`score(samples in [-1, 1] [B, C, T, H, W], prompts) -> rewards`, None when the rewards were
-lost (the group then gets advantage 0)."""
+"""`score(pixels in [-1, 1] [B, 3, T, H, W], prompts) -> rewards` (a latent-space model's samples
+decoded), None when the rewards were lost (the group then gets advantage 0)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,9 +147,10 @@ def pretrain(
     generator: torch.Generator | None = None,
 ) -> list[float]:
     """Flow-matching SFT: steps `start`..`steps` (optimiser steps) on `batches(step)` (default:
-    `batch_size` random clips), noise levels from :func:`sft_sigmas`, noise from `generator`
-    (default: seeded by `seed`); the losses."""
+    `batch_size` random clips, encoded by a latent-space model's VAE), noise levels from
+    :func:`sft_sigmas`, noise from `generator` (default: seeded by `seed`); the losses."""
     generator = generator or torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
@@ -153,11 +161,12 @@ def pretrain(
         else:
             picks = torch.randint(len(clips), (batch_size,), generator=generator)
             chosen = [clips[int(i)] for i in picks]
-        x0, text, mask = clip_batch(chosen)
-        noise = torch.randn(x0.shape, generator=generator)
+        x0, text, mask = (t.to(device) for t in clip_batch(chosen))
+        x0 = pixels_to_samples(model, x0)
+        noise = torch.randn(x0.shape, generator=generator).to(device)
         sigma = sft_sigmas(
             len(chosen), generator, scheme=sigma_scheme, mean=sigma_mean, std=sigma_std
-        )
+        ).to(device)
         s = sigma.view(-1, *[1] * (x0.dim() - 1))
         loss = flow_matching_loss(
             model((1 - s) * x0 + s * noise, sigma, text, mask), x0, noise, sigma
@@ -175,14 +184,14 @@ def pretrain(
     return losses
 
 
-def data_distance(samples: Tensor, prompts: Sequence[str], clips: list[Clip]) -> float:
-    """Mean over samples of the RMS distance (pixels in [-1, 1]) to the nearest clip of the same
-    caption: how far generation has moved from the data."""
+def data_distance(pixels: Tensor, prompts: Sequence[str], clips: list[Clip]) -> float:
+    """Mean over samples (`pixels` in [-1, 1], a latent-space model's decoded) of the RMS distance
+    to the nearest clip of the same caption: how far generation has moved from the data."""
     by_caption: dict[str, list[Tensor]] = {}
     for clip in clips:
         by_caption.setdefault(clip.caption, []).append(clip.samples())
     total = 0.0
-    for x, prompt in zip(samples.float(), prompts, strict=True):
+    for x, prompt in zip(pixels.float().cpu(), prompts, strict=True):
         real = torch.stack(by_caption[prompt])
         total += float(((real - x) ** 2).flatten(1).mean(dim=1).sqrt().min())
     return total / len(prompts)
@@ -215,8 +224,9 @@ class FlowBatch:
     """Rollouts to train on: captions, their real clips, trajectories and advantages."""
 
     prompts: list[str]
-    x0: Tensor
-    """The real clip of each sample's caption (DDRL's data term), [B, C, T, H, W]."""
+    x0: Tensor | None
+    """The real clip of each sample's caption as the model's samples [B, C, T, H, W] (DDRL's
+    data term; None without it)."""
     text: Tensor
     mask: Tensor
     trajectory: Trajectory
@@ -242,12 +252,14 @@ def _nft_noise(batch: FlowBatch, part: Tensor, step: int, generator: torch.Gener
 
 def roll_out(
     model: nn.Module, real: list[Clip], s: FlowRLSettings, generator: torch.Generator
-) -> tuple[Tensor, Tensor, Tensor, Trajectory]:
+) -> tuple[Tensor | None, Tensor, Tensor, Trajectory]:
     """Sample one trajectory per entry of `real` (a caption's clip, repeated `group_size` times
-    per caption) with the SDE sampler: (the clips, text, mask, trajectory)."""
+    per caption) with the SDE sampler: (the clips as the model's samples where DDRL's data term
+    needs them, else None; text, mask, trajectory)."""
     device = next(model.parameters()).device
     x0, text, mask = (t.to(device) for t in clip_batch(real))
-    noise = torch.randn(x0.shape, generator=generator, device=generator.device).to(device)
+    shape = (len(real), *sample_shape(model, x0.shape[1:]))
+    noise = torch.randn(shape, generator=generator, device=generator.device).to(device)
     training = model.training
     model.eval()
     with torch.no_grad():
@@ -257,7 +269,7 @@ def roll_out(
             generator=generator, solver=s.solver,
         )  # fmt: skip
     model.train(training)
-    return x0, text, mask, trajectory
+    return (pixels_to_samples(model, x0) if s.data_beta > 0 else None), text, mask, trajectory
 
 
 def train_on_batch(
@@ -337,7 +349,8 @@ def run_flow_rl(
             ]
         prompts = [c.caption for c in real]
         x0, text, mask, trajectory = roll_out(model, real, s, generator)
-        scored = score(trajectory.final, prompts)
+        pixels = samples_to_pixels(model, trajectory.final)
+        scored = score(pixels, prompts)
         rewards = torch.tensor(scored if scored is not None else [0.0] * len(prompts))
         advantages = flow_advantages(rewards, s.group_size, s)
         losses, clip_fraction = train_on_batch(
@@ -349,7 +362,7 @@ def run_flow_rl(
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
             "rewards_lost": float(scored is None),
-            "data_distance": data_distance(trajectory.final, prompts, clips),
+            "data_distance": data_distance(pixels, prompts, clips),
             "loss": sum(losses) / len(losses),
             "clip_fraction": clip_fraction,
         }
@@ -438,6 +451,7 @@ def _train_flow_grpo(
             seen += len(part)
             data = torch.zeros((), device=x.device)
             if s.data_beta > 0:
+                assert batch.x0 is not None
                 start = trajectory.latents[part, 0]  # the rollout's own noise
                 sg = sigma.view(-1, *[1] * (x.dim() - 1))
                 noised = (1 - sg) * batch.x0[part] + sg * start

@@ -6,17 +6,21 @@
   (`model_index.json`, `transformer/`) or transformer folder, local or a Hub id fetched into the
   Hugging Face cache (`policy.model_revision`: e.g. `diffusers/base/post-trained`), or a
   random-init miniature (`tiny:cosmos_transformer3d`, `tiny:wan_transformer3d`,
-  `tiny:sd3_transformer2d`).
+  `tiny:sd3_transformer2d`; in latent space with a miniature VAE, the same names ending in
+  `_latent`). A latent-space transformer comes with the VAE of its pipeline folder (`vae/`,
+  frozen: `nebula_rl.flow.vae`).
 
 A preset's frames and frame size come from the config (`policy.diffusers.inference_frames` when
 `is_video`, else 1; `inference_size`); its widths are fixed (:data:`FLOW_PRESETS`). Exports of a
-diffusers model are transformer folders diffusers loads (`from_pretrained`).
+diffusers model are folders diffusers loads (`from_pretrained`): the transformer's, or for a
+latent-space model a pipeline folder with `transformer/` and `vae/`.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -25,14 +29,18 @@ from torch import nn
 from nebula_rl.config import Config
 from nebula_rl.flow.diffusers_models import (
     DIFFUSERS_PRESETS,
+    PRESET_VAES,
     DiffusersFlowModel,
     check_diffusers_folder,
     diffusers_class_of,
     load_diffusers_flow_model,
+    save_diffusers_flow_model,
     tiny_diffusers_flow_model,
+    tiny_vae_config,
 )
 from nebula_rl.flow.dit import TinyDiT, TinyDiTConfig
 from nebula_rl.flow.lora import apply_lora, lora_adapter_state, merged_copy, save_adapter
+from nebula_rl.flow.vae import check_vae_shape
 from nebula_rl.hub import is_hub_id
 from nebula_rl.models import resolve_dtype
 
@@ -107,17 +115,37 @@ def _folder(cfg: Config) -> Path:
     return folder
 
 
+def _check_latent(cfg: Config, vae_class: str | None, vae_config: dict[str, Any] | None) -> None:
+    """Refuse a frame shape the model's VAE cannot encode, and `compile_encode` without a
+    VAE."""
+    d = cfg.policy.diffusers
+    if vae_class is None or vae_config is None:
+        if d.tokenizer.compile_encode:
+            raise ValueError(
+                f"policy.diffusers.tokenizer.compile_encode = true: {cfg.policy.model_name_or_path}"
+                " runs in pixel space: it has no VAE to compile"
+            )
+        return
+    height, width = d.inference_size
+    frames = d.inference_frames if d.is_video else 1
+    check_vae_shape(vae_class, vae_config, frames=frames, height=height, width=width)
+
+
 def check_flow_model(cfg: Config) -> None:
     """Raise, without building the model, what loading `cfg`'s flow model would (a Hub model
     is fetched into the cache here, once, for the job's processes)."""
     name = cfg.policy.model_name_or_path
     if name in DIFFUSERS_PRESETS:
         _shape(cfg)
+        vae = PRESET_VAES.get(name)
+        _check_latent(cfg, vae, tiny_vae_config(vae) if vae is not None else None)
         return
     folder = Path(name) if name in FLOW_PRESETS else _folder(cfg)
     if name not in FLOW_PRESETS and diffusers_class_of(folder) is not None:
-        check_diffusers_folder(name, folder)
+        found = check_diffusers_folder(name, folder)
+        _check_latent(cfg, found.vae_class, found.vae_config() if found.vae else None)
         return
+    _check_latent(cfg, None, None)
     flow_model_config(cfg)
 
 
@@ -138,14 +166,21 @@ def load_flow_model(cfg: Config, *, seed: int = 0) -> nn.Module:
 
 def _base_model(cfg: Config, *, seed: int) -> TinyDiT | DiffusersFlowModel:
     name = cfg.policy.model_name_or_path
+    compile_encode = cfg.policy.diffusers.tokenizer.compile_encode
     if name in DIFFUSERS_PRESETS:
         frames, size = _shape(cfg)
+        vae = PRESET_VAES.get(name)
+        _check_latent(cfg, vae, tiny_vae_config(vae) if vae is not None else None)
         return tiny_diffusers_flow_model(
-            name, frames=frames, size=size, text_dim=TOY_TEXT_DIM, seed=seed
-        )
+            name, frames=frames, size=size, text_dim=TOY_TEXT_DIM, seed=seed,
+            compile_encode=compile_encode,
+        )  # fmt: skip
     folder = Path(name) if name in FLOW_PRESETS else _folder(cfg)
     if name not in FLOW_PRESETS and diffusers_class_of(folder) is not None:
-        return load_diffusers_flow_model(name, folder)
+        found = check_diffusers_folder(name, folder)
+        _check_latent(cfg, found.vae_class, found.vae_config() if found.vae else None)
+        return load_diffusers_flow_model(name, folder, compile_encode=compile_encode)
+    _check_latent(cfg, None, None)
     config = flow_model_config(cfg)
     torch.manual_seed(seed)
     model = TinyDiT(config)
@@ -155,7 +190,8 @@ def _base_model(cfg: Config, *, seed: int) -> TinyDiT | DiffusersFlowModel:
 
 
 def _snapshot(repo_id: str, *, revision: str | None) -> Path:
-    """A diffusers repo's pipeline index and transformer, fetched into the Hugging Face cache."""
+    """A diffusers repo's pipeline index, transformer and VAE, fetched into the Hugging Face
+    cache."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -168,6 +204,7 @@ def _snapshot(repo_id: str, *, revision: str | None) -> Path:
                     "model_index.json",
                     "config.json",
                     "transformer/*",
+                    "vae/*",
                     "*.safetensors",
                 ],
                 ignore_patterns=["*/*/*"],
@@ -182,8 +219,9 @@ def _snapshot(repo_id: str, *, revision: str | None) -> Path:
 
 def save_flow_model(model: nn.Module, folder: Path | str) -> Path:
     """Export `model` to `folder`: config.json + model.safetensors for the built-in DiT, a
-    diffusers transformer folder for a diffusers model; a LoRA-adapted model exports its merged
-    weights so, and its adapter under `adapter/`. Returns the folder."""
+    diffusers transformer folder for a diffusers model (a pipeline folder with its VAE in latent
+    space); a LoRA-adapted model exports its merged weights so, and its adapter under
+    `adapter/`. Returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if lora_adapter_state(model) is not None:  # the merged weights, and the adapter alone
@@ -191,7 +229,7 @@ def save_flow_model(model: nn.Module, folder: Path | str) -> Path:
         save_adapter(model, folder / "adapter")
         return folder
     if isinstance(model, DiffusersFlowModel):
-        model.transformer.save_pretrained(str(folder))  # type: ignore[operator]
+        save_diffusers_flow_model(model, folder)
         return folder
     assert isinstance(model, TinyDiT)
     config = {"model_type": FLOW_MODEL_TYPE, **model.config.to_dict()}

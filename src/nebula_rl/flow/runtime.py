@@ -8,9 +8,11 @@ world-model RL is asynchronous and elastic: rollouts sample with weights at most
   replica reads the clips itself (captions, text embeddings, and for DDRL the real clip).
 - A rollout replica (:class:`FlowRolloutWorker`) samples `rollout.n_generation` trajectories
   per prompt with the SDE sampler (`flow.local.roll_out`), the prompts it holds in one batch,
-  scores them (in process or through the reward service), writes each group's trajectory to the
-  job's trajectory folder (`flow.trajectories`: shared memory, not JSON) and pushes the group,
-  with its rewards and the file's name, before acknowledging its prompt. New weights from the
+  scores them (in process or through the reward service; a latent-space model's samples decoded
+  by its VAE first), writes each group's trajectory to the job's trajectory folder
+  (`flow.trajectories`: shared memory, not JSON; a latent-space model's are latents) and pushes
+  the group, with its rewards, its distance to the data and the file's name, before
+  acknowledging its prompt. New weights from the
   policy are taken between batches: a trajectory is sampled with one version throughout, which
   its group records.
 - A policy replica trains with :class:`FlowTrainer` in place of the language-model trainer:
@@ -79,6 +81,7 @@ from nebula_rl.flow.parallel import (
 )
 from nebula_rl.flow.sampler import Trajectory
 from nebula_rl.flow.trajectories import TrajectoryStore
+from nebula_rl.flow.vae import pixels_to_samples, samples_to_pixels
 from nebula_rl.models import resolve_dtype
 from nebula_rl.policy.replicas import ReplicaGroup
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
@@ -243,7 +246,8 @@ class FlowRolloutWorker:
         for entry in ready:
             self.waiting.remove(entry)
         captions = [c.caption for c in real]
-        scored = self.score(trajectory.final.float().cpu(), captions)
+        pixels = samples_to_pixels(self.model, trajectory.final).float().cpu()
+        scored = self.score(pixels, captions)
         for k, (msg_id, prompt) in enumerate(ready):
             rows = slice(k * n, (k + 1) * n)
             part = Trajectory(
@@ -253,7 +257,8 @@ class FlowRolloutWorker:
                 noise_level=trajectory.noise_level,
             )
             rewards = [0.0] * n if scored is None else scored[rows]
-            self._push(msg_id, prompt, part, rewards, version, lost=scored is None)
+            distance = data_distance(pixels[rows], captions[rows], self.clips)
+            self._push(msg_id, prompt, part, rewards, distance, version, lost=scored is None)
 
     def _push(
         self,
@@ -261,17 +266,19 @@ class FlowRolloutWorker:
         prompt: Prompt,
         trajectory: Trajectory,
         rewards: list[float],
+        distance: float,
         version: int,
         *,
         lost: bool,
     ) -> None:
-        """Store the group's trajectory, push the group, then acknowledge its prompt (a crash in
-        between duplicates the group, which the controller keeps once; it loses nothing)."""
+        """Store the group's trajectory, push the group (with its mean distance to the data),
+        then acknowledge its prompt (a crash in between duplicates the group, which the
+        controller keeps once; it loses nothing)."""
         name = self.store.write(prompt.prompt_id, trajectory)
         completions = [
             Completion([], [], "", "stop", [(0, version)], reward=float(r)) for r in rewards
         ]
-        extra: dict[str, Any] = {"trajectory": name}
+        extra: dict[str, Any] = {"trajectory": name, "data_distance": distance}
         if lost:
             extra["rewards_lost"] = True
         state = self.session.state
@@ -386,7 +393,8 @@ class FlowTrainer:
                 )
         real = [self.clips[g.prompt.index] for g in groups for _ in range(s.group_size)]
         device = self.device
-        x0, text, mask = (t.to(device) for t in clip_batch(real))
+        pixels, text, mask = (t.to(device) for t in clip_batch(real))
+        x0 = pixels_to_samples(self.model, pixels) if s.data_beta > 0 else None  # (DDRL's data)
         trajectory = Trajectory(
             latents=torch.cat([t.latents for t in trajectories]).to(device),
             log_probs=torch.cat([t.log_probs for t in trajectories]).to(device),
@@ -423,7 +431,7 @@ class FlowTrainer:
                 count,
                 sum(losses) / len(losses) * count,
                 clipped * count,
-                data_distance(trajectory.final.float().cpu(), prompts, self.clips) * count,
+                sum(float(g.extra["data_distance"]) for g in groups) * s.group_size,
                 float(sum(bool(g.extra.get("rewards_lost")) for g in groups)),
                 float(len(groups)),
             ],
