@@ -272,3 +272,36 @@ def test_flow_grpo_runs_a_latent_model_from_its_config(tmp_path):
     final = run_dir / "safetensors" / "final"
     trained = load_flow_model(config_from_dict(_named(raw, str(final))))
     assert flow_vae(trained) is not None
+
+
+def test_the_reward_service_scores_a_latent_models_decoded_pixels(tmp_path, monkeypatch):
+    """With `use_remote_reward`, a latent-space run sends its decoded clips (uint8, `media_type =
+    "video"`; the service would refuse 4-channel latents), and the service's rewards equal the
+    same run's in-process ones, iteration by iteration."""
+    from nebula_rl.flow import job
+    from nebula_rl.rewards.service import service_config_from_dict, start_service
+    from nebula_rl.weights import free_port
+
+    local = _cfg(tmp_path / "local", "tiny:wan_transformer3d_latent")
+    expected = job.run(config_from_dict(local)) / "metrics.jsonl"
+    service_cfg = service_config_from_dict(
+        {"port": free_port(), "reward_args": [{"reward_type": "brightness"}]}
+    )
+    with start_service(service_cfg, token="secret-token") as service:
+        base = f"{service.url}/api/reward"
+        monkeypatch.setenv("REMOTE_REWARD_TOKEN", "secret-token")
+        monkeypatch.setenv("REMOTE_REWARD_ENQUEUE_URL", f"{base}/enqueue")
+        monkeypatch.setenv("REMOTE_REWARD_FETCH_URL", f"{base}/pull")
+        remote = _cfg(tmp_path / "remote", "tiny:wan_transformer3d_latent", use_remote_reward=True)
+        del remote["train"]["train_policy"]["reward_function"]
+        remote["train"]["train_policy"]["remote_reward"] = {
+            "batch_size": 8,
+            "reward_fns": [{"name": "brightness", "weight": 1.0}],
+        }
+        got = job.run(config_from_dict(remote)) / "metrics.jsonl"
+
+    def rewards(path: Path) -> list[float]:
+        return [json.loads(line)["reward_mean"] for line in path.read_text().splitlines()]
+
+    assert rewards(got) == pytest.approx(rewards(expected), abs=1e-6)
+    assert [json.loads(line)["rewards_lost"] for line in got.read_text().splitlines()] == [0] * 3
