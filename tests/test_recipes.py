@@ -98,3 +98,41 @@ def test_vlm_demo_learns_to_count_with_grpo(tmp_path):
     assert cfg.policy.parallelism.dp_shard_size == 2 and cfg.rollout.parallelism.tp_size == 2
     warm = tmp_path / "sft" / "warmstart" / "safetensors" / "final"
     _assert_learns(_job(tmp_path / "rl", cfg, warm))
+
+
+def test_eval_scores_the_trained_demo_above_its_warm_start(tmp_path, warm_start):
+    """`nebula-rl eval` with `configs/eval_demo.toml` (two engine shards): on the warm start,
+    then with `--run` on a short demo GRPO run's exports; the trained model's pass@1 and mean
+    reward are higher, and the run's table and plot are written."""
+    cfg = load_config(ROOT / "configs" / "demo.toml")
+    cfg.train.max_num_steps = 60
+    cfg.train.ckpt.enable_checkpoint = True
+    cfg.train.ckpt.save_freq = 30
+    cfg.train.ckpt.export_safetensors = True
+    _job(tmp_path / "run", cfg, warm_start)
+    for name, extra in (
+        ("warm", ["--model", str(warm_start)]),
+        ("scores", ["--run", str(tmp_path / "run" / "job")]),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "nebula_rl.cli", "eval", "--config",
+             str(ROOT / "configs" / "eval_demo.toml"), "--output-dir", str(tmp_path / name),
+             *extra],
+            capture_output=True, text=True, timeout=600, cwd=ROOT,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+    warm = json.loads((tmp_path / "warm" / "results.json").read_text())
+    lines = (tmp_path / "scores" / "scores.csv").read_text().splitlines()
+    assert lines[0] == "checkpoint,step,reward_mean,pass@1,pass@8"
+    table = [dict(zip(lines[0].split(","), line.split(","), strict=True)) for line in lines[1:]]
+    assert [(row["checkpoint"], row["step"]) for row in table] == [
+        ("step_30", "30"),
+        ("step_60", "60"),
+        ("final", "60"),
+    ]
+    final = json.loads((tmp_path / "scores" / "final" / "results.json").read_text())
+    assert final["pass@1"] >= warm["pass@1"] + 0.15, (warm, table)
+    assert final["reward_mean"] > warm["reward_mean"]
+    assert final["rows"] == warm["rows"] == 200
+    assert float(table[-1]["pass@1"]) == final["pass@1"]
+    assert (tmp_path / "scores" / "scores.png").read_bytes()[:4] == b"\x89PNG"

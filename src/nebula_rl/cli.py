@@ -391,6 +391,30 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    """`eval` and `generate`: one model, or (`eval --run`) each export of a training run."""
+    from nebula_rl.eval import evaluate, load_eval_config, run_checkpoints
+
+    try:
+        ec = load_eval_config(args.config, num_gpus=args.num_gpus)
+        if args.output_dir:
+            ec.evaluation.output_dir = args.output_dir
+        if args.command == "generate":
+            evaluate(ec, model=args.model, score=False)
+            print(Path(ec.evaluation.output_dir) / "samples.jsonl")
+            return 0
+        if args.run:
+            for row in run_checkpoints(ec, args.run):
+                print(json.dumps(row))
+            print(Path(ec.evaluation.output_dir) / "scores.csv")
+            return 0
+        print(json.dumps(evaluate(ec, model=args.model), indent=2))
+    except (ValueError, RuntimeError) as err:  # (ConfigError is a ValueError)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _cmd_config_reference(args: argparse.Namespace) -> int:
 
     from nebula_rl import config_reference
@@ -535,6 +559,22 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", metavar="RUN_DIR", help="run folder holding metrics.jsonl")
     plot.add_argument("--out", help="PNG file to write (default: RUN_DIR/curves.png)")
     plot.set_defaults(func=_cmd_plot)
+
+    for name, text in (
+        ("eval", "score a model (or, with --run, each checkpoint of a run) on a dataset: "
+                 "mean reward and pass@k over num_gpus / tp_size engine shards"),
+        ("generate", "batch inference: a model's completions of a dataset's prompts as JSONL"),
+    ):  # fmt: skip
+        command = sub.add_parser(name, help=text)
+        command.add_argument("--config", required=True, help="eval TOML (docs/evaluation.md)")
+        command.add_argument("--num-gpus", type=int, help="override num_gpus (devices, or "
+                             "processes on CPU)")  # fmt: skip
+        command.add_argument("--model", help="override [model] model_name")
+        command.add_argument("--output-dir", help="override evaluation.output_dir")
+        if name == "eval":
+            command.add_argument("--run", metavar="RUN_DIR",
+                                 help="evaluate each safetensors/step_N and final of a run")  # fmt: skip
+        command.set_defaults(func=_cmd_eval, run=None)
 
     reference = sub.add_parser(
         "config-reference", help="the config reference (every key, type, default, meaning)"
