@@ -178,3 +178,23 @@ def test_generate_writes_completions_without_rewards(tmp_path):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode == 2 and "none.toml: cannot read config" in bad.stderr
+
+
+def test_a_tensor_parallel_shard_of_a_vision_language_model_samples_like_one_process(tmp_path):
+    """`tp_size = 2`: one shard of two gloo ranks (the language model split, the vision tower
+    whole on each) on image prompts writes the samples of one unsplit process."""
+    data = _config(tmp_path)
+    data["model"] = {"model_name": "tiny:qwen3_vl", "max_length": 160}
+    data["dataset"] = {"name": "builtin:squares", "kwargs": {"num_samples": 3, "seed": 5}}
+    data["generation"]["max_tokens"] = 6
+    data["evaluation"] = {"reward_function": ["single_choice", "format"], "pass_reward": 2.0,
+                          "k": [1], "output_dir": str(tmp_path / "out")}  # fmt: skip
+    one = evaluate(eval_config_from_dict(data), output_dir=tmp_path / "one", progress=False)
+    data["num_gpus"] = 2
+    data["model"]["tp_size"] = 2
+    split = eval_config_from_dict(data)
+    assert split.shards() == 1
+    two = evaluate(split, output_dir=tmp_path / "tp", progress=False)
+    samples = [(tmp_path / d / "samples.jsonl").read_text() for d in ("one", "tp")]
+    assert samples[0] == samples[1]
+    assert "data:image/png" in samples[0] and one["completions"] == two["completions"] == 9

@@ -306,6 +306,7 @@ def run_shard(
     )  # fmt: skip
     if rank > 0:
         engine.follow(lambda note: None)
+        dist.barrier()
         dist.destroy_process_group()
         return
     vision = VisionProcessor.from_pretrained(model) if is_vision_language(weights.config) else None
