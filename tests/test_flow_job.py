@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from nebula_rl.config import ConfigError, config_from_dict, load_config
-from nebula_rl.flow.models import flow_model_config, load_flow_model
+from nebula_rl.flow.diffusers_models import DIFFUSERS_PRESETS
+from nebula_rl.flow.models import check_flow_model, flow_model_config, load_flow_model
 from nebula_rl.weights import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +62,9 @@ def test_the_shipped_world_model_configs_load(path):
     """Each loads; the warm start builds the model the RL configs start from."""
     cfg = load_config(path)
     assert cfg.policy.is_diffusers
-    if cfg.policy.warmstart_config is None:
+    if cfg.policy.model_name_or_path in DIFFUSERS_PRESETS:
+        check_flow_model(cfg)
+    elif cfg.policy.warmstart_config is None:
         assert flow_model_config(cfg).size == 16
     else:
         warm = load_config(ROOT / cfg.policy.warmstart_config)

@@ -2,10 +2,13 @@
 log-probabilities.
 
 - `dit`: a tiny pixel-space diffusion transformer for CPU tests and demos.
+- `diffusers_models`, `vae`: diffusers transformers, in pixel space or in the latent space of
+  their pipeline's frozen VAE.
 - `sampler`: FlowGRPO's SDE step with its log-probability, the Euler ODE step, classifier-free
   guidance and the trajectory record.
+- `local`, `job`, `colocated`, `runtime`: the loops (one process, colocated ranks, replicas).
 
-The losses are in `nebula_rl.algorithms.flow`. Jobs do not run world-model RL yet.
+The losses are in `nebula_rl.algorithms.flow`.
 """
 
 from __future__ import annotations
