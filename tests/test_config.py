@@ -5,10 +5,10 @@ import pytest
 from nebula_rl.config import ConfigError, GrpoConfig, SftConfig, config_from_dict, load_config
 
 # Every shipped job config; rewards.toml configures the reward service (loaded by its own
-# schema in tests/test_reward_service.py).
-CONFIGS = sorted(
-    p for p in (Path(__file__).parents[1] / "configs").glob("*.toml") if p.name != "rewards.toml"
-)
+# schema in tests/test_reward_service.py), the eval configs `nebula-rl eval` (below).
+_SHIPPED = sorted((Path(__file__).parents[1] / "configs").glob("*.toml"))
+EVAL_CONFIGS = [p for p in _SHIPPED if "eval" in p.stem]
+CONFIGS = [p for p in _SHIPPED if p.name != "rewards.toml" and p not in EVAL_CONFIGS]
 
 
 def test_configs_dir_is_not_empty():
@@ -19,6 +19,15 @@ def test_configs_dir_is_not_empty():
 def test_every_shipped_config_loads(path):
     cfg = load_config(path)
     assert cfg.train.train_batch_per_replica >= 1
+
+
+@pytest.mark.parametrize("path", EVAL_CONFIGS, ids=lambda p: p.name)
+def test_eval_configs_load_as_eval_configs_and_train_names_the_command(path):
+    from nebula_rl.eval import load_eval_config
+
+    assert load_eval_config(path).shards() >= 1
+    with pytest.raises(ConfigError, match=rf"{path}: num_gpus is a key of an eval config.*eval"):
+        load_config(path)
 
 
 def _write(tmp_path, text):

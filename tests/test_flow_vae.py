@@ -305,3 +305,17 @@ def test_the_reward_service_scores_a_latent_models_decoded_pixels(tmp_path, monk
 
     assert rewards(got) == pytest.approx(rewards(expected), abs=1e-6)
     assert [json.loads(line)["rewards_lost"] for line in got.read_text().splitlines()] == [0] * 3
+
+
+def test_a_hub_pipeline_fetch_takes_the_transformer_and_vae_only():
+    from nebula_rl.flow.models import pipeline_file
+
+    wanted = ["model_index.json", "transformer/config.json",
+              "transformer/diffusion_pytorch_model-00001-of-00002.safetensors",
+              "vae/config.json", "vae/diffusion_pytorch_model.safetensors",
+              "config.json", "diffusion_pytorch_model.safetensors"]  # fmt: skip
+    unwanted = ["text_encoder/model.safetensors", "text_encoder/config.json",
+                "tokenizer/tokenizer.json", "scheduler/scheduler_config.json",
+                "transformer/extra/weights.safetensors", "README.md"]  # fmt: skip
+    assert all(pipeline_file(f) for f in wanted)
+    assert not any(pipeline_file(f) for f in unwanted)

@@ -2058,6 +2058,13 @@ def config_from_dict(
     `resolved` marks a config nebula-rl wrote itself (a run's `config.json`, the controller's
     copy): it was checked for refusals when the job started, and its values include the side
     effects of its keys."""
+    model = data.get("model")
+    if "num_gpus" in data or (isinstance(model, dict) and "model_name" in model):
+        key = "num_gpus" if "num_gpus" in data else "model.model_name"
+        raise ConfigError(
+            f"{source}: {key} is a key of an eval config, not of a training config: run it "
+            "with `nebula-rl eval --config` (docs/evaluation.md)"
+        )
     data = _check_wfm(copy.deepcopy(data), source)
     warnings = _pop_stale(data)
     user_keys = _flat_keys(data)

@@ -146,8 +146,9 @@ def _flow_model(cfg: Config, p: Preflight) -> None:
     elif is_hub_id(name):
         p.notes.append(
             f"policy.model_name_or_path: {name} is fetched from the Hub at launch; its "
-            "transformer must be a pixel-space CosmosTransformer3DModel, WanTransformer3DModel "
-            "or SD3Transformer2DModel (in_channels = 3; no VAE is run yet)"
+            "transformer must be a CosmosTransformer3DModel, WanTransformer3DModel or "
+            "SD3Transformer2DModel, in pixel space (in_channels = 3) or with its pipeline's "
+            "AutoencoderKLWan / AutoencoderKL in vae/"
         )
 
 

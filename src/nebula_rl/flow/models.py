@@ -189,25 +189,27 @@ def _base_model(cfg: Config, *, seed: int) -> TinyDiT | DiffusersFlowModel:
     return model
 
 
+def pipeline_file(path: str) -> bool:
+    """Whether a diffusers repo's file is one nebula-rl needs: the pipeline index, a root
+    transformer's config and weights, or a file directly in `transformer/` or `vae/` (not the
+    text encoders', which the datasets' precomputed embeddings replace)."""
+    top, _, rest = path.partition("/")
+    if not rest:
+        return path in ("model_index.json", "config.json") or path.endswith(".safetensors")
+    return top in ("transformer", "vae") and "/" not in rest
+
+
 def _snapshot(repo_id: str, *, revision: str | None) -> Path:
     """A diffusers repo's pipeline index, transformer and VAE, fetched into the Hugging Face
     cache."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
+        files = HfApi().list_repo_files(repo_id, revision=revision)
         return Path(
             snapshot_download(
-                repo_id,
-                revision=revision,
-                allow_patterns=[
-                    "model_index.json",
-                    "config.json",
-                    "transformer/*",
-                    "vae/*",
-                    "*.safetensors",
-                ],
-                ignore_patterns=["*/*/*"],
+                repo_id, revision=revision, allow_patterns=[f for f in files if pipeline_file(f)]
             )
         )
     except (HfHubHTTPError, LocalEntryNotFoundError) as err:
