@@ -12,7 +12,7 @@ import pytest
 import torch
 from diffusers import CosmosTransformer3DModel
 
-from flow_configs import tiny_flow_policy
+from flow_configs import tiny_flow_config, tiny_flow_policy
 from nebula_rl.config import config_from_dict
 from nebula_rl.flow.diffusers_models import DIFFUSERS_PRESETS, PRESET_VAES, DiffusersFlowModel
 from nebula_rl.flow.models import check_flow_model, load_flow_model, save_flow_model
@@ -21,29 +21,11 @@ VIDEO_PRESETS = ["tiny:cosmos_transformer3d", "tiny:wan_transformer3d"]
 PIXEL_PRESETS = sorted(set(DIFFUSERS_PRESETS) - set(PRESET_VAES))
 
 
-def _cfg(tmp_path: Path, model: str, *, frames: int = 2, **train: object) -> dict:
+def _cfg(tmp_path: Path, model: str, *, frames: int = 2) -> dict:
     """A small world-model FlowGRPO config (8 x 8 pixels) of `model`, as a dict."""
-    return {
-        "train": {
-            "output_dir": str(tmp_path / "runs"),
-            "timestamp": "diffusers",
-            "max_num_steps": 3,
-            "train_batch_per_replica": 8,
-            "optm_lr": 1e-3,
-            "train_policy": {
-                "type": "grpo",
-                "trainer_type": "flow_grpo",
-                "reward_function": "brightness",
-                "mini_batch": 4,
-                "epsilon_low": 1e-3,
-                "epsilon_high": 1e-3,
-                "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": 2}},
-            },
-            **train,
-        },
-        "rollout": {"n_generation": 4},
-        "policy": tiny_flow_policy(model, frames=frames),
-    }
+    return tiny_flow_config(
+        tmp_path / "runs", tiny_flow_policy(model, frames=frames), timestamp="diffusers"
+    )
 
 
 def _inputs(frames: int) -> tuple[torch.Tensor, ...]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flow_configs import tiny_flow_config, tiny_flow_policy
 from nebula_rl.config import ConfigError, config_from_dict, load_config
 from nebula_rl.flow.diffusers_models import DIFFUSERS_PRESETS
 from nebula_rl.flow.models import check_flow_model, flow_model_config, load_flow_model
@@ -24,37 +25,15 @@ WFM = sorted((ROOT / "configs" / "wfm").glob("*.toml"))
 
 def _flow(tmp_path: Path, *, trainer: str = "flow_grpo", **policy: object) -> dict:
     """A small world-model RL config (8 x 8 frames, 2 of them, 16 toy clips) as a dict."""
-    return {
-        "train": {
-            "output_dir": str(tmp_path),
-            "max_num_steps": 2,
-            "train_batch_per_replica": 8,
-            "optm_lr": 1e-3,
-            "train_policy": {
-                "type": "grpo",
-                "trainer_type": trainer,
-                "reward_function": "brightness",
-                "mini_batch": 4,
-                "epsilon_low": 1e-4,
-                "epsilon_high": 1e-4,
-                "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": 2}},
-                **policy,
-            },
-        },
-        "rollout": {"n_generation": 4},
-        "policy": {
-            "model_name_or_path": "tiny:dit",
-            "is_diffusers": True,
-            "diffusers": {
-                "is_video": True,
-                "inference_size": [8, 8],
-                "inference_frames": 2,
-                "train_frames": 2,
-                "train_flow_shift": 1.0,
-                "sample": {"num_steps": 4, "eval_num_steps": 4, "guidance_scale": 1.0},
-            },
-        },
-    }
+    sample = {"num_steps": 4, "eval_num_steps": 4, "guidance_scale": 1.0}
+    return tiny_flow_config(
+        tmp_path,
+        tiny_flow_policy("tiny:dit", train_flow_shift=1.0, sample=sample),
+        trainer=trainer,
+        max_num_steps=2,
+        clip=1e-4,
+        **policy,
+    )
 
 
 @pytest.mark.parametrize("path", WFM, ids=lambda p: p.name)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flow_configs import tiny_flow_policy
+from flow_configs import tiny_flow_policy, tiny_flow_train_policy
 from nebula_rl.config import config_from_dict
 from nebula_rl.controller import JobState, connect, start_redis
 from nebula_rl.flow.runtime import check_flow_job
@@ -40,19 +40,9 @@ def _job(tmp_path: Path, **changes: object) -> dict:
             "epoch": 1,
             "train_batch_per_replica": PROMPTS_PER_STEP * 4,
             "optm_lr": 1e-3,
-            "train_policy": {
-                "type": "grpo",
-                "trainer_type": "flow_grpo",
-                "reward_function": "brightness",
-                "mini_batch": 8,
-                "epsilon_low": 1e-3,
-                "epsilon_high": 1e-3,
-                "allowed_outdated_steps": 1,
-                "dataset": {
-                    "name": "builtin:toy_video",
-                    "kwargs": {"clips_per_prompt": CLIPS_PER_PROMPT},
-                },
-            },
+            "train_policy": tiny_flow_train_policy(
+                mini_batch=8, clips_per_prompt=CLIPS_PER_PROMPT, allowed_outdated_steps=1
+            ),
         },
         "rollout": {"n_generation": 4, "batch_size": 2},
         "controller": {"port": free_port(), "heartbeat_timeout": 4.0, "collective_timeout": 30.0},

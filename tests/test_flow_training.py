@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flow_configs import tiny_flow_policy
+from flow_configs import tiny_flow_policy, tiny_flow_train_policy
 from nebula_rl.config import config_from_dict
 from nebula_rl.flow import job
 from nebula_rl.flow.dit import TinyDiT, TinyDiTConfig
@@ -135,15 +135,7 @@ def test_bf16_param_dtype_computes_the_velocity_in_bf16(tmp_path):
     assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())
 
     rl = _sft(tmp_path, "bf16_rl", param_dtype="bfloat16")
-    rl["train"]["train_policy"] = {
-        "type": "grpo",
-        "trainer_type": "flow_grpo",
-        "reward_function": "brightness",
-        "mini_batch": 8,
-        "epsilon_low": 1e-3,
-        "epsilon_high": 1e-3,
-        "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": 1}},
-    }
+    rl["train"]["train_policy"] = tiny_flow_train_policy(mini_batch=8, clips_per_prompt=1)
     rl["train"]["max_num_steps"] = 2
     rl["rollout"] = {"n_generation": 4}
     import json

@@ -14,7 +14,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLWan, WanTransformer3DModel
 
-from flow_configs import tiny_flow_policy
+from flow_configs import tiny_flow_config, tiny_flow_policy
 from nebula_rl.config import ConfigError, config_from_dict
 from nebula_rl.flow.data import make_toy_dataset, read_local_dataset
 from nebula_rl.flow.diffusers_models import PRESET_VAES, tiny_vae_config
@@ -29,27 +29,8 @@ FRAMES = {"tiny:sd3_transformer2d_latent": 1}
 
 def _cfg(tmp_path: Path, model: str, *, frames: int = 5, **train_policy: object) -> dict:
     """A small world-model FlowGRPO config (8 x 8 pixels, 16 toy clips) of `model`."""
-    return {
-        "train": {
-            "output_dir": str(tmp_path / "runs"),
-            "timestamp": "latent",
-            "max_num_steps": 3,
-            "train_batch_per_replica": 8,
-            "optm_lr": 1e-3,
-            "train_policy": {
-                "type": "grpo",
-                "trainer_type": "flow_grpo",
-                "reward_function": "brightness",
-                "mini_batch": 4,
-                "epsilon_low": 1e-3,
-                "epsilon_high": 1e-3,
-                "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": 2}},
-                **train_policy,
-            },
-        },
-        "rollout": {"n_generation": 4},
-        "policy": tiny_flow_policy(model, frames=frames, train_flow_shift=1.0),
-    }
+    policy = tiny_flow_policy(model, frames=frames, train_flow_shift=1.0)
+    return tiny_flow_config(tmp_path / "runs", policy, timestamp="latent", **train_policy)
 
 
 def _named(cfg: dict, model: str) -> dict:
@@ -95,7 +76,7 @@ def test_a_latent_preset_runs_in_its_vaes_latent_space_and_exports_a_pipeline(tm
     back = load_flow_model(config_from_dict(_named(cfg, str(folder))))
     assert torch.equal(back(x, sigma, text, mask), v)
     back_vae = flow_vae(back)
-    assert back_vae is not None
+    assert back_vae is not None and back_vae.kind == vae.kind
     assert torch.equal(back_vae.decode(x), vae.decode(x))
 
 
@@ -221,7 +202,7 @@ def test_ddrl_and_sft_train_on_latents_and_rewards_see_pixels(tmp_path):
     the transformer only; the SFT loss falls."""
     model = load_flow_model(config_from_dict(_cfg(tmp_path, "tiny:wan_transformer3d_latent")))
     vae = flow_vae(model)
-    assert vae is not None
+    assert vae is not None and vae.kind == "AutoencoderKLWan"
     frozen = {k: v.clone() for k, v in vae.module.state_dict().items()}
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     clips = read_local_dataset(
