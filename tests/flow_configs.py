@@ -1,10 +1,13 @@
 """The small world-model configs the tests build: `tiny_flow_policy` is the `[policy]` table (a
 flow model of `frames` frames of `size` x `size` pixels, sampled in `steps` steps),
 `tiny_flow_train_policy` its `[train.train_policy]` table on the toy clips, `tiny_flow_config`
-the whole config of such an RL run."""
+the whole config of such an RL run; `reward_service` starts the reward service such a run is
+pointed at by `scored_remotely`."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -72,4 +75,34 @@ def tiny_flow_train_policy(
         "epsilon_high": clip,
         "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": clips_per_prompt}},
         **extra,
+    }
+
+
+@contextmanager
+def reward_service(monkeypatch: Any, reward_type: str) -> Iterator[Any]:
+    """The reward service scoring with `reward_type`, started here on a free port, and the
+    `REMOTE_REWARD_*` variables a world-model run reads set to reach it (token included)."""
+    from nebula_rl.rewards.service import service_config_from_dict, start_service
+    from nebula_rl.weights import free_port
+
+    config = service_config_from_dict(
+        {"port": free_port(), "reward_args": [{"reward_type": reward_type}]}
+    )
+    with start_service(config, token="secret-token") as service:
+        base = f"{service.url}/api/reward"
+        monkeypatch.setenv("REMOTE_REWARD_TOKEN", "secret-token")
+        monkeypatch.setenv("REMOTE_REWARD_ENQUEUE_URL", f"{base}/enqueue")
+        monkeypatch.setenv("REMOTE_REWARD_FETCH_URL", f"{base}/pull")
+        yield service
+
+
+def scored_remotely(cfg: dict[str, Any], name: str, *, weight: float, batch_size: int) -> None:
+    """Make the world-model config `cfg` (a dict, changed in place) score through the reward
+    service with the function `name` at `weight`, in requests of `batch_size` samples."""
+    policy = cfg["train"]["train_policy"]
+    policy["use_remote_reward"] = True
+    del policy["reward_function"]
+    policy["remote_reward"] = {
+        "batch_size": batch_size,
+        "reward_fns": [{"name": name, "weight": weight}],
     }

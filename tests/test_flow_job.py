@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flow_configs import tiny_flow_config, tiny_flow_policy
+from flow_configs import reward_service, scored_remotely, tiny_flow_config, tiny_flow_policy
 from nebula_rl.config import ConfigError, config_from_dict, load_config
 from nebula_rl.flow.diffusers_models import DIFFUSERS_PRESETS
 from nebula_rl.flow.models import check_flow_model, flow_model_config, load_flow_model
-from nebula_rl.weights import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 WFM = sorted((ROOT / "configs" / "wfm").glob("*.toml"))
@@ -187,22 +186,10 @@ def test_diffusion_nft_scored_by_the_reward_service(tmp_path, monkeypatch):
     """DiffusionNFT with `use_remote_reward`: the reward service (started here) scores every
     iteration's samples, in requests of `remote_reward.batch_size`."""
     from nebula_rl.flow import job
-    from nebula_rl.rewards.service import service_config_from_dict, start_service
 
-    service_cfg = service_config_from_dict(
-        {"port": free_port(), "reward_args": [{"reward_type": "colour_match"}]}
-    )
-    with start_service(service_cfg, token="secret-token") as service:
-        base = f"{service.url}/api/reward"
-        monkeypatch.setenv("REMOTE_REWARD_TOKEN", "secret-token")
-        monkeypatch.setenv("REMOTE_REWARD_ENQUEUE_URL", f"{base}/enqueue")
-        monkeypatch.setenv("REMOTE_REWARD_FETCH_URL", f"{base}/pull")
-        data = _flow(tmp_path, trainer="diffusion_nft", use_remote_reward=True)
-        del data["train"]["train_policy"]["reward_function"]
-        data["train"]["train_policy"]["remote_reward"] = {
-            "batch_size": 4,
-            "reward_fns": [{"name": "colour_match", "weight": 2.0}],
-        }
+    with reward_service(monkeypatch, "colour_match") as service:
+        data = _flow(tmp_path, trainer="diffusion_nft")
+        scored_remotely(data, "colour_match", weight=2.0, batch_size=4)
         data["policy"]["diffusers"].update(weight_copy_decay_type=1)
         data["policy"]["diffusers"]["sample"]["deterministic_sampling"] = True
         records = _records(job.run(config_from_dict(data)))

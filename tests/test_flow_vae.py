@@ -14,7 +14,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLWan, WanTransformer3DModel
 
-from flow_configs import tiny_flow_config, tiny_flow_policy
+from flow_configs import reward_service, scored_remotely, tiny_flow_config, tiny_flow_policy
 from nebula_rl.config import ConfigError, config_from_dict
 from nebula_rl.flow.data import make_toy_dataset, read_local_dataset
 from nebula_rl.flow.diffusers_models import PRESET_VAES, tiny_vae_config
@@ -260,25 +260,12 @@ def test_the_reward_service_scores_a_latent_models_decoded_pixels(tmp_path, monk
     "video"`; the service would refuse 4-channel latents), and the service's rewards equal the
     same run's in-process ones, iteration by iteration."""
     from nebula_rl.flow import job
-    from nebula_rl.rewards.service import service_config_from_dict, start_service
-    from nebula_rl.weights import free_port
 
     local = _cfg(tmp_path / "local", "tiny:wan_transformer3d_latent")
     expected = job.run(config_from_dict(local)) / "metrics.jsonl"
-    service_cfg = service_config_from_dict(
-        {"port": free_port(), "reward_args": [{"reward_type": "brightness"}]}
-    )
-    with start_service(service_cfg, token="secret-token") as service:
-        base = f"{service.url}/api/reward"
-        monkeypatch.setenv("REMOTE_REWARD_TOKEN", "secret-token")
-        monkeypatch.setenv("REMOTE_REWARD_ENQUEUE_URL", f"{base}/enqueue")
-        monkeypatch.setenv("REMOTE_REWARD_FETCH_URL", f"{base}/pull")
-        remote = _cfg(tmp_path / "remote", "tiny:wan_transformer3d_latent", use_remote_reward=True)
-        del remote["train"]["train_policy"]["reward_function"]
-        remote["train"]["train_policy"]["remote_reward"] = {
-            "batch_size": 8,
-            "reward_fns": [{"name": "brightness", "weight": 1.0}],
-        }
+    with reward_service(monkeypatch, "brightness"):
+        remote = _cfg(tmp_path / "remote", "tiny:wan_transformer3d_latent")
+        scored_remotely(remote, "brightness", weight=1.0, batch_size=8)
         got = job.run(config_from_dict(remote)) / "metrics.jsonl"
 
     def rewards(path: Path) -> list[float]:
