@@ -372,15 +372,27 @@ def _start_shard(
     those visible (`CUDA_VISIBLE_DEVICES`, else all), rank r using the r-th."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range((shard + 1) * tp)]
-    procs = []
-    for rank in range(tp):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port),
-               "CUDA_VISIBLE_DEVICES": ",".join(devices[shard * tp : (shard + 1) * tp])}  # fmt: skip
-        command = [sys.executable, "-m", "nebula_rl.eval", str(config_json), model, str(shard),
-                   str(out), str(rank), "score" if score else "generate"]  # fmt: skip
-        procs.append(subprocess.Popen(command, env=env))
-    return procs
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port),
+           "CUDA_VISIBLE_DEVICES": ",".join(devices[shard * tp : (shard + 1) * tp])}  # fmt: skip
+    mode = "score" if score else "generate"
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "nebula_rl.eval",
+                str(config_json),
+                model,
+                str(shard),
+                str(out),
+                str(rank),
+                mode,
+            ],
+            env=env,
+        )
+        for rank in range(tp)
+    ]
 
 
 def evaluate(

@@ -245,16 +245,16 @@ as in Hugging Face's implementation)."""
 
 
 def _vision_language_tp_plan(
-    model: nn.Module, layer_plan: dict[str, ParallelStyle]
-) -> tuple[dict[str, ParallelStyle], dict[int, dict[str, ParallelStyle]]]:
-    """The TP plan of a vision-language model's language model: (root plan, layer index -> its
-    plan). Its forward writes the vision embeddings into the token embeddings
-    (`masked_scatter`) and, in Qwen3-VL, adds DeepStack features to the outputs of the first
-    layers (boolean indexing): both are plain-tensor code. So the embedding gives a replicated
-    plain tensor; each layer takes its input as it comes (replicated or already sharded) and
-    shards it on the sequence, where the text plan's layers start; a DeepStack layer gives its
-    output back replicated. The vision tower is not split: `parallelize_model` shards it with
-    FSDP2 over the TP ranks too."""
+    model: nn.Module,
+) -> tuple[dict[str, ParallelStyle], list[ParallelStyle]]:
+    """The TP plan of a vision-language model's language model beyond the text plan's layer
+    plan: (root plan, each decoder layer's own input/output style). Its forward writes the
+    vision embeddings into the token embeddings (`masked_scatter`) and, in Qwen3-VL, adds
+    DeepStack features to the outputs of the first layers (boolean indexing): both are
+    plain-tensor code. So the embedding gives a replicated plain tensor; each layer takes its
+    input as it comes (replicated or already sharded) and shards it on the sequence, where the
+    text plan's layers start; a DeepStack layer gives its output back replicated. The vision
+    tower is not split: `parallelize_model` shards it with FSDP2 over the TP ranks too."""
     decoder = "model.language_model"
     root: dict[str, ParallelStyle] = {
         f"{decoder}.embed_tokens": RowwiseParallel(
@@ -268,20 +268,17 @@ def _vision_language_tp_plan(
     into_layer = PrepareModuleInput(
         input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=False
     )
+    through_layer = PrepareModuleInputOutput(
+        input_layouts=(Replicate(),),
+        desired_input_layouts=(Shard(1),),
+        use_local_input=False,
+        output_layouts=(Shard(1),),
+        desired_output_layouts=(Replicate(),),
+        use_local_output=True,
+    )
     deepstack = len(getattr(_config(model).vision_config, "deepstack_visual_indexes", None) or [])
-    plans: dict[int, dict[str, ParallelStyle]] = {}
-    for i in range(len(_layers(model))):
-        plans[i] = {"": into_layer, **layer_plan}
-        if i < deepstack:
-            plans[i][""] = PrepareModuleInputOutput(
-                input_layouts=(Replicate(),),
-                desired_input_layouts=(Shard(1),),
-                use_local_input=False,
-                output_layouts=(Shard(1),),
-                desired_output_layouts=(Replicate(),),
-                use_local_output=True,
-            )
-    return root, plans
+    layers = len(_layers(model))
+    return root, [through_layer if i < deepstack else into_layer for i in range(layers)]
 
 
 def _decoder(model: nn.Module) -> Any:
@@ -329,17 +326,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     root, layer_plan = TP_PLANS[_config(model).get_text_config().model_type]()
     decoder = _decoder(model)
     layers = list(decoder.layers.children())
-    plans = {i: layer_plan for i in range(len(layers))}
+    own: list[ParallelStyle | None] = [None] * len(layers)  # a layer's own inputs and outputs
     if _vision_blocks(model):
-        root, plans = _vision_language_tp_plan(model, layer_plan)
+        root, vision_own = _vision_language_tp_plan(model)
+        own = list(vision_own)
     # A pipeline stage lacks the embedding or the head; plan only what it holds.
     present = {name: style for name, style in root.items() if _has(model, name)}
     parallelize_module(model, tp_mesh, present)
-    for i, layer in enumerate(layers):
-        plan = dict(plans[i])
-        if "" in plan:  # the layer's own inputs and outputs
-            parallelize_module(layer, tp_mesh, plan.pop(""))
-        parallelize_module(layer, tp_mesh, plan)
+    for layer, style in zip(layers, own, strict=True):
+        if style is not None:
+            parallelize_module(layer, tp_mesh, style)
+        parallelize_module(layer, tp_mesh, layer_plan)
     # Both sides of a tied embedding are sharded on the vocabulary (Shard(0) of [V, H]), so one
     # DTensor serves both; parallelize_module made two, re-tie them.
     if _tied(model) and _has(model, "lm_head") and getattr(decoder, "embed_tokens", None):
