@@ -153,14 +153,14 @@ def test_a_torn_last_line_is_cut_and_its_row_redone(tmp_path):
 
 
 def test_generate_writes_completions_without_rewards(tmp_path):
-    """`nebula-rl generate` as a user runs it: prompts from the dataset, completions to
-    samples.jsonl, no rewards."""
+    """`nebula-rl generate` as a user runs it: prompts from the dataset (its first
+    `evaluation.limit` rows), completions to samples.jsonl, no rewards."""
     config = tmp_path / "gen.toml"
     config.write_text(
         'num_gpus = 1\n[model]\nmodel_name = "tiny:qwen2"\nmax_length = 64\n'
-        '[dataset]\nname = "builtin:arithmetic"\nkwargs = { num_samples = 5 }\n'
+        '[dataset]\nname = "builtin:arithmetic"\nkwargs = { num_samples = 9 }\n'
         "[generation]\nmax_tokens = 3\n"
-        f'[evaluation]\noutput_dir = "{tmp_path / "gen"}"\n'
+        f'[evaluation]\nlimit = 5\noutput_dir = "{tmp_path / "gen"}"\n'
     )
     run = subprocess.run(
         [sys.executable, "-m", "nebula_rl.cli", "generate", "--config", str(config)],
