@@ -224,9 +224,11 @@ def test_a_wfm_mode_config_reads_key_by_key() -> None:
     assert "model_parallel.context_parallel_size = 2" in said
     assert "checkpoint.load_path" in said and "Cosmos-Predict2.5 network" in said
     assert "model.rl.data_beta" not in said  # (read: DDRL's data_beta)
+    assert "dp_replicate_size" not in said  # (read: HSDP's copies)
     translatable = {
         "model": {
             "fsdp_shard_size": 2,
+            "dp_replicate_size": 3,
             "rl": {
                 "sample_steps": 10,
                 "num_rollout": 4,
@@ -267,4 +269,5 @@ def test_a_wfm_mode_config_reads_key_by_key() -> None:
         2001,
     )
     assert cfg.policy.parallelism.dp_shard_size == 2 and p.dataset.name == "/data/clips"
+    assert cfg.policy.parallelism.dp_replicate_size == 3
     assert (cfg.logging.project_name, cfg.logging.group_name) == ("p", "g")

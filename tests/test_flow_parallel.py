@@ -38,11 +38,11 @@ N = 4
 STEPS = 2
 
 
-def _cfg(root: Path, *, ranks: int, **policy: object) -> object:
-    return config_from_dict(_raw(root, ranks=ranks, **policy))
+def _cfg(root: Path, *, ranks: int, replicate: int = 1, **policy: object) -> object:
+    return config_from_dict(_raw(root, ranks=ranks, replicate=replicate, **policy))
 
 
-def _raw(root: Path, *, ranks: int, **policy: object) -> dict:
+def _raw(root: Path, *, ranks: int, replicate: int = 1, **policy: object) -> dict:
     return dict(
         {
             "train": {
@@ -66,7 +66,10 @@ def _raw(root: Path, *, ranks: int, **policy: object) -> dict:
             "rollout": {"n_generation": N},
             "policy": {
                 **tiny_flow_policy(weight_copy_decay_type=1),
-                "parallelism": {"dp_shard_size": ranks},
+                "parallelism": {
+                    "dp_shard_size": ranks // replicate,
+                    "dp_replicate_size": replicate,
+                },
             },
         }
     )
@@ -108,14 +111,19 @@ def _model(cfg: object) -> torch.nn.Module:
 
 
 def _train(
-    root: Path, batches: list[list[RolloutGroup]], ranks: int, policy: dict
+    root: Path, batches: list[list[RolloutGroup]], ranks: int, policy: dict, replicate: int = 1
 ) -> tuple[list[dict], dict[str, torch.Tensor]]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    cfg = _cfg(root, ranks=ranks, **policy)
+    cfg = _cfg(root, ranks=ranks, replicate=replicate, **policy)
     clips = read_local_dataset(root / "dataset", num_frames=2)
     model = _model(cfg)
-    mesh = shard_flow_model(model, torch.device("cpu"))
+    mesh = shard_flow_model(model, torch.device("cpu"), replicate=replicate)
+    if replicate > 1:  # (HSDP: each weight replicated over the copies, sharded within one)
+        from torch.distributed.tensor import Replicate, Shard
+
+        assert mesh is not None and mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
+        assert next(model.parameters()).placements == (Replicate(), Shard(0))
     trainer = FlowTrainer(
         model,
         cfg,  # type: ignore[arg-type]
@@ -132,11 +140,15 @@ def _train(
     return history, get_model_state_dict(model, options=options)
 
 
-def _member(rank: int, root: str, port: int, policy: dict) -> tuple[list[dict], dict]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _member(
+    rank: int, root: str, port: int, policy: dict, world: int = 2, replicate: int = 1
+) -> tuple[list[dict], dict]:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         batches = _batches_from(Path(root))
-        history, params = _train(Path(root), batches, 2, policy)
+        history, params = _train(Path(root), batches, world, policy, replicate)
         return history, {k: v.numpy() for k, v in params.items()}  # (rank 0's: the whole)
     finally:
         dist.barrier()
@@ -152,7 +164,7 @@ def _batches_from(root: Path) -> list[list[RolloutGroup]]:
 
 @pytest.fixture(scope="module")
 def members():
-    pool = MemberPool(2)
+    pool = MemberPool(4)
     yield pool
     pool.close()
 
@@ -168,12 +180,31 @@ def members():
     ids=["flow_grpo", "flow_grpo_kl", "ddrl", "nft"],
 )
 def test_a_two_rank_policy_replica_steps_like_one_process(members, tmp_path, policy):
+    _assert_split_steps_like_one_process(members, tmp_path, policy, world=2, replicate=1)
+
+
+@pytest.mark.parametrize(
+    "policy", [{}, {"trainer_type": "diffusion_nft"}], ids=["flow_grpo", "nft"]
+)
+def test_an_hsdp_policy_replica_steps_like_one_process(members, tmp_path, policy):
+    """`dp_replicate_size = 2` x `dp_shard_size = 2`: two copies of a 2-rank sharding, every
+    rank with a group of its own (gradients reduce-scattered within a copy, all-reduced
+    between the copies); DiffusionNFT's old weights are sharded alike."""
+    _assert_split_steps_like_one_process(members, tmp_path, policy, world=4, replicate=2)
+
+
+def _assert_split_steps_like_one_process(
+    members: MemberPool, root: Path, policy: dict, *, world: int, replicate: int
+) -> None:
     import pickle
 
-    batches = _batches(tmp_path, policy)
-    (tmp_path / "batches.pickle").write_bytes(pickle.dumps(batches))
-    want_history, want_params = _train(tmp_path, batches, 1, policy)
-    reports = members.run_on(range(2), _member, str(tmp_path), free_port(), policy)
+    batches = _batches(root, policy)
+    (root / "batches.pickle").write_bytes(pickle.dumps(batches))
+    want_history, want_params = _train(root, batches, 1, policy)
+    reports = members.run_on(
+        range(world), _member, str(root), free_port(), policy, world, replicate
+    )
+    assert sorted(reports) == list(range(world))
     for rank, (history, params) in sorted(reports.items()):
         for step, (got, want) in enumerate(zip(history, want_history, strict=True)):
             assert got.keys() == want.keys()
@@ -187,7 +218,7 @@ def test_a_two_rank_policy_replica_steps_like_one_process(members, tmp_path, pol
                 torch.from_numpy(value), want_params[name], rtol=0, atol=TOL,
                 msg=lambda m, name=name, rank=rank: f"rank {rank}, {name}: {m}",
             )  # fmt: skip
-    start = _model(_cfg(tmp_path, ranks=1, **policy)).state_dict()
+    start = _model(_cfg(root, ranks=1, **policy)).state_dict()
     moved = max(float((want_params[n] - p).abs().max()) for n, p in start.items())
     assert moved > 50 * TOL
 

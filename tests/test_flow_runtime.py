@@ -155,18 +155,20 @@ def test_what_the_runtime_cannot_run_is_refused_before_it_starts(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("model", "lora", "shards"),
+    ("model", "lora", "shards", "replicate"),
     [
-        ("tiny:dit", None, 1),
-        ("tiny:wan_transformer3d", {"r": 4, "target_modules": ["to_q", "to_v"]}, 1),
-        ("tiny:dit", None, 2),
+        ("tiny:dit", None, 1, 1),
+        ("tiny:wan_transformer3d", {"r": 4, "target_modules": ["to_q", "to_v"]}, 1, 1),
+        ("tiny:dit", None, 2, 1),
+        pytest.param("tiny:dit", None, 2, 2, marks=pytest.mark.slow),
     ],
-    ids=["dit", "wan-lora", "dit-fsdp2"],
+    ids=["dit", "wan-lora", "dit-fsdp2", "dit-hsdp"],
 )
-def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora, shards):
+def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora, shards, replicate):
     """One policy and one rollout replica, one epoch, with the built-in DiT, with a diffusers
-    transformer with a LoRA adapter (the base pushed once, the adapter every step), and with a
-    policy replica of two FSDP2 ranks (each pushing its shards; weight averages exported): every
+    transformer with a LoRA adapter (the base pushed once, the adapter every step), with a
+    policy replica of two FSDP2 ranks (each pushing its shards; weight averages exported), and
+    with one of four HSDP ranks (two copies of two shards; slow): every
     clip trained once, the policy's weights pushed to the rollout each step, the trajectory files gone at the end, a sample
     grid every 4 steps in TensorBoard and `<run>/samples/`, and the export loadable as a flow
     model."""
@@ -180,8 +182,9 @@ def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora, sha
             "policy.model_name_or_path": model,
             "policy.lora": lora,
             "policy.parallelism.dp_shard_size": shards,
+            "policy.parallelism.dp_replicate_size": replicate,
             "train.ema_enable": shards == 2,  # (averages of the shards, exported)
-            "train.train_policy.mini_batch": 8 // shards,
+            "train.train_policy.mini_batch": 8 // (shards * replicate),
         },
     )
     run_dir = _finish(_start(tmp_path, cfg), tmp_path)

@@ -1845,7 +1845,7 @@ FLOW_KEYS = (
     # (the runtime's: replicas, the controller, the staleness bound, weight pushes)
     "rollout.batch_size", "rollout.seed", "rollout.parallelism.n_init_replicas",
     "policy.parallelism.n_init_replicas", "policy.parallelism.dp_shard_size",
-    "train.sync_weight_interval", "train.transfer_dtype",
+    "policy.parallelism.dp_replicate_size", "train.sync_weight_interval", "train.transfer_dtype",
     "train.train_policy.allowed_outdated_steps", "controller", "redis",
     # (colocated mode: the policy's ranks sample and train)
     "mode", "train.train_policy.uncentralized_training", "rollout.parallelism.dp_shard_size",

@@ -191,17 +191,23 @@ def preflight(
             )
     if cfg.policy.is_diffusers:
         _flow_model(cfg, p)
-        shards = cfg.policy.parallelism.dp_shard_size
+        par = cfg.policy.parallelism
+        shards = par.dp_shard_size * par.dp_replicate_size
+        split = (
+            f"HSDP: {par.dp_replicate_size} copies of {par.dp_shard_size} shard(s)"
+            if par.dp_replicate_size > 1
+            else "FSDP2-sharded"
+        )
         if cfg.mode == "colocated" or not isinstance(rl, GrpoConfig):
             p.notes.append(
-                f"layout: the world model trains on {shards} rank(s), FSDP2-sharded"
+                f"layout: the world model trains on {shards} rank(s), {split}"
                 + (", sampling its own rollouts (colocated)" if isinstance(rl, GrpoConfig) else "")
                 + " (docs/world-models.md)"
             )
         else:
             p.notes.append(
                 f"layout: world-model RL runs {num_policy} policy replica(s) of {shards} "
-                f"process(es) and {num_rollout} rollout replica(s) of one (`--local`: all in "
+                f"process(es) ({split}) and {num_rollout} rollout replica(s) of one (`--local`: all in "
                 "this one process; docs/world-models.md)"
             )
         return p

@@ -117,12 +117,8 @@ def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         _set(out, f"policy.{key}", value)
     if "fsdp_shard_size" in model:
         _set(out, "policy.parallelism.dp_shard_size", int(model["fsdp_shard_size"]))
-    if int(model.get("dp_replicate_size", 1)) > 1:
-        refuse(
-            "model.dp_replicate_size",
-            model["dp_replicate_size"],
-            "HSDP of a world model is not built; policy replicas (--policy N) replicate",
-        )
+    if "dp_replicate_size" in model:  # (HSDP: copies of the fsdp_shard_size shards)
+        _set(out, "policy.parallelism.dp_replicate_size", int(model["dp_replicate_size"]))
     cp = int(data.get("model_parallel", {}).get("context_parallel_size", 1))
     if cp > 1:
         refuse(

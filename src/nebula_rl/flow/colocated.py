@@ -1,6 +1,7 @@
 """Colocated world-model RL (`mode = "colocated"`, cosmos-rl's way): the policy's ranks sample
 their own rollouts, score them and train on them, taking turns, with the flow model
-FSDP2-sharded over the ranks (`policy.parallelism.dp_shard_size` processes, started by
+FSDP2-sharded over the ranks (`policy.parallelism.dp_shard_size` processes, or HSDP with
+`dp_replicate_size` copies of such shards, started by
 `nebula-rl train`). No controller, no rollout replicas, no weight push: the weights that train
 are the weights that sample.
 
@@ -33,7 +34,7 @@ from nebula_rl.flow.local import (
     roll_out,
     train_on_batch,
 )
-from nebula_rl.flow.parallel import sample_seed
+from nebula_rl.flow.parallel import dp_mesh, sample_seed
 from nebula_rl.flow.vae import samples_to_pixels
 
 __all__ = ["run_colocated"]
@@ -61,8 +62,8 @@ def run_colocated(
     noise from `generator`; `old` is DiffusionNFT's old weights and `reference` the KL's
     (`flow.parallel.frozen_copy`: sharded like `model`), each None where not used."""
     s = settings
-    rank, ranks = mesh.get_local_rank(), mesh.size()
-    group = mesh.get_group()
+    dp = dp_mesh(mesh)
+    rank, ranks, group = dp.get_local_rank(), dp.size(), dp.get_group()
     device = next(model.parameters()).device
     for iteration in range(start, s.num_iterations + 1):
         everyone = prompt_clips(iteration)

@@ -1,8 +1,9 @@
 """A world-model run from its config (`policy.is_diffusers = true`) in this job:
 `nebula-rl train --config X` for SFT (`trainer_type = "diffusers_sft"`), with `--local` or
 `mode = "colocated"` for RL (`"flow_grpo"`, `"ddrl"`, `"diffusion_nft"`). One process, or
-`policy.parallelism.dp_shard_size` ranks over which the model is FSDP2-sharded (SFT, and
-colocated RL: `nebula_rl.flow.colocated`).
+`policy.parallelism.dp_shard_size` ranks over which the model is FSDP2-sharded (or
+`dp_replicate_size` x `dp_shard_size` ranks, HSDP) (SFT, and colocated RL:
+`nebula_rl.flow.colocated`).
 
 How the config's keys map onto the loop of `nebula_rl.flow.local`:
 
@@ -61,6 +62,7 @@ from nebula_rl.flow.local import FlowRLSettings, RewardFn, pretrain, run_flow_rl
 from nebula_rl.flow.models import load_flow_model
 from nebula_rl.flow.parallel import (
     checkpoint_blocks,
+    dp_mesh,
     frozen_copy,
     save_sharded_flow_model,
     shard_flow_model,
@@ -307,10 +309,18 @@ def save_samples(grid: Image.Image, run_dir: Path, step: int) -> Path:
 def check_ranks(cfg: Config) -> None:
     """Refuse a split of the model this kind of run does not make: world-model RL in this job
     (`--local`) is one process unless `mode = "colocated"`."""
-    shards = cfg.policy.parallelism.dp_shard_size
-    if shards != 1 and isinstance(cfg.train.train_policy, GrpoConfig) and cfg.mode != "colocated":
+    par = cfg.policy.parallelism
+    split = [
+        f"{k} = {v}"
+        for k, v in (
+            ("dp_shard_size", par.dp_shard_size),
+            ("dp_replicate_size", par.dp_replicate_size),
+        )
+        if v != 1
+    ]
+    if split and isinstance(cfg.train.train_policy, GrpoConfig) and cfg.mode != "colocated":
         raise ValueError(
-            f"policy.parallelism.dp_shard_size = {shards}: `--local` world-model RL is one "
+            f"policy.parallelism.{', '.join(split)}: `--local` world-model RL is one "
             'process; set mode = "colocated" to sample and train on the policy\'s ranks, or '
             "run without --local (policy and rollout replicas)"
         )
@@ -341,8 +351,9 @@ def run(cfg: Config) -> Path:
     model = load_flow_model(cfg, seed=seed).to(device)
     if cfg.policy.model_gradient_checkpointing:
         checkpoint_blocks(model)
-    mesh = shard_flow_model(model, device)
-    rank, world = (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
+    mesh = shard_flow_model(model, device, replicate=cfg.policy.parallelism.dp_replicate_size)
+    dp = None if mesh is None else dp_mesh(mesh)
+    rank, world = (0, 1) if dp is None else (dp.get_local_rank(), dp.size())
     d = cfg.policy.diffusers
     generator = torch.Generator().manual_seed(seed + 1000 * rank)  # (each rank its own noise)
     every = cfg.logging.multi_modal_log_interval
@@ -366,7 +377,8 @@ def run(cfg: Config) -> Path:
         prompts = batch // n
         if prompts % world:
             raise ValueError(
-                f"policy.parallelism.dp_shard_size = {world} must divide the prompts of a step "
+                f"policy.parallelism's data-parallel ranks ({world}: dp_shard_size * "
+                f"dp_replicate_size) must divide the prompts of a step "
                 f"(train_batch_per_replica / n_generation = {prompts})"
             )
         per_step = prompts
@@ -379,8 +391,8 @@ def run(cfg: Config) -> Path:
     else:
         if batch % world:
             raise ValueError(
-                f"policy.parallelism.dp_shard_size = {world} must divide "
-                f"train.train_batch_per_replica ({batch})"
+                f"policy.parallelism's data-parallel ranks ({world}: dp_shard_size * "
+                f"dp_replicate_size) must divide train.train_batch_per_replica ({batch})"
             )
         per_step = batch
         steps = updates = num_train_steps(cfg, len(clips), items_per_step=batch)
@@ -430,9 +442,9 @@ def run(cfg: Config) -> Path:
                 log_image_file(sinks, "samples", step, save_samples(image, run_dir, step))
         if checkpointer.due(step, last=step == steps):
             states: list[Any] = [generator.get_state()]
-            if mesh is not None:  # (every rank's noise generator)
+            if dp is not None:  # (every rank's noise generator)
                 states = [None] * world
-                dist.all_gather_object(states, generator.get_state(), group=mesh.get_group())
+                dist.all_gather_object(states, generator.get_state(), group=dp.get_group())
             checkpointer.save(step, data={"generators": states})
 
     ordered = _ordered(cfg, clips, per_step)
@@ -461,9 +473,9 @@ def run(cfg: Config) -> Path:
         log.info("world-model SFT: %d steps of %d clips, %d clips", steps, batch, len(clips))
 
         def on_step(values: dict[str, float]) -> None:
-            if mesh is not None:  # (the loss of the whole batch: the mean of the ranks')
+            if dp is not None:  # (the loss of the whole batch: the mean of the ranks')
                 loss = torch.tensor([values["loss"]], dtype=torch.float64)
-                dist.all_reduce(loss, group=mesh.get_group())
+                dist.all_reduce(loss, group=dp.get_group())
                 values = {**values, "loss": float(loss) / world}
             record(values)
 

@@ -1,7 +1,11 @@
 """Splitting a flow model over ranks with FSDP2, for the runtime's policy replicas
-(`flow.runtime`) and the colocated one-job loop (`flow.job`): the sharding, frozen copies
+(`flow.runtime`) and the colocated one-job loop (`flow.job`): the sharding (FSDP2 over
+`dp_shard_size` ranks, or HSDP: `dp_replicate_size` replicas of such shards), frozen copies
 sharded alike, an export that gathers, and the per-sample seeds that make a split step equal
 one process's.
+
+Every rank is a data-parallel rank with its own samples: `dp_mesh` gives the flat mesh of all of
+them (rank, size, group), whichever of the two layouts shards the weights.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from nebula_rl.flow.models import load_flow_model, save_flow_model
 __all__ = [
     "BLOCK_LISTS",
     "checkpoint_blocks",
+    "dp_mesh",
     "frozen_copy",
     "sample_seed",
     "save_sharded_flow_model",
@@ -29,15 +34,31 @@ __all__ = [
 
 
 def shard_flow_model(
-    model: nn.Module, device: torch.device, *, mesh: DeviceMesh | None = None
+    model: nn.Module, device: torch.device, *, replicate: int = 1, mesh: DeviceMesh | None = None
 ) -> DeviceMesh | None:
     """Split `model` over this replica's ranks with FSDP2 (each block a unit, then the root),
-    when the replica has several (`policy.parallelism.dp_shard_size`), over `mesh` (default:
-    a new one of every rank); the mesh."""
+    when the replica has several: over `mesh`, by default a new one of every rank, sharded over
+    all of them or, with `replicate` > 1 (`policy.parallelism.dp_replicate_size`), HSDP:
+    `replicate` copies, each sharded over world / `replicate` ranks (gradients reduce-scattered
+    within a copy, then all-reduced between copies). The mesh (None: one process)."""
     if mesh is None:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return None
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+        world = dist.get_world_size()
+        if world % replicate:
+            raise ValueError(
+                f"policy.parallelism.dp_replicate_size ({replicate}) must divide the replica's "
+                f"ranks ({world})"
+            )
+        if replicate == 1:
+            mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
+        else:
+            mesh = init_device_mesh(
+                device.type,
+                (replicate, world // replicate),
+                mesh_dim_names=("dp_replicate", "dp_shard"),
+            )
+            mesh["dp_replicate", "dp_shard"]._flatten("dp")
     from torch.distributed.fsdp import fully_shard
 
     for blocks in _block_lists(model):
@@ -45,6 +66,12 @@ def shard_flow_model(
             fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return mesh
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The flat mesh of every data-parallel rank of `mesh` (a sharding mesh of
+    `shard_flow_model`): ranks, size and the group that sums their metrics."""
+    return mesh if mesh.ndim == 1 else mesh["dp"]
 
 
 def _block_lists(model: nn.Module) -> list[nn.ModuleList]:
@@ -108,7 +135,7 @@ def save_sharded_flow_model(
         whole = load_flow_model(cfg, seed=cfg.train.seed or 0)
         whole.load_state_dict(state)
         save_flow_model(whole, folder)
-    dist.barrier(group=mesh.get_group())
+    dist.barrier(group=dp_mesh(mesh).get_group())
 
 
 def sample_seed(seed: int, step: int, prompt_id: str, k: int) -> int:

@@ -26,10 +26,10 @@ many steps into `<run>/samples/`, which the controller hands to the `[logging]` 
 step's record.
 
 A policy replica of `policy.parallelism.dp_shard_size` ranks shards the flow model with FSDP2
-(each transformer block a unit) and splits its groups between its ranks; `mini_batch` counts
-samples per rank. HSDP, context parallelism and split rollout replicas are not built yet (the
-config refuses those sizes for world models); scale with replicas (`--policy N`,
-`--rollout N`).
+(each transformer block a unit), or of `dp_replicate_size` x `dp_shard_size` ranks with HSDP,
+and splits its groups between its ranks; `mini_batch` counts samples per rank. Context
+parallelism and split rollout replicas are not built yet (the config refuses those sizes for
+world models); scale rollouts with replicas (`--rollout N`).
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ from nebula_rl.flow.local import (
 from nebula_rl.flow.models import check_flow_model, load_flow_model
 from nebula_rl.flow.parallel import (
     checkpoint_blocks,
+    dp_mesh,
     frozen_copy,
     sample_seed,
     save_sharded_flow_model,
@@ -113,11 +114,13 @@ def check_flow_job(cfg: Config) -> None:
             f"train.train_batch_per_replica ({cfg.train.train_batch_per_replica}) must be a "
             f"multiple of rollout.n_generation ({cfg.rollout.n_generation}) for a world model"
         )
-    shards = cfg.policy.parallelism.dp_shard_size
+    par = cfg.policy.parallelism
+    shards = par.dp_shard_size * par.dp_replicate_size
     if shards > 1 and cfg.groups_per_replica % shards:
         raise ValueError(
-            f"policy.parallelism.dp_shard_size = {shards} must divide the prompts of a step per "
-            f"replica (train_batch_per_replica / n_generation = {cfg.groups_per_replica})"
+            f"policy.parallelism.dp_shard_size * dp_replicate_size = {shards} must divide the "
+            f"prompts of a step per replica (train_batch_per_replica / n_generation = "
+            f"{cfg.groups_per_replica})"
         )
     # (checks mini_batch: samples per rank)
     flow_settings(cfg, num_iterations=1, prompts=max(1, cfg.groups_per_replica // max(shards, 1)))
@@ -324,8 +327,10 @@ class FlowTrainer:
         self.run_dir = run_dir
         self.mesh = mesh
         """The replica's ranks the model is sharded over (None: one process)."""
-        self.dp_rank = 0 if mesh is None else mesh.get_local_rank()
-        self.dp_size = 1 if mesh is None else mesh.size()
+        self.dp = None if mesh is None else dp_mesh(mesh)
+        """Every data-parallel rank of the replica (HSDP's copies too), each with its groups."""
+        self.dp_rank = 0 if self.dp is None else self.dp.get_local_rank()
+        self.dp_size = 1 if self.dp is None else self.dp.size()
         s = self.settings = flow_settings(
             cfg, num_iterations=total_steps, prompts=max(1, cfg.groups_per_replica // self.dp_size)
         )
@@ -437,8 +442,8 @@ class FlowTrainer:
             ],
             dtype=torch.float64,
         )
-        if self.mesh is not None:
-            dist.all_reduce(sums, group=self.mesh.get_group())
+        if self.dp is not None:
+            dist.all_reduce(sums, group=self.dp.get_group())
         if self.replicas is not None:
             self.replicas.sum_(sums)
         every = self.cfg.logging.multi_modal_log_interval
@@ -480,7 +485,7 @@ def flow_policy(
     model = load_flow_model(cfg, seed=seed).to(device)
     if cfg.policy.model_gradient_checkpointing:
         checkpoint_blocks(model)
-    mesh = shard_flow_model(model, device)
+    mesh = shard_flow_model(model, device, replicate=cfg.policy.parallelism.dp_replicate_size)
     trainer = FlowTrainer(
         model,
         cfg,
