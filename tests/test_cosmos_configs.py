@@ -221,7 +221,7 @@ def test_a_wfm_mode_config_reads_key_by_key() -> None:
         load_config(shipped)
     said = str(err.value)
     assert "model.rl.train_on = [0, 2, 4" in said and "not a pick of them" in said
-    assert "model_parallel.context_parallel_size = 2" in said
+    assert "context_parallel_size" not in said  # (read: policy.parallelism.cp_size)
     assert "checkpoint.load_path" in said and "Cosmos-Predict2.5 network" in said
     assert "model.rl.data_beta" not in said  # (read: DDRL's data_beta)
     assert "dp_replicate_size" not in said  # (read: HSDP's copies)
@@ -240,6 +240,7 @@ def test_a_wfm_mode_config_reads_key_by_key() -> None:
                 "use_same_seed": False,
             },
         },
+        "model_parallel": {"context_parallel_size": 2},
         "optimizer": {"lr": 1e-5, "weight_decay": 1e-4},
         "scheduler": {"warm_up_steps": [50]},
         "trainer": {
@@ -269,5 +270,5 @@ def test_a_wfm_mode_config_reads_key_by_key() -> None:
         2001,
     )
     assert cfg.policy.parallelism.dp_shard_size == 2 and p.dataset.name == "/data/clips"
-    assert cfg.policy.parallelism.dp_replicate_size == 3
+    assert cfg.policy.parallelism.dp_replicate_size == 3 and cfg.policy.parallelism.cp_size == 2
     assert (cfg.logging.project_name, cfg.logging.group_name) == ("p", "g")

@@ -38,11 +38,11 @@ N = 4
 STEPS = 2
 
 
-def _cfg(root: Path, *, ranks: int, replicate: int = 1, **policy: object) -> object:
-    return config_from_dict(_raw(root, ranks=ranks, replicate=replicate, **policy))
+def _cfg(root: Path, *, ranks: int, replicate: int = 1, cp: int = 1, **policy: object) -> object:
+    return config_from_dict(_raw(root, ranks=ranks, replicate=replicate, cp=cp, **policy))
 
 
-def _raw(root: Path, *, ranks: int, replicate: int = 1, **policy: object) -> dict:
+def _raw(root: Path, *, ranks: int, replicate: int = 1, cp: int = 1, **policy: object) -> dict:
     return dict(
         {
             "train": {
@@ -56,7 +56,7 @@ def _raw(root: Path, *, ranks: int, replicate: int = 1, **policy: object) -> dic
                     "type": "grpo",
                     "trainer_type": "flow_grpo",
                     "reward_function": "brightness",
-                    "mini_batch": GROUPS * N // ranks,
+                    "mini_batch": GROUPS * N * cp // ranks,  # (samples per data rank)
                     "epsilon_low": 1e-3,
                     "epsilon_high": 1e-3,
                     "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": 1}},
@@ -67,8 +67,9 @@ def _raw(root: Path, *, ranks: int, replicate: int = 1, **policy: object) -> dic
             "policy": {
                 **tiny_flow_policy(weight_copy_decay_type=1),
                 "parallelism": {
-                    "dp_shard_size": ranks // replicate,
+                    "dp_shard_size": ranks // (replicate * cp),
                     "dp_replicate_size": replicate,
+                    "cp_size": cp,
                 },
             },
         }
@@ -111,19 +112,27 @@ def _model(cfg: object) -> torch.nn.Module:
 
 
 def _train(
-    root: Path, batches: list[list[RolloutGroup]], ranks: int, policy: dict, replicate: int = 1
+    root: Path,
+    batches: list[list[RolloutGroup]],
+    ranks: int,
+    policy: dict,
+    replicate: int = 1,
+    cp: int = 1,
 ) -> tuple[list[dict], dict[str, torch.Tensor]]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import Replicate, Shard
 
-    cfg = _cfg(root, ranks=ranks, replicate=replicate, **policy)
+    cfg = _cfg(root, ranks=ranks, replicate=replicate, cp=cp, **policy)
     clips = read_local_dataset(root / "dataset", num_frames=2)
     model = _model(cfg)
-    mesh = shard_flow_model(model, torch.device("cpu"), replicate=replicate)
+    mesh = shard_flow_model(model, torch.device("cpu"), replicate=replicate, cp=cp)
     if replicate > 1:  # (HSDP: each weight replicated over the copies, sharded within one)
-        from torch.distributed.tensor import Replicate, Shard
-
-        assert mesh is not None and mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
         assert next(model.parameters()).placements == (Replicate(), Shard(0))
+    if cp > 1:  # (the tokens split; the weights over every rank, the cp ranks sharding too)
+        assert model.cp_group is not None and model.blocks[0].cp_group is model.cp_group
+        weight = next(model.parameters())
+        assert weight.device_mesh.size() == ranks
+        assert weight.device_mesh.size(weight.device_mesh.ndim - 1) == ranks // replicate
     trainer = FlowTrainer(
         model,
         cfg,  # type: ignore[arg-type]
@@ -141,14 +150,14 @@ def _train(
 
 
 def _member(
-    rank: int, root: str, port: int, policy: dict, world: int = 2, replicate: int = 1
+    rank: int, root: str, port: int, policy: dict, world: int = 2, replicate: int = 1, cp: int = 1
 ) -> tuple[list[dict], dict]:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
         batches = _batches_from(Path(root))
-        history, params = _train(Path(root), batches, world, policy, replicate)
+        history, params = _train(Path(root), batches, world, policy, replicate, cp)
         return history, {k: v.numpy() for k, v in params.items()}  # (rank 0's: the whole)
     finally:
         dist.barrier()
@@ -193,8 +202,28 @@ def test_an_hsdp_policy_replica_steps_like_one_process(members, tmp_path, policy
     _assert_split_steps_like_one_process(members, tmp_path, policy, world=4, replicate=2)
 
 
+@pytest.mark.parametrize(
+    ("world", "replicate", "policy"),
+    [
+        (2, 1, {}),
+        (4, 1, {"trainer_type": "ddrl", "data_beta": 0.5}),
+        (4, 2, {"trainer_type": "diffusion_nft"}),
+    ],
+    ids=["cp2-flow_grpo", "fsdp2-cp2-ddrl", "hsdp-cp2-nft"],
+)
+def test_a_context_parallel_policy_replica_steps_like_one_process(
+    members, tmp_path, world, replicate, policy
+):
+    """`cp_size = 2`: pairs of ranks share their groups and split each clip's 2 frames, one
+    each (keys and values gathered in every block); alone, beside 2 FSDP2 shards, and within
+    HSDP copies (with DiffusionNFT's old weights split alike)."""
+    _assert_split_steps_like_one_process(
+        members, tmp_path, policy, world=world, replicate=replicate, cp=2
+    )
+
+
 def _assert_split_steps_like_one_process(
-    members: MemberPool, root: Path, policy: dict, *, world: int, replicate: int
+    members: MemberPool, root: Path, policy: dict, *, world: int, replicate: int, cp: int = 1
 ) -> None:
     import pickle
 
@@ -202,7 +231,7 @@ def _assert_split_steps_like_one_process(
     (root / "batches.pickle").write_bytes(pickle.dumps(batches))
     want_history, want_params = _train(root, batches, 1, policy)
     reports = members.run_on(
-        range(world), _member, str(root), free_port(), policy, world, replicate
+        range(world), _member, str(root), free_port(), policy, world, replicate, cp
     )
     assert sorted(reports) == list(range(world))
     for rank, (history, params) in sorted(reports.items()):
@@ -256,15 +285,22 @@ def _train_cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("trainer", ["flow_grpo", "diffusion_nft", "diffusers_sft"])
-def test_colocated_runs_sample_and_train_on_the_policy_ranks(tmp_path, trainer):
+@pytest.mark.parametrize(
+    ("trainer", "cp"),
+    [("flow_grpo", 1), ("diffusion_nft", 1), ("diffusers_sft", 1), ("flow_grpo", 2)],
+    ids=["flow_grpo", "diffusion_nft", "diffusers_sft", "flow_grpo-cp2"],
+)
+def test_colocated_runs_sample_and_train_on_the_policy_ranks(tmp_path, trainer, cp):
     """`mode = "colocated"` with `dp_shard_size = 2`: `nebula-rl train` starts two ranks that
     sample (RL), score and train the FSDP2-sharded model in turns; the run records every step
     once, draws its sample grid on both ranks, and exports the whole model (SFT splits its
-    batches over the same ranks)."""
+    batches over the same ranks). With `cp_size = 2` instead, the two ranks sample the same
+    groups, each running one of a clip's two frames."""
     import json
 
     changes: dict[str, object] = {"train.train_policy.trainer_type": trainer}
+    if cp > 1:
+        changes["policy.parallelism"] = {"dp_shard_size": 1, "cp_size": cp}
     if trainer == "diffusers_sft":
         changes["train.train_policy"] = {
             "type": "sft",

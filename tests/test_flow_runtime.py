@@ -152,23 +152,30 @@ def test_what_the_runtime_cannot_run_is_refused_before_it_starts(tmp_path):
         )
     with pytest.raises(ValueError, match="mini_batch"):
         check_flow_job(config_from_dict(_job(tmp_path, **{"train.train_policy.mini_batch": 6})))
+    split = {"policy.parallelism.cp_size": 2, "policy.model_name_or_path": "tiny:wan_transformer3d"}
+    with pytest.raises(ValueError, match="cp_size = 2: context parallelism runs the built-in DiT"):
+        check_flow_job(config_from_dict(_job(tmp_path, **split)))
+    with pytest.raises(ValueError, match=r"cp_size \(4\) must divide the frames of a sample \(2"):
+        check_flow_job(config_from_dict(_job(tmp_path, **{"policy.parallelism.cp_size": 4})))
 
 
 @pytest.mark.parametrize(
-    ("model", "lora", "shards", "replicate"),
+    ("model", "lora", "shards", "replicate", "cp"),
     [
-        ("tiny:dit", None, 1, 1),
-        ("tiny:wan_transformer3d", {"r": 4, "target_modules": ["to_q", "to_v"]}, 1, 1),
-        ("tiny:dit", None, 2, 1),
-        pytest.param("tiny:dit", None, 2, 2, marks=pytest.mark.slow),
+        ("tiny:dit", None, 1, 1, 1),
+        ("tiny:wan_transformer3d", {"r": 4, "target_modules": ["to_q", "to_v"]}, 1, 1, 1),
+        ("tiny:dit", None, 2, 1, 1),
+        pytest.param("tiny:dit", None, 2, 2, 1, marks=pytest.mark.slow),
+        pytest.param("tiny:dit", None, 1, 1, 2, marks=pytest.mark.slow),
     ],
-    ids=["dit", "wan-lora", "dit-fsdp2", "dit-hsdp"],
+    ids=["dit", "wan-lora", "dit-fsdp2", "dit-hsdp", "dit-cp2"],
 )
-def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora, shards, replicate):
+def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora, shards, replicate, cp):
     """One policy and one rollout replica, one epoch, with the built-in DiT, with a diffusers
     transformer with a LoRA adapter (the base pushed once, the adapter every step), with a
     policy replica of two FSDP2 ranks (each pushing its shards; weight averages exported), and
-    with one of four HSDP ranks (two copies of two shards; slow): every
+    (slow) with one of four HSDP ranks (two copies of two shards) and one of two
+    context-parallel ranks (the frames split, the weights sharded over both): every
     clip trained once, the policy's weights pushed to the rollout each step, the trajectory files gone at the end, a sample
     grid every 4 steps in TensorBoard and `<run>/samples/`, and the export loadable as a flow
     model."""
@@ -183,6 +190,7 @@ def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora, sha
             "policy.lora": lora,
             "policy.parallelism.dp_shard_size": shards,
             "policy.parallelism.dp_replicate_size": replicate,
+            "policy.parallelism.cp_size": cp,
             "train.ema_enable": shards == 2,  # (averages of the shards, exported)
             "train.train_policy.mini_batch": 8 // (shards * replicate),
         },

@@ -791,7 +791,8 @@ class ParallelismConfig(_Section):
     tp_size: int = Field(default=1, ge=1)
     """Tensor parallel (with sequence parallel)."""
     cp_size: int = Field(default=1, ge=1)
-    """Context parallel (CUDA only in torch)."""
+    """Context parallel: ranks that split each sample (a language model: CUDA only, torch's; the
+    built-in DiT: its own, any device)."""
     ep_size: int = Field(
         default=1,
         json_schema_extra=refused("expert parallelism (MoE) is not supported yet"),
@@ -1845,7 +1846,8 @@ FLOW_KEYS = (
     # (the runtime's: replicas, the controller, the staleness bound, weight pushes)
     "rollout.batch_size", "rollout.seed", "rollout.parallelism.n_init_replicas",
     "policy.parallelism.n_init_replicas", "policy.parallelism.dp_shard_size",
-    "policy.parallelism.dp_replicate_size", "train.sync_weight_interval", "train.transfer_dtype",
+    "policy.parallelism.dp_replicate_size", "policy.parallelism.cp_size",
+    "train.sync_weight_interval", "train.transfer_dtype",
     "train.train_policy.allowed_outdated_steps", "controller", "redis",
     # (colocated mode: the policy's ranks sample and train)
     "mode", "train.train_policy.uncentralized_training", "rollout.parallelism.dp_shard_size",

@@ -119,13 +119,9 @@ def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         _set(out, "policy.parallelism.dp_shard_size", int(model["fsdp_shard_size"]))
     if "dp_replicate_size" in model:  # (HSDP: copies of the fsdp_shard_size shards)
         _set(out, "policy.parallelism.dp_replicate_size", int(model["dp_replicate_size"]))
-    cp = int(data.get("model_parallel", {}).get("context_parallel_size", 1))
-    if cp > 1:
-        refuse(
-            "model_parallel.context_parallel_size",
-            cp,
-            "context parallelism of a world model is not built (CUDA only in torch)",
-        )
+    if "context_parallel_size" in data.get("model_parallel", {}):  # (the built-in DiT's)
+        cp = int(data["model_parallel"]["context_parallel_size"])
+        _set(out, "policy.parallelism.cp_size", cp)
 
     optimizer = data.get("optimizer", {})
     if "lr" in optimizer:

@@ -7,6 +7,16 @@ embeddings [B, L, D] with their mask [B, L]. Each frame is cut into `patch` x `p
 plus the masked mean of the text drive adaLN-Zero modulation of every block; each block
 self-attends over all tokens of all frames, cross-attends to the text tokens, then runs an MLP.
 The output projection starts at zero, so a fresh model predicts zero velocity.
+
+Context parallelism (`TinyDiT.context_parallel`, `policy.parallelism.cp_size`): the ranks of a
+context-parallel group hold the same samples and each runs its contiguous share of the tokens,
+whole frames, through the blocks. Self-attention all-gathers the keys and values of every share
+(as Llama 3's context parallelism does; a share's queries attend to all tokens), cross-attention
+and the MLP are per token, and the output's shares are gathered back, so every rank returns the
+whole velocity and computes the same loss. Gathers are differentiable: their backward sums the
+gradient over the group and keeps the rank's share. Each rank's parameter gradients then come
+from its own tokens, scaled by the group size; summed over the group by FSDP2 (the group's
+ranks join its shard axis, which averages), they are the gradient of one process.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -48,6 +59,31 @@ class TinyDiTConfig:
         return asdict(self)
 
 
+class _GatherTokens(torch.autograd.Function):
+    """All-gather the token shares [B, N / size, D] of a group along dim 1; the backward sums
+    the gradient over the group and returns this rank's share."""
+
+    @staticmethod
+    def forward(ctx: object, share: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        size = dist.get_world_size(group)
+        ctx.group, ctx.rank, ctx.size = group, dist.get_rank(group), size  # type: ignore[attr-defined]
+        parts = [torch.empty_like(share) for _ in range(size)]
+        dist.all_gather(parts, share.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)  # type: ignore[attr-defined]
+        share = grad.shape[1] // ctx.size  # type: ignore[attr-defined]
+        start = ctx.rank * share  # type: ignore[attr-defined]
+        return grad[:, start : start + share], None
+
+
+def _gather(share: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    return share if group is None else _GatherTokens.apply(share, group)
+
+
 def _modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return x * (1 + scale[:, None]) + shift[:, None]
 
@@ -78,6 +114,8 @@ class _Block(nn.Module):
         self.ada = nn.Linear(width, 6 * width)
         nn.init.zeros_(self.ada.weight)
         nn.init.zeros_(self.ada.bias)
+        self.cp_group: dist.ProcessGroup | None = None
+        """Context-parallel group: `x` is this rank's share of the tokens (None: all)."""
 
     def _heads(self, x: Tensor) -> Tensor:
         b, n, _ = x.shape
@@ -90,6 +128,7 @@ class _Block(nn.Module):
     def forward(self, x: Tensor, cond: Tensor, text: Tensor, text_mask: Tensor) -> Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(F.silu(cond)).chunk(6, dim=-1)
         q, k, v = self.qkv(_modulate(self.norm1(x), shift1, scale1)).chunk(3, dim=-1)
+        k, v = _gather(k, self.cp_group), _gather(v, self.cp_group)  # (every share's keys)
         attn = F.scaled_dot_product_attention(self._heads(q), self._heads(k), self._heads(v))
         x = x + gate1[:, None] * self.proj(self._merge(attn))
         kc, vc = self.kv_cross(text).chunk(2, dim=-1)
@@ -142,6 +181,23 @@ class TinyDiT(nn.Module):
     """The dtype the forward computes in (`train.param_dtype`): below float32, under autocast;
     the velocity comes back in the input's dtype."""
 
+    cp_group: dist.ProcessGroup | None = None
+    """The context-parallel group the tokens are split over (None: not split)."""
+
+    def context_parallel(self, group: dist.ProcessGroup) -> None:
+        """Split the tokens of every sample over `group`'s ranks, whole frames each (they must
+        divide the frames); each rank of the group must be given the same inputs."""
+        size = dist.get_world_size(group)
+        if self.config.frames % size:
+            raise ValueError(
+                f"policy.parallelism.cp_size ({size}) must divide the frames of a sample "
+                f"({self.config.frames}): context parallelism splits a clip by whole frames"
+            )
+        self.cp_group = group
+        for block in self.blocks:
+            assert isinstance(block, _Block)
+            block.cp_group = group
+
     def forward(self, x: Tensor, sigma: Tensor, text: Tensor, text_mask: Tensor) -> Tensor:
         """`x` [B, C, T, H, W], `sigma` [B], `text` [B, L, D], `text_mask` [B, L] (1 for a
         token) -> velocity [B, C, T, H, W]."""
@@ -162,7 +218,12 @@ class TinyDiT(nn.Module):
             .permute(0, 2, 3, 5, 1, 4, 6)
             .reshape(b, frames * side * side, channels * p * p)
         )
-        h = self.patch_embed(tokens) + self.pos
+        pos: Tensor = self.pos
+        if self.cp_group is not None:  # (this rank's share: whole frames)
+            share = tokens.shape[1] // dist.get_world_size(self.cp_group)
+            start = dist.get_rank(self.cp_group) * share
+            tokens, pos = tokens[:, start : start + share], pos[:, start : start + share]
+        h = self.patch_embed(tokens) + pos
         mask = text_mask.to(text.dtype)
         pooled = (text * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
         cond = self.t_embed(sinusoidal(sigma * 1000, c.width)) + self.pool_proj(pooled)
@@ -174,7 +235,7 @@ class TinyDiT(nn.Module):
         for block in self.blocks:
             h = block(h, cond, words, keep)
         shift, scale = self.ada_out(F.silu(cond)).chunk(2, dim=-1)
-        out = self.out(_modulate(self.norm_out(h), shift, scale))
+        out = _gather(self.out(_modulate(self.norm_out(h), shift, scale)), self.cp_group)
         return (
             out.reshape(b, frames, side, side, channels, p, p)
             .permute(0, 4, 1, 2, 5, 3, 6)

@@ -315,6 +315,7 @@ def check_ranks(cfg: Config) -> None:
         for k, v in (
             ("dp_shard_size", par.dp_shard_size),
             ("dp_replicate_size", par.dp_replicate_size),
+            ("cp_size", par.cp_size),
         )
         if v != 1
     ]
@@ -351,7 +352,8 @@ def run(cfg: Config) -> Path:
     model = load_flow_model(cfg, seed=seed).to(device)
     if cfg.policy.model_gradient_checkpointing:
         checkpoint_blocks(model)
-    mesh = shard_flow_model(model, device, replicate=cfg.policy.parallelism.dp_replicate_size)
+    par = cfg.policy.parallelism
+    mesh = shard_flow_model(model, device, replicate=par.dp_replicate_size, cp=par.cp_size)
     dp = None if mesh is None else dp_mesh(mesh)
     rank, world = (0, 1) if dp is None else (dp.get_local_rank(), dp.size())
     d = cfg.policy.diffusers

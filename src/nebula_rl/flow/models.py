@@ -135,18 +135,36 @@ def check_flow_model(cfg: Config) -> None:
     """Raise, without building the model, what loading `cfg`'s flow model would (a Hub model
     is fetched into the cache here, once, for the job's processes)."""
     name = cfg.policy.model_name_or_path
+    cp = cfg.policy.parallelism.cp_size
     if name in DIFFUSERS_PRESETS:
         _shape(cfg)
         vae = PRESET_VAES.get(name)
         _check_latent(cfg, vae, tiny_vae_config(vae) if vae is not None else None)
+        _refuse_cp(cp, DIFFUSERS_PRESETS[name])
         return
     folder = Path(name) if name in FLOW_PRESETS else _folder(cfg)
-    if name not in FLOW_PRESETS and diffusers_class_of(folder) is not None:
+    if name not in FLOW_PRESETS and (kind := diffusers_class_of(folder)) is not None:
         found = check_diffusers_folder(name, folder)
         _check_latent(cfg, found.vae_class, found.vae_config() if found.vae else None)
+        _refuse_cp(cp, kind[0])
         return
     _check_latent(cfg, None, None)
-    flow_model_config(cfg)
+    config = flow_model_config(cfg)
+    if config.frames % cp:
+        raise ValueError(
+            f"policy.parallelism.cp_size ({cp}) must divide the frames of a sample "
+            f"({config.frames}, policy.diffusers.inference_frames): context parallelism splits "
+            "a clip by whole frames"
+        )
+
+
+def _refuse_cp(cp: int, class_name: str) -> None:
+    if cp > 1:
+        raise ValueError(
+            f"policy.parallelism.cp_size = {cp}: context parallelism runs the built-in DiT "
+            f"only so far, not a diffusers {class_name} (diffusers' own context parallelism "
+            "is not wired in)"
+        )
 
 
 def load_flow_model(cfg: Config, *, seed: int = 0) -> nn.Module:

@@ -1,11 +1,11 @@
 """Splitting a flow model over ranks with FSDP2, for the runtime's policy replicas
 (`flow.runtime`) and the colocated one-job loop (`flow.job`): the sharding (FSDP2 over
-`dp_shard_size` ranks, or HSDP: `dp_replicate_size` replicas of such shards), frozen copies
-sharded alike, an export that gathers, and the per-sample seeds that make a split step equal
-one process's.
+`dp_shard_size` ranks, or HSDP: `dp_replicate_size` replicas of such shards; `cp_size` ranks
+splitting each sample's tokens), frozen copies sharded alike, an export that gathers, and the
+per-sample seeds that make a split step equal one process's.
 
-Every rank is a data-parallel rank with its own samples: `dp_mesh` gives the flat mesh of all of
-them (rank, size, group), whichever of the two layouts shards the weights.
+The ranks of a context-parallel group form one data-parallel rank: `dp_mesh` gives the flat
+mesh of the data-parallel ranks (rank, size, group), each of which takes samples of its own.
 """
 
 from __future__ import annotations
@@ -34,43 +34,81 @@ __all__ = [
 
 
 def shard_flow_model(
-    model: nn.Module, device: torch.device, *, replicate: int = 1, mesh: DeviceMesh | None = None
+    model: nn.Module,
+    device: torch.device,
+    *,
+    replicate: int = 1,
+    cp: int = 1,
+    mesh: DeviceMesh | None = None,
 ) -> DeviceMesh | None:
-    """Split `model` over this replica's ranks with FSDP2 (each block a unit, then the root),
-    when the replica has several: over `mesh`, by default a new one of every rank, sharded over
-    all of them or, with `replicate` > 1 (`policy.parallelism.dp_replicate_size`), HSDP:
-    `replicate` copies, each sharded over world / `replicate` ranks (gradients reduce-scattered
-    within a copy, then all-reduced between copies). The mesh (None: one process)."""
+    """Split `model` over this replica's ranks, when it has several; the replica's mesh (None:
+    one process), which `mesh` gives (a twin split like another model) or else is built over
+    every rank:
+
+    - FSDP2 over all ranks (each block a unit, then the root);
+    - with `replicate` > 1 (`policy.parallelism.dp_replicate_size`), HSDP: `replicate` copies,
+      each sharded over world / `replicate` ranks (gradients reduce-scattered within a copy,
+      then all-reduced between copies);
+    - with `cp` > 1 (`policy.parallelism.cp_size`), context parallelism: groups of `cp` ranks
+      share their samples and split each one's tokens (`TinyDiT.context_parallel`); they join
+      the FSDP2 shard axis, whose average turns their gradients into one process's.
+    """
     if mesh is None:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return None
-        world = dist.get_world_size()
-        if world % replicate:
-            raise ValueError(
-                f"policy.parallelism.dp_replicate_size ({replicate}) must divide the replica's "
-                f"ranks ({world})"
-            )
-        if replicate == 1:
-            mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
-        else:
-            mesh = init_device_mesh(
-                device.type,
-                (replicate, world // replicate),
-                mesh_dim_names=("dp_replicate", "dp_shard"),
-            )
-            mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh = _replica_mesh(device, replicate=replicate, cp=cp)
     from torch.distributed.fsdp import fully_shard
 
+    if "cp" in (mesh.mesh_dim_names or ()) and mesh["cp"].size() > 1:
+        split = getattr(model, "context_parallel", None)
+        if split is None:
+            raise ValueError(
+                f"policy.parallelism.cp_size = {mesh['cp'].size()}: context parallelism runs the "
+                f"built-in DiT only so far, not {type(model).__name__}"
+            )
+        split(mesh["cp"].get_group())
+    shards = _fsdp_mesh(mesh)
     for blocks in _block_lists(model):
         for block in blocks:
-            fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=shards)
+    fully_shard(model, mesh=shards)
     return mesh
 
 
+def _replica_mesh(device: torch.device, *, replicate: int, cp: int) -> DeviceMesh:
+    """The mesh of every rank: 1-D ("dp_shard") for plain FSDP2, else (dp_replicate, dp_shard,
+    cp) with the flat axes "dp" (data-parallel ranks) and "dp_shard_cp" (the FSDP2 shards)."""
+    world = dist.get_world_size()
+    if world % (replicate * cp):
+        raise ValueError(
+            f"policy.parallelism.dp_replicate_size ({replicate}) * cp_size ({cp}) must divide "
+            f"the replica's ranks ({world})"
+        )
+    if replicate == cp == 1:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
+    mesh = init_device_mesh(
+        device.type,
+        (replicate, world // (replicate * cp), cp),
+        mesh_dim_names=("dp_replicate", "dp_shard", "cp"),
+    )
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh
+
+
+def _fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: 1-D, or 2-D (replicate, shard) for HSDP."""
+    if mesh.ndim == 1:
+        return mesh
+    if mesh["dp_replicate"].size() == 1:
+        return mesh["dp_shard_cp"]
+    return mesh["dp_replicate", "dp_shard_cp"]
+
+
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The flat mesh of every data-parallel rank of `mesh` (a sharding mesh of
-    `shard_flow_model`): ranks, size and the group that sums their metrics."""
+    """The flat mesh of the data-parallel ranks of `mesh` (a replica's mesh from
+    `shard_flow_model`), each with samples of its own: ranks, size and the group that sums
+    their metrics (a context-parallel group's ranks share one data-parallel rank)."""
     return mesh if mesh.ndim == 1 else mesh["dp"]
 
 
@@ -135,7 +173,7 @@ def save_sharded_flow_model(
         whole = load_flow_model(cfg, seed=cfg.train.seed or 0)
         whole.load_state_dict(state)
         save_flow_model(whole, folder)
-    dist.barrier(group=dp_mesh(mesh).get_group())
+    dist.barrier()  # (the replica's ranks: rank 0 has written)
 
 
 def sample_seed(seed: int, step: int, prompt_id: str, k: int) -> int:

@@ -468,7 +468,7 @@ class FlowTrainer:
         grid = sample_grid(
             self.model, self.clips, num_steps=d.sample.eval_num_steps, shift=d.train_flow_shift
         )
-        if self.dp_rank == 0:
+        if self.mesh is None or dist.get_rank() == 0:  # (not every rank of a CP group)
             save_samples(grid, self.run_dir, step)
 
 
@@ -485,7 +485,8 @@ def flow_policy(
     model = load_flow_model(cfg, seed=seed).to(device)
     if cfg.policy.model_gradient_checkpointing:
         checkpoint_blocks(model)
-    mesh = shard_flow_model(model, device, replicate=cfg.policy.parallelism.dp_replicate_size)
+    par = cfg.policy.parallelism
+    mesh = shard_flow_model(model, device, replicate=par.dp_replicate_size, cp=par.cp_size)
     trainer = FlowTrainer(
         model,
         cfg,
