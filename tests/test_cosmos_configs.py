@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -271,4 +272,9 @@ def test_a_wfm_mode_config_reads_key_by_key() -> None:
     )
     assert cfg.policy.parallelism.dp_shard_size == 2 and p.dataset.name == "/data/clips"
     assert cfg.policy.parallelism.dp_replicate_size == 3 and cfg.policy.parallelism.cp_size == 2
+    assert (d.min_num_conditional_frames, d.max_num_conditional_frames) == (0, 0)
+    shipped_rl = tomllib.loads(shipped.read_text())["model"]["rl"]  # (0..1: t2v and i2v mixed)
+    translated, _ = translate_wfm({"model": {"rl": shipped_rl}})
+    assert translated["policy"]["diffusers"]["min_num_conditional_frames"] == 0
+    assert translated["policy"]["diffusers"]["max_num_conditional_frames"] == 1
     assert (cfg.logging.project_name, cfg.logging.group_name) == ("p", "g")

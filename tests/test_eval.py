@@ -153,8 +153,9 @@ def test_a_torn_last_line_is_cut_and_its_row_redone(tmp_path):
 
 
 def test_generate_writes_completions_without_rewards(tmp_path):
-    """`nebula-rl generate` as a user runs it: prompts from the dataset (its first
-    `evaluation.limit` rows), completions to samples.jsonl, no rewards."""
+    """`nebula-rl generate` as a user runs it, with the seed's `--num_gpus` spelling (2 engine
+    shards here): prompts from the dataset (its first `evaluation.limit` rows), completions to
+    samples.jsonl, no rewards."""
     config = tmp_path / "gen.toml"
     config.write_text(
         'num_gpus = 1\n[model]\nmodel_name = "tiny:qwen2"\nmax_length = 64\n'
@@ -163,10 +164,12 @@ def test_generate_writes_completions_without_rewards(tmp_path):
         f'[evaluation]\nlimit = 5\noutput_dir = "{tmp_path / "gen"}"\n'
     )
     run = subprocess.run(
-        [sys.executable, "-m", "nebula_rl.cli", "generate", "--config", str(config)],
+        [sys.executable, "-m", "nebula_rl.cli", "generate", "--config", str(config),
+         "--num_gpus", "2"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "gen" / "shard-1.jsonl").is_file()  # (two shards ran)
     records = [json.loads(line) for line in (tmp_path / "gen" / "samples.jsonl").open()]
     assert [r["index"] for r in records] == list(range(5))
     for r in records:

@@ -43,6 +43,7 @@ def _cfg(root: Path, *, ranks: int, replicate: int = 1, cp: int = 1, **policy: o
 
 
 def _raw(root: Path, *, ranks: int, replicate: int = 1, cp: int = 1, **policy: object) -> dict:
+    diffusers = dict(policy.pop("diffusers", {}))  # type: ignore[call-overload]
     return dict(
         {
             "train": {
@@ -65,7 +66,7 @@ def _raw(root: Path, *, ranks: int, replicate: int = 1, cp: int = 1, **policy: o
             },
             "rollout": {"n_generation": N},
             "policy": {
-                **tiny_flow_policy(weight_copy_decay_type=1),
+                **tiny_flow_policy(weight_copy_decay_type=1, **diffusers),
                 "parallelism": {
                     "dp_shard_size": ranks // (replicate * cp),
                     "dp_replicate_size": replicate,
@@ -178,6 +179,16 @@ def members():
     pool.close()
 
 
+@pytest.fixture(scope="module")
+def cp_members():
+    """Members of their own for the context-parallel layouts: after a 4-rank HSDP mesh
+    (2 x 2 x cp 1) was built and its world destroyed, the same processes hang building the
+    HSDP x CP one (2 x 1 x 2); in a job each process builds one world and one mesh."""
+    pool = MemberPool(4)
+    yield pool
+    pool.close()
+
+
 @pytest.mark.parametrize(
     "policy",
     [
@@ -185,8 +196,14 @@ def members():
         {"kl_beta": 0.1},
         {"trainer_type": "ddrl", "data_beta": 0.5},
         {"trainer_type": "diffusion_nft"},  # (with weight_copy_decay_type 1)
+        {"kl_beta": 0.1, "diffusers": {"max_num_conditional_frames": 1}},
+        {
+            "trainer_type": "ddrl",
+            "data_beta": 0.5,
+            "diffusers": {"min_num_conditional_frames": 1, "max_num_conditional_frames": 1},
+        },
     ],
-    ids=["flow_grpo", "flow_grpo_kl", "ddrl", "nft"],
+    ids=["flow_grpo", "flow_grpo_kl", "ddrl", "nft", "flow_grpo_kl-i2v", "ddrl-i2v"],
 )
 def test_a_two_rank_policy_replica_steps_like_one_process(members, tmp_path, policy):
     _assert_split_steps_like_one_process(members, tmp_path, policy, world=2, replicate=1)
@@ -212,13 +229,13 @@ def test_an_hsdp_policy_replica_steps_like_one_process(members, tmp_path, policy
     ids=["cp2-flow_grpo", "fsdp2-cp2-ddrl", "hsdp-cp2-nft"],
 )
 def test_a_context_parallel_policy_replica_steps_like_one_process(
-    members, tmp_path, world, replicate, policy
+    cp_members, tmp_path, world, replicate, policy
 ):
     """`cp_size = 2`: pairs of ranks share their groups and split each clip's 2 frames, one
     each (keys and values gathered in every block); alone, beside 2 FSDP2 shards, and within
     HSDP copies (with DiffusionNFT's old weights split alike)."""
     _assert_split_steps_like_one_process(
-        members, tmp_path, policy, world=world, replicate=replicate, cp=2
+        cp_members, tmp_path, policy, world=world, replicate=replicate, cp=2
     )
 
 

@@ -261,6 +261,17 @@ def test_a_rollout_replica_killed_mid_run_loses_nothing(tmp_path):
     )
 
 
+def test_a_world_model_job_with_conditioning_frames_runs_with_rollout_replicas(tmp_path):
+    """`max_num_conditional_frames = 1`: the rollout replica gives each group the first frame
+    of its clip or none, the trajectory files say which, and the policy trains them: every clip
+    trained once."""
+    cfg = _job(tmp_path, **{"policy.diffusers.max_num_conditional_frames": 1})
+    run_dir = _finish(_start(tmp_path, cfg), tmp_path)
+    _assert_every_row_trained_once(run_dir)
+    for s in _steps(run_dir):
+        assert 0.0 <= s["reward_mean"] <= 1.0 and s["rewards_lost"] == 0.0
+
+
 def test_a_world_model_job_resumes_from_its_checkpoint(tmp_path):
     """A DiffusionNFT job with weight averages stopped after step 3 (checkpoints at steps 2 and
     3: the model, its old weights, the averages, the optimiser) and run again from step 2

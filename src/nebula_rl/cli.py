@@ -567,8 +567,9 @@ def build_parser() -> argparse.ArgumentParser:
     ):  # fmt: skip
         command = sub.add_parser(name, help=text)
         command.add_argument("--config", required=True, help="eval TOML (docs/evaluation.md)")
-        command.add_argument("--num-gpus", type=int, help="override num_gpus (devices, or "
-                             "processes on CPU)")  # fmt: skip
+        command.add_argument("--num-gpus", "--num_gpus", type=int, dest="num_gpus",
+                             help="override num_gpus (devices, or processes on CPU; "
+                             "--num_gpus is the seed's spelling)")  # fmt: skip
         command.add_argument("--model", help="override [model] model_name")
         command.add_argument("--output-dir", help="override evaluation.output_dir")
         if name == "eval":

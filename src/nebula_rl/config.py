@@ -976,6 +976,13 @@ class DiffusersConfig(_Section):
     """DiffusionNFT beta."""
     weight_copy_decay_type: int = 0
     """Weight copy decay."""
+    min_num_conditional_frames: int = Field(default=0, ge=0)
+    """Fewest leading frames (of the model's samples: latent frames in latent space) given as
+    conditioning, clean, to each rollout (cosmos-rl's `model.rl.min_num_conditional_frames`;
+    nebula-rl's key)."""
+    max_num_conditional_frames: int = Field(default=0, ge=0)
+    """Most conditioning frames; each group draws its count uniformly between the two (0:
+    text-to-video only; 1: a run mixes text- and image-to-video, as cosmos-rl's DDRL recipes)."""
     lora: LoraConfig | None = Field(default=None, json_schema_extra=refused(_LORA))
     """LoRA of the diffusion model."""
     sample: SampleConfig = Field(default_factory=SampleConfig)
@@ -1835,6 +1842,7 @@ FLOW_KEYS = (
     "policy.diffusers.is_video", "policy.diffusers.inference_size",
     "policy.diffusers.inference_frames", "policy.diffusers.train_frames",
     "policy.diffusers.timesteps_fraction", "policy.diffusers.nft_beta",
+    "policy.diffusers.min_num_conditional_frames", "policy.diffusers.max_num_conditional_frames",
     "policy.diffusers.weight_copy_decay_type", "policy.diffusers.train_flow_shift",
     "policy.diffusers.weighting_scheme", "policy.diffusers.logit_mean",
     "policy.diffusers.logit_std", "policy.diffusers.max_prompt_length",
@@ -1923,6 +1931,17 @@ def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
                 "train.train_policy.reward_function: a world-model run with use_remote_reward "
                 "takes its rewards from remote_reward.reward_fns; give one or the other"
             )
+    if d.min_num_conditional_frames > d.max_num_conditional_frames:
+        out.append(
+            f"policy.diffusers.min_num_conditional_frames ({d.min_num_conditional_frames}) "
+            f"must not exceed max_num_conditional_frames ({d.max_num_conditional_frames})"
+        )
+    if d.max_num_conditional_frames and (sft or p.trainer_type not in FLOW_RL_TRAINERS):
+        out.append(
+            f"policy.diffusers.max_num_conditional_frames = {d.max_num_conditional_frames}: "
+            "conditioning frames are built for world-model RL (flow_grpo, ddrl, "
+            "diffusion_nft) only so far"
+        )
     if d.weighting_scheme not in ("uniform", "logit_normal"):
         out.append(
             f"policy.diffusers.weighting_scheme = {json.dumps(d.weighting_scheme)}: "

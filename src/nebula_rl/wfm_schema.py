@@ -4,8 +4,7 @@ recipes: `[model.rl]`, `[trainer]`, `[optimizer]`, `[dataloader_train]`, ...), r
 Each key either becomes the nebula-rl key that does the same (`model.rl.num_rollout` ->
 `rollout.n_generation`, `model.rl.guidance = g` -> `policy.diffusers.sample.guidance_scale =
 1 + g`, ...), or is named with the reason nebula-rl cannot honour it (cosmos-rl's own
-Cosmos-Predict2.5 network, VAE and `.pt` checkpoints; context parallelism; image-to-video
-conditioning frames; a pick of denoising steps to train; the rewards, which the schema takes
+Cosmos-Predict2.5 network, VAE and `.pt` checkpoints; a pick of denoising steps to train; the rewards, which the schema takes
 from cosmos-rl's reward service under score keys nebula-rl's service does not give). So such a
 config never runs as it is: loading it names every key that differs, and
 :func:`translate_wfm` gives the nebula-rl config the rest of its keys describe (its model from a
@@ -86,14 +85,11 @@ def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             refresh,
             "nebula-rl's KL reference is the starting weights, never refreshed",
         )
-    frames = int(rl.pop("max_num_conditional_frames", 1))
-    rl.pop("min_num_conditional_frames", None)
-    if frames > 0:
-        refuse(
-            "model.rl.max_num_conditional_frames",
-            frames,
-            "image/video-to-video conditioning frames are not built (text-to-video only)",
-        )
+    # (cosmos-rl's defaults: 1..1, image-to-video; its DDRL recipes 0..1, mixing in text-to-video)
+    most = int(rl.pop("max_num_conditional_frames", 1))
+    fewest = min(int(rl.pop("min_num_conditional_frames", 1)), most)  # (max 0: none given)
+    _set(out, "policy.diffusers.min_num_conditional_frames", fewest)
+    _set(out, "policy.diffusers.max_num_conditional_frames", most)
     if rl.pop("use_same_seed", True):
         refuse(
             "model.rl.use_same_seed",

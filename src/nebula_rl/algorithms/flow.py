@@ -10,7 +10,10 @@
   positive and negative policies around soft-updated "old" weights; no likelihoods.
 
 Tensors are float32; a batch is B samples, each of any shape [B, ...]. Mean-over-elements
-reductions follow the reference implementations.
+reductions follow the reference implementations. With conditioning frames (image/video-to-video:
+some frames of a sample are given, not generated) each takes `free`, 1 on the generated elements
+and 0 on the given ones (broadcastable to a sample, e.g. [B, 1, T, 1, 1]): the means run over the
+generated elements only.
 """
 
 from __future__ import annotations
@@ -24,10 +27,20 @@ __all__ = [
     "flow_grpo_kl",
     "flow_grpo_loss",
     "flow_matching_loss",
+    "masked_mean",
     "nft_loss",
     "nft_old_decay",
     "soft_update",
 ]
+
+
+def masked_mean(values: Tensor, free: Tensor | None = None) -> Tensor:
+    """The mean of each sample's elements [B, ...] -> [B]; with `free`, of its generated
+    elements only."""
+    if free is None:
+        return values.flatten(1).mean(dim=1)
+    weights = torch.broadcast_to(free.to(values.dtype), values.shape).flatten(1)
+    return (values.flatten(1) * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
 
 
 def flow_grpo_loss(
@@ -47,10 +60,12 @@ def flow_grpo_loss(
     return torch.maximum(-advantages * ratio, -advantages * clipped).mean()
 
 
-def flow_grpo_kl(mean: Tensor, ref_mean: Tensor, std: float) -> Tensor:
+def flow_grpo_kl(
+    mean: Tensor, ref_mean: Tensor, std: float, *, free: Tensor | None = None
+) -> Tensor:
     """KL of a step's Gaussian to the reference model's, as FlowGRPO computes it: the mean over
     the batch of `mean_elements((mean - ref_mean)^2) / (2 std^2)`, with the SDE's `std_t`."""
-    return ((mean - ref_mean) ** 2).flatten(1).mean(dim=1).div(2 * std**2).mean()
+    return masked_mean((mean - ref_mean) ** 2, free).div(2 * std**2).mean()
 
 
 def exp_advantages(advantages: Tensor, *, clip: float = 5.0) -> Tensor:
@@ -60,14 +75,20 @@ def exp_advantages(advantages: Tensor, *, clip: float = 5.0) -> Tensor:
 
 
 def flow_matching_loss(
-    velocity: Tensor, x0: Tensor, noise: Tensor, sigma: Tensor, *, weighting: str = "uniform"
+    velocity: Tensor,
+    x0: Tensor,
+    noise: Tensor,
+    sigma: Tensor,
+    *,
+    weighting: str = "uniform",
+    free: Tensor | None = None,
 ) -> Tensor:
     """The flow-matching (SFT) loss of predicted velocities [B, ...] at `x_sigma = (1 - sigma) x0
     + sigma noise`: the mean of `w(sigma) (v - (noise - x0))^2`; `weighting` "uniform" (w = 1) or
     "edm" (`sigma^2 + (1 - sigma)^2`, the EDM weight of cosmos-rl's data loss written for a
     rectified flow)."""
     error = (velocity.float() - (noise.float() - x0.float())) ** 2
-    per_sample = error.flatten(1).mean(dim=1)
+    per_sample = masked_mean(error, free)
     if weighting == "edm":
         per_sample = per_sample * (sigma**2 + (1 - sigma) ** 2)
     elif weighting != "uniform":
@@ -103,6 +124,7 @@ def nft_loss(
     adv_clip: float = 5.0,
     v_ref: Tensor | None = None,
     kl_beta: float = 0.0,
+    free: Tensor | None = None,
 ) -> Tensor:
     """DiffusionNFT's loss on noised samples `x_t = (1 - t) x0 + t noise` [B, ...].
 
@@ -116,14 +138,14 @@ def nft_loss(
 
     def weighted(v: Tensor) -> Tensor:
         error = (x_t.float() - tb * v.float()) - x0.float()
-        weight = error.detach().double().abs().flatten(1).mean(dim=1).clamp(min=1e-5)
-        return (error**2).flatten(1).mean(dim=1) / weight.float()
+        weight = masked_mean(error.detach().double().abs(), free).clamp(min=1e-5)
+        return masked_mean(error**2, free) / weight.float()
 
     positive = weighted(beta * v_theta + (1 - beta) * v_old)
     negative = weighted((1 + beta) * v_old - beta * v_theta)
     loss = ((r * positive + (1 - r) * negative) / beta * adv_clip).mean()
     if v_ref is not None and kl_beta:
-        loss = loss + kl_beta * ((v_theta.float() - v_ref.float()) ** 2).mean()
+        loss = loss + kl_beta * masked_mean((v_theta.float() - v_ref.float()) ** 2, free).mean()
     return loss
 
 

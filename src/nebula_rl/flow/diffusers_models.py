@@ -120,11 +120,28 @@ class DiffusersFlowModel(nn.Module):
     compute_dtype: torch.dtype = torch.float32
     """The dtype the forward computes in (`train.param_dtype`; autocast below float32)."""
 
-    def forward(self, x: Tensor, sigma: Tensor, text: Tensor, text_mask: Tensor) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        sigma: Tensor,
+        text: Tensor,
+        text_mask: Tensor,
+        condition: Tensor | None = None,
+    ) -> Tensor:
+        """Velocity of `x`; `condition` [B, T] (1: a given conditioning frame) goes to
+        Cosmos-Predict2.5's condition-mask channel, the only one of these classes that takes
+        it."""
         with autocast(self.compute_dtype, x):
-            return self._velocity(x, sigma, text, text_mask)
+            return self._velocity(x, sigma, text, text_mask, condition)
 
-    def _velocity(self, x: Tensor, sigma: Tensor, text: Tensor, text_mask: Tensor) -> Tensor:
+    def _velocity(
+        self, x: Tensor, sigma: Tensor, text: Tensor, text_mask: Tensor, condition: Tensor | None
+    ) -> Tensor:
+        if condition is not None and not self.condition_channel:
+            raise ValueError(
+                f"{self.kind} without a condition-mask input channel takes no conditioning "
+                "frames (Cosmos-Predict2.5's latent-space transformer does)"
+            )
         dtype = next(self.transformer.parameters()).dtype
         text = (text * text_mask.unsqueeze(-1).to(text.dtype)).to(dtype)
         t = (sigma * 1000 if self.kind in _THOUSAND else sigma).to(dtype)
@@ -142,11 +159,13 @@ class DiffusersFlowModel(nn.Module):
             padding = None
             if self.config.concat_padding_mask:  # (no padded pixels)
                 padding = x.new_zeros(1, x.shape[-2], x.shape[-1], dtype=dtype)
-            condition = None
-            if self.condition_channel:
-                condition = hidden.new_zeros(x.shape[0], 1, *x.shape[2:])
+            mask = None
+            if self.condition_channel:  # (1 on the given frames; zeros without any)
+                mask = hidden.new_zeros(x.shape[0], 1, *x.shape[2:])
+                if condition is not None:
+                    mask = mask + condition.to(dtype)[:, None, :, None, None]
             out = self.transformer(
-                hidden, t, text, condition_mask=condition, padding_mask=padding,
+                hidden, t, text, condition_mask=mask, padding_mask=padding,
                 return_dict=False,
             )[0]  # fmt: skip
         else:

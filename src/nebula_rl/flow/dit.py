@@ -53,8 +53,11 @@ class TinyDiTConfig:
     """Attention heads; `width` must be a multiple."""
     text_dim: int = 32
     """Width of the text embeddings."""
+    conditioning: bool = False
+    """Takes conditioning frames (image/video-to-video): a learned embedding, zero at first, is
+    added to the tokens of each given frame."""
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | bool]:
         """The fields, for a saved model's config."""
         return asdict(self)
 
@@ -171,6 +174,8 @@ class TinyDiT(nn.Module):
         self.pool_proj = nn.Linear(c.text_dim, c.width)
         self.blocks = nn.ModuleList(_Block(c.width, c.heads) for _ in range(c.depth))
         self.norm_out = nn.LayerNorm(c.width, elementwise_affine=False, eps=1e-6)
+        if c.conditioning:
+            self.cond_embed = nn.Parameter(torch.zeros(1, 1, c.width))
         self.ada_out = nn.Linear(c.width, 2 * c.width)
         self.out = nn.Linear(c.width, c.channels * c.patch**2)
         for layer in (self.ada_out, self.out):
@@ -198,13 +203,23 @@ class TinyDiT(nn.Module):
             assert isinstance(block, _Block)
             block.cp_group = group
 
-    def forward(self, x: Tensor, sigma: Tensor, text: Tensor, text_mask: Tensor) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        sigma: Tensor,
+        text: Tensor,
+        text_mask: Tensor,
+        condition: Tensor | None = None,
+    ) -> Tensor:
         """`x` [B, C, T, H, W], `sigma` [B], `text` [B, L, D], `text_mask` [B, L] (1 for a
-        token) -> velocity [B, C, T, H, W]."""
+        token), `condition` [B, T] (1 for a given conditioning frame, whose pixels `x` holds
+        clean) -> velocity [B, C, T, H, W]."""
         with autocast(self.compute_dtype, x):
-            return self._velocity(x, sigma, text, text_mask).to(x.dtype)
+            return self._velocity(x, sigma, text, text_mask, condition).to(x.dtype)
 
-    def _velocity(self, x: Tensor, sigma: Tensor, text: Tensor, text_mask: Tensor) -> Tensor:
+    def _velocity(
+        self, x: Tensor, sigma: Tensor, text: Tensor, text_mask: Tensor, condition: Tensor | None
+    ) -> Tensor:
         c = self.config
         b, channels, frames, height, width = x.shape
         if (channels, frames, height, width) != (c.channels, c.frames, c.size, c.size):
@@ -219,11 +234,22 @@ class TinyDiT(nn.Module):
             .reshape(b, frames * side * side, channels * p * p)
         )
         pos: Tensor = self.pos
+        given = None
+        if condition is not None:
+            if not c.conditioning:
+                raise ValueError(
+                    "TinyDiT: conditioning frames given to a model built without them "
+                    "(TinyDiTConfig.conditioning)"
+                )
+            given = condition.to(x.dtype).repeat_interleave(side * side, dim=1)[..., None]
         if self.cp_group is not None:  # (this rank's share: whole frames)
             share = tokens.shape[1] // dist.get_world_size(self.cp_group)
             start = dist.get_rank(self.cp_group) * share
             tokens, pos = tokens[:, start : start + share], pos[:, start : start + share]
+            given = None if given is None else given[:, start : start + share]
         h = self.patch_embed(tokens) + pos
+        if given is not None:
+            h = h + given * self.cond_embed
         mask = text_mask.to(text.dtype)
         pooled = (text * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
         cond = self.t_embed(sinusoidal(sigma * 1000, c.width)) + self.pool_proj(pooled)

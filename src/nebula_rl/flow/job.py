@@ -247,6 +247,7 @@ def flow_settings(cfg: Config, *, num_iterations: int, prompts: int) -> FlowRLSe
         nft_beta=d.nft_beta,
         guidance_scale=d.sample.guidance_scale,
         solver=d.sample.solver,
+        conditional_frames=(d.min_num_conditional_frames, d.max_num_conditional_frames),
         seed=cfg.train.seed or 0,
     )
 

@@ -46,7 +46,13 @@ from nebula_rl.algorithms.flow import (
     soft_update,
 )
 from nebula_rl.flow.data import Clip, clip_batch
-from nebula_rl.flow.sampler import Trajectory, guided_velocity, sample, sde_step
+from nebula_rl.flow.sampler import (
+    Trajectory,
+    context_frames,
+    guided_velocity,
+    sample,
+    sde_step,
+)
 from nebula_rl.flow.vae import pixels_to_samples, sample_shape, samples_to_pixels
 
 __all__ = [
@@ -107,6 +113,9 @@ class FlowRLSettings:
     guidance_scale: float = 1.0
     solver: str = "euler"
     """Rollouts' ODE solver at noise level 0: "euler" or "dpm2" (DPM-Solver++(2M))."""
+    conditional_frames: tuple[int, int] = (0, 0)
+    """(fewest, most) leading frames of each sample given clean, from its prompt's real clip
+    (image/video-to-video); each group draws its count uniformly between the two."""
     seed: int = 0
 
 
@@ -255,21 +264,38 @@ def roll_out(
 ) -> tuple[Tensor | None, Tensor, Tensor, Trajectory]:
     """Sample one trajectory per entry of `real` (a caption's clip, repeated `group_size` times
     per caption) with the SDE sampler: (the clips as the model's samples where DDRL's data term
-    needs them, else None; text, mask, trajectory)."""
+    needs them, else None; text, mask, trajectory). With `conditional_frames`, each group's
+    first frames (their count drawn per group) are its clip's, given clean."""
     device = next(model.parameters()).device
     x0, text, mask = (t.to(device) for t in clip_batch(real))
     shape = (len(real), *sample_shape(model, x0.shape[1:]))
     noise = torch.randn(shape, generator=generator, device=generator.device).to(device)
+    lowest, most = s.conditional_frames
+    given, clean = None, None
+    if most >= shape[2]:
+        raise ValueError(
+            f"policy.diffusers.max_num_conditional_frames ({most}) must be below the frames of "
+            f"the model's samples ({shape[2]}): at least one frame is generated"
+        )
+    if most > 0:
+        counts = torch.randint(
+            lowest, most + 1, (len(real) // s.group_size,), generator=generator,
+            device=generator.device,
+        ).cpu().repeat_interleave(s.group_size)  # fmt: skip
+        given = (torch.arange(shape[2])[None] < counts[:, None]).to(device)
+        clean = pixels_to_samples(model, x0)
     training = model.training
     model.eval()
     with torch.no_grad():
         trajectory = sample(
-            _velocity(model, text, mask, s), noise,
+            _velocity(model, text, mask, s, given=given), noise,
             num_steps=s.sample_steps, noise_level=s.noise_level, shift=s.shift,
-            generator=generator, solver=s.solver,
+            generator=generator, solver=s.solver, given=given, clean=clean,
         )  # fmt: skip
     model.train(training)
-    return (pixels_to_samples(model, x0) if s.data_beta > 0 else None), text, mask, trajectory
+    if s.data_beta <= 0:
+        return None, text, mask, trajectory
+    return (clean if clean is not None else pixels_to_samples(model, x0)), text, mask, trajectory
 
 
 def train_on_batch(
@@ -373,12 +399,33 @@ def run_flow_rl(
 
 
 def _velocity(
-    model: nn.Module, text: Tensor, mask: Tensor, s: FlowRLSettings
+    model: nn.Module, text: Tensor, mask: Tensor, s: FlowRLSettings, *, given: Tensor | None
 ) -> Callable[[Tensor, Tensor], Tensor]:
+    # (a conditioning run passes the mask even where nothing is given: every rank's model
+    # then uses the same parameters, as FSDP2's gradient reduction needs)
+    condition = None if given is None else given.float()
+
     def velocity(x: Tensor, sigma: Tensor) -> Tensor:
-        return guided_velocity(model, x, sigma, text, mask, guidance_scale=s.guidance_scale)
+        return guided_velocity(
+            model, x, sigma, text, mask, guidance_scale=s.guidance_scale, condition=condition
+        )
 
     return velocity
+
+
+def _given(trajectory: Trajectory, part: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """The conditioning frames of the samples `part` ([n, T] bool; None in a run without them)
+    and their `free` weights (:func:`~nebula_rl.flow.sampler.context_frames`; None when none is
+    given)."""
+    if trajectory.given is None:
+        return None, None
+    given = trajectory.given[part]
+    return given, context_frames(given)
+
+
+def _keep_given(x: Tensor, clean: Tensor, free: Tensor | None) -> Tensor:
+    """`x` with its given frames set to `clean`'s."""
+    return x if free is None else free * x + (1 - free) * clean
 
 
 def _trained_steps(s: FlowRLSettings) -> int:
@@ -422,14 +469,15 @@ def _train_flow_grpo(
     losses, clipped, seen = [], 0, 0
     for part in torch.tensor_split(order, s.num_minibatches):
         optimizer.zero_grad()
-        velocity = _velocity(model, batch.text[part], batch.mask[part], s)
+        given, free = _given(trajectory, part)
+        velocity = _velocity(model, batch.text[part], batch.mask[part], s, given=given)
         total = 0.0
         for j in range(trained):
             x = trajectory.latents[part, j]
             sigma = torch.full((len(part),), float(trajectory.sigmas[j]), device=x.device)
             step = sde_step(
                 x, velocity(x, sigma), trajectory.sigmas, j, noise_level=s.noise_level,
-                sample=trajectory.latents[part, j + 1],
+                sample=trajectory.latents[part, j + 1], free=free,
             )  # fmt: skip
             assert step.log_prob is not None
             before = trajectory.log_probs[part, j]
@@ -442,21 +490,26 @@ def _train_flow_grpo(
             kl = None
             if reference is not None:
                 with torch.no_grad():
-                    v_ref = _velocity(reference, batch.text[part], batch.mask[part], s)(x, sigma)
+                    v_ref = _velocity(
+                        reference, batch.text[part], batch.mask[part], s, given=given
+                    )(x, sigma)
                     ref_mean = sde_step(
                         x, v_ref, trajectory.sigmas, j, noise_level=s.noise_level,
                         sample=trajectory.latents[part, j + 1],
                     ).mean  # fmt: skip
-                kl = flow_grpo_kl(step.mean, ref_mean, step.std)
+                kl = flow_grpo_kl(step.mean, ref_mean, step.std, free=free)
             seen += len(part)
             data = torch.zeros((), device=x.device)
             if s.data_beta > 0:
                 assert batch.x0 is not None
                 start = trajectory.latents[part, 0]  # the rollout's own noise
                 sg = sigma.view(-1, *[1] * (x.dim() - 1))
-                noised = (1 - sg) * batch.x0[part] + sg * start
-                v_data = model(noised, sigma, batch.text[part], batch.mask[part])
-                data = flow_matching_loss(v_data, batch.x0[part], start, sigma, weighting="edm")
+                noised = _keep_given((1 - sg) * batch.x0[part] + sg * start, batch.x0[part], free)
+                extra = () if given is None else (given.float(),)
+                v_data = model(noised, sigma, batch.text[part], batch.mask[part], *extra)
+                data = flow_matching_loss(
+                    v_data, batch.x0[part], start, sigma, weighting="edm", free=free
+                )
             loss = ddrl_loss(policy, data, data_beta=s.data_beta, kl=kl, kl_beta=s.kl_beta)
             (loss / trained).backward()
             total += loss.item() / trained
@@ -486,18 +539,20 @@ def _train_nft(
     losses = []
     for part in torch.tensor_split(order, s.num_minibatches):
         optimizer.zero_grad()
+        given, free = _given(batch.trajectory, part)
+        extra = () if given is None else (given.float(),)
         total = 0.0
         for j in range(trained):
             t = torch.full((len(part),), float(sigmas[j]), device=x0.device)
             noise = _nft_noise(batch, part, j, generator).to(x0.device)
             tb = t.view(-1, *[1] * (x0.dim() - 1))
-            x_t = (1 - tb) * x0[part] + tb * noise
+            x_t = _keep_given((1 - tb) * x0[part] + tb * noise, x0[part], free)
             text, mask = batch.text[part], batch.mask[part]
             with torch.no_grad():
-                v_old = old(x_t, t, text, mask)
+                v_old = old(x_t, t, text, mask, *extra)
             loss = nft_loss(
-                model(x_t, t, text, mask), v_old, x_t, x0[part], t, batch.advantages[part],
-                beta=s.nft_beta, adv_clip=s.adv_clip,
+                model(x_t, t, text, mask, *extra), v_old, x_t, x0[part], t,
+                batch.advantages[part], beta=s.nft_beta, adv_clip=s.adv_clip, free=free,
             ) / trained  # fmt: skip
             loss.backward()
             total += loss.item()

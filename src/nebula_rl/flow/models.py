@@ -85,8 +85,11 @@ def flow_model_config(cfg: Config) -> TinyDiTConfig:
     """The architecture `policy.model_name_or_path` names, checked against the config's shape."""
     name = cfg.policy.model_name_or_path
     frames, size = _shape(cfg)
+    conditioning = _conditional_frames(cfg, frames) > 0
     if name in FLOW_PRESETS:
-        return TinyDiTConfig(frames=frames, size=size, **FLOW_PRESETS[name])
+        return TinyDiTConfig(
+            frames=frames, size=size, conditioning=conditioning, **FLOW_PRESETS[name]
+        )
     path = Path(name) / "config.json"
     if not path.is_file():
         presets = sorted([*FLOW_PRESETS, *DIFFUSERS_PRESETS])
@@ -97,13 +100,26 @@ def flow_model_config(cfg: Config) -> TinyDiTConfig:
     data = json.loads(path.read_text())
     if data.pop("model_type", None) != FLOW_MODEL_TYPE:
         raise ValueError(f"{KEY}: {path} is not a nebula-rl flow model ({FLOW_MODEL_TYPE})")
-    config = TinyDiTConfig(**data)
+    # (a model exported without conditioning gains its frame embedding, zero, when asked)
+    config = TinyDiTConfig(**{**data, "conditioning": data.get("conditioning") or conditioning})
     if (config.frames, config.size) != (frames, size):
         raise ValueError(
             f"{KEY}: {name} makes {config.frames} frame(s) of {config.size} px; the config asks "
             f"for {frames} of {size} (policy.diffusers.inference_frames / inference_size)"
         )
     return config
+
+
+def _conditional_frames(cfg: Config, frames: int) -> int:
+    """The most conditioning frames `cfg` asks for, checked against the `frames` of a sample
+    (at least one must be generated)."""
+    most = cfg.policy.diffusers.max_num_conditional_frames
+    if most >= frames:
+        raise ValueError(
+            f"policy.diffusers.max_num_conditional_frames ({most}) must be below the frames of "
+            f"a sample ({frames}): at least one frame is generated"
+        )
+    return most
 
 
 def _folder(cfg: Config) -> Path:
@@ -141,12 +157,19 @@ def check_flow_model(cfg: Config) -> None:
         vae = PRESET_VAES.get(name)
         _check_latent(cfg, vae, tiny_vae_config(vae) if vae is not None else None)
         _refuse_cp(cp, DIFFUSERS_PRESETS[name])
+        channels = 4 if vae is not None else 3  # (tiny_vae_config's latent channels)
+        in_channels = channels + (DIFFUSERS_PRESETS[name] == "CosmosTransformer3DModel")
+        _check_diffusers_conditioning(cfg, DIFFUSERS_PRESETS[name], in_channels, channels)
         return
     folder = Path(name) if name in FLOW_PRESETS else _folder(cfg)
     if name not in FLOW_PRESETS and (kind := diffusers_class_of(folder)) is not None:
         found = check_diffusers_folder(name, folder)
         _check_latent(cfg, found.vae_class, found.vae_config() if found.vae else None)
         _refuse_cp(cp, kind[0])
+        config = json.loads((kind[1] / "config.json").read_text())
+        _check_diffusers_conditioning(
+            cfg, kind[0], config.get("in_channels"), config.get("out_channels")
+        )
         return
     _check_latent(cfg, None, None)
     config = flow_model_config(cfg)
@@ -155,6 +178,24 @@ def check_flow_model(cfg: Config) -> None:
             f"policy.parallelism.cp_size ({cp}) must divide the frames of a sample "
             f"({config.frames}, policy.diffusers.inference_frames): context parallelism splits "
             "a clip by whole frames"
+        )
+
+
+def _check_diffusers_conditioning(
+    cfg: Config, class_name: str, channels_in: Any, channels_out: Any
+) -> None:
+    """Refuse conditioning frames for a diffusers transformer without a condition-mask input
+    channel (only Cosmos-Predict2.5's latent-space transformer has one)."""
+    most = cfg.policy.diffusers.max_num_conditional_frames
+    if most and not (
+        class_name == "CosmosTransformer3DModel"
+        and channels_out is not None
+        and channels_in == channels_out + 1
+    ):
+        raise ValueError(
+            f"policy.diffusers.max_num_conditional_frames = {most}: a {class_name} with "
+            f"{channels_in} input channels has no condition-mask channel to mark given frames "
+            "(Cosmos-Predict2.5's latent-space transformer and the built-in DiT take them)"
         )
 
 
@@ -203,7 +244,10 @@ def _base_model(cfg: Config, *, seed: int) -> TinyDiT | DiffusersFlowModel:
     torch.manual_seed(seed)
     model = TinyDiT(config)
     if name not in FLOW_PRESETS:
-        model.load_state_dict(load_file(str(Path(name) / "model.safetensors")))
+        state = load_file(str(Path(name) / "model.safetensors"))
+        if config.conditioning and "cond_embed" not in state:  # (gained: see flow_model_config)
+            state["cond_embed"] = model.cond_embed.detach().clone()
+        model.load_state_dict(state)
     return model
 
 

@@ -258,6 +258,7 @@ class FlowRolloutWorker:
                 log_probs=trajectory.log_probs[rows],
                 sigmas=trajectory.sigmas,
                 noise_level=trajectory.noise_level,
+                given=None if trajectory.given is None else trajectory.given[rows],
             )
             rewards = [0.0] * n if scored is None else scored[rows]
             distance = data_distance(pixels[rows], captions[rows], self.clips)
@@ -400,11 +401,21 @@ class FlowTrainer:
         device = self.device
         pixels, text, mask = (t.to(device) for t in clip_batch(real))
         x0 = pixels_to_samples(self.model, pixels) if s.data_beta > 0 else None  # (DDRL's data)
+        given = None
+        if any(t.given is not None for t in trajectories):  # (conditioning frames)
+            frames = first.latents.shape[3]
+            given = torch.cat(
+                [
+                    t.given if t.given is not None else torch.zeros(len(t.latents), frames).bool()
+                    for t in trajectories
+                ]
+            ).to(device)
         trajectory = Trajectory(
             latents=torch.cat([t.latents for t in trajectories]).to(device),
             log_probs=torch.cat([t.log_probs for t in trajectories]).to(device),
             sigmas=first.sigmas.to(device),
             noise_level=first.noise_level,
+            given=given,
         )
         rewards = torch.tensor([r for g in groups for r in g.rewards])
         advantages = flow_advantages(rewards, s.group_size, s, batch_std=batch_std).to(device)

@@ -17,6 +17,10 @@ dimensions, as the reference code does. All of it runs in float32.
 
 "Denoising reduction": rollouts take few SDE steps (`num_steps`, e.g. 10) and evaluation many ODE
 steps; both use :func:`sigma_schedule`.
+
+Conditioning frames (image/video-to-video, cosmos-rl's Video2World): a sample's first frames may
+be given. They are set to the clean frames before the first step and after every step, so the
+recorded latents hold them, and the log-probabilities average over the generated elements only.
 """
 
 from __future__ import annotations
@@ -28,10 +32,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from nebula_rl.algorithms.flow import masked_mean
+
 __all__ = [
     "FlowStep",
     "Trajectory",
     "VelocityFn",
+    "context_frames",
     "dpm2_step",
     "guided_velocity",
     "sample",
@@ -105,15 +112,25 @@ def _step_std(sigmas: Tensor, index: int, noise_level: float) -> float:
     return noise_level * math.sqrt(sigma / (1.0 - safe))
 
 
-def step_log_prob(sample: Tensor, mean: Tensor, scale: float) -> Tensor:
+def step_log_prob(
+    sample: Tensor, mean: Tensor, scale: float, *, free: Tensor | None = None
+) -> Tensor:
     """Per-element Gaussian log-density of `sample` around `mean` with scale `scale`, averaged
-    over all but the first dimension [B]."""
+    over all but the first dimension [B] (with `free`, over the generated elements only)."""
     log_density = (
         -((sample.float() - mean.float()) ** 2) / (2 * scale**2)
         - math.log(scale)
         - 0.5 * math.log(2 * math.pi)
     )
-    return log_density.flatten(1).mean(dim=1)
+    return masked_mean(log_density, free)
+
+
+def context_frames(given: Tensor | None) -> Tensor | None:
+    """The `free` weights [B, 1, T, 1, 1] (1: generated) of samples [B, C, T, H, W] whose frames
+    `given` [B, T] (True: a conditioning frame) are given; None when none is."""
+    if given is None or not bool(given.any()):
+        return None
+    return (~given).float()[:, None, :, None, None]
 
 
 def sde_step(
@@ -125,12 +142,14 @@ def sde_step(
     noise_level: float,
     noise: Tensor | None = None,
     sample: Tensor | None = None,
+    free: Tensor | None = None,
 ) -> FlowStep:
     """Step `index` (`sigmas[index] -> sigmas[index + 1]`) from `x` with velocity `v`.
 
     `sample` given (a recorded next sample, as training replays it): its log-probability under
     this step's Gaussian, which is differentiable through `v`. Otherwise the next sample is drawn
-    with `noise` (default: fresh standard normal noise)."""
+    with `noise` (default: fresh standard normal noise). `free` (:func:`context_frames`) limits
+    the log-probability to the generated elements."""
     sigma, sigma_next = float(sigmas[index]), float(sigmas[index + 1])
     dt = sigma_next - sigma
     if sigma <= 0 or dt >= 0:
@@ -144,7 +163,7 @@ def sde_step(
     if sample is None:
         z = torch.randn_like(mean) if noise is None else noise.float()
         sample = (mean + scale * z).detach()
-    return FlowStep(sample, mean, std, scale, step_log_prob(sample, mean, scale))
+    return FlowStep(sample, mean, std, scale, step_log_prob(sample, mean, scale, free=free))
 
 
 def guided_velocity(
@@ -158,12 +177,15 @@ def guided_velocity(
     null_text: Tensor | None = None,
     null_mask: Tensor | None = None,
     detach_unconditional: bool = True,
+    condition: Tensor | None = None,
 ) -> Tensor:
     """The model's velocity, with classifier-free guidance `v_u + g (v_c - v_u)` when
     `guidance_scale` != 1 (the unconditional branch on `null_text`, zeros by default, in the same
-    batched forward; detached in training, as FlowGRPO does)."""
+    batched forward; detached in training, as FlowGRPO does). `condition` [B, T] marks given
+    conditioning frames (both branches see them)."""
+    extra = () if condition is None else (condition,)
     if guidance_scale == 1.0:
-        return model(x, sigma, text, text_mask)
+        return model(x, sigma, text, text_mask, *extra)
     if null_text is None:
         null_text = torch.zeros_like(text)
         null_mask = torch.zeros_like(text_mask)
@@ -173,6 +195,7 @@ def guided_velocity(
         torch.cat([sigma, sigma]),
         torch.cat([text, null_text]),
         torch.cat([text_mask, null_mask]),
+        *(torch.cat([c, c]) for c in extra),
     )
     conditional, unconditional = both.chunk(2)
     if detach_unconditional:
@@ -185,13 +208,16 @@ class Trajectory:
     """A batch's denoising path, as training needs it."""
 
     latents: Tensor
-    """[B, num_steps + 1, ...]: the start noise, then each step's sample; the last is x0."""
+    """[B, num_steps + 1, ...]: the start noise, then each step's sample; the last is x0 (given
+    conditioning frames are clean in every one)."""
     log_probs: Tensor
     """[B, num_steps]: each step's log-probability at sampling (zeros for deterministic steps)."""
     sigmas: Tensor
     """[num_steps + 1]: the noise levels, from 1 to 0."""
     noise_level: float
     """The SDE's `a` (0: the ODE)."""
+    given: Tensor | None = None
+    """[B, T] bool: the conditioning frames of each sample (None: all frames generated)."""
 
     @property
     def final(self) -> Tensor:
@@ -209,13 +235,25 @@ def sample(
     shift: float = 1.0,
     generator: torch.Generator | None = None,
     solver: str = "euler",
+    given: Tensor | None = None,
+    clean: Tensor | None = None,
 ) -> Trajectory:
     """Denoise `noise` [B, ...] in `num_steps` steps (SDE steps at `noise_level`, ODE steps at
     0), recording the trajectory; the SDE's noise comes from `generator`. `solver = "dpm2"`
     takes the ODE with DPM-Solver++(2M) steps instead (deterministic only; see
-    :func:`dpm2_step`)."""
+    :func:`dpm2_step`). With `given` [B, T] and `clean` (samples [B, C, T, H, W]), the given
+    frames are `clean`'s throughout (conditioning frames)."""
     sigmas = sigma_schedule(num_steps, shift=shift)
-    x = noise.float()
+    free = context_frames(given)
+    if free is not None and clean is None:
+        raise ValueError("sample: conditioning frames (`given`) need their `clean` frames")
+
+    def keep(x: Tensor) -> Tensor:  # (the given frames clean)
+        if free is None or clean is None:
+            return x
+        return free * x + (1 - free) * clean.float()
+
+    x = keep(noise.float())
     latents, log_probs = [x], []
     if solver == "dpm2":
         if noise_level != 0:
@@ -224,19 +262,21 @@ def sample(
         for i in range(num_steps):
             sigma = torch.full((x.shape[0],), float(sigmas[i]), device=x.device)
             x0 = x - float(sigmas[i]) * velocity(x, sigma)  # (the data prediction)
-            x = dpm2_step(x, x0, previous, sigmas, i)
+            x = keep(dpm2_step(x, x0, previous, sigmas, i))
             previous = x0
             latents.append(x)
             log_probs.append(x.new_zeros(x.shape[0]))
-        return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), sigmas, 0.0)
+        return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), sigmas, 0.0, given)
     if solver != "euler":
         raise ValueError(f"solver {solver!r}: 'euler' (with the SDE) or 'dpm2'")
     for i in range(num_steps):
         sigma = torch.full((x.shape[0],), float(sigmas[i]), device=x.device)
         v = velocity(x, sigma)
         z = torch.randn(x.shape, generator=generator, device=x.device)
-        step = sde_step(x, v, sigmas, i, noise_level=noise_level, noise=z)
-        x = step.sample
+        step = sde_step(x, v, sigmas, i, noise_level=noise_level, noise=z, free=free)
+        x = keep(step.sample)
         latents.append(x)
         log_probs.append(step.log_prob if step.log_prob is not None else x.new_zeros(x.shape[0]))
-    return Trajectory(torch.stack(latents, 1), torch.stack(log_probs, 1), sigmas, noise_level)
+    return Trajectory(
+        torch.stack(latents, 1), torch.stack(log_probs, 1), sigmas, noise_level, given
+    )

@@ -2,7 +2,7 @@
 tensors in one folder per job, never JSON through Redis.
 
 A rollout replica writes each scored group's trajectory (the latents of every denoising step,
-the log-prob of each SDE step, the noise levels) as one safetensors file, written under a
+the log-prob of each SDE step, the noise levels, which frames were given) as one safetensors file, written under a
 temporary name and renamed, so a reader never sees half a file; the group it pushes to the
 controller names the file (`RolloutGroup.extra["trajectory"]`). The policy replica that trains
 the group reads it; the controller deletes the files of the groups a step trained, and the
@@ -73,6 +73,8 @@ class TrajectoryStore:
             "sigmas": trajectory.sigmas.contiguous(),
             "noise_level": torch.tensor(float(trajectory.noise_level), dtype=torch.float64),
         }
+        if trajectory.given is not None:  # (conditioning frames)
+            tensors["given"] = trajectory.given.contiguous()
         partial = self.root / f".{name}.partial"
         save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(partial))
         partial.rename(self.root / name)
@@ -92,6 +94,7 @@ class TrajectoryStore:
             log_probs=t["log_probs"],
             sigmas=t["sigmas"],
             noise_level=float(t["noise_level"]),
+            given=t.get("given"),
         )
 
     def discard(self, prompt_ids: list[str]) -> int:
