@@ -164,7 +164,7 @@ def test_what_the_runtime_cannot_run_is_refused_before_it_starts(tmp_path):
     [
         ("tiny:dit", None, 1, 1, 1),
         ("tiny:wan_transformer3d", {"r": 4, "target_modules": ["to_q", "to_v"]}, 1, 1, 1),
-        ("tiny:dit", None, 2, 1, 1),
+        pytest.param("tiny:dit", None, 2, 1, 1, marks=pytest.mark.slow),
         pytest.param("tiny:dit", None, 2, 2, 1, marks=pytest.mark.slow),
         pytest.param("tiny:dit", None, 1, 1, 2, marks=pytest.mark.slow),
     ],
@@ -172,10 +172,10 @@ def test_what_the_runtime_cannot_run_is_refused_before_it_starts(tmp_path):
 )
 def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora, shards, replicate, cp):
     """One policy and one rollout replica, one epoch, with the built-in DiT, with a diffusers
-    transformer with a LoRA adapter (the base pushed once, the adapter every step), with a
-    policy replica of two FSDP2 ranks (each pushing its shards; weight averages exported), and
-    (slow) with one of four HSDP ranks (two copies of two shards) and one of two
-    context-parallel ranks (the frames split, the weights sharded over both): every
+    transformer with a LoRA adapter (the base pushed once, the adapter every step), and (slow)
+    with a policy replica of two FSDP2 ranks (each pushing its shards; weight averages
+    exported), of four HSDP ranks (two copies of two shards) and of two context-parallel ranks
+    (the frames split, the weights sharded over both): every
     clip trained once, the policy's weights pushed to the rollout each step, the trajectory files gone at the end, a sample
     grid every 4 steps in TensorBoard and `<run>/samples/`, and the export loadable as a flow
     model."""
@@ -261,6 +261,7 @@ def test_a_rollout_replica_killed_mid_run_loses_nothing(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_world_model_job_with_conditioning_frames_runs_with_rollout_replicas(tmp_path):
     """`max_num_conditional_frames = 1`: the rollout replica gives each group the first frame
     of its clip or none, the trajectory files say which, and the policy trains them: every clip

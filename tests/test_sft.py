@@ -262,8 +262,15 @@ def _arithmetic_sft(tmp_path: Path, name: str, **parallelism: int) -> Path:
         {"dp_replicate_size": 2},
         {"tp_size": 2},
         {"pp_size": 2, "pp_schedule": "1F1B"},
-        {"pp_size": 2, "pp_schedule": "GPipe", "pp_micro_batch_size": 2},
-        {"pp_size": 2, "pp_schedule": "Interleaved1F1B", "pp_layers_per_stage": 1},
+        # (the other schedules in the slow suite: test_parallel_grpo runs all three fast)
+        pytest.param(
+            {"pp_size": 2, "pp_schedule": "GPipe", "pp_micro_batch_size": 2},
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            {"pp_size": 2, "pp_schedule": "Interleaved1F1B", "pp_layers_per_stage": 1},
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["fsdp", "ddp", "tp", "pp_1f1b", "pp_gpipe", "pp_interleaved"],
 )
