@@ -4,11 +4,12 @@ recipes: `[model.rl]`, `[trainer]`, `[optimizer]`, `[dataloader_train]`, ...), r
 Each key either becomes the nebula-rl key that does the same (`model.rl.num_rollout` ->
 `rollout.n_generation`, `model.rl.guidance = g` -> `policy.diffusers.sample.guidance_scale =
 1 + g`, ...), or is named with the reason nebula-rl cannot honour it (cosmos-rl's own
-Cosmos-Predict2.5 network, VAE and `.pt` checkpoints; a pick of denoising steps to train; the rewards, which the schema takes
-from cosmos-rl's reward service under score keys nebula-rl's service does not give). So such a
-config never runs as it is: loading it names every key that differs, and
-:func:`translate_wfm` gives the nebula-rl config the rest of its keys describe (its model from a
-`[policy]` table: `model_name_or_path`, a diffusers folder or Hub id), a start for the port.
+Cosmos-Predict2.5 network, VAE and `.pt` checkpoints; a pick of denoising steps to train; the
+rewards, which the schema takes from cosmos-rl's reward service under score keys nebula-rl's
+service does not give). So such a config never runs as it is: loading it names every key that
+differs, and :func:`translate_wfm` gives the nebula-rl config the rest of its keys describe
+(its model from a `[policy]` table: `model_name_or_path`, a diffusers folder or Hub id), a start
+for the port.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ from nebula_rl.flow.sampler import (
     Trajectory,
     context_frames,
     guided_velocity,
+    keep_given,
     sample,
     sde_step,
 )
@@ -423,11 +424,6 @@ def _given(trajectory: Trajectory, part: Tensor) -> tuple[Tensor | None, Tensor 
     return given, context_frames(given)
 
 
-def _keep_given(x: Tensor, clean: Tensor, free: Tensor | None) -> Tensor:
-    """`x` with its given frames set to `clean`'s."""
-    return x if free is None else free * x + (1 - free) * clean
-
-
 def _trained_steps(s: FlowRLSettings) -> int:
     return max(1, int(s.sample_steps * s.timestep_fraction))
 
@@ -504,7 +500,7 @@ def _train_flow_grpo(
                 assert batch.x0 is not None
                 start = trajectory.latents[part, 0]  # the rollout's own noise
                 sg = sigma.view(-1, *[1] * (x.dim() - 1))
-                noised = _keep_given((1 - sg) * batch.x0[part] + sg * start, batch.x0[part], free)
+                noised = keep_given((1 - sg) * batch.x0[part] + sg * start, batch.x0[part], free)
                 extra = () if given is None else (given.float(),)
                 v_data = model(noised, sigma, batch.text[part], batch.mask[part], *extra)
                 data = flow_matching_loss(
@@ -546,7 +542,7 @@ def _train_nft(
             t = torch.full((len(part),), float(sigmas[j]), device=x0.device)
             noise = _nft_noise(batch, part, j, generator).to(x0.device)
             tb = t.view(-1, *[1] * (x0.dim() - 1))
-            x_t = _keep_given((1 - tb) * x0[part] + tb * noise, x0[part], free)
+            x_t = keep_given((1 - tb) * x0[part] + tb * noise, x0[part], free)
             text, mask = batch.text[part], batch.mask[part]
             with torch.no_grad():
                 v_old = old(x_t, t, text, mask, *extra)

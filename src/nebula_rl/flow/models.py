@@ -40,7 +40,7 @@ from nebula_rl.flow.diffusers_models import (
 )
 from nebula_rl.flow.dit import TinyDiT, TinyDiTConfig
 from nebula_rl.flow.lora import apply_lora, lora_adapter_state, merged_copy, save_adapter
-from nebula_rl.flow.vae import check_vae_shape
+from nebula_rl.flow.vae import check_vae_shape, vae_factors
 from nebula_rl.hub import is_hub_id
 from nebula_rl.models import resolve_dtype
 
@@ -155,9 +155,10 @@ def check_flow_model(cfg: Config) -> None:
     if name in DIFFUSERS_PRESETS:
         _shape(cfg)
         vae = PRESET_VAES.get(name)
-        _check_latent(cfg, vae, tiny_vae_config(vae) if vae is not None else None)
+        vae_config = tiny_vae_config(vae) if vae is not None else None
+        _check_latent(cfg, vae, vae_config)
         _refuse_cp(cp, DIFFUSERS_PRESETS[name])
-        channels = 4 if vae is not None else 3  # (tiny_vae_config's latent channels)
+        channels = 3 if vae is None or vae_config is None else vae_factors(vae, vae_config)[0]
         in_channels = channels + (DIFFUSERS_PRESETS[name] == "CosmosTransformer3DModel")
         _check_diffusers_conditioning(cfg, DIFFUSERS_PRESETS[name], in_channels, channels)
         return

@@ -27,9 +27,10 @@ step's record.
 
 A policy replica of `policy.parallelism.dp_shard_size` ranks shards the flow model with FSDP2
 (each transformer block a unit), or of `dp_replicate_size` x `dp_shard_size` ranks with HSDP,
-and splits its groups between its ranks; `mini_batch` counts samples per rank. Context
-parallelism and split rollout replicas are not built yet (the config refuses those sizes for
-world models); scale rollouts with replicas (`--rollout N`).
+and splits its groups between its ranks; `mini_batch` counts samples per rank. With `cp_size`,
+groups of that many ranks share their groups and split each clip's frames (the built-in DiT's
+context parallelism). Split rollout replicas are not built yet (the config refuses those sizes
+for world models); scale rollouts with replicas (`--rollout N`).
 """
 
 from __future__ import annotations
@@ -392,24 +393,23 @@ class FlowTrainer:
         trajectories = [self.store.read(g.extra["trajectory"]) for g in groups]
         first = trajectories[0]
         for group, t in zip(groups, trajectories, strict=True):
-            if len(group.completions) != s.group_size or not torch.equal(t.sigmas, first.sigmas):
+            if (
+                len(group.completions) != s.group_size
+                or not torch.equal(t.sigmas, first.sigmas)
+                or (t.given is None) != (first.given is None)
+            ):
                 raise ValueError(
                     f"group {group.prompt.prompt_id} was sampled with other settings "
-                    f"({len(group.completions)} samples, sigmas {t.sigmas.tolist()})"
+                    f"({len(group.completions)} samples, sigmas {t.sigmas.tolist()}, "
+                    f"conditioning frames {'none' if t.given is None else 'drawn'})"
                 )
         real = [self.clips[g.prompt.index] for g in groups for _ in range(s.group_size)]
         device = self.device
         pixels, text, mask = (t.to(device) for t in clip_batch(real))
         x0 = pixels_to_samples(self.model, pixels) if s.data_beta > 0 else None  # (DDRL's data)
         given = None
-        if any(t.given is not None for t in trajectories):  # (conditioning frames)
-            frames = first.latents.shape[3]
-            given = torch.cat(
-                [
-                    t.given if t.given is not None else torch.zeros(len(t.latents), frames).bool()
-                    for t in trajectories
-                ]
-            ).to(device)
+        if first.given is not None:  # (conditioning frames: every group has them, checked above)
+            given = torch.cat([t.given for t in trajectories if t.given is not None]).to(device)
         trajectory = Trajectory(
             latents=torch.cat([t.latents for t in trajectories]).to(device),
             log_probs=torch.cat([t.log_probs for t in trajectories]).to(device),

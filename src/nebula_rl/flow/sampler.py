@@ -41,6 +41,7 @@ __all__ = [
     "context_frames",
     "dpm2_step",
     "guided_velocity",
+    "keep_given",
     "sample",
     "sde_step",
     "sigma_schedule",
@@ -131,6 +132,11 @@ def context_frames(given: Tensor | None) -> Tensor | None:
     if given is None or not bool(given.any()):
         return None
     return (~given).float()[:, None, :, None, None]
+
+
+def keep_given(x: Tensor, clean: Tensor, free: Tensor | None) -> Tensor:
+    """`x` with its given frames (0 in `free`, :func:`context_frames`) set to `clean`'s."""
+    return x if free is None else free * x + (1 - free) * clean.float()
 
 
 def sde_step(
@@ -249,9 +255,7 @@ def sample(
         raise ValueError("sample: conditioning frames (`given`) need their `clean` frames")
 
     def keep(x: Tensor) -> Tensor:  # (the given frames clean)
-        if free is None or clean is None:
-            return x
-        return free * x + (1 - free) * clean.float()
+        return x if clean is None else keep_given(x, clean, free)
 
     x = keep(noise.float())
     latents, log_probs = [x], []

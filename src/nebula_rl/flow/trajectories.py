@@ -2,10 +2,10 @@
 tensors in one folder per job, never JSON through Redis.
 
 A rollout replica writes each scored group's trajectory (the latents of every denoising step,
-the log-prob of each SDE step, the noise levels, which frames were given) as one safetensors file, written under a
-temporary name and renamed, so a reader never sees half a file; the group it pushes to the
-controller names the file (`RolloutGroup.extra["trajectory"]`). The policy replica that trains
-the group reads it; the controller deletes the files of the groups a step trained, and the
+the log-prob of each SDE step, the noise levels, which frames were given) as one safetensors
+file, written under a temporary name and renamed, so a reader never sees half a file; the group
+it pushes to the controller names the file (`RolloutGroup.extra["trajectory"]`). The policy
+replica that trains the group reads it; the controller deletes the files of the groups a step trained, and the
 folder when the job ends. A controller snapshot (a checkpoint of the job) keeps a copy of the
 files its buffered groups need, which a resumed job puts back.
 
