@@ -1,30 +1,40 @@
-"""The built-in generation engine: continuous batching over a static, slotted KV cache.
+"""The built-in generation engine: continuous batching over a paged KV cache whose prompt
+blocks a GRPO group shares.
 
 It runs the Hugging Face model object the policy trains (same class, same parameter names), so
 `update_weights` copies tensors into it by name, in place.
 
 Design, and the simplifications it makes:
 
-- Slots. The KV cache is preallocated once: per layer, room for max_num_seqs x max_model_len
-  tokens. A sequence owns one slot from admission to finish; waiting requests take free slots at
-  the next step (continuous batching). Static slots waste memory on short sequences compared
-  with vLLM's paged cache, and need no block tables.
+- Paged cache. Keys and values live in blocks of `block_size` tokens (`_BlockPool`). A prompt is
+  prefilled once per request, whatever its `n`, into blocks of its own that all of its samples
+  read; each sample's generated tokens go to blocks of its own, taken one at a time as it grows
+  and given back when it finishes (the prompt's when its last sample does). Memory follows the
+  real lengths: a group of n samples holds one prompt plus n completions, not n copies of
+  prompt + max_model_len. Admission reserves the blocks of each sample's whole completion
+  (`max_tokens`, capped by max_model_len), so decoding never runs out and nothing is preempted;
+  samples that do not fit wait for blocks to come back.
 - One step = one token for every running sequence: a batched decode forward, then the admission
   of waiting requests, whose prompts are prefilled together (right-padded, grouped by length;
   causal attention never lets a real token see the padding) and which sample their first token
-  in the same step. A request's `n` samples share one prefill; its KV is copied to their slots.
+  in the same step. With `chunked_prefill`, a prompt longer than `max_num_batched_tokens` is
+  prefilled in chunks of that size, one per step, while the running sequences keep decoding.
+- Decode attention (`_paged_attention`) gathers each sequence's own blocks into warm buffers,
+  and scores a prompt's blocks once for all of its sequences in the step (their queries stacked
+  in one matmul), then one softmax over both parts. The prompt's gathered blocks are kept
+  between steps while the running set does not change.
 - Forward. For the Llama family (llama, mistral, qwen2, qwen3) a compact forward reads the HF
   module's own parameters and does per step what `generate` does through module calls and cache
-  objects: one cache write per layer and attention over the valid cache prefix. It runs q/k/v
-  and gate/up as one matmul each: the engine concatenates them once and re-points the HF
-  parameters at slices of the result, so they stay the model's parameters (same objects, same
-  names) and in-place updates reach the fused weights. Tests check it token for token against
-  the HF forward. Any other causal LM, or one whose projections are not plain nn.Linear (LoRA,
-  quantized), runs the HF modules themselves over the same slotted cache (`forward="hf"` forces
-  that path).
+  objects. It runs q/k/v and gate/up as one matmul each: the engine concatenates them once and
+  re-points the HF parameters at slices of the result, so they stay the model's parameters (same
+  objects, same names) and in-place updates reach the fused weights. Tests check it token for
+  token against the HF forward. Any other causal LM, or one whose projections are not plain
+  nn.Linear (LoRA, quantized), runs the HF modules themselves over the same paged cache, each
+  layer handed its sequences' blocks gathered (`forward="hf"` forces that path).
 - Sampling happens on the device for the whole batch (see `sampling.py`); per step the host does
-  a constant amount of work per batch, plus some per finished sequence, plus, only for requests
-  with stop strings, a detokenization of the last few tokens. One device->host sync per step.
+  a constant amount of work per batch, plus some per finished sequence or new block, plus, only
+  for requests with stop strings, a detokenization of the last few tokens. One device->host
+  sync per step.
 - Weight updates land between steps (see `Engine`). Running sequences keep their KV cache: tokens
   after an update are sampled by the new weights attending to keys/values the old ones computed,
   as in PipelineRL's in-flight updates; the per-token versions record exactly that. The engine
@@ -32,13 +42,9 @@ Design, and the simplifications it makes:
 
 Why not transformers' own pieces: its StaticCache writes every row at one shared position (no
 per-sequence lengths, so no continuous batching), and its ContinuousBatchingManager (paged cache)
-updates each request in Python for every token and knows nothing of policy versions; the slotted
-design keeps per-step host work per batch, and stays short enough to read.
-
-Where the time goes (measured on CPU with the tiny Qwen2, batch 64, ~6 ms a step in fp32): about
-2.5 ms of weight matmuls and 1-2 ms of attention reads of the cache, both the same work `generate`
-does; sampling and host bookkeeping are ~0.1 ms each. The compact forward removes most of the
-per-step framework overhead around that work, not the work itself.
+updates each request in Python for every token, shares no prompt between samples and knows
+nothing of policy versions. Without a paged-attention kernel (pure PyTorch, CPU and CUDA alike)
+reading blocks costs a gather per step; BENCHMARKS.md measures what sharing the prompt wins back.
 """
 
 from __future__ import annotations
@@ -151,85 +157,224 @@ def fused_forward_unsupported(model: torch.nn.Module, max_model_len: int) -> str
     return None
 
 
-class _KVCache:
-    """Per-layer keys and values of every slot.
+class _BlockPool:
+    """Per-layer keys and values in fixed-size blocks of `block_size` tokens (a paged cache).
 
-    Keys are stored transposed, [num_slots, num_kv_heads, head_dim, max_len], values as
-    [num_slots, num_kv_heads, max_len, head_dim]: decode attention is then two plain
-    (non-transposed) batched matmuls, q @ K and p @ V, which on CPU run about twice as fast as
-    q @ K^T over the usual layout.
+    A block is [num_kv_heads, head_dim, block_size] of keys (stored transposed: attention is then
+    q @ K, a plain matmul, about twice as fast on CPU as q @ K^T) and [num_kv_heads, block_size,
+    head_dim] of values. A prompt's keys and values fill blocks of their own, which all of its
+    samples read (a GRPO group's prompt is cached once, not n times); each sample's generated
+    tokens fill blocks of its own. Block tables (tensors of block ids) say which blocks a
+    sequence reads. Block 0 is never handed out: tables point their unused entries at it, and
+    what attention reads there is masked.
+
+    Allocation is host-side bookkeeping: `reserve` promises blocks (admission reserves a
+    sample's whole completion, so decoding never runs out and nothing is preempted), `take`
+    hands out promised blocks as sequences grow, `give_back` returns them when they finish.
     """
 
     def __init__(
         self,
         *,
         num_layers: int,
-        num_slots: int,
+        num_blocks: int,
+        block_size: int,
         num_kv_heads: int,
-        max_len: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.k = [
-            torch.zeros(num_slots, num_kv_heads, head_dim, max_len, dtype=dtype, device=device)
-            for _ in range(num_layers)
-        ]
-        self.v = [
-            torch.zeros(num_slots, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
-            for _ in range(num_layers)
-        ]
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
+        shape_k = (num_blocks, num_kv_heads, head_dim, block_size)
+        shape_v = (num_blocks, num_kv_heads, block_size, head_dim)
+        self.k = [torch.zeros(shape_k, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape_v, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         self.num_kv_heads = num_kv_heads
-        self.max_len = max_len
         self.head_dim = head_dim
-        heads = torch.arange(num_kv_heads, device=device)
-        slot_heads = torch.arange(num_slots, device=device)[:, None] * num_kv_heads + heads
-        # Flat offsets: V row of (slot, head, position 0); K element of (slot, head, d, position 0).
-        self._v_base = slot_heads * max_len
-        dims = torch.arange(head_dim, device=device)
-        self._k_base = (slot_heads[:, :, None] * head_dim + dims) * max_len
+        self._free = list(range(num_blocks - 1, 0, -1))  # (a stack: low ids first)
+        self._promised = 0
+        # Warm buffers for gathered blocks, grown on demand (first touch of fresh memory is slow).
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._kept: dict[str, torch.Tensor] = {}
+        """The table each kept buffer holds the blocks of."""
+
+    @property
+    def num_free(self) -> int:
+        """Blocks neither in use nor promised."""
+        return len(self._free) - self._promised
+
+    @property
+    def num_used(self) -> int:
+        """Blocks holding keys and values (block 0 not counted)."""
+        return self.num_blocks - 1 - len(self._free)
+
+    def reserve(self, count: int) -> None:
+        assert count <= self.num_free, "reserve() past the free blocks"
+        self._promised += count
+
+    def unreserve(self, count: int) -> None:
+        assert 0 <= count <= self._promised
+        self._promised -= count
+
+    def take(self, count: int) -> list[int]:
+        """`count` promised blocks."""
+        assert count <= self._promised
+        self._promised -= count
+        return [self._free.pop() for _ in range(count)]
+
+    def give_back(self, blocks: Iterable[int]) -> None:
+        self._free.extend(sorted(blocks, reverse=True))
 
     def write_index(
-        self, slots: torch.Tensor, positions: torch.Tensor
+        self, blocks: torch.Tensor, offsets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat indices where K (elements) and V (rows of head_dim) of one token per slot go."""
-        k_index = (self._k_base[slots] + positions[:, None, None]).view(-1)
-        v_index = (self._v_base[slots] + positions[:, None]).view(-1)
+        """Flat indices where one token per sequence goes (`blocks`, `offsets`: [S]): K elements
+        [S * kv_heads * head_dim], V rows of head_dim [S * kv_heads]."""
+        kv, hd, size = self.num_kv_heads, self.head_dim, self.block_size
+        heads = torch.arange(kv, device=blocks.device)
+        rows = blocks[:, None] * kv + heads  # [S, kv]
+        dims = torch.arange(hd, device=blocks.device)
+        k_index = ((rows[:, :, None] * hd + dims) * size + offsets[:, None, None]).view(-1)
+        v_index = (rows * size + offsets[:, None]).view(-1)
         return k_index, v_index
 
-    def write_decode(
+    def write_token(
         self, layer: int, index: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Write one token per sequence: k, v are [B, num_kv_heads, head_dim]."""
+        """Write one token per sequence: k, v are [S, kv_heads, head_dim]."""
         self.k[layer].view(-1).index_copy_(0, index[0], k.reshape(-1))
         self.v[layer].view(-1, self.head_dim).index_copy_(0, index[1], v.reshape(-1, self.head_dim))
 
-    def write_prefill(
-        self,
-        layer: int,
-        slots: torch.Tensor,
-        source: torch.Tensor | None,
-        k: torch.Tensor,
-        v: torch.Tensor,
+    def write_blocks(
+        self, layer: int, table: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Write prompts: k, v are [U, num_kv_heads, P, head_dim]; slot i gets prompt source[i]."""
-        if source is not None:
-            k, v = k[source], v[source]
-        length = k.shape[2]
-        self.k[layer][slots, :, :, :length] = k.transpose(-1, -2)
-        self.v[layer][slots, :, :length] = v
+        """Write prompt tokens: k, v are [U, kv_heads, L, head_dim]; row u goes to the blocks
+        table[u] [count] in order, count * block_size >= L (entries past a row's own blocks
+        point at block 0)."""
+        num, kv, length, hd = k.shape
+        size = self.block_size
+        count = table.shape[1]
+        pad = count * size - length
+        if pad:
+            k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+        # [U, kv, count, size, hd] -> K blocks [U, count, kv, hd, size], V [U, count, kv, size, hd]
+        k = k.view(num, kv, count, size, hd).permute(0, 2, 1, 4, 3)
+        v = v.view(num, kv, count, size, hd).transpose(1, 2)
+        ids = table.reshape(-1)
+        self.k[layer].view(self.num_blocks, -1).index_copy_(0, ids, k.reshape(len(ids), -1))
+        self.v[layer].view(self.num_blocks, -1).index_copy_(0, ids, v.reshape(len(ids), -1))
 
-    def read(
-        self, layer: int, slots: torch.Tensor, contiguous: bool, length: int
+    def gather(
+        self, layer: int, table: torch.Tensor, name: str, *, kept: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K^T [B, kv_heads, head_dim, length] and V [B, kv_heads, length, head_dim] of `slots`.
+        """The blocks of `table` [N, count]: K [N, count, kv, head_dim, size] and V
+        [N, count, kv, size, head_dim], copied into warm buffers (valid until the next gather
+        under the same name). `kept`: the blocks do not change while this same `table` object
+        is gathered again, so the layer keeps its own copy and copies only for a new table."""
+        ids = table.reshape(-1)
+        width = self.k[layer][0].numel()
+        if kept:
+            name = f"{name}.{layer}"
+        shape = (*table.shape, self.num_kv_heads)
+        out_k = self._buffer(f"{name}.k", len(ids) * width)
+        out_v = self._buffer(f"{name}.v", len(ids) * width)
+        views = (
+            out_k.view(*shape, self.head_dim, self.block_size),
+            out_v.view(*shape, self.block_size, self.head_dim),
+        )
+        if kept:
+            if self._kept.get(name) is table:
+                return views
+            self._kept[name] = table
+        torch.index_select(
+            self.k[layer].view(self.num_blocks, -1), 0, ids, out=out_k.view(len(ids), -1)
+        )
+        torch.index_select(
+            self.v[layer].view(self.num_blocks, -1), 0, ids, out=out_v.view(len(ids), -1)
+        )
+        return views
 
-        `contiguous` means slots == 0..B-1, read as views; otherwise gathered.
-        """
-        if contiguous:
-            batch = slots.shape[0]
-            return self.k[layer][:batch, :, :, :length], self.v[layer][:batch, :, :length]
-        return self.k[layer][slots, :, :, :length], self.v[layer][slots, :, :length]
+    def _buffer(self, name: str, numel: int) -> torch.Tensor:
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel:
+            layer0 = self.k[0]
+            buffer = torch.empty(
+                max(numel, 2 * (0 if buffer is None else buffer.numel())),
+                dtype=layer0.dtype,
+                device=layer0.device,
+            )
+            self._buffers[name] = buffer
+        return buffer[:numel]
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeBatch:
+    """Where the sequences of one decode step read and write the paged cache.
+
+    Sequence s continues prompt `group[s]` (a row of `prefix_table`), as the `member[s]`-th of
+    that prompt's sequences in the step; `width` is the most sequences of one prompt."""
+
+    own_table: torch.Tensor
+    """[S, n] the blocks of each sequence's generated tokens (block 0 past its own)."""
+    write: tuple[torch.Tensor, torch.Tensor]
+    """Flat indices of this step's token (`_BlockPool.write_index`)."""
+    prefix_table: torch.Tensor
+    """[R, m] the blocks of the step's R prompts."""
+    mask: torch.Tensor
+    """[S, 1, 1, (m + n) * block], added to each sequence's attention scores over its prompt's
+    blocks then its own: 0 where a token is cached (this step's included), else the most
+    negative value of the dtype."""
+    group: torch.Tensor
+    member: torch.Tensor
+    width: int
+
+
+def _paged_attention(
+    q: torch.Tensor, cache: _BlockPool, layer: int, batch: _DecodeBatch, scaling: float
+) -> torch.Tensor:
+    """Decode attention over the paged cache, the prompt part shared: q [S, kv, per_kv, hd]
+    (per_kv query heads per KV head) -> [S, kv, per_kv, hd].
+
+    Scores against a prompt are computed once for all of the prompt's sequences in the step
+    (their queries stacked: one matmul per prompt block instead of one per sequence, so a GRPO
+    group of n samples reads its prompt's keys and values once, not n times); each sequence's
+    scores against its generated tokens from its own blocks. One softmax over both parts."""
+    num, kv, per, hd = q.shape
+    size = cache.block_size
+    own, (rows, count), width = batch.own_table.shape[1], batch.prefix_table.shape, batch.width
+    q = q * scaling
+    k_own, v_own = cache.gather(layer, batch.own_table, "own")
+    q_own = q[:, None].expand(num, own, kv, per, hd).reshape(num * own * kv, per, hd)
+    s_own = torch.bmm(q_own, k_own.view(-1, hd, size)).view(num, own, kv, per, size)
+    k_pre, v_pre = cache.gather(layer, batch.prefix_table, "prefix", kept=True)
+    q_pre = q.new_zeros(rows, width, kv, per, hd)
+    q_pre[batch.group, batch.member] = q
+    q_pre = q_pre.permute(0, 2, 1, 3, 4).reshape(rows, 1, kv, width * per, hd)
+    q_pre = q_pre.expand(rows, count, kv, width * per, hd).reshape(rows * count * kv, -1, hd)
+    s_pre = torch.bmm(q_pre, k_pre.view(-1, hd, size)).view(rows, count, kv, width, per, size)
+    # Each sequence's scores, prompt then generated tokens: [S, kv, per, (count + own) * size].
+    s_pre = s_pre.permute(0, 3, 2, 4, 1, 5)[batch.group, batch.member]
+    scores = torch.cat(
+        [
+            s_pre.reshape(num, kv, per, count * size),
+            s_own.permute(0, 2, 3, 1, 4).reshape(num, kv, per, own * size),
+        ],
+        dim=-1,
+    )
+    scores += batch.mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    p_pre, p_own = probs.split([count * size, own * size], dim=-1)
+    p_own = p_own.reshape(num, kv, per, own, size).permute(0, 3, 1, 2, 4)
+    o_own = torch.bmm(p_own.reshape(-1, per, size), v_own.view(-1, size, hd))
+    grouped = p_pre.new_zeros(rows, width, kv, per, count, size)
+    grouped[batch.group, batch.member] = p_pre.view(num, kv, per, count, size)
+    grouped = grouped.permute(0, 4, 2, 1, 3, 5).reshape(rows * count * kv, width * per, size)
+    o_pre = torch.bmm(grouped, v_pre.view(-1, size, hd)).view(rows, count, kv, width, per, hd)
+    o_pre = o_pre.sum(1)[batch.group, :, batch.member]
+    return o_own.view(num, own, kv, per, hd).sum(1) + o_pre
 
 
 class _Linear(NamedTuple):
@@ -329,21 +474,17 @@ class _Layer:
 
 
 class _Forward(Protocol):
-    """A forward pass over the slotted cache (compact, or through the HF modules)."""
+    """A forward pass over the paged cache (compact, or through the HF modules)."""
 
     def decode(
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        slots: torch.Tensor,
-        contiguous: bool,
-        kv_len: int,
+        batch: _DecodeBatch,
         rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One token per sequence: tokens, positions, slots are [B]; returns logits [B, V] fp32.
-
-        `contiguous` means slots == 0..B-1; kv_len is the longest position + 1 in the batch.
-        `rope_positions` [B]: the rotary positions where they differ from the cache positions
+        """One token per sequence: tokens, positions are [S]; returns logits [S, V] fp32.
+        `rope_positions` [S]: the rotary positions where they differ from the cache positions
         (after a multimodal prompt, see `multimodal.py`)."""
         ...
 
@@ -351,12 +492,14 @@ class _Forward(Protocol):
         self,
         tokens: torch.Tensor,
         last: torch.Tensor,
-        slots: torch.Tensor,
-        source: torch.Tensor | None,
+        table: torch.Tensor,
+        start: int = 0,
+        past: torch.Tensor | None = None,
         prompt: PromptEmbeddings | None = None,
     ) -> torch.Tensor:
-        """Prompts [U, P] (right-padded): writes their KV to `slots` (slot i gets prompt
-        source[i], or prompt i if source is None); returns fp32 logits at `last` [U, V].
+        """Prompt tokens start.. [U, L] (right-padded): writes their KV to the blocks of
+        `table` [U, count]; returns fp32 logits at `last` [U, V]. With start > 0 (a chunk of
+        one prompt, U = 1) they also attend to the tokens before, in the blocks `past` [1, c].
         `prompt`: their embeddings and M-RoPE positions when some hold images or videos."""
         ...
 
@@ -368,7 +511,8 @@ class _FusedForward:
         self,
         model: torch.nn.Module,
         dims: _ModelDims,
-        cache: _KVCache,
+        cache: _BlockPool,
+        max_len: int,
         tp: TensorParallel | None = None,
     ) -> None:
         """Build from `model`; call under no_grad (not inference_mode: the parameters it
@@ -389,7 +533,7 @@ class _FusedForward:
         # RoPE tables from the model's own rotary module (covers its scaling variants; M-RoPE
         # with equal indices on its three axes, as text tokens have).
         self._rotary = base.get_submodule("rotary_emb")
-        self.cos, self.sin_signed = self._rope_table(cache.max_len)
+        self.cos, self.sin_signed = self._rope_table(max_len)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [B, L, head_dim] of `positions` [B, L] (or M-RoPE's [3, B, L])."""
@@ -446,66 +590,60 @@ class _FusedForward:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        slots: torch.Tensor,
-        contiguous: bool,
-        kv_len: int,
+        batch: _DecodeBatch,
         rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One token per sequence: tokens, positions, slots are [B]; returns logits [B, V] fp32."""
-        batch, hd = tokens.shape[0], self.head_dim
+        num, hd = tokens.shape[0], self.head_dim
         num_heads, num_kv = self.num_heads, self.num_kv_heads
         x = self.embed[tokens]
         rotary = positions if rope_positions is None else rope_positions
         cos, sin = self.cos[rotary][:, None], self.sin_signed[rotary][:, None]
-        index = self.cache.write_index(slots, positions)
-        # Additive mask [B * kv_heads, 1, kv_len], shared by the query heads of a KV group.
-        valid = torch.arange(kv_len, device=x.device) <= positions[:, None]
-        mask = torch.zeros(valid.shape, dtype=x.dtype, device=x.device)
-        mask = mask.masked_fill_(~valid, torch.finfo(x.dtype).min)
-        mask = mask.repeat_interleave(num_kv, dim=0)[:, None]
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(_rms_norm(x, layer.ln1), *layer.qkv).view(batch, -1, hd)
+            qkv = F.linear(_rms_norm(x, layer.ln1), *layer.qkv).view(num, -1, hd)
             qk = self._rotate(self._qk_norm(qkv[:, : num_heads + num_kv], layer), cos, sin)
             q, k, v = qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_heads + num_kv :]
-            self.cache.write_decode(i, index, k, v)
-            keys, values = self.cache.read(i, slots, contiguous, kv_len)
-            # Attention as batched matmuls over (sequence, KV head): [groups, hd] @ [hd, kv_len].
-            scores = torch.baddbmm(
-                mask,
-                q.reshape(batch * num_kv, -1, hd),
-                keys.reshape(batch * num_kv, hd, kv_len),
-                alpha=self.scaling,
+            self.cache.write_token(i, batch.write, k, v)
+            attn = _paged_attention(
+                q.reshape(num, num_kv, -1, hd), self.cache, i, batch, self.scaling
             )
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
-            attn = torch.bmm(probs, values.reshape(batch * num_kv, kv_len, hd))
-            x = self._mlp(x + self._row_parallel(attn.view(batch, -1), layer.o), layer)
+            x = self._mlp(x + self._row_parallel(attn.reshape(num, -1), layer.o), layer)
         return self._logits(x)
 
     def prefill(
         self,
         tokens: torch.Tensor,
         last: torch.Tensor,
-        slots: torch.Tensor,
-        source: torch.Tensor | None,
+        table: torch.Tensor,
+        start: int = 0,
+        past: torch.Tensor | None = None,
         prompt: PromptEmbeddings | None = None,
     ) -> torch.Tensor:
-        """Prompts [U, P] (right-padded); writes their KV to `slots`; logits at `last` [U, V]."""
         num_prompts, length = tokens.shape
         num_heads, num_kv = self.num_heads, self.num_kv_heads
         if prompt is None:
             x = self.embed[tokens]
-            cos, sin = self.cos[:length], self.sin_signed[:length]
+            cos, sin = self.cos[start : start + length], self.sin_signed[start : start + length]
         else:  # per-row M-RoPE tables: [U, 1, P, head_dim] against [U, heads, P, head_dim]
             x = prompt.embeds
             cos, sin = (t[:, None] for t in self._rope(prompt.positions))
+        mask = None if past is None else _chunk_mask(length, start, x.device)
         for i, layer in enumerate(self.layers):
             qkv = F.linear(_rms_norm(x, layer.ln1), *layer.qkv)
             qkv = qkv.view(num_prompts, length, -1, self.head_dim).transpose(1, 2)
             qk = self._rotate(self._qk_norm(qkv[:, : num_heads + num_kv], layer), cos, sin)
             q, k, v = qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_heads + num_kv :]
-            self.cache.write_prefill(i, slots, source, k, v)
+            self.cache.write_blocks(i, table, k, v)
+            if past is not None:  # (a later chunk: the prompt's earlier tokens too)
+                k_past, v_past = _past_tokens(self.cache, i, past, start)
+                k, v = torch.cat([k_past, k], dim=2), torch.cat([v_past, v], dim=2)
             attn = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scaling, enable_gqa=num_heads != num_kv
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scaling,
+                enable_gqa=num_heads != num_kv,
             )
             attn = attn.transpose(1, 2).reshape(num_prompts, length, -1)
             x = self._mlp(x + self._row_parallel(attn, layer.o), layer)
@@ -515,12 +653,30 @@ class _FusedForward:
         return self._logits(x[torch.arange(num_prompts, device=x.device), last])
 
 
+def _chunk_mask(length: int, start: int, device: torch.device) -> torch.Tensor:
+    """[L, start + L] bool: token start + i of a chunk sees every token up to itself."""
+    columns = torch.arange(start + length, device=device)
+    return columns <= start + torch.arange(length, device=device)[:, None]
+
+
+def _past_tokens(
+    cache: _BlockPool, layer: int, past: torch.Tensor, start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [1, kv, start, head_dim] of a prompt's first `start` tokens (the blocks
+    `past` [1, c])."""
+    k, v = cache.gather(layer, past, "past")
+    _, count, kv, hd, size = k.shape
+    keys = k.permute(0, 2, 1, 4, 3).reshape(1, kv, count * size, hd)[:, :, :start]
+    values = v.transpose(1, 2).reshape(1, kv, count * size, hd)[:, :, :start]
+    return keys, values
+
+
 # (layer, keys, values) -> the keys and values to attend over, as HF attention layers expect them.
 _CacheWrite = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class _SlotCache:
-    """Duck-typed `transformers` Cache that writes into and reads from the slotted cache.
+    """Duck-typed `transformers` Cache that writes into and reads from the paged cache.
 
     Used by the HF-module forward: attention layers call `update(k, v, layer_idx)` and attend
     over what it returns, with the 4D mask the engine passes in.
@@ -528,8 +684,7 @@ class _SlotCache:
 
     is_compileable = False
 
-    def __init__(self, cache: _KVCache, write: _CacheWrite) -> None:
-        self.cache = cache
+    def __init__(self, write: _CacheWrite) -> None:
         self._write = write
 
     def update(
@@ -547,9 +702,11 @@ class _SlotCache:
 
 
 class _HFForward:
-    """Runs the HF modules themselves over the slotted cache (any causal LM using the Cache API)."""
+    """Runs the HF modules themselves over the paged cache (any causal LM using the Cache API).
+    Each attention layer is handed its sequences' keys and values gathered from their blocks
+    (prompt and generated tokens one after the other, a mask over what is not theirs)."""
 
-    def __init__(self, model: torch.nn.Module, dims: _ModelDims, cache: _KVCache) -> None:
+    def __init__(self, model: torch.nn.Module, dims: _ModelDims, cache: _BlockPool) -> None:
         cfg: Any = model.config
         if cfg._attn_implementation not in ("eager", "sdpa"):
             raise ValueError(
@@ -592,60 +749,63 @@ class _HFForward:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        slots: torch.Tensor,
-        contiguous: bool,
-        kv_len: int,
+        batch: _DecodeBatch,
         rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        index = self.cache.write_index(slots, positions)
+        cache, num = self.cache, tokens.shape[0]
 
         def write(
             layer: int, k: torch.Tensor, v: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            self.cache.write_decode(layer, index, k[:, :, 0], v[:, :, 0])
-            keys, values = self.cache.read(layer, slots, contiguous, kv_len)
-            return keys.transpose(-1, -2), values
+            cache.write_token(layer, batch.write, k[:, :, 0], v[:, :, 0])
+            k_pre, v_pre = cache.gather(layer, batch.prefix_table, "prefix")
+            k_own, v_own = cache.gather(layer, batch.own_table, "own")
+            keys = [_token_major(t, num) for t in (k_pre[batch.group], k_own)]
+            values = [_token_major(t, num, keys=False) for t in (v_pre[batch.group], v_own)]
+            return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
-        dtype = self.cache.k[0].dtype
-        valid = torch.arange(kv_len, device=tokens.device) <= positions[:, None]
-        mask = torch.zeros(valid.shape, dtype=dtype, device=tokens.device)
-        mask = mask.masked_fill_(~valid, torch.finfo(dtype).min)[:, None, None, :]
         position_ids = positions[:, None]
         if rope_positions is not None:  # M-RoPE: the cache position, then time/height/width
             position_ids = torch.stack([positions, *[rope_positions] * 3])[..., None]
         return self._run(
             None,
-            _SlotCache(self.cache, write),
+            _SlotCache(write),
             input_ids=tokens[:, None],
             position_ids=position_ids,
-            attention_mask=mask,
+            attention_mask=batch.mask,
         )
 
     def prefill(
         self,
         tokens: torch.Tensor,
         last: torch.Tensor,
-        slots: torch.Tensor,
-        source: torch.Tensor | None,
+        table: torch.Tensor,
+        start: int = 0,
+        past: torch.Tensor | None = None,
         prompt: PromptEmbeddings | None = None,
     ) -> torch.Tensor:
         num_prompts, length = tokens.shape
+        cache = self.cache
 
         def write(
             layer: int, k: torch.Tensor, v: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            self.cache.write_prefill(layer, slots, source, k, v)
-            return k, v
+            cache.write_blocks(layer, table, k, v)
+            if past is None:
+                return k, v
+            k_past, v_past = _past_tokens(cache, layer, past, start)
+            return torch.cat([k_past, k], dim=2), torch.cat([v_past, v], dim=2)
 
-        dtype = self.cache.k[0].dtype
-        causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
+        dtype = cache.k[0].dtype
+        causal = _chunk_mask(length, start, tokens.device)
         mask = torch.zeros(causal.shape, dtype=dtype, device=tokens.device)
         mask = mask.masked_fill_(~causal, torch.finfo(dtype).min)[None, None]
-        positions = torch.arange(length, device=tokens.device).expand(num_prompts, length)
-        cache = _SlotCache(self.cache, write)
+        positions = torch.arange(start, start + length, device=tokens.device)
+        positions = positions.expand(num_prompts, length)
+        slot_cache = _SlotCache(write)
         if prompt is None:
             return self._run(
-                last, cache, input_ids=tokens, position_ids=positions, attention_mask=mask
+                last, slot_cache, input_ids=tokens, position_ids=positions, attention_mask=mask
             )
         deepstack = (
             {}
@@ -657,12 +817,19 @@ class _HFForward:
         )
         return self._run(
             last,
-            cache,
+            slot_cache,
             inputs_embeds=prompt.embeds,
             position_ids=torch.cat([positions[None], prompt.positions]),
             attention_mask=mask,
             **deepstack,
         )
+
+
+def _token_major(blocks: torch.Tensor, num: int, *, keys: bool = True) -> torch.Tensor:
+    """Gathered blocks [S, count, kv, hd, size] (keys) or [S, count, kv, size, hd] (values) as
+    HF attention takes them: [S, kv, count * size, hd]."""
+    t = blocks.permute(0, 2, 1, 4, 3) if keys else blocks.transpose(1, 2)
+    return t.reshape(num, t.shape[1], -1, t.shape[-1])
 
 
 @dataclass(eq=False)
@@ -686,6 +853,26 @@ class _Sequence:
 _Admission = tuple[_RequestState, list[int], list[int]]
 
 
+@dataclass(eq=False)
+class _Prefix:
+    """A prompt's blocks in the paged cache, read by the samples admitted with it."""
+
+    blocks: list[int]
+    length: int
+    users: int
+    """Slots still reading it; its blocks go back when the last one finishes."""
+
+
+@dataclass(eq=False)
+class _Chunking:
+    """A prompt prefilled in chunks, one per step."""
+
+    entry: _Admission
+    prefix: int
+    done: int = 0
+    """Prompt tokens prefilled so far."""
+
+
 def _eos_token_ids(model: torch.nn.Module, vocab_size: int) -> tuple[int, ...]:
     """The model's eos token id(s), from its generation config, else its config."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -701,10 +888,16 @@ class TorchEngine(Engine):
     Args:
         model: an HF `*ForCausalLM` (on the device and dtype to generate with). The engine owns
             it: it is put in eval mode, gradients off; `update_weights` writes into it by name.
-        max_num_seqs: KV-cache slots, i.e. the most sequences decoded together.
+        max_num_seqs: the most sequences decoded together.
         max_model_len: longest prompt + completion, in tokens (default: the model's
-            max_position_embeddings). The cache holds max_num_seqs x max_model_len tokens.
+            max_position_embeddings).
         max_num_batched_tokens: most (padded) prompt tokens prefilled in one step.
+        block_size: tokens per block of the paged KV cache.
+        num_kv_blocks: blocks of the KV cache (default: room for max_num_seqs x max_model_len
+            tokens; sequences use what they need, so shorter ones leave room for more).
+        chunked_prefill: prefill a prompt longer than max_num_batched_tokens in chunks of at
+            most that many tokens, one per step, decoding the running sequences in between
+            (text prompts; a multimodal prompt is prefilled whole).
         tokenizer: anything with `decode(list[int]) -> str`; needed only for stop strings.
         seed: seeds the engine's generator (used by requests without a seed).
         policy_version: the version of the weights the model starts with.
@@ -722,6 +915,9 @@ class TorchEngine(Engine):
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
         max_num_batched_tokens: int = 8192,
+        block_size: int = 32,
+        num_kv_blocks: int | None = None,
+        chunked_prefill: bool = False,
         tokenizer: Any = None,
         seed: int = 0,
         policy_version: int = 0,
@@ -731,6 +927,8 @@ class TorchEngine(Engine):
         super().__init__(policy_version=policy_version)
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         dims = _ModelDims.of(model)
         limit = dims.max_position_embeddings
         if max_model_len is None:
@@ -779,18 +977,29 @@ class TorchEngine(Engine):
         self._storage = self._data_ptrs()
 
         num_slots, max_len, device = max_num_seqs, self.max_model_len, self.device
-        self.cache = _KVCache(
+        self.block_size = block_size
+        self._max_blocks = -(-max_len // block_size)
+        """Blocks of the longest sequence."""
+        if num_kv_blocks is None:
+            num_kv_blocks = num_slots * self._max_blocks + 2
+        if num_kv_blocks < self._max_blocks + 2:  # (+1 for a prompt's last part-filled block)
+            raise ValueError(
+                f"num_kv_blocks = {num_kv_blocks} cannot hold one sequence of max_model_len = "
+                f"{max_len} tokens (block_size {block_size}): at least {self._max_blocks + 2}"
+            )
+        self.chunked_prefill = chunked_prefill
+        self.cache = _BlockPool(
             num_layers=dims.num_layers,
-            num_slots=num_slots,
+            num_blocks=num_kv_blocks,
+            block_size=block_size,
             num_kv_heads=dims.num_kv_heads,
-            max_len=max_len,
             head_dim=dims.head_dim,
             dtype=self.dtype,
             device=device,
         )
         with torch.no_grad():
             self._forward: _Forward = (
-                _FusedForward(model, dims, self.cache, self.tensor_parallel)
+                _FusedForward(model, dims, self.cache, max_len, self.tensor_parallel)
                 if self.forward_impl == "fused"
                 else _HFForward(model, dims, self.cache)
             )
@@ -814,9 +1023,25 @@ class TorchEngine(Engine):
             self._out_tokens = torch.zeros(num_slots, max_len, dtype=torch.long, device=device)
             self._out_logprobs = torch.zeros(num_slots, max_len, device=device)
         self._generator = torch.Generator(device=device).manual_seed(seed)
+        # Blocks of each slot's generated tokens (block 0 past its own).
+        self._own_table = torch.zeros(num_slots, self._max_blocks, dtype=torch.long, device=device)
         # Host mirrors and bookkeeping.
         self._active_host = np.zeros(num_slots, dtype=bool)
         self._pos_host = np.zeros(num_slots, dtype=np.int64)
+        self._prompt_len_host = np.zeros(num_slots, dtype=np.int64)
+        self._own_blocks: list[list[int]] = [[] for _ in range(num_slots)]
+        self._promised = np.zeros(num_slots, dtype=np.int64)
+        """Blocks reserved for a slot's completion and not taken yet."""
+        self._prefix_of = np.zeros(num_slots, dtype=np.int64)
+        """The prompt (`_prefixes` key) each slot continues."""
+        self._prefixes: dict[int, _Prefix] = {}
+        self._next_prefix = 0
+        self._chunking: deque[_Chunking] = deque()
+        """Admitted prompts whose prefill runs in chunks, the first one in progress."""
+        self._groups: (
+            tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None
+        ) = None
+        """The decode batch's grouping by prompt, while the active slots stay the same."""
         self._top_k_host = np.zeros(num_slots, dtype=np.int64)  # 0 where top-k is off
         self._seqs: list[_Sequence | None] = [None] * num_slots
         self._free = list(range(num_slots))
@@ -948,6 +1173,16 @@ class TorchEngine(Engine):
         state = self._requests.get(request_id)
         if state is None:
             return []
+        for chunking in [c for c in self._chunking if c.entry[0] is state]:
+            self._chunking.remove(chunking)  # (admitted, not started: nothing generated)
+            _, indices, slots = chunking.entry
+            for index, slot in zip(indices, slots, strict=True):
+                state.completions[index] = Completion(
+                    request_id, index, [], [], "abort", ((0, self._policy_version),)
+                )
+                state.num_done += 1
+                self._prefix_of[slot] = chunking.prefix
+                self._give_back(slot)
         if state.next_index < state.request.n:
             self._waiting.remove(state)
         for index in range(state.next_index, state.request.n):
@@ -968,7 +1203,9 @@ class TorchEngine(Engine):
             outputs = []
             if self._active_host.any():
                 outputs += self._decode()
-            if self._waiting and self._free:
+            if self._chunking:  # (one chunk per step; admissions wait for the last)
+                outputs += self._prefill_chunk()
+            elif self._waiting and self._free:
                 outputs += self._admit()
             self._step_count += 1
             return outputs
@@ -976,24 +1213,83 @@ class TorchEngine(Engine):
     # ------------------------------------------------------------------ decode
     def _decode(self) -> list[RequestOutput]:
         active = np.flatnonzero(self._active_host)
-        num_range = int(active[-1]) + 1
-        # Decode the prefix of slots 0..num_range-1 as views when it is mostly active (idle
-        # slots inside it compute garbage that is discarded); gather the active ones otherwise.
-        contiguous = 2 * len(active) >= num_range
-        slots = (
-            self._slot_ids[:num_range]
-            if contiguous
-            else torch.as_tensor(active, device=self.device)
-        )
-        kv_len = int(self._pos_host[active].max()) + 1
+        size = self.block_size
+        written = self._pos_host[active] - self._prompt_len_host[active]  # (generated, cached)
+        starts = written % size == 0  # this step's token begins a new block
+        if starts.any():
+            grow = active[starts].tolist()
+            blocks = self.cache.take(len(grow))
+            for slot, block in zip(grow, blocks, strict=True):
+                self._promised[slot] -= 1
+                self._own_blocks[slot].append(block)
+            rows = torch.as_tensor(grow, device=self.device)
+            cols = torch.as_tensor(written[starts] // size, device=self.device)
+            self._own_table[rows, cols] = torch.as_tensor(blocks, device=self.device)
+        slots, batch = self._decode_batch(active, written + 1)
         positions = self._pos[slots]
         rope = positions + self._rope_delta[slots] if self.multimodal else None
-        logits = self._forward.decode(
-            self._last_token[slots], positions, slots, contiguous, kv_len, rope
-        )
-        self._pos[slots] = positions + self._active[slots]
+        logits = self._forward.decode(self._last_token[slots], positions, batch, rope)
+        self._pos[slots] = positions + 1
         self._pos_host[active] += 1
         return self._sample_and_record(logits, slots)
+
+    def _decode_batch(
+        self, active: np.ndarray, own_len: np.ndarray
+    ) -> tuple[torch.Tensor, _DecodeBatch]:
+        """The slots of `active` and where they read and write; `own_len`: their generated
+        tokens in the cache once this step's is written."""
+        device, size = self.device, self.block_size
+        if self._groups is None:  # (the active slots changed: group them by prompt again)
+            ids = self._prefix_of[active]
+            unique, rows = np.unique(ids, return_inverse=True)
+            members = np.zeros(len(active), dtype=np.int64)
+            counts = np.zeros(len(unique), dtype=np.int64)
+            for row, g in enumerate(rows.tolist()):
+                members[row] = counts[g]
+                counts[g] += 1
+            prefixes = [self._prefixes[int(i)] for i in unique]
+            table = self._block_table([p.blocks for p in prefixes])
+            lengths = torch.tensor([p.length for p in prefixes], device=device)
+            self._groups = (
+                torch.as_tensor(active, device=device),
+                table,
+                self._length_mask(lengths, table.shape[1])[torch.as_tensor(rows, device=device)],
+                torch.as_tensor(rows, device=device),
+                torch.as_tensor(members, device=device),
+                int(counts.max()),
+            )
+        slots, prefix_table, prefix_mask, group, member, width = self._groups
+        count = -(-int(own_len.max()) // size)
+        own_table = self._own_table[slots, :count]
+        lengths = torch.as_tensor(own_len, device=device)
+        mask = torch.cat([prefix_mask, self._length_mask(lengths, count)], dim=1)
+        last = lengths - 1
+        blocks = own_table.gather(1, (last // size)[:, None])[:, 0]
+        batch = _DecodeBatch(
+            own_table=own_table,
+            mask=mask[:, None, None],
+            write=self.cache.write_index(blocks, last % size),
+            prefix_table=prefix_table,
+            group=group,
+            member=member,
+            width=width,
+        )
+        return slots, batch
+
+    def _block_table(self, rows: list[list[int]]) -> torch.Tensor:
+        """Block ids [len(rows), longest], block 0 past each row's own."""
+        width = max(len(r) for r in rows)
+        table = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, row in enumerate(rows):
+            table[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return table.to(self.device)
+
+    def _length_mask(self, lengths: torch.Tensor, count: int) -> torch.Tensor:
+        """[N, count * block]: 0 at the first lengths[i] tokens of row i's blocks, the most
+        negative value of the model's dtype after (added to attention scores)."""
+        positions = torch.arange(count * self.block_size, device=self.device)
+        mask = torch.zeros(len(lengths), len(positions), dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(positions >= lengths[:, None], torch.finfo(self.dtype).min)
 
     def _sample_and_record(self, logits: torch.Tensor, slots: torch.Tensor) -> list[RequestOutput]:
         """Sample one token per row of logits for `slots`, append it, finish what is done."""
@@ -1116,7 +1412,27 @@ class TorchEngine(Engine):
         self._active_host[slot] = False
         self._pos_host[slot] = 0
         self._top_k_host[slot] = 0
+        self._give_back(slot)
+
+    def _give_back(self, slot: int) -> None:
+        """Free the slot, its blocks and what was promised to it; its prompt's blocks when it
+        was the prompt's last reader."""
+        self.cache.give_back(self._own_blocks[slot])
+        self._own_blocks[slot] = []
+        self.cache.unreserve(int(self._promised[slot]))
+        self._promised[slot] = 0
+        prefix = self._prefixes[int(self._prefix_of[slot])]
+        prefix.users -= 1
+        if prefix.users == 0:
+            self.cache.give_back(prefix.blocks)
+            del self._prefixes[int(self._prefix_of[slot])]
+        self._groups = None
         heapq.heappush(self._free, slot)
+
+    @property
+    def kv_cache_usage(self) -> tuple[int, int]:
+        """(blocks holding keys and values, blocks of the cache but the reserved block 0)."""
+        return self.cache.num_used, self.cache.num_blocks - 1
 
     def _count_flags(self, request: GenerationRequest, sign: int) -> None:
         sampling = request.sampling
@@ -1134,22 +1450,48 @@ class TorchEngine(Engine):
         return RequestOutput(request.request_id, tuple(request.prompt_token_ids), completions)
 
     # ------------------------------------------------------------------ admission + prefill
+    def _completion_room(self, request: GenerationRequest) -> int:
+        return min(request.sampling.max_tokens, self.max_model_len - len(request.prompt_token_ids))
+
     def _admit(self) -> list[RequestOutput]:
-        """Move waiting samples into free slots, prefill their prompts, sample first tokens."""
+        """Move waiting samples into free slots, as many as the cache's free blocks hold with
+        their whole completions (so decoding never runs out of blocks), prefill their prompts,
+        sample first tokens."""
         entries: list[_Admission] = []
-        num_tokens = 0
+        num_tokens, size = 0, self.block_size
         while self._waiting and self._free:
             state = self._waiting[0]
-            length = len(state.request.prompt_token_ids)
-            if entries and num_tokens + length > self.max_num_batched_tokens:
+            request = state.request
+            length = len(request.prompt_token_ids)
+            chunked = (
+                self.chunked_prefill
+                and length > self.max_num_batched_tokens
+                and request.media is None
+            )
+            if entries and (chunked or num_tokens + length > self.max_num_batched_tokens):
                 break
-            take = min(state.request.n - state.next_index, len(self._free))
+            prompt_blocks, per_sample = (
+                -(-length // size),
+                -(-self._completion_room(request) // size),
+            )
+            fits = (self.cache.num_free - prompt_blocks) // per_sample
+            take = min(request.n - state.next_index, len(self._free), fits)
+            if take < 1:
+                break  # (blocks come back as running sequences finish)
+            self.cache.reserve(prompt_blocks + take * per_sample)
             slots = [heapq.heappop(self._free) for _ in range(take)]
-            entries.append((state, list(range(state.next_index, state.next_index + take)), slots))
+            self._promised[slots] = per_sample
+            entry = (state, list(range(state.next_index, state.next_index + take)), slots)
             state.next_index += take
-            if state.next_index == state.request.n:
+            if state.next_index == request.n:
                 self._waiting.popleft()
+            if chunked:
+                self._chunking.append(_Chunking(entry, self._new_prefix(length, take)))
+                return self._prefill_chunk()
+            entries.append(entry)
             num_tokens += length
+        if not entries:
+            return []
         # Prefill prompts of similar lengths together, so padding wastes at most ~25% compute.
         entries.sort(key=lambda e: len(e[0].request.prompt_token_ids))
         outputs, group = [], [entries[0]]
@@ -1162,14 +1504,67 @@ class TorchEngine(Engine):
             group.append(entry)
         return outputs + self._prefill(group)
 
+    def _new_prefix(self, length: int, users: int) -> int:
+        """Take the reserved blocks of a prompt of `length` tokens; its id."""
+        key = self._next_prefix
+        self._next_prefix += 1
+        self._prefixes[key] = _Prefix(self.cache.take(-(-length // self.block_size)), length, users)
+        return key
+
     def _prefill(self, group: list[_Admission]) -> list[RequestOutput]:
-        """Set up the slots of `group`, prefill its prompts together, sample first tokens."""
+        """Prefill the prompts of `group` together (each once, whatever its samples), start
+        their samples."""
+        prefixes = [
+            self._new_prefix(len(state.request.prompt_token_ids), len(slots))
+            for state, _, slots in group
+        ]
         longest = max(len(state.request.prompt_token_ids) for state, _, _ in group)
         prompts = torch.zeros(len(group), longest, dtype=torch.long)
+        for row, (state, _, _) in enumerate(group):
+            ids = state.request.prompt_token_ids
+            prompts[row, : len(ids)] = torch.tensor(ids)
+        last = torch.tensor([len(s.request.prompt_token_ids) - 1 for s, _, _ in group])
+        slots_t, source = self._activate(group, prefixes)
+        prompts, last = prompts.to(self.device), last.to(self.device)
+        embedded = self._embed_media(group, prompts, last + 1, slots_t, source)
+        table = self._block_table([self._prefixes[p].blocks for p in prefixes])
+        if table.shape[1] * self.block_size < longest:  # (padding past a row's blocks: block 0)
+            extra = -(-longest // self.block_size) - table.shape[1]
+            table = F.pad(table, (0, extra))
+        logits = self._forward.prefill(prompts, last, table, 0, None, embedded)
+        return self._sample_first(logits, slots_t, source, len(group))
+
+    def _prefill_chunk(self) -> list[RequestOutput]:
+        """The next chunk of the prompt being prefilled in chunks; its samples start after the
+        last chunk."""
+        chunking = self._chunking[0]
+        state, _, _ = chunking.entry
+        ids = state.request.prompt_token_ids
+        size = self.block_size
+        step = max(size, self.max_num_batched_tokens // size * size)
+        start, end = chunking.done, min(len(ids), chunking.done + step)
+        blocks = self._prefixes[chunking.prefix].blocks
+        tokens = torch.tensor([ids[start:end]], device=self.device)
+        table = torch.tensor([blocks[start // size : -(-end // size)]], device=self.device)
+        past = torch.tensor([blocks[: start // size]], device=self.device) if start else None
+        last = torch.tensor([end - start - 1], device=self.device)
+        logits = self._forward.prefill(tokens, last, table, start, past)
+        chunking.done = end
+        if end < len(ids):
+            return []
+        self._chunking.popleft()
+        slots_t, source = self._activate([chunking.entry], [chunking.prefix])
+        self._rope_delta[slots_t] = 0
+        return self._sample_first(logits, slots_t, source, 1)
+
+    def _activate(
+        self, group: list[_Admission], prefixes: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Set up the slots of `group` (prefilled prompts `prefixes`) to decode: their slots,
+        and for each the row of its prompt in the group."""
         all_slots, source, prompt_len, top_k, uniforms = [], [], [], [], []
-        for row, (state, indices, slots) in enumerate(group):
+        for row, ((state, indices, slots), prefix) in enumerate(zip(group, prefixes, strict=True)):
             request = state.request
-            prompts[row, : len(request.prompt_token_ids)] = torch.tensor(request.prompt_token_ids)
             for index, slot in zip(indices, slots, strict=True):
                 all_slots.append(slot)
                 source.append(row)
@@ -1178,6 +1573,7 @@ class TorchEngine(Engine):
                     request.sampling.top_k if request.sampling.top_k < self.vocab_size else 0
                 )
                 self._seqs[slot] = _Sequence(state, index, self._step_count, request.sampling.stop)
+                self._prefix_of[slot] = prefix
                 state.slots.add(slot)
                 self._count_flags(request, +1)
             uniforms.append(self._draw_uniforms(request, indices))
@@ -1187,16 +1583,18 @@ class TorchEngine(Engine):
         self._mark_prompt_tokens(group)
         self._active_host[all_slots] = True
         self._pos_host[all_slots] = prompt_len
+        self._prompt_len_host[all_slots] = prompt_len
         self._top_k_host[all_slots] = top_k
+        self._groups = None
+        return slots_t, source
 
-        last = torch.tensor([len(s.request.prompt_token_ids) - 1 for s, _, _ in group])
-        # A request's n samples share one prefill; its KV goes to each of their slots.
-        shared = len(all_slots) > len(group)
-        source_t = torch.tensor(source, device=self.device) if shared else None
-        prompts, last = prompts.to(self.device), last.to(self.device)
-        embedded = self._embed_media(group, prompts, last + 1, slots_t, source)
-        logits = self._forward.prefill(prompts, last, slots_t, source_t, embedded)
-        return self._sample_and_record(logits[source_t] if shared else logits, slots_t)
+    def _sample_first(
+        self, logits: torch.Tensor, slots: torch.Tensor, source: list[int], num_prompts: int
+    ) -> list[RequestOutput]:
+        """First tokens of `slots` from their prompts' logits (row source[i] for slot i)."""
+        if len(source) > num_prompts:  # (a prompt's samples share its logits)
+            logits = logits[torch.tensor(source, device=self.device)]
+        return self._sample_and_record(logits, slots)
 
     def _embed_media(
         self,
