@@ -996,8 +996,8 @@ class PolicyConfig(_Section):
 
     model_name_or_path: str = "tiny:qwen2"
     """A Hugging Face Hub model id (`Qwen/Qwen2.5-7B-Instruct`, fetched into the usual cache),
-    a local Hugging Face folder, or a built-in preset `tiny:<name>` (random init, local
-    character tokenizer)."""
+    a local Hugging Face folder, or a built-in preset `tiny:<name>` (random init, a tokenizer
+    built locally or shipped in the package: see `nebula_rl.models`)."""
     model_safetensor_path: str | None = None
     """Load the weights from these safetensors (a file or a folder of them) instead of
     `model_name_or_path`'s, which still gives the architecture and tokenizer."""
@@ -1139,7 +1139,10 @@ class RolloutConfig(_Section):
     enforce_eager: bool = True
     """vLLM: disable CUDA graphs."""
     enable_chunked_prefill: bool = False
-    """vLLM: chunked prefill."""
+    """Prefill a prompt longer than `max_num_batched_tokens` in chunks, one per engine step,
+    while the running sequences keep decoding (the torch engine: text prompts; and vLLM)."""
+    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    """nebula-rl: most prompt tokens an engine step prefills (passed to vLLM as its own)."""
     vllm_use_flashinfer: bool = Field(
         default=False, json_schema_extra=refused("FlashInfer in vLLM is not supported yet")
     )
@@ -2031,7 +2034,7 @@ def _rule_refusals(cfg: Config) -> list[str]:
         )
     if r.backend == "torch":
         defaults = RolloutConfig()
-        for key in ("gpu_memory_utilization", "enforce_eager", "enable_chunked_prefill"):
+        for key in ("gpu_memory_utilization", "enforce_eager"):
             if getattr(r, key) != getattr(defaults, key):
                 out.append(
                     f"rollout.{key} = {_format_value(getattr(r, key))}: a vLLM setting; "

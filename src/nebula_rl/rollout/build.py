@@ -1,6 +1,7 @@
 """The engine `[rollout] backend` names, built from the config (one place for both loops).
 
-`rollout.backend = "torch"` is nebula-rl's built-in engine on the model the caller loaded;
+`rollout.backend = "torch"` is nebula-rl's built-in engine on the model the caller loaded
+(`enable_chunked_prefill` and `max_num_batched_tokens` apply to it too);
 `"vllm"` (the default, as in cosmos-rl) is vLLM, which loads the model folder itself and takes
 cosmos-rl's vLLM settings (`gpu_memory_utilization`, `enforce_eager`, `enable_chunked_prefill`).
 :func:`check_backend` tells, before any process starts or model loads, whether the backend can
@@ -71,6 +72,8 @@ def build_engine(
         kwargs: dict[str, Any] = dict(
             max_num_seqs=r.max_num_seqs,
             max_model_len=max_model_len(cfg, model.config),  # type: ignore[union-attr]
+            max_num_batched_tokens=r.max_num_batched_tokens,
+            chunked_prefill=r.enable_chunked_prefill,
             tokenizer=tokenizer,
             seed=seed,
             forward="hf" if cfg.train.force_use_hf else "auto",
@@ -89,6 +92,7 @@ def build_engine(
         gpu_memory_utilization=r.gpu_memory_utilization,
         enforce_eager=r.enforce_eager,
         enable_chunked_prefill=r.enable_chunked_prefill,
+        max_num_batched_tokens=r.max_num_batched_tokens,
         max_num_seqs=r.max_num_seqs,
         tensor_parallel_size=r.parallelism.tp_size,
         pipeline_parallel_size=r.parallelism.pp_size,

@@ -896,8 +896,8 @@ class TorchEngine(Engine):
         num_kv_blocks: blocks of the KV cache (default: room for max_num_seqs x max_model_len
             tokens; sequences use what they need, so shorter ones leave room for more).
         chunked_prefill: prefill a prompt longer than max_num_batched_tokens in chunks of at
-            most that many tokens, one per step, decoding the running sequences in between
-            (text prompts; a multimodal prompt is prefilled whole).
+            most that many tokens (whole blocks, at least one), one per step, decoding the
+            running sequences in between (text prompts; a multimodal prompt is prefilled whole).
         tokenizer: anything with `decode(list[int]) -> str`; needed only for stop strings.
         seed: seeds the engine's generator (used by requests without a seed).
         policy_version: the version of the weights the model starts with.
@@ -1428,6 +1428,11 @@ class TorchEngine(Engine):
             del self._prefixes[int(self._prefix_of[slot])]
         self._groups = None
         heapq.heappush(self._free, slot)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences decoding now."""
+        return int(self._active_host.sum())
 
     @property
     def kv_cache_usage(self) -> tuple[int, int]:
