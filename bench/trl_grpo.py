@@ -1,13 +1,16 @@
 """nebula-rl against TRL's `GRPOTrainer`: wall-clock per step and reward after the same samples.
 
 Both frameworks train the same starting model on the same task with the same GRPO settings,
-taken from one nebula-rl config (default `configs/demo.toml`): the demo's SFT warm start of the
-tiny Qwen2-architecture model (built first if missing, outside the timing), the built-in
-arithmetic prompts under the same chat template, the `arithmetic` reward of `nebula_rl.rewards`,
-`train_batch_per_replica` prompts x `n_generation` completions per step, `max_response_length`
-new tokens, the learning rate, AdamW settings, gradient clipping, clip range (epsilon low/high),
-token-mean loss, group-std-normalised advantages, no KL term, float32, no activation
-checkpointing. Each runs `--steps` optimiser steps, so both see the same number of samples.
+taken from one nebula-rl config: the config's starting model (its SFT warm start is built first
+if missing, outside the timing) and tokenizer, its prompts under the same chat template with its
+system prompt, its rewards (`nebula_rl.rewards`, on the decoded text), `train_batch_per_replica`
+completions (prompts x `n_generation`) per step with gradients accumulated over `mini_batch`
+sequences, `max_response_length` new tokens, the learning rate, AdamW settings, gradient
+clipping, clip range (epsilon low/high), token-mean loss, group-std-normalised advantages, no KL
+term, float32, no activation checkpointing. Each runs `--steps` optimiser steps, so both see the
+same number of samples. A setting TRL's side does not map is refused by its key. Configs:
+`configs/demo.toml` (the default: arithmetic, at most 4 new tokens, a ~3M-parameter model) and
+`configs/bench_gsm8k.toml` (the GSM8K-shaped job: 256 new tokens, a ~14M-parameter model).
 
 nebula-rl is measured two ways (`--modes`), TRL once:
 
@@ -97,7 +100,7 @@ def run_trl(cfg: Config, *, steps: int, threads: int, out: Path) -> dict[str, An
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from nebula_rl.data import rl_rows
+    from nebula_rl.data import prompt_messages, rl_rows
     from nebula_rl.models import load_model, load_tokenizer
     from nebula_rl.rewards import combine_rewards
 
@@ -106,27 +109,16 @@ def run_trl(cfg: Config, *, steps: int, threads: int, out: Path) -> dict[str, An
     # TRL 1.16 sets `gradient_checkpointing`, which transformers 5 renamed: not ours to fix.
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     p, t, s = cfg.grpo, cfg.train, cfg.rollout.sampling_config
-    unmapped = (
-        p.variant != "grpo"
-        or p.loss_type != "token-mean"
-        or p.system_prompt
-        or p.kl_beta
-        or p.mu_iterations != 1
-        or p.dynamic_sampling_enabled
-        or p.overlong_reward.enable_overlong_penalty
-    )
-    if unmapped:
-        raise SystemExit(
-            "the TRL mapping here covers variant grpo with token-mean loss, no system prompt, KL, "
-            "extra iterations, dynamic sampling or overlong penalty"
-        )
+    refuse_unmapped(cfg)
+    completions = cfg.groups_per_replica * cfg.rollout.n_generation
+    micro = min(p.mini_batch, completions)
     path = cfg.policy.model_name_or_path
     tokenizer, model = load_tokenizer(path), load_model(path, seed=t.seed or 0)
     rows = rl_rows(cfg)
     dataset = Dataset.from_list(
         [
             {
-                "prompt": [{"role": "user", "content": r[p.prompt_column_name]}],
+                "prompt": prompt_messages(r[p.prompt_column_name], p.system_prompt),
                 "answer": r[p.response_column_name],
             }
             for r in rows
@@ -152,8 +144,10 @@ def run_trl(cfg: Config, *, steps: int, threads: int, out: Path) -> dict[str, An
     args = GRPOConfig(
         output_dir=str(out / "trl"),
         max_steps=steps,
-        per_device_train_batch_size=t.train_batch_per_replica * cfg.rollout.n_generation,
-        gradient_accumulation_steps=1,
+        # TRL counts completions, per forward/backward: nebula-rl's mini_batch, accumulated
+        # over the step's batch (one generation batch per optimiser step)
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=completions // micro,
         num_generations=cfg.rollout.n_generation,
         max_completion_length=cfg.rollout.max_response_length,
         temperature=s.temperature,
@@ -206,6 +200,48 @@ def run_trl(cfg: Config, *, steps: int, threads: int, out: Path) -> dict[str, An
     }
 
 
+def refuse_unmapped(cfg: Config) -> None:
+    """Exit naming each key of `cfg` whose value TRL's side of this benchmark does not map."""
+    p, t = cfg.grpo, cfg.train
+    completions = cfg.groups_per_replica * cfg.rollout.n_generation
+    micro = min(p.mini_batch, completions)
+    checks = {
+        "train.train_policy.variant": (p.variant, p.variant == "grpo"),
+        "train.train_policy.loss_type": (p.loss_type, p.loss_type == "token-mean"),
+        "train.train_policy.kl_beta": (p.kl_beta, not p.kl_beta),
+        "train.train_policy.mu_iterations": (p.mu_iterations, p.mu_iterations == 1),
+        "train.train_policy.dynamic_sampling": (
+            p.dynamic_sampling_enabled,
+            not p.dynamic_sampling_enabled,
+        ),
+        "train.train_policy.overlong_reward.enable_overlong_penalty": (
+            p.overlong_reward.enable_overlong_penalty,
+            not p.overlong_reward.enable_overlong_penalty,
+        ),
+        "train.train_policy.batch_size_per_optimize": (
+            p.batch_size_per_optimize,
+            p.batch_size_per_optimize in (None, completions),
+        ),
+        # (TRL accumulates whole micro-batches of completions per optimiser step)
+        "train.train_policy.mini_batch": (p.mini_batch, completions % micro == 0),
+        "train.param_dtype": (t.param_dtype, t.param_dtype == "float32"),
+        "train.optm_decay_type": (t.optm_decay_type, t.optm_decay_type != "sqrt"),
+        "policy.model_gradient_checkpointing": (
+            cfg.policy.model_gradient_checkpointing,
+            not cfg.policy.model_gradient_checkpointing,
+        ),
+    }
+    unmapped = [f"{key} = {value!r}" for key, (value, ok) in checks.items() if not ok]
+    if unmapped:
+        raise SystemExit(
+            "the TRL mapping here does not cover: "
+            + "; ".join(unmapped)
+            + " (it maps variant grpo, token-mean loss, no KL, one iteration, no dynamic sampling "
+            "or overlong penalty, one optimiser step per batch, mini_batch dividing the batch, "
+            "float32, no activation checkpointing)"
+        )
+
+
 def windows(values: list[float], size: int) -> list[float]:
     """Means of consecutive windows of `size` (the last may be shorter)."""
     return [mean(values[i : i + size]) for i in range(0, len(values), size)]
@@ -254,7 +290,7 @@ def main() -> None:
     steady = {name: sum(r["step_s"][1:]) / (args.steps - 1) for name, (r, _) in rows.items()}
     g = cfg.rollout
     print(
-        f"{args.config}: {cfg.policy.model_name_or_path}, {cfg.train.train_batch_per_replica} "
+        f"{args.config}: {cfg.policy.model_name_or_path}, {cfg.groups_per_replica} "
         f"prompts x {g.n_generation} completions per step, <= {g.max_response_length} new tokens, "
         f"lr {cfg.train.optm_lr:g}, {args.steps} steps each, {cores} cores"
     )
