@@ -5,15 +5,19 @@ A name is a local folder, a Hub repo id fetched into the Hugging Face cache (see
 :mod:`nebula_rl.models.hub`), or a preset. A preset (`tiny:qwen2`, `tiny:llama`, and the
 vision-language `tiny:qwen3_vl`, `tiny:qwen2_5_vl`) is a
 few-million-parameter model of that architecture with random initialisation and a byte-level
-tokenizer without merges built locally with the `tokenizers` library; exported, it is an ordinary
-Hugging Face folder (config, safetensors, tokenizer, ChatML chat template). Presets exist for tests
-and demos and are never downloaded.
+tokenizer without merges built locally with the `tokenizers` library. `tiny:qwen2_gsm8k` is a
+larger one (~14M parameters, the GSM8K-shaped benchmark's) with a byte-level BPE tokenizer of 4096
+tokens trained on GSM8K's training text, shipped in this package (`gsm8k_tokenizer.json`,
+rebuilt by `python -m nebula_rl.models.bpe`). Exported, a preset is an ordinary Hugging Face
+folder (config, safetensors, tokenizer, ChatML chat template). Presets exist for tests, demos and
+benchmarks and are never downloaded.
 """
 
 from __future__ import annotations
 
 import json
 import string
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,9 +36,11 @@ from nebula_rl.models.hub import is_hub_id, resolve_model
 
 __all__ = [
     "CHATML_TEMPLATE",
+    "GSM8K_TOKENIZER_FILE",
     "TINY_PRESETS",
     "VISION_TOKENS",
     "build_char_tokenizer",
+    "build_gsm8k_tokenizer",
     "build_tiny_model",
     "count_parameters",
     "is_hub_id",
@@ -101,6 +107,19 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    ),
+    # The GSM8K-shaped benchmark's model (configs/bench_gsm8k.toml): ~14M parameters, with the
+    # GSM8K BPE tokenizer (see _PRESET_TOKENIZERS), room for a prompt and 256 new tokens.
+    "qwen2_gsm8k": dict(
+        model_type="qwen2",
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
         rope_theta=10000.0,
         tie_word_embeddings=True,
     ),
@@ -206,18 +225,51 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    return _chatml_tokenizer(tok, additional_special_tokens=["<|im_start|>", *VISION_TOKENS])
+
+
+GSM8K_TOKENIZER_FILE = Path(__file__).with_name("gsm8k_tokenizer.json")
+"""The `tiny:qwen2_gsm8k` preset's tokenizer (package data), trained by
+:func:`nebula_rl.models.bpe.train_gsm8k_tokenizer` on `data/gsm8k/train.jsonl`."""
+
+
+def build_gsm8k_tokenizer() -> PreTrainedTokenizerFast:
+    """The byte-level BPE tokenizer of `tiny:qwen2_gsm8k`: 4096 tokens (the ChatML special tokens
+    at the ids of :func:`build_char_tokenizer`, the 256 bytes, then merges) trained on GSM8K's
+    training questions and answers with Qwen2's pipeline (NFC, Qwen2's word split with single
+    digits, byte-level symbols), so an export next to a qwen2 config loads identically with plain
+    `AutoTokenizer.from_pretrained`. GSM8K text takes ~0.36 tokens per character."""
+    from tokenizers import Tokenizer
+
+    return _chatml_tokenizer(
+        Tokenizer.from_file(str(GSM8K_TOKENIZER_FILE)),
+        additional_special_tokens=["<|im_start|>"],
+    )
+
+
+def _chatml_tokenizer(tok: Any, *, additional_special_tokens: list[str]) -> PreTrainedTokenizerFast:
+    """`tok` (a `tokenizers.Tokenizer` holding :data:`SPECIAL_TOKENS`) as a preset tokenizer:
+    `<|im_end|>` ends a turn and generation, `<|endoftext|>` pads on the left, ChatML template."""
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token="<unk>",
-        additional_special_tokens=["<|im_start|>", *VISION_TOKENS],
+        additional_special_tokens=additional_special_tokens,
         model_max_length=4096,
         padding_side="left",
     )
     fast.chat_template = CHATML_TEMPLATE
     return fast
+
+
+_PRESET_TOKENIZERS = {"qwen2_gsm8k": build_gsm8k_tokenizer}
+"""Presets whose tokenizer is not :func:`build_char_tokenizer`."""
+
+
+def _preset_tokenizer(preset: str) -> PreTrainedTokenizerFast:
+    return _PRESET_TOKENIZERS.get(preset, build_char_tokenizer)()
 
 
 def _tiny_config(
@@ -304,8 +356,9 @@ def load_tokenizer(name_or_path: str, *, revision: str | None = None) -> PreTrai
     """The tokenizer of a local model folder, a Hub repo id at `revision` or a preset; left
     padding, a pad token set. A Hub id is fetched into the Hugging Face cache (see
     :func:`nebula_rl.models.hub.resolve_model`)."""
-    if _preset_name(name_or_path) is not None:
-        return build_char_tokenizer()
+    preset = _preset_name(name_or_path)
+    if preset is not None:
+        return _preset_tokenizer(preset)
     path = resolve_model(name_or_path, revision=revision)
     config_file = path / "tokenizer_config.json"
     saved = json.loads(config_file.read_text()) if config_file.is_file() else {}
@@ -337,7 +390,7 @@ def load_model(
     initialised preset."""
     preset = _preset_name(name_or_path)
     if preset is not None:
-        tok = build_char_tokenizer()
+        tok = _preset_tokenizer(preset)
         model = build_tiny_model(
             preset,
             vocab_size=len(tok),
@@ -357,7 +410,7 @@ def load_model_config(name_or_path: str, *, revision: str | None = None) -> Pret
     """The config of the model `load_model` would load (no weights read)."""
     preset = _preset_name(name_or_path)
     if preset is not None:
-        tok = build_char_tokenizer()
+        tok = _preset_tokenizer(preset)
         return _tiny_config(
             preset,
             vocab_size=len(tok),
