@@ -1124,7 +1124,8 @@ class RolloutConfig(_Section):
     max_response_length: int = Field(default=2048, ge=1)
     """Most tokens generated per completion."""
     max_num_seqs: int = Field(default=256, ge=1)
-    """nebula-rl: sequences decoded together (the engine's KV-cache slots)."""
+    """nebula-rl: the most sequences decoded together; the torch engine's paged KV cache holds
+    this many sequences of `policy.model_max_length` tokens (shorter ones leave room)."""
     seed: int | None = None
     """Sampling seed; defaults to `train.seed`."""
     reward_workers: int = Field(default=1, ge=0)

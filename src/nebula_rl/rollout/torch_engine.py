@@ -198,8 +198,8 @@ class _BlockPool:
         self._promised = 0
         # Warm buffers for gathered blocks, grown on demand (first touch of fresh memory is slow).
         self._buffers: dict[str, torch.Tensor] = {}
-        self._kept: dict[str, torch.Tensor] = {}
-        """The table each kept buffer holds the blocks of."""
+        self._kept: dict[str, object] = {}
+        """The key each kept buffer holds the blocks of."""
 
     @property
     def num_free(self) -> int:
@@ -242,11 +242,18 @@ class _BlockPool:
         return k_index, v_index
 
     def write_token(
-        self, layer: int, index: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        index: tuple[torch.Tensor, torch.Tensor],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """Write one token per sequence: k, v are [S, kv_heads, head_dim]."""
-        self.k[layer].view(-1).index_copy_(0, index[0], k.reshape(-1))
-        self.v[layer].view(-1, self.head_dim).index_copy_(0, index[1], v.reshape(-1, self.head_dim))
+        """Write one token per sequence: k, v are [S, kv_heads, head_dim]; into `blocks` (K and
+        V blocks laid out as the pool's, e.g. gathered copies) instead of the pool's."""
+        k_blocks, v_blocks = (self.k[layer], self.v[layer]) if blocks is None else blocks
+        k_blocks.reshape(-1).index_copy_(0, index[0], k.reshape(-1))
+        v_blocks.reshape(-1, self.head_dim).index_copy_(0, index[1], v.reshape(-1, self.head_dim))
 
     def write_blocks(
         self, layer: int, table: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -268,14 +275,18 @@ class _BlockPool:
         self.v[layer].view(self.num_blocks, -1).index_copy_(0, ids, v.reshape(len(ids), -1))
 
     def gather(
-        self, layer: int, table: torch.Tensor, name: str, *, kept: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, layer: int, table: torch.Tensor, name: str, *, key: object = None
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The blocks of `table` [N, count]: K [N, count, kv, head_dim, size] and V
         [N, count, kv, size, head_dim], copied into warm buffers (valid until the next gather
-        under the same name). `kept`: the blocks do not change while this same `table` object
-        is gathered again, so the layer keeps its own copy and copies only for a new table."""
+        under the same name), and whether they were copied now.
+
+        `key`: the caller keeps these copies up to date while it gathers again with the same
+        key (the same blocks in the same places: what changes, it writes into the copies
+        itself), so each layer keeps its own and copies only for a new key."""
         ids = table.reshape(-1)
         width = self.k[layer][0].numel()
+        kept = key is not None
         if kept:
             name = f"{name}.{layer}"
         shape = (*table.shape, self.num_kv_heads)
@@ -286,16 +297,16 @@ class _BlockPool:
             out_v.view(*shape, self.block_size, self.head_dim),
         )
         if kept:
-            if self._kept.get(name) is table:
-                return views
-            self._kept[name] = table
+            if self._kept.get(name) is key:
+                return (*views, False)
+            self._kept[name] = key
         torch.index_select(
             self.k[layer].view(self.num_blocks, -1), 0, ids, out=out_k.view(len(ids), -1)
         )
         torch.index_select(
             self.v[layer].view(self.num_blocks, -1), 0, ids, out=out_v.view(len(ids), -1)
         )
-        return views
+        return (*views, True)
 
     def _buffer(self, name: str, numel: int) -> torch.Tensor:
         buffer = self._buffers.get(name)
@@ -321,6 +332,11 @@ class _DecodeBatch:
     """[S, n] the blocks of each sequence's generated tokens (block 0 past its own)."""
     write: tuple[torch.Tensor, torch.Tensor]
     """Flat indices of this step's token (`_BlockPool.write_index`)."""
+    own_key: object
+    """The same object from step to step while the own blocks stay in the same rows and
+    columns of `own_table` (new blocks may fill columns that pointed at block 0)."""
+    own_write: tuple[torch.Tensor, torch.Tensor]
+    """Flat indices of this step's token in the own blocks laid out as `own_table`."""
     prefix_table: torch.Tensor
     """[R, m] the blocks of the step's R prompts."""
     mask: torch.Tensor
@@ -333,7 +349,13 @@ class _DecodeBatch:
 
 
 def _paged_attention(
-    q: torch.Tensor, cache: _BlockPool, layer: int, batch: _DecodeBatch, scaling: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: _BlockPool,
+    layer: int,
+    batch: _DecodeBatch,
+    scaling: float,
 ) -> torch.Tensor:
     """Decode attention over the paged cache, the prompt part shared: q [S, kv, per_kv, hd]
     (per_kv query heads per KV head) -> [S, kv, per_kv, hd].
@@ -341,15 +363,22 @@ def _paged_attention(
     Scores against a prompt are computed once for all of the prompt's sequences in the step
     (their queries stacked: one matmul per prompt block instead of one per sequence, so a GRPO
     group of n samples reads its prompt's keys and values once, not n times); each sequence's
-    scores against its generated tokens from its own blocks. One softmax over both parts."""
+    scores against its generated tokens from its own blocks. One softmax over both parts.
+
+    k, v [S, kv, hd]: the step's token, written to the pool already. The copies of the own
+    blocks are kept from step to step while the batch's layout stays (`batch.own_key`), the
+    step's token written into them, so a step copies each sequence's blocks only after the
+    running set or its widest block count changed."""
     num, kv, per, hd = q.shape
     size = cache.block_size
     own, (rows, count), width = batch.own_table.shape[1], batch.prefix_table.shape, batch.width
     q = q * scaling
-    k_own, v_own = cache.gather(layer, batch.own_table, "own")
+    k_own, v_own, copied = cache.gather(layer, batch.own_table, "own", key=batch.own_key)
+    if not copied:
+        cache.write_token(layer, batch.own_write, k, v, blocks=(k_own, v_own))
     q_own = q[:, None].expand(num, own, kv, per, hd).reshape(num * own * kv, per, hd)
     s_own = torch.bmm(q_own, k_own.view(-1, hd, size)).view(num, own, kv, per, size)
-    k_pre, v_pre = cache.gather(layer, batch.prefix_table, "prefix", kept=True)
+    k_pre, v_pre, _ = cache.gather(layer, batch.prefix_table, "prefix", key=batch.prefix_table)
     q_pre = q.new_zeros(rows, width, kv, per, hd)
     q_pre[batch.group, batch.member] = q
     q_pre = q_pre.permute(0, 2, 1, 3, 4).reshape(rows, 1, kv, width * per, hd)
@@ -604,7 +633,7 @@ class _FusedForward:
             q, k, v = qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_heads + num_kv :]
             self.cache.write_token(i, batch.write, k, v)
             attn = _paged_attention(
-                q.reshape(num, num_kv, -1, hd), self.cache, i, batch, self.scaling
+                q.reshape(num, num_kv, -1, hd), k, v, self.cache, i, batch, self.scaling
             )
             x = self._mlp(x + self._row_parallel(attn.reshape(num, -1), layer.o), layer)
         return self._logits(x)
@@ -664,7 +693,7 @@ def _past_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [1, kv, start, head_dim] of a prompt's first `start` tokens (the blocks
     `past` [1, c])."""
-    k, v = cache.gather(layer, past, "past")
+    k, v, _ = cache.gather(layer, past, "past")
     _, count, kv, hd, size = k.shape
     keys = k.permute(0, 2, 1, 4, 3).reshape(1, kv, count * size, hd)[:, :, :start]
     values = v.transpose(1, 2).reshape(1, kv, count * size, hd)[:, :, :start]
@@ -758,8 +787,8 @@ class _HFForward:
             layer: int, k: torch.Tensor, v: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
             cache.write_token(layer, batch.write, k[:, :, 0], v[:, :, 0])
-            k_pre, v_pre = cache.gather(layer, batch.prefix_table, "prefix")
-            k_own, v_own = cache.gather(layer, batch.own_table, "own")
+            k_pre, v_pre, _ = cache.gather(layer, batch.prefix_table, "prefix")
+            k_own, v_own, _ = cache.gather(layer, batch.own_table, "own")
             keys = [_token_major(t, num) for t in (k_pre[batch.group], k_own)]
             values = [_token_major(t, num, keys=False) for t in (v_pre[batch.group], v_own)]
             return torch.cat(keys, dim=2), torch.cat(values, dim=2)
@@ -1042,6 +1071,8 @@ class TorchEngine(Engine):
             tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None
         ) = None
         """The decode batch's grouping by prompt, while the active slots stay the same."""
+        self._own_layout: tuple[object, int, object] | None = None
+        """(grouping, own block columns, key): the key of `_DecodeBatch.own_key`."""
         self._top_k_host = np.zeros(num_slots, dtype=np.int64)  # 0 where top-k is off
         self._seqs: list[_Sequence | None] = [None] * num_slots
         self._free = list(range(num_slots))
@@ -1264,11 +1295,18 @@ class TorchEngine(Engine):
         lengths = torch.as_tensor(own_len, device=device)
         mask = torch.cat([prefix_mask, self._length_mask(lengths, count)], dim=1)
         last = lengths - 1
-        blocks = own_table.gather(1, (last // size)[:, None])[:, 0]
+        column, offset = last // size, last % size
+        blocks = own_table.gather(1, column[:, None])[:, 0]
+        layout = self._own_layout
+        if layout is None or layout[0] is not self._groups or layout[1] != count:
+            layout = self._own_layout = (self._groups, count, object())
+        sequences = torch.arange(len(own_len), device=device)
         batch = _DecodeBatch(
             own_table=own_table,
             mask=mask[:, None, None],
-            write=self.cache.write_index(blocks, last % size),
+            write=self.cache.write_index(blocks, offset),
+            own_key=layout[2],
+            own_write=self.cache.write_index(sequences * count + column, offset),
             prefix_table=prefix_table,
             group=group,
             member=member,
