@@ -22,13 +22,15 @@ load_state_dict, lower is better).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
 import torch
 import transformers
 
-from nebula_rl.models import build_tiny_model
+from nebula_rl.data import prompt_token_ids
+from nebula_rl.models import build_tiny_model, load_model, load_tokenizer
 from nebula_rl.rollout.engine import GenerationRequest, SamplingParams
 from nebula_rl.rollout.torch_engine import TorchEngine
 
@@ -224,6 +226,80 @@ def logprob_mismatch(model, prompts, device: str, label: str) -> float:
     return diff.max().item()
 
 
+GSM8K_SYSTEM = "Solve the problem step by step, then give the final number after '####'."
+
+
+def gsm8k_prompts(tokenizer, num: int) -> list[list[int]]:
+    """The first `num` GSM8K training questions under the chat template, as the GSM8K-shaped
+    job builds them (configs/bench_gsm8k.toml)."""
+    with open("data/gsm8k/train.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for _, line in zip(range(num), f, strict=False)]
+    return [
+        prompt_token_ids(tokenizer, row["question"], system_prompt=GSM8K_SYSTEM) for row in rows
+    ]
+
+
+def gsm8k_engine_vs_generate(
+    model, prompts: list[list[int]], n: int, new_tokens: int
+) -> tuple[float, float, float]:
+    """One timed run each of the engine (requests of n samples) and HF generate
+    (num_return_sequences = n, left-padded), sampling at T=1 exactly `new_tokens` tokens per
+    sample. Returns (engine tokens/s, generate tokens/s, the engine's peak KV memory over
+    full-length slots for the same sequences)."""
+    max_len = max(len(p) for p in prompts) + new_tokens
+    engine = TorchEngine(model, max_num_seqs=len(prompts) * n, max_model_len=max_len)
+    sampling = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0)
+    start = time.perf_counter()
+    for p in prompts:
+        engine.add_request(GenerationRequest(p, n=n, sampling=sampling))
+    peak, num_tokens = 0, 0
+    while engine.has_unfinished():
+        outputs = engine.step()
+        num_tokens += sum(len(c.token_ids) for o in outputs for c in o.completions)
+        peak = max(peak, engine.kv_cache_usage[0])
+    engine_rate = num_tokens / (time.perf_counter() - start)
+    assert num_tokens == len(prompts) * n * new_tokens
+    slots = len(prompts) * n * -(-max_len // engine.block_size)
+    ids, mask = left_pad(prompts, "cpu")
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=n,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
+    generate_rate = out.shape[0] * new_tokens / (time.perf_counter() - start)
+    return engine_rate, generate_rate, peak / slots
+
+
+def gsm8k_greedy_identical(model, prompts: list[list[int]], new_tokens: int) -> tuple[int, int]:
+    """Prompts whose greedy tokens are the same from the engine and from HF generate."""
+    engine = TorchEngine(model, max_num_seqs=len(prompts), max_model_len=512)
+    sampling = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    outputs = engine.generate([GenerationRequest(p, sampling=sampling) for p in prompts])
+    same = 0
+    with torch.inference_mode():
+        for p, o in zip(prompts, outputs, strict=True):
+            ids = torch.tensor([p])
+            ref = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
+            same += ref == o.completions[0].token_ids
+    return same, len(prompts)
+
+
 def memory_bound_tokens_per_s(model, batch: int, avg_context: float) -> float:
     """Tokens/s if each decode step only read the weights and the KV cache once, at the
     device-to-device copy bandwidth measured here."""
@@ -256,6 +332,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     parser.add_argument("--gpu-batch", type=int, default=256, help="batch size on CUDA")
+    parser.add_argument("--gsm8k-prompts", type=int, default=64, help="GSM8K-shaped prompts")
+    parser.add_argument("--gsm8k-tokens", type=int, default=256, help="GSM8K-shaped new tokens")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(
@@ -273,6 +351,30 @@ def main() -> None:
         model = tiny_qwen2(dtype, "cpu")
         ratio = decode_ratio(model, prompts, args.new_tokens, args.rounds, "cpu", name, 256)
         summary.append((f"engine_decode_vs_hf_generate_cpu_{name}", ratio, 3))
+
+    tokenizer = load_tokenizer("tiny:qwen2_gsm8k")
+    gsm8k = gsm8k_prompts(tokenizer, args.gsm8k_prompts)
+    lengths = [len(p) for p in gsm8k]
+    print(
+        f"\n== GSM8K shape, CPU: tiny:qwen2_gsm8k (random weights), {len(gsm8k)} GSM8K prompts "
+        f"under the chat template ({statistics.mean(lengths):.0f} tokens on average, "
+        f"{min(lengths)}-{max(lengths)}), n = 8, {args.gsm8k_tokens} new tokens, T=1"
+    )
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        model = load_model("tiny:qwen2_gsm8k", dtype=dtype, seed=0).eval()
+        engine_rate, generate_rate, memory = gsm8k_engine_vs_generate(
+            model, gsm8k, 8, args.gsm8k_tokens
+        )
+        ratio = engine_rate / generate_rate
+        print(
+            f"  [{name}] generate {generate_rate:.0f} tok/s, engine {engine_rate:.0f} tok/s: "
+            f"{ratio:.2f}x; the engine's KV cache at its peak: {memory:.0%} of full-length slots"
+        )
+        summary.append((f"engine_vs_hf_generate_gsm8k_shape_cpu_{name}", ratio, 3))
+    model = load_model("tiny:qwen2_gsm8k", dtype=torch.float32, seed=0).eval()
+    same, total = gsm8k_greedy_identical(model, gsm8k[:8], 64)
+    print(f"  [fp32] greedy tokens identical to generate: {same}/{total} prompts (64 tokens)")
+    greedy_same = (same, total)
 
     print("\n== weight update mid-generation (tiny Qwen2, fp32, CPU, full state dict)")
     model = tiny_qwen2(torch.float32, "cpu")
@@ -325,6 +427,7 @@ def main() -> None:
         f"WEIGHT_UPDATE pause->update->resume mid-generation {update_ratio:.2f}x a plain "
         "load_state_dict (lower is better)"
     )
+    print(f"GREEDY GSM8K shape, engine = generate: {greedy_same[0]}/{greedy_same[1]} prompts")
     for name, ratio, goal in summary:
         print(f"SUMMARY {name} {ratio:.2f}x goal {goal}x")
 

@@ -33,6 +33,9 @@ shared machine hits them unequally: rerun when the table looks disturbed.
 
     python bench/trl_grpo.py [--config configs/demo.toml] [--steps 100] [--window 20]
         [--modes runtime local] [--runtime-threads 1] [--local-threads N] [--trl-threads N]
+        [--name NAME]
+
+`bench/trl_grpo_gsm8k.py` runs it on `configs/bench_gsm8k.toml` (6 steps: ~25 min on 2 cores).
 
 Needs TRL, a benchmark-only dependency: `pip install -e ".[bench]"` (or `pip install trl`).
 Goals (issue 8): nebula-rl at least 2x faster per step; a reward curve no worse (the last
@@ -259,6 +262,7 @@ def main() -> None:
     parser.add_argument("--runtime-threads", type=int, default=1, help="per process")
     parser.add_argument("--local-threads", type=int, default=cores)
     parser.add_argument("--trl-threads", type=int, default=cores)
+    parser.add_argument("--name", default="", help="suffix of the SUMMARY names (per config)")
     args = parser.parse_args()
     if args.steps < 2 or args.window < 1:
         parser.error("--steps must be >= 2 and --window >= 1")
@@ -311,7 +315,7 @@ def main() -> None:
     trl_last = max(mean(trl["rewards"][-w:]), 1e-9)
     for mode in args.modes:
         r, _ = rows[f"nebula-rl {mode}"]
-        suffix = "" if mode == "runtime" else f"_{mode}"
+        suffix = (f"_{args.name}" if args.name else "") + ("" if mode == "runtime" else f"_{mode}")
         speedup = steady[trl_name] / steady[f"nebula-rl {mode}"]
         reward_ratio = mean(r["rewards"][-w:]) / trl_last
         print(f"SUMMARY trl_step_speedup{suffix} {speedup:.2f}x goal {SPEED_GOAL}x")

@@ -181,3 +181,41 @@ def test_local_dynamic_sampling_filters_on_the_named_rewards_and_gives_up(tmp_pa
     cfg.train.timestamp = "no-metric"
     with pytest.raises(RuntimeError, match="max_retry_for_on_policy = 2"):
         local.run(cfg)
+
+
+def test_local_generates_and_trains_with_each_roles_cpu_threads(tmp_path, monkeypatch):
+    """`rollout.cpu_threads` while the engine generates, `policy.cpu_threads` while the policy
+    trains, the process's own count again after (spies around the real methods)."""
+    from nebula_rl.policy.trainer import PolicyTrainer
+    from nebula_rl.rollout.torch_engine import TorchEngine
+
+    seen: dict[str, set[int]] = {"generate": set(), "train": set()}
+    generate, grpo_step = TorchEngine.generate, PolicyTrainer.grpo_step
+
+    def spy_generate(self, *args, **kwargs):
+        seen["generate"].add(torch.get_num_threads())
+        return generate(self, *args, **kwargs)
+
+    def spy_grpo_step(self, *args, **kwargs):
+        seen["train"].add(torch.get_num_threads())
+        return grpo_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(TorchEngine, "generate", spy_generate)
+    monkeypatch.setattr(PolicyTrainer, "grpo_step", spy_grpo_step)
+    cfg = _rl_cfg(tmp_path, "tiny:qwen2", max_num_steps=2)
+    grpo = cfg.train.train_policy.model_copy(update={"variant": "grpo"})  # (no group filtered)
+    cfg = cfg.model_copy(
+        update={
+            "train": cfg.train.model_copy(update={"train_policy": grpo}),
+            "policy": cfg.policy.model_copy(update={"cpu_threads": 1}),
+            "rollout": cfg.rollout.model_copy(update={"cpu_threads": 2}),
+        }
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        local.run(cfg)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {"generate": {2}, "train": {1}}

@@ -1005,6 +1005,9 @@ class PolicyConfig(_Section):
     """Hub revision of the model: a branch, tag or commit hash."""
     model_max_length: int = Field(default=4096, ge=8)
     """Longest sequence (prompt + response) in tokens; longer samples are truncated."""
+    cpu_threads: int | None = Field(default=None, ge=1)
+    """nebula-rl: torch's CPU threads in each policy process (`--local`: while training);
+    unset: `OMP_NUM_THREADS` (the launcher's default 1 per process)."""
     model_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     lora: LoraConfig | None = Field(default=None, json_schema_extra=refused(_LORA))
@@ -1109,6 +1112,9 @@ class RolloutConfig(_Section):
     ] = "vllm"
     """Engine: `vllm` (the default, as in cosmos-rl; needs the vllm package and CUDA) or
     nebula-rl's built-in `torch` engine (CPU and CUDA)."""
+    cpu_threads: int | None = Field(default=None, ge=1)
+    """nebula-rl: torch's CPU threads in each rollout process (`--local`: while generating);
+    unset: `OMP_NUM_THREADS` (the launcher's default 1 per process)."""
     n_generation: int = Field(default=16, ge=1)
     """Completions per prompt (the GRPO group size)."""
     n_generation_to_batch: bool = Field(

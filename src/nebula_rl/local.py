@@ -64,7 +64,7 @@ from nebula_rl.policy.setup import (
 from nebula_rl.policy.trainer import PolicyTrainer, SftExample
 from nebula_rl.profiling import StepProfiler
 from nebula_rl.protocol import Prompt, RolloutGroup
-from nebula_rl.ranks import init_ranks
+from nebula_rl.ranks import cpu_threads, init_ranks
 from nebula_rl.rewards import Scorer, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
@@ -135,7 +135,8 @@ def run(cfg: Config) -> Path:
     if isinstance(policy, GrpoConfig):
         _run_grpo(cfg, policy, model, tokenizer, run_dir, vision=vision)
     else:
-        parallel = _run_sft(cfg, policy, model, tokenizer, run_dir, vision=vision)
+        with cpu_threads(cfg.policy.cpu_threads):
+            parallel = _run_sft(cfg, policy, model, tokenizer, run_dir, vision=vision)
     if cfg.train.ckpt.export_safetensors:
         export_hf(model, vision or tokenizer, run_dir / "safetensors" / "final", parallel=parallel)
     if distributed:
@@ -212,7 +213,9 @@ def _generate(
         requests.append(GenerationRequest(q_ids, n=n, sampling=s, media=media))
     include_stop = cfg.rollout.include_stop_str_in_output
     out = []
-    for prompt, prompt_ids, output in zip(prompts, ids, engine.generate(requests), strict=True):
+    with cpu_threads(cfg.rollout.cpu_threads):
+        outputs = engine.generate(requests)
+    for prompt, prompt_ids, output in zip(prompts, ids, outputs, strict=True):
         texts = [
             completion_text(tokenizer, c.token_ids, c.finish_reason, include_stop=include_stop)
             for c in output.completions
@@ -409,7 +412,8 @@ def _run_grpo(
                 media = rollout_media(
                     vision, batch, cast(list[Any], texts), system_prompt=p.system_prompt
                 )
-            metrics = trainer.grpo_step(batch, media)
+            with cpu_threads(cfg.policy.cpu_threads):
+                metrics = trainer.grpo_step(batch, media)
             profiler.step()
             engine.update_weights(model.named_parameters(), policy_version=step)
             trained = trained + [g.prompt.prompt_id for g in batch]

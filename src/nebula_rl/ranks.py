@@ -15,7 +15,9 @@ when the default group is NCCL.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -29,6 +31,7 @@ __all__ = [
     "broadcast_object",
     "close_ranks",
     "control_group",
+    "cpu_threads",
     "init_ranks",
     "rank_env",
 ]
@@ -100,3 +103,17 @@ def close_ranks() -> None:
     dist.barrier(group=control_group())
     _CONTROL = None
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def cpu_threads(count: int | None) -> Iterator[None]:
+    """torch's CPU threads set to `count` for the block (None: unchanged). One process that
+    both generates and trains (`--local`, a colocated world model) generates with
+    `rollout.cpu_threads` and trains with `policy.cpu_threads`."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

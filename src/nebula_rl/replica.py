@@ -54,6 +54,9 @@ def run_replica(role: Literal["policy", "rollout"], *, controller: str, name: st
     if ranks.world_size > 1:
         init_ranks("nccl" if device.type == "cuda" else "gloo")
     session = _join(role, controller, name, ranks)
+    threads = (session.cfg.policy if role == "policy" else session.cfg.rollout).cpu_threads
+    if threads is not None:
+        torch.set_num_threads(threads)
     # At once, not after loading the model: a load slower than the heartbeat timeout must not
     # get the replica reaped before it starts.
     session.start_heartbeats()

@@ -36,6 +36,7 @@ from nebula_rl.flow.local import (
 )
 from nebula_rl.flow.parallel import dp_mesh, sample_seed
 from nebula_rl.flow.vae import samples_to_pixels
+from nebula_rl.ranks import cpu_threads
 
 __all__ = ["run_colocated"]
 
@@ -75,7 +76,8 @@ def run_colocated(
             )
         real = [c for c in mine for _ in range(s.group_size)]
         prompts = [c.caption for c in real]
-        x0, text, mask, trajectory = roll_out(model, real, s, generator)
+        with cpu_threads(s.rollout_threads):
+            x0, text, mask, trajectory = roll_out(model, real, s, generator)
         pixels = samples_to_pixels(model, trajectory.final).float().cpu()
         scored = score(pixels, prompts)
         rewards = torch.tensor(scored if scored is not None else [0.0] * len(prompts))
@@ -93,10 +95,11 @@ def run_colocated(
             for k in range(s.group_size)
         ]
         batch = FlowBatch(prompts, x0, text, mask, trajectory, advantages, noise_seeds=seeds)
-        losses, clipped = train_on_batch(
-            model, optimizer, batch, s, generator, iteration=iteration, reference=reference,
-            old=old, scheduler=scheduler,
-        )  # fmt: skip
+        with cpu_threads(s.train_threads):
+            losses, clipped = train_on_batch(
+                model, optimizer, batch, s, generator, iteration=iteration, reference=reference,
+                old=old, scheduler=scheduler,
+            )  # fmt: skip
         count = float(len(rewards))
         sums = torch.tensor(
             [

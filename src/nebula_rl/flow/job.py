@@ -249,6 +249,8 @@ def flow_settings(cfg: Config, *, num_iterations: int, prompts: int) -> FlowRLSe
         solver=d.sample.solver,
         conditional_frames=(d.min_num_conditional_frames, d.max_num_conditional_frames),
         seed=cfg.train.seed or 0,
+        rollout_threads=cfg.rollout.cpu_threads,
+        train_threads=cfg.policy.cpu_threads,
     )
 
 

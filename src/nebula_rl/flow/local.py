@@ -55,6 +55,7 @@ from nebula_rl.flow.sampler import (
     sde_step,
 )
 from nebula_rl.flow.vae import pixels_to_samples, sample_shape, samples_to_pixels
+from nebula_rl.ranks import cpu_threads
 
 __all__ = [
     "FlowBatch",
@@ -118,6 +119,10 @@ class FlowRLSettings:
     """(fewest, most) leading frames of each sample given clean, from its prompt's real clip
     (image/video-to-video); each group draws its count uniformly between the two."""
     seed: int = 0
+    rollout_threads: int | None = None
+    """torch's CPU threads while sampling (`rollout.cpu_threads`; None: unchanged)."""
+    train_threads: int | None = None
+    """torch's CPU threads while training (`policy.cpu_threads`; None: unchanged)."""
 
 
 def sft_sigmas(
@@ -375,15 +380,17 @@ def run_flow_rl(
                 for _ in range(s.group_size)
             ]
         prompts = [c.caption for c in real]
-        x0, text, mask, trajectory = roll_out(model, real, s, generator)
+        with cpu_threads(s.rollout_threads):
+            x0, text, mask, trajectory = roll_out(model, real, s, generator)
         pixels = samples_to_pixels(model, trajectory.final)
         scored = score(pixels, prompts)
         rewards = torch.tensor(scored if scored is not None else [0.0] * len(prompts))
         advantages = flow_advantages(rewards, s.group_size, s)
-        losses, clip_fraction = train_on_batch(
-            model, optimizer, FlowBatch(prompts, x0, text, mask, trajectory, advantages), s,
-            generator, iteration=iteration, reference=reference, old=old, scheduler=scheduler,
-        )  # fmt: skip
+        with cpu_threads(s.train_threads):
+            losses, clip_fraction = train_on_batch(
+                model, optimizer, FlowBatch(prompts, x0, text, mask, trajectory, advantages), s,
+                generator, iteration=iteration, reference=reference, old=old, scheduler=scheduler,
+            )  # fmt: skip
         record = {
             "iteration": float(iteration),
             "reward_mean": float(rewards.mean()),
