@@ -45,7 +45,7 @@ format: setup
 typecheck: setup
 	$(BIN)/mypy
 
-# Every script of bench/ (see BENCHMARKS.md; ~15 min on 2 CPU cores), one after the other, with
+# Every script of bench/ (see BENCHMARKS.md; ~50 min on 2 CPU cores), one after the other, with
 # the flags of BENCH_ARGS_<script> if any; each one's output also in $(BENCH_OUT)/<name>.log, then
 # all SUMMARY lines together. A script that fails does not stop the others; the target fails at
 # the end. TRL (bench/trl_grpo.py's peer) comes from the `bench` extra.

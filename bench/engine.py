@@ -87,8 +87,10 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_generate(model, ids, mask, new_tokens: int, sampling: SamplingParams, device: str) -> float:
-    """Tokens/s of HF generate for one batch."""
+def run_generate(
+    model, ids, mask, new_tokens: int, sampling: SamplingParams, device: str, n: int = 1
+) -> float:
+    """Tokens/s of HF generate for one batch (`n` sequences per prompt)."""
     sync(device)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -99,6 +101,7 @@ def run_generate(model, ids, mask, new_tokens: int, sampling: SamplingParams, de
             temperature=sampling.temperature,
             top_k=sampling.top_k,
             top_p=1.0,
+            num_return_sequences=n,
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             use_cache=True,
@@ -106,8 +109,8 @@ def run_generate(model, ids, mask, new_tokens: int, sampling: SamplingParams, de
         )
     sync(device)
     elapsed = time.perf_counter() - start
-    assert out.shape[1] == ids.shape[1] + new_tokens
-    return ids.shape[0] * new_tokens / elapsed
+    assert out.shape == (ids.shape[0] * n, ids.shape[1] + new_tokens)
+    return out.shape[0] * new_tokens / elapsed
 
 
 def run_engine(engine: TorchEngine, prompts, sampling: SamplingParams, device: str) -> float:
@@ -261,21 +264,7 @@ def gsm8k_engine_vs_generate(
     assert num_tokens == len(prompts) * n * new_tokens
     slots = len(prompts) * n * -(-max_len // engine.block_size)
     ids, mask = left_pad(prompts, "cpu")
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=mask,
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            num_return_sequences=n,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            pad_token_id=0,
-        )
-    generate_rate = out.shape[0] * new_tokens / (time.perf_counter() - start)
+    generate_rate = run_generate(model, ids, mask, new_tokens, sampling, "cpu", n=n)
     return engine_rate, generate_rate, peak / slots
 
 
