@@ -341,11 +341,15 @@ class PolicyTrainer:
 
     def _micro_batches(self, batch: TokenBatch, rows: Sequence[int]) -> list[list[int]]:
         """`rows` of `batch` cut into forward passes: by `max_token_len_per_mini_batch` tokens
-        (RL, when set) or by `mini_batch` sequences."""
+        (RL, when set) or by `mini_batch` sequences of similar lengths (sorted by length, so a
+        pass pads little; the loss is normalised over the whole update, so which rows share a
+        pass changes nothing but the padding)."""
         p = self.cfg.train.train_policy
         budget = p.max_token_len_per_mini_batch if isinstance(p, GrpoConfig) else None
         if budget is None:
-            return [[rows[i] for i in chunk] for chunk in _chunks(len(rows), p.mini_batch)]
+            lengths = batch.lengths
+            ordered = sorted(rows, key=lambda r: lengths[r])
+            return [[ordered[i] for i in chunk] for chunk in _chunks(len(rows), p.mini_batch)]
         lengths = batch.lengths
         parts = token_budget_micro_batches([lengths[r] for r in rows], max_tokens=budget)
         return [[rows[i] for i in part] for part in parts]
