@@ -286,7 +286,10 @@ def main() -> None:
             result = run_nebula(
                 cfg, steps=args.steps, mode=mode, threads=threads[mode], out=Path(tmp)
             )
-            rows[f"nebula-rl {mode}"] = (result, f"{threads[mode]}/process")
+            how = f"{threads[mode]}/process"
+            if mode == "runtime" and cfg.policy.cpu_threads is not None:  # (the config's own)
+                how = f"{how}, policy {cfg.policy.cpu_threads}"
+            rows[f"nebula-rl {mode}"] = (result, how)
         trl = run_trl(cfg, steps=args.steps, threads=args.trl_threads, out=Path(tmp))
     trl_name = f"TRL {trl['version']} GRPOTrainer"
     rows[trl_name] = (trl, str(args.trl_threads))
@@ -300,12 +303,12 @@ def main() -> None:
     )
     w = min(args.window, args.steps)
     print(
-        f"{'framework':28} {'threads':>9} {'total s':>8} {'s/step':>7} {'vs TRL':>7} "
+        f"{'framework':28} {'threads':>19} {'total s':>8} {'s/step':>7} {'vs TRL':>7} "
         f"{'reward first ' + str(w):>16} {'last ' + str(w):>8} {'all':>6}"
     )
     for name, (r, how) in rows.items():
         print(
-            f"{name:28} {how:>9} {r['total_s']:8.1f} {steady[name]:7.3f} "
+            f"{name:28} {how:>19} {r['total_s']:8.1f} {steady[name]:7.3f} "
             f"{steady[trl_name] / steady[name]:6.2f}x {mean(r['rewards'][:w]):16.3f} "
             f"{mean(r['rewards'][-w:]):8.3f} {mean(r['rewards']):6.3f}"
         )
