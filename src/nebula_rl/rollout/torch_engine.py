@@ -1034,7 +1034,6 @@ class TorchEngine(Engine):
             )
         with torch.inference_mode():
             # Per-slot state, on the device.
-            self._slot_ids = torch.arange(num_slots, device=device)
             self._last_token = torch.zeros(num_slots, dtype=torch.long, device=device)
             self._pos = torch.zeros(num_slots, dtype=torch.long, device=device)
             # Rotary offset after a multimodal prompt (0 for text): see `multimodal.py`.
@@ -1208,19 +1207,13 @@ class TorchEngine(Engine):
             self._chunking.remove(chunking)  # (admitted, not started: nothing generated)
             _, indices, slots = chunking.entry
             for index, slot in zip(indices, slots, strict=True):
-                state.completions[index] = Completion(
-                    request_id, index, [], [], "abort", ((0, self._policy_version),)
-                )
-                state.num_done += 1
+                self._abort_unstarted(state, index)
                 self._prefix_of[slot] = chunking.prefix
                 self._give_back(slot)
         if state.next_index < state.request.n:
             self._waiting.remove(state)
         for index in range(state.next_index, state.request.n):
-            state.completions[index] = Completion(
-                request_id, index, [], [], "abort", ((0, self._policy_version),)
-            )
-            state.num_done += 1
+            self._abort_unstarted(state, index)
         state.next_index = state.request.n
         if state.slots:
             slots = sorted(state.slots)
@@ -1228,6 +1221,13 @@ class TorchEngine(Engine):
                 return self._complete(slots, ["abort"] * len(slots), self._step_count - 1)
         del self._requests[request_id]
         return [self._output(state)]
+
+    def _abort_unstarted(self, state: _RequestState, index: int) -> None:
+        """Sample `index` of `state` ends aborted before its first token."""
+        state.completions[index] = Completion(
+            state.request.request_id, index, [], [], "abort", ((0, self._policy_version),)
+        )
+        state.num_done += 1
 
     def _step(self) -> list[RequestOutput]:
         with torch.inference_mode():
@@ -1570,10 +1570,8 @@ class TorchEngine(Engine):
         slots_t, source = self._activate(group, prefixes)
         prompts, last = prompts.to(self.device), last.to(self.device)
         embedded = self._embed_media(group, prompts, last + 1, slots_t, source)
+        # (the longest prompt's blocks set the width: the padding of shorter ones goes to block 0)
         table = self._block_table([self._prefixes[p].blocks for p in prefixes])
-        if table.shape[1] * self.block_size < longest:  # (padding past a row's blocks: block 0)
-            extra = -(-longest // self.block_size) - table.shape[1]
-            table = F.pad(table, (0, extra))
         logits = self._forward.prefill(prompts, last, table, 0, None, embedded)
         return self._sample_first(logits, slots_t, source, len(group))
 
