@@ -6,7 +6,7 @@ policy replicas (`policy/worker.py`) both do before they build a `PolicyTrainer`
    trainable flags (`apply_trainable`).
 2. The caller takes the copies that must stay plain now: the reference policy, and the local
    rollout engine's copy in `param_dtype` (`rollout_copy`).
-3. `parallelize_policy`: under torch.distributed with several ranks, the split of
+3. `parallelize_policy`: FP8 linear layers (`train.fp8`, `apply_fp8`); then, under torch.distributed with several ranks, the split of
    `[policy.parallelism]` (`parallelize.parallelize_model`, with every `[train]` and `[policy]`
    key it honours) and this rank's data-parallel place; in one process,
    `prepare_single_process`: activation checkpointing and torch.compile of the decoder blocks.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PolicyParallel",
+    "apply_fp8",
     "apply_trainable",
     "check_pipeline_micro_batches",
     "compute_dtype",
@@ -128,10 +130,56 @@ def apply_trainable(model: nn.Module, policy: PolicyConfig) -> None:
         )
 
 
+def _fp8_eligible(model: nn.Module) -> Callable[[nn.Module, str], bool]:
+    """The linear layers FP8 training converts: those of the decoder (feature sizes divisible
+    by 16, as FP8 matmuls need), not the LM head, whose logits stay in the compute dtype."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+    def eligible(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear) or module is head:
+            return False
+        return all(size % 16 == 0 for size in module.weight.shape)
+
+    return eligible
+
+
+def apply_fp8(model: nn.Module, cfg: Config) -> None:
+    """With `train.fp8.enable_fp8`, swap the decoder's linear layers for torchao's Float8Linear
+    in place (`quant_recipe`: row-wise or tensor-wise dynamic scales): forward and backward
+    matmuls run in float8 on GPUs with FP8 units; the parameters stay as they are (same names,
+    the master dtype), so checkpoints, exports and weight pushes do not change. Refused, naming
+    the key, without such a GPU or without torchao."""
+    fp8 = cfg.train.fp8
+    if not fp8.enable_fp8:
+        return
+    key = "train.fp8.enable_fp8 = true"
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise ValueError(
+            f"{key} needs CUDA GPUs with FP8 matrix units (compute capability 8.9 or later: Ada, "
+            f"Hopper, Blackwell); the policy is on {device.type}"
+        )
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            f"{key} needs a GPU with FP8 matrix units (compute capability 8.9 or later); "
+            f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}"
+        )
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as err:
+        raise ValueError(
+            f"{key} trains through torchao's float8 layers: pip install 'nebula-rl[fp8]' "
+            f"(torchao) ({err})"
+        ) from None
+    config = Float8LinearConfig.from_recipe_name(fp8.quant_recipe)
+    convert_to_float8_training(model, config=config, module_filter_fn=_fp8_eligible(model))
+
+
 def prepare_single_process(model: nn.Module, cfg: Config) -> None:
     """In place, for a model trained whole in this process: activation checkpointing
     (`policy.model_gradient_checkpointing`) and torch.compile (`train.compile`) of each decoder
-    block, as `parallelize_model` applies them on a mesh."""
+    block, as `parallelize_model` applies them on a mesh; FP8 linear layers first
+    (`train.fp8`, `apply_fp8`)."""
     from nebula_rl.policy.parallelize import apply_ac, apply_compile
 
     if cfg.train.fsdp_offload:
@@ -139,6 +187,7 @@ def prepare_single_process(model: nn.Module, cfg: Config) -> None:
             "train.fsdp_offload needs FSDP2 (policy.parallelism.dp_shard_size > 1 on several "
             "GPUs); this model is trained whole in one process"
         )
+    apply_fp8(model, cfg)
     if cfg.policy.model_gradient_checkpointing:
         apply_ac(model)
     if cfg.train.compile:
@@ -215,6 +264,7 @@ def parallelize_policy(model: nn.Module, cfg: Config) -> PolicyParallel:
     par, t = cfg.policy.parallelism, cfg.train
     dims = ParallelDims.from_config(par, world_size=dist.get_world_size())
     check_pipeline_micro_batches(cfg, dims)
+    apply_fp8(model, cfg)  # (before FSDP2 and compile wrap the linear layers)
     mesh = dims.build_mesh("cuda" if torch.cuda.is_available() else "cpu")
     parallel = parallelize_model(
         model,

@@ -65,6 +65,12 @@ def build_engine(
             "images and videos"
         )
     check_backend(cfg)
+    if r.backend == "vllm" and r.quantization != "none":
+        raise ValueError(
+            f'rollout.quantization = "{r.quantization}" with rollout.backend = "vllm": weight '
+            "updates into vLLM's quantized layers are not built; use rollout.backend = "
+            '"torch", whose engine runs FP8 weights and quantizes each update'
+        )
     if r.backend == "torch":
         from nebula_rl.rollout.lockstep import LockstepEngine
         from nebula_rl.rollout.torch_engine import TorchEngine
@@ -77,6 +83,7 @@ def build_engine(
             tokenizer=tokenizer,
             seed=seed,
             forward="hf" if cfg.train.force_use_hf else "auto",
+            quantization=r.quantization,
         )
         if tensor_parallel is not None and tensor_parallel.size > 1:
             # (the ranks of a tensor-parallel replica step together, led by rank 0)

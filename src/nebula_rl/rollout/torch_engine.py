@@ -157,6 +157,33 @@ def fused_forward_unsupported(model: torch.nn.Module, max_model_len: int) -> str
     return None
 
 
+def _check_fp8(
+    model: torch.nn.Module, device: torch.device, forward: str, reason: str | None
+) -> None:
+    """Refuse, naming `rollout.quantization`, an FP8 engine this model or device cannot run."""
+    key = 'rollout.quantization = "fp8"'
+    if forward != "fused":
+        raise ValueError(
+            f"{key} needs the engine's compact forward (Llama-family models: "
+            f"{', '.join(FUSED_MODEL_TYPES)}): {reason or 'forward=hf was asked for'}"
+        )
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(
+            f"{key} needs a GPU with FP8 matrix units (compute capability 8.9 or later: Ada, "
+            f"Hopper, Blackwell); {name} has {torch.cuda.get_device_capability(device)}"
+        )
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{key} runs on CUDA GPUs (and, slowly, CPUs), not on {device.type}")
+    for layer in _decoder_layers(model)[1]:
+        for name, module in layer.named_modules():
+            if isinstance(module, torch.nn.Linear) and any(n % 16 for n in module.weight.shape):
+                raise ValueError(
+                    f"{key}: FP8 matmuls need feature sizes divisible by 16; {name} is "
+                    f"{tuple(module.weight.shape)}"
+                )
+
+
 class _BlockPool:
     """Per-layer keys and values in fixed-size blocks of `block_size` tokens (a paged cache).
 
@@ -406,11 +433,62 @@ def _paged_attention(
     return o_own.view(num, own, kv, per, hd).sum(1) + o_pre
 
 
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(_FP8).max
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` [M, K] as float8 e4m3 rows and their fp32 scales [M, 1] (x ~ rows * scales): each
+    row's largest magnitude maps to e4m3's largest finite value (448)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / _FP8_MAX
+    return (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8), scale
+
+
+class _Fp8Weight(NamedTuple):
+    """A linear layer's weight in float8 e4m3 with one fp32 scale per output feature."""
+
+    weight: torch.Tensor
+    """[out, in] float8 e4m3, row-major (so `.t()` is the column-major operand _scaled_mm takes)."""
+    scale: torch.Tensor
+    """[1, out] fp32."""
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> _Fp8Weight:
+        q, scale = _quantize_rows(weight)
+        return cls(q, scale.reshape(1, -1).contiguous())
+
+
 class _Linear(NamedTuple):
-    """The arguments of `F.linear` after the input."""
+    """The arguments of `F.linear` after the input, and the weight in FP8 when the engine runs
+    `quantization="fp8"` (`weight` then stays the bf16 copy that weight updates write into)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
+    fp8: _Fp8Weight | None = None
+
+
+def _apply(x: torch.Tensor, linear: _Linear) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; with an FP8 weight, the input is quantized per token
+    (dynamic scales) and multiplied in FP8 (`torch._scaled_mm`, row-wise scales), output in
+    x's dtype."""
+    if linear.fp8 is None:
+        return F.linear(x, linear.weight, linear.bias)
+    rows, scale = _quantize_rows(x.reshape(-1, x.shape[-1]))
+    out = torch._scaled_mm(
+        rows.contiguous(),
+        linear.fp8.weight.t(),
+        scale_a=scale,
+        scale_b=linear.fp8.scale,
+        out_dtype=x.dtype,
+    )
+    if linear.bias is not None:
+        out = out + linear.bias
+    return out.view(*x.shape[:-1], -1)
+
+
+def _quantized(linear: _Linear) -> _Linear:
+    return linear._replace(fp8=_Fp8Weight.of(linear.weight.detach()))
 
 
 class _Norm(NamedTuple):
@@ -486,6 +564,16 @@ class _Layer:
     gate_up: _Linear
     down: _Linear
 
+    def quantized(self) -> _Layer:
+        """The same layer with its four matmuls' weights also in FP8 (norms stay as they are)."""
+        return replace(
+            self,
+            qkv=_quantized(self.qkv),
+            o=_quantized(self.o),
+            gate_up=_quantized(self.gate_up),
+            down=_quantized(self.down),
+        )
+
     @classmethod
     def of(cls, layer: torch.nn.Module) -> _Layer:
         attn, mlp = layer.get_submodule("self_attn"), layer.get_submodule("mlp")
@@ -543,10 +631,13 @@ class _FusedForward:
         cache: _BlockPool,
         max_len: int,
         tp: TensorParallel | None = None,
+        fp8: bool = False,
     ) -> None:
         """Build from `model`; call under no_grad (not inference_mode: the parameters it
         re-points must stay ordinary tensors that update_weights can copy into). With `tp`, the
-        model holds this rank's slices (`shard_model`) and `dims` counts this rank's heads."""
+        model holds this rank's slices (`shard_model`) and `dims` counts this rank's heads.
+        With `fp8`, the decoder layers' matmuls run in FP8 on weights quantized from the
+        model's own (`requantize` after they change); embeddings, norms and the LM head stay."""
         base, layers = _decoder_layers(model)
         self.cache = cache
         self.tp = tp
@@ -556,7 +647,8 @@ class _FusedForward:
         self.head_dim = dims.head_dim
         self.scaling = float(cast(float, layers[0].get_submodule("self_attn").scaling))
         self._modules = layers
-        self.layers = [_Layer.of(layer) for layer in layers]
+        self.fp8 = fp8
+        self.layers = self._layers()
         self.final_norm = _norm(base.get_submodule("norm"))
         self.lm_head = _linear(_lm_head(model))
         # RoPE tables from the model's own rotary module (covers its scaling variants; M-RoPE
@@ -588,7 +680,15 @@ class _FusedForward:
         zero-copy weight receiver does): parts that sit consecutively there become views of it
         again (no copy); others are concatenated anew. The other tensors are read through the
         parameters themselves, which follow by construction."""
-        self.layers = [_Layer.of(layer) for layer in self._modules]
+        self.layers = self._layers()
+
+    def requantize(self) -> None:
+        """Quantize the FP8 weights again from the model's weights (after an update)."""
+        self.layers = [layer.quantized() for layer in self.layers]
+
+    def _layers(self) -> list[_Layer]:
+        layers = [_Layer.of(layer) for layer in self._modules]
+        return [layer.quantized() for layer in layers] if self.fp8 else layers
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + x.roll(self.head_dim // 2, dims=-1) * sin
@@ -604,16 +704,16 @@ class _FusedForward:
         """`F.linear` of a layer whose input features are split over the TP ranks: the partial
         products are summed over the group, then the (whole) bias is added once."""
         if self.tp is None:
-            return F.linear(x, *linear)
-        out = self.tp.all_reduce(F.linear(x, linear.weight))
+            return _apply(x, linear)
+        out = self.tp.all_reduce(_apply(x, linear._replace(bias=None)))
         return out if linear.bias is None else out + linear.bias
 
     def _mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        gate, up = F.linear(_rms_norm(x, layer.ln2), *layer.gate_up).chunk(2, dim=-1)
+        gate, up = _apply(_rms_norm(x, layer.ln2), layer.gate_up).chunk(2, dim=-1)
         return x + self._row_parallel(F.silu(gate) * up, layer.down)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_rms_norm(x, self.final_norm), *self.lm_head).float()
+        return _apply(_rms_norm(x, self.final_norm), self.lm_head).float()
 
     def decode(
         self,
@@ -628,7 +728,7 @@ class _FusedForward:
         rotary = positions if rope_positions is None else rope_positions
         cos, sin = self.cos[rotary][:, None], self.sin_signed[rotary][:, None]
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(_rms_norm(x, layer.ln1), *layer.qkv).view(num, -1, hd)
+            qkv = _apply(_rms_norm(x, layer.ln1), layer.qkv).view(num, -1, hd)
             qk = self._rotate(self._qk_norm(qkv[:, : num_heads + num_kv], layer), cos, sin)
             q, k, v = qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_heads + num_kv :]
             self.cache.write_token(i, batch.write, k, v)
@@ -657,7 +757,7 @@ class _FusedForward:
             cos, sin = (t[:, None] for t in self._rope(prompt.positions))
         mask = None if past is None else _chunk_mask(length, start, x.device)
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(_rms_norm(x, layer.ln1), *layer.qkv)
+            qkv = _apply(_rms_norm(x, layer.ln1), layer.qkv)
             qkv = qkv.view(num_prompts, length, -1, self.head_dim).transpose(1, 2)
             qk = self._rotate(self._qk_norm(qkv[:, : num_heads + num_kv], layer), cos, sin)
             q, k, v = qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_heads + num_kv :]
@@ -952,6 +1052,7 @@ class TorchEngine(Engine):
         policy_version: int = 0,
         forward: Literal["auto", "fused", "hf"] = "auto",
         tensor_parallel: TensorParallel | None = None,
+        quantization: Literal["none", "fp8"] = "none",
     ) -> None:
         super().__init__(policy_version=policy_version)
         if max_num_seqs < 1:
@@ -997,6 +1098,11 @@ class TorchEngine(Engine):
             dims = replace(
                 dims, num_heads=dims.num_heads // size, num_kv_heads=dims.num_kv_heads // size
             )
+        if quantization not in ("none", "fp8"):
+            raise ValueError(f"quantization must be 'none' or 'fp8', got {quantization!r}")
+        if quantization == "fp8":
+            _check_fp8(model, self.device, self.forward_impl, reason)
+        self.quantization = quantization
         self.multimodal = is_multimodal(model)
         config: Any = model.config
         self._never = torch.tensor(media_token_ids(config), dtype=torch.long, device=self.device)
@@ -1028,7 +1134,9 @@ class TorchEngine(Engine):
         )
         with torch.no_grad():
             self._forward: _Forward = (
-                _FusedForward(model, dims, self.cache, max_len, self.tensor_parallel)
+                _FusedForward(
+                    model, dims, self.cache, max_len, self.tensor_parallel, quantization == "fp8"
+                )
                 if self.forward_impl == "fused"
                 else _HFForward(model, dims, self.cache)
             )
@@ -1180,8 +1288,10 @@ class TorchEngine(Engine):
         # zero-copy receiver): the fused tensors must follow.
         if (ptrs := self._data_ptrs()) != self._storage:
             if isinstance(self._forward, _FusedForward):
-                self._forward.relink()
+                self._forward.relink()  # (quantizes too)
             self._storage = ptrs
+        elif isinstance(self._forward, _FusedForward) and self._forward.fp8:
+            self._forward.requantize()
 
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # Check every name and shape before copying anything: a bad update changes nothing.
