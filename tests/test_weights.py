@@ -22,6 +22,7 @@ from nebula_rl.weights import (
     build_group,
     free_port,
     transport,
+    weight_backend,
 )
 from nebula_rl.weights.elastic import ElasticReceiver, ElasticSender, is_collective_failure
 from nebula_rl.weights.group import Generation, leave_group
@@ -551,3 +552,103 @@ def test_nccl_push_between_processes(members):
     reports = members.run(_gpu_body, world_size)
     if world_size == 2:
         assert reports[1] == (7, True)
+
+
+def test_the_weight_group_is_gloo_where_policy_and_rollout_share_a_gpu():
+    """NCCL refuses two ranks on one GPU, so mode = "colocated_separated" moves weights over gloo
+    (CPU buckets); elsewhere GPUs use NCCL and CPUs gloo."""
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert weight_backend("disaggregated", gpu) == "nccl"
+    assert weight_backend("colocated_separated", gpu) == "gloo"
+    assert weight_backend("disaggregated", cpu) == weight_backend("colocated_separated", cpu)
+    assert weight_backend("colocated_separated", cpu) == "gloo"
+
+
+def _colocated_body(rank, rdzv, device_name):
+    """mode = "colocated_separated": policy (rank 0) and rollout (rank 1) on one device, a gloo
+    group of CPU (shared-memory) buckets; the weights live on `device_name`. A full-weight push
+    (`WeightSender` -> `receive_into`), then three resharding pushes into a zero-copy
+    `ShardedReceiver`, as a rollout replica builds it. Returns what each rank saw."""
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # both processes on the same GPU
+    backend = weight_backend("colocated_separated", device)
+    group = build_group(rdzv, rank=rank, backend=backend, timeout=TIMEOUT)
+
+    def on_device(version):
+        return {k: v.to(device) for k, v in _state_dict(version).items()}
+
+    if rank == 0:
+        state = on_device(7)
+        sender = WeightSender(group, state, bucket_bytes=BUCKET_BYTES)
+        handle = sender.push(state, 7)
+        for t in state.values():  # the next step changes the parameters at once
+            t.add_(1000)
+        handle.wait()
+        sender.close()
+        sharded = ShardedSender(group, on_device(0), num_senders=1, bucket_bytes=BUCKET_BYTES)
+        for version in (8, 9, 10):
+            params = on_device(version)
+            sharded.push(params, version)
+            for t in params.values():
+                t.add_(1000)
+        sharded.close()
+        result = (backend, sender.shared_memory, sharded.shared_memory, sharded.zero_copy)
+    else:
+        own = {k: torch.zeros_like(v) for k, v in on_device(0).items()}
+        receiver = WeightReceiver(group, own, bucket_bytes=BUCKET_BYTES)
+        version = receiver.receive_into(own)
+        pushed = [(version, _exact(own, version), receiver.shared_memory)]
+        params = on_device(0)
+        pointers = {k: t.data_ptr() for k, t in params.items()}
+        sharded = ShardedReceiver(
+            group,
+            params,
+            _full_boxes(params),
+            num_senders=1,
+            bucket_bytes=BUCKET_BYTES,
+            zero_copy=True,
+        )
+        for _ in range(3):
+            version = sharded.receive()
+            pushed.append((version, _exact(params, version), sharded.shared_memory))
+        sharded.close()
+        moved = {k for k, t in params.items() if t.data_ptr() != pointers[k]}
+        devices = {str(t.device) for t in params.values()}
+        result = (pushed, sharded.zero_copy, moved == set(params), devices)
+    group.close()
+    return result
+
+
+def _exact(tensors, version):
+    """Whether `tensors` hold `_state_dict(version)` bit for bit, in its dtypes."""
+    expected = _state_dict(version)
+    return sorted(tensors) == sorted(expected) and all(
+        tensors[k].dtype == v.dtype and torch.equal(tensors[k].cpu(), v)
+        for k, v in expected.items()
+    )
+
+
+def _check_colocated(reports, device_name):
+    cuda = device_name.startswith("cuda")
+    assert reports[0] == ("gloo", True, True, not cuda)
+    pushed, zero_copy, re_pointed, devices = reports[1]
+    assert pushed == [(7, True, True), (8, True, True), (9, True, True), (10, True, True)]
+    # GPU parameters cannot be views of the CPU set: they take copies in place; CPU ones are
+    # re-pointed at it (zero-copy)
+    assert (zero_copy, re_pointed) == (not cuda, not cuda)
+    assert devices == {str(torch.device(device_name))}
+
+
+def test_colocated_weights_go_through_shared_memory_on_cpu(members):
+    """The same code as the GPU test below, with the weights on the CPU."""
+    _check_colocated(members.run(_colocated_body, 2, "cpu"), "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_colocated_push_between_processes_on_one_gpu(members):
+    """Policy and rollout processes on the same GPU (mode = "colocated_separated"): a gloo group
+    stages CUDA weights through host shared memory and they arrive bit for bit, in the
+    rollout's GPU parameters (copied in place, not re-pointed at the CPU set)."""
+    _check_colocated(members.run(_colocated_body, 2, "cuda:0"), "cuda:0")

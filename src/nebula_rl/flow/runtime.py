@@ -88,7 +88,7 @@ from nebula_rl.models import resolve_dtype
 from nebula_rl.policy.replicas import ReplicaGroup
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.weights.elastic import ElasticReceiver
-from nebula_rl.weights.group import WeightGroup
+from nebula_rl.weights.group import WeightGroup, weight_backend
 from nebula_rl.weights.reshard import ShardedReceiver, full_box
 
 __all__ = [
@@ -213,7 +213,7 @@ class FlowRolloutWorker:
             self.session.name,
             make_receiver=make_receiver,
             apply=apply,
-            backend="nccl" if next(self.model.parameters()).is_cuda else "gloo",
+            backend=weight_backend(cfg.mode, next(self.model.parameters()).device),
             timeout=timedelta(seconds=cfg.controller.collective_timeout),
         )
         self._weight_errors = receiver.run_in_background(

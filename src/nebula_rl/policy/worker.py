@@ -83,7 +83,7 @@ from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.profiling import StepProfiler
 from nebula_rl.protocol import RolloutGroup
 from nebula_rl.ranks import broadcast_object, control_group, rank_env
-from nebula_rl.weights import build_group
+from nebula_rl.weights import build_group, weight_backend
 from nebula_rl.weights.elastic import KIND, ElasticSender, current_generation
 from nebula_rl.weights.group import Generation, GroupCancelled, WeightGroup, leave_group
 from nebula_rl.weights.reshard import ShardedSender
@@ -122,6 +122,7 @@ class PolicyWorker:
         """Whether this is the replica's rank 0 (the one that talks to the controller)."""
         path = cfg.policy.model_name_or_path
         self.backend: Literal["gloo", "nccl"] = "nccl" if device.type == "cuda" else "gloo"
+        """Of the policy group (between policy replicas, which never share a GPU)."""
         self.timeout = timedelta(seconds=cfg.controller.collective_timeout)
         use_deterministic(cfg.train)
         self._rows: list[dict[str, Any]] | None = None
@@ -174,7 +175,7 @@ class PolicyWorker:
             make_sender=self._make_sender,
             local_rank=self.local_rank,
             all_params=cfg.rollout.broadcast_all_params,
-            backend=self.backend,
+            backend=weight_backend(cfg.mode, device),
             timeout=self.timeout,
         )
 

@@ -71,7 +71,7 @@ from nebula_rl.rollout.tensor_parallel import TensorParallel
 from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.validation import validation_seed
 from nebula_rl.weights.elastic import ElasticReceiver
-from nebula_rl.weights.group import WeightGroup
+from nebula_rl.weights.group import WeightGroup, weight_backend
 from nebula_rl.weights.reshard import ShardedReceiver
 
 __all__ = [
@@ -496,9 +496,11 @@ def _receiver(
     local_rank: int = 0,
 ) -> ElasticReceiver:
     """This rank's member of the weight group: the policy's slices go straight into the
-    engine's parameters (its TP shards; on one host, the parameters become views of the
-    shared-memory set the policy wrote: no copy on this side). Without `apply` (ranks > 0 of a TP replica) it only
-    joins and leaves generations; the pushes are taken with `receive_for`."""
+    engine's parameters (its TP shards; on one host, CPU parameters become views of the
+    shared-memory set the policy wrote: no copy on this side; GPU parameters sharing the
+    policy's GPU, `mode = "colocated_separated"`, take copies from it). Without `apply` (ranks
+    > 0 of a TP replica) it only joins and leaves generations; the pushes are taken with
+    `receive_for`."""
     cfg = session.cfg
     params = dict(engine.model.named_parameters())
     transfer = cfg.train.transfer_dtype
@@ -521,7 +523,7 @@ def _receiver(
         apply=apply or (lambda receive: None),
         local_rank=local_rank,
         membership_only=apply is None,
-        backend="nccl" if next(engine.model.parameters()).is_cuda else "gloo",
+        backend=weight_backend(cfg.mode, next(engine.model.parameters()).device),
         timeout=timedelta(seconds=cfg.controller.collective_timeout),
     )
 

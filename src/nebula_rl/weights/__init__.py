@@ -2,7 +2,14 @@
 (`group`), a bucketed, non-blocking broadcast from the policy to rollouts (`transport`), slices
 between parallel layouts (`reshard`) and the shared memory both use on one host (`shared`)."""
 
-from nebula_rl.weights.group import Rendezvous, WeightGroup, build_group, free_port, serve_store
+from nebula_rl.weights.group import (
+    Rendezvous,
+    WeightGroup,
+    build_group,
+    free_port,
+    serve_store,
+    weight_backend,
+)
 from nebula_rl.weights.transport import (
     BucketLayout,
     LayoutMismatchError,
@@ -26,4 +33,5 @@ __all__ = [
     "build_group",
     "free_port",
     "serve_store",
+    "weight_backend",
 ]

@@ -243,10 +243,12 @@ class ElasticSender(_Member):
             self._fail(err)
             return
         log.info(
-            "weight group generation %d: sending to %d rollout replica(s) (%d processes)",
+            "weight group generation %d: sending to %d rollout replica(s) (%d processes) over %s%s",
             generation.number,
             generation.world_size - 1,
             generation.num_processes - generation.size_of(self.name),
+            self.backend,
+            ", through shared memory" if self.sender.shared_memory else "",
         )
         self.push(named_tensors(), version)
 

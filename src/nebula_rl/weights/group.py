@@ -8,7 +8,8 @@ RedisStore`): it has the job's password, so no unauthenticated port can join a g
 outlives any member. Without Redis (tests, benchmarks) they meet at a TCPStore served by rank 0
 or, with `Rendezvous.hosted`, by a long-lived third process (`serve_store`).
 
-The group is a bare c10d backend (`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on GPU) used
+The group is a bare c10d backend (`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on GPU; gloo
+also on GPUs that policy and rollout share: :func:`weight_backend`) used
 through its own collective methods (`pg.broadcast(t, 0, timeout).wait()`): it is never registered
 with torch.distributed's world, so `dist.broadcast(group=...)` does not apply to it.
 
@@ -63,6 +64,7 @@ __all__ = [
     "free_port",
     "leave_group",
     "serve_store",
+    "weight_backend",
 ]
 
 CommBackend = Literal["gloo", "nccl"]
@@ -217,6 +219,17 @@ class WeightGroup:
         """Tear the backend down; the group is unusable afterwards (see :func:`leave_group` to
         also close the connections)."""
         self.pg.shutdown()
+
+
+def weight_backend(mode: str, device: torch.device) -> CommBackend:
+    """The backend of the weight group between policy and rollout replicas of a job in `mode`
+    (the config's `mode`) whose member holds its weights on `device`: NCCL on GPUs, except with
+    `mode = "colocated_separated"`, where a policy and a rollout process share each GPU and
+    NCCL refuses two ranks on one device ("Duplicate GPU detected"); gloo then moves the weights
+    through CPU buckets (shared memory on one host), copied from and to the GPU parameters."""
+    if device.type != "cuda" or mode == "colocated_separated":
+        return "gloo"
+    return "nccl"
 
 
 def leave_group(group: WeightGroup | None) -> None:

@@ -21,7 +21,8 @@ boxes (as JSON) and each computes the same plan from them:
    messages in flight per member. Every member follows the same order and waits only on its
    oldest message, so the earliest unfinished message always has both ends posted: no deadlock.
 
-Same host, CPU (gloo): the pieces go through shared memory instead of step 3, as
+Same host, gloo (on CPU, or GPUs that policy and rollout share: `mode = "colocated_separated"`,
+`group.weight_backend`): the pieces go through shared memory instead of step 3, as
 `transport.py`'s full-weight push does. Building negotiates it (`shared.share`: all members
 must read a random token in rank 0's files, or everyone uses send/recv) and maps two persistent
 sets, each laid out like the rollout ranks' own tensors (`_shared_layout`): one block per
@@ -37,8 +38,10 @@ rank of two replicas) share one, written once. A push then:
 2. A background thread waits for the rollout ranks' acknowledgements.
 3. `ShardedReceiver.receive` takes the headers of all policy ranks, checks that they agree and
    verifies the checksums when asked. A zero-copy receiver (`zero_copy=True`, what a rollout
-   replica uses) then re-points its tensors at their places in the set: the policy's copy was
-   the only one. Otherwise it copies its pieces from the set into its tensors (a second copy).
+   replica uses, with its tensors on the CPU) then re-points its tensors at their places in the
+   set: the policy's copy was the only one. Otherwise (also GPU tensors, which a CPU set cannot
+   hold) it copies its pieces from the set into its tensors (a second copy). The policy's copy
+   into the set reads its shards where they live, GPU or CPU.
    It acknowledges (success or failure) to every policy rank; the handle is done when every
    rollout rank acknowledged, and a failure raises on both sides.
 
@@ -884,7 +887,9 @@ class ShardedReceiver(_Endpoint):
     holds (`TorchEngine.tp_boxes()`). `shared_memory=False` declines shared memory. Building is a
     collective with the senders.
 
-    `zero_copy` (shared memory only; the tensors must be contiguous): instead of copying a push
+    `zero_copy` (shared memory only; the tensors must be contiguous, and it applies only when
+    they live on the group's device, the CPU: GPU tensors in a gloo group take copies from the
+    CPU set instead): instead of copying a push
     out of the set, `receive` re-points `named_tensors` at it (`tensor.data = view`, the same
     tensor objects), laid out as they were: views of one storage (parts of a fused tensor) stay
     consecutive views of one block, so the owner can re-fuse them without a copy
@@ -914,6 +919,9 @@ class ShardedReceiver(_Endpoint):
             raise ValueError(
                 f"named_tensors and boxes must name the same tensors; differ on {missing[:3]}"
             )
+        # Tensors on another device than the group's buckets (GPU parameters in a gloo group,
+        # mode = "colocated_separated") cannot become views of them: they take copies.
+        zero_copy = zero_copy and all(t.device == group.device for t in named_tensors.values())
         places = _placements(named_tensors)
         if zero_copy and (strided := [n for n, place in places.items() if place is None]):
             raise ValueError(f"zero_copy needs contiguous tensors; {strided[:3]} are not")

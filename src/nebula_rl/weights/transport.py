@@ -24,7 +24,11 @@ One push, in order:
      and views of its own persistent buffers, valid until its next `receive`.
 Every receiver calls `receive` once per push: the controller tells both sides when a sync happens.
 
-Same host, CPU (gloo): the buckets travel through shared memory instead of the broadcast. The
+Over gloo the buckets are CPU tensors wherever the weights live: with GPU tensors (policy and
+rollout sharing a GPU, `mode = "colocated_separated"`) `push` copies them to the buckets and
+`receive_into` back to the GPU; `receive`'s views are CPU tensors.
+
+Same host, gloo: the buckets travel through shared memory instead of the broadcast. The
 sender snapshots into one of two persistent shared-memory bucket sets (alternating per push) and
 only the header goes over the group; `receive` returns views straight into that set, so the
 rollout's own copy into its model is the only other copy (two memcpys per push instead of a
