@@ -169,3 +169,10 @@ def test_every_field_is_documented():
                     todo.append(arg)
     assert len(seen) > 10
     assert undocumented == []
+
+
+def test_colocated_separated_runs_language_models_and_colocated_is_refused_for_them():
+    cfg = config_from_dict({"mode": "colocated_separated", "rollout": {"backend": "torch"}})
+    assert cfg.mode == "colocated_separated"
+    with pytest.raises(ConfigError, match=r'mode = "colocated": .*`nebula-rl train --local`'):
+        config_from_dict({"mode": "colocated", "rollout": {"backend": "torch"}})

@@ -1,4 +1,5 @@
-"""Where the launcher puts replicas: their ranks and, on GPUs, disjoint devices."""
+"""Where the launcher puts replicas: their ranks and, on GPUs, disjoint devices (or, with
+`mode = "colocated_separated"`, the rollouts on the policy replicas' devices)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,52 @@ def test_a_layout_larger_than_the_machine_is_refused_naming_the_keys() -> None:
     cfg = _cfg({"dp_shard_size": 2}, {"tp_size": 2})
     with pytest.raises(ValueError, match=r"needs 6 GPUs .*policy.parallelism.*rollout.parallelism"):
         plan_placement(cfg, num_policy=2, num_rollout=1, num_gpus=4)
+
+
+def _colocated(policy: dict, rollout: dict):
+    cfg = _cfg(policy, rollout)
+    cfg.mode = "colocated_separated"
+    return cfg
+
+
+def test_colocated_separated_puts_the_rollouts_on_the_policy_gpus() -> None:
+    # one GPU: a whole RL job
+    plan = plan_placement(_colocated({}, {}), num_policy=1, num_rollout=1, num_gpus=1)
+    assert [(p.name, p.nproc, p.devices) for p in plan] == [
+        ("policy-0", 1, (0,)),
+        ("rollout-0", 1, (0,)),
+    ]
+    # two GPUs, two policy replicas: rollout replica i on policy replica i mod 2
+    plan = plan_placement(_colocated({}, {}), num_policy=2, num_rollout=3, num_gpus=2)
+    assert [(p.name, p.devices) for p in plan] == [
+        ("policy-0", (0,)),
+        ("policy-1", (1,)),
+        ("rollout-0", (0,)),
+        ("rollout-1", (1,)),
+        ("rollout-2", (0,)),
+    ]
+    # one policy replica of two ranks: rollout replicas of one take its GPUs in turn, one of two
+    # takes both; dp_shard_size = -1 takes every GPU
+    plan = plan_placement(
+        _colocated({"dp_shard_size": 2}, {}), num_policy=1, num_rollout=3, num_gpus=2
+    )
+    assert [p.devices for p in plan] == [(0, 1), (0,), (1,), (0,)]
+    plan = plan_placement(
+        _colocated({"dp_shard_size": -1}, {"tp_size": 2}), num_policy=1, num_rollout=1, num_gpus=2
+    )
+    assert [(p.nproc, p.devices) for p in plan] == [(2, (0, 1)), (2, (0, 1))]
+
+
+def test_colocated_separated_refuses_what_does_not_fit() -> None:
+    with pytest.raises(ValueError, match=r"rollout.parallelism.tp_size \* pp_size = 2\) must fit"):
+        plan_placement(_colocated({}, {"tp_size": 2}), num_policy=1, num_rollout=1, num_gpus=2)
+    with pytest.raises(ValueError, match=r"needs 4 GPUs .*policy.parallelism.*has 2"):
+        plan_placement(
+            _colocated({"dp_shard_size": 2}, {}), num_policy=2, num_rollout=2, num_gpus=2
+        )
+    # on CPU the ranks are processes, as in the other modes
+    plan = plan_placement(_colocated({}, {"tp_size": 2}), num_policy=1, num_rollout=1, num_gpus=0)
+    assert [(p.nproc, p.devices) for p in plan] == [(1, ()), (2, ())]
 
 
 RANK_BODY = """

@@ -428,3 +428,14 @@ def test_policy_replicas_of_two_ranks_run_the_job(tmp_path, grpo_job_config):
     assert "[rank 0] weight group generation" in sender
     assert "[rank 1] weight group generation" in sender
     assert sum("exported" in log for log in logs) == 1
+
+
+def test_colocated_separated_job_runs_end_to_end(tmp_path, grpo_job_config):
+    """`mode = "colocated_separated"` (on GPUs the rollout replica shares the policy replica's;
+    on CPU the same processes as disaggregated): the job trains every prompt once, the weights
+    going through the shared-memory sets of a gloo weight group."""
+    colocated = {"mode": "colocated_separated"}
+    run_dir = _run_job(tmp_path, _cfg(grpo_job_config, allowed=1, changes=colocated))
+    _check_job(run_dir, allowed=1)
+    log = (run_dir / "logs" / "policy-0.log").read_text()
+    assert "over gloo, through shared memory" in log

@@ -1462,13 +1462,11 @@ class Config(_Section):
     """Vision-language-action training."""
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     """nebula-rl: the controller."""
-    mode: Literal["disaggregated", "colocated", "colocated_separated"] = Field(
-        default="disaggregated",
-        json_schema_extra=refused(
-            "colocated mode is built for world models (policy.is_diffusers) only so far"
-        ),
-    )
-    """`disaggregated`: policy and rollout replicas on their own devices."""
+    mode: Literal["disaggregated", "colocated", "colocated_separated"] = "disaggregated"
+    """`disaggregated`: policy and rollout replicas on their own devices; `colocated_separated`
+    (language models): rollout replica `i` runs in its own processes on the GPUs of policy replica
+    `i mod --policy`, weights pass through host shared memory (docs/architecture.md); `colocated`
+    (world models): the policy's ranks sample and train in turns."""
     redis: str = ""
     """Redis: empty starts a private server on a free port, a port number (cosmos-rl's form,
     e.g. "12800") starts it on that port, a `redis://` URL uses an existing server."""
@@ -2014,6 +2012,12 @@ def _rule_refusals(cfg: Config) -> list[str]:
             "cosmos-rl user script are not supported",
         )
         out.append(f"train.train_policy.trainer_type = {json.dumps(trainer)}: {why}")
+    if cfg.mode == "colocated":
+        out.append(
+            'mode = "colocated": a language model\'s policy and rollout taking turns in one '
+            "process is `nebula-rl train --local` (that mode is built for world models); "
+            'mode = "colocated_separated" runs the replicas in their own processes on the same GPUs'
+        )
     r = cfg.rollout
     backend_reasons = {
         "vllm_async": "the vllm_async backend is not supported; use `vllm` or `torch`",

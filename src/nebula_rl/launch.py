@@ -121,29 +121,44 @@ class Placement:
 def plan_placement(
     cfg: Config, *, num_policy: int, num_rollout: int, num_gpus: int
 ) -> list[Placement]:
-    """The replicas of an RL job and their ranks; with `num_gpus` > 0, disjoint GPUs for each
-    (policy replicas first). `policy.parallelism.dp_shard_size = -1` takes the GPUs the rollout
-    replicas leave, split evenly over the policy replicas (1 on CPU). A layout that needs more
-    GPUs than there are is refused, naming the keys."""
+    """The replicas of an RL job and their ranks; with `num_gpus` > 0, their GPUs (policy
+    replicas first). A layout that needs more GPUs than there are is refused, naming the keys.
+
+    `mode = "disaggregated"`: disjoint GPUs for every replica; `policy.parallelism.dp_shard_size
+    = -1` takes the GPUs the rollout replicas leave, split evenly over the policy replicas.
+    `mode = "colocated_separated"`: the policy replicas get disjoint GPUs, and each rollout
+    replica shares one policy replica's: rollout replica `i` goes to policy replica `i mod
+    num_policy`, and the `k`-th rollout replica on one policy replica (`k = i // num_policy`)
+    takes slice `k mod (policy ranks // rollout ranks)` of its GPUs, so two rollout replicas on
+    a policy replica of twice their size sit side by side. A rollout replica must fit in one
+    policy replica (`rollout.parallelism.tp_size * pp_size` <= the policy's ranks);
+    `dp_shard_size = -1` then splits all GPUs over the policy replicas.
+
+    On CPU (`num_gpus` = 0) ranks are processes without devices, in either mode, and
+    `dp_shard_size = -1` is 1."""
     from nebula_rl.preflight import replica_world_size
 
     policy, rollout = cfg.policy.parallelism, cfg.rollout.parallelism
+    colocated = cfg.mode == "colocated_separated"
     rollout_world = rollout.tp_size * rollout.pp_size
     policy_world = replica_world_size(policy)
     if policy_world is None:  # dp_shard_size = -1
         others = policy.pp_size * policy.dp_replicate_size * policy.cp_size * policy.tp_size
-        left = (num_gpus - num_rollout * rollout_world) // num_policy if num_gpus else others
+        taken = 0 if colocated else num_rollout * rollout_world
+        left = (num_gpus - taken) // num_policy if num_gpus else others
         if left < others or left % others:
             raise ValueError(
                 f"policy.parallelism.dp_shard_size = -1: the {num_gpus} GPUs less the rollout "
-                f"replicas' {num_rollout * rollout_world} leave {max(left, 0)} per policy replica, "
-                f"not a multiple of pp_size * dp_replicate_size * cp_size * tp_size ({others})"
+                f"replicas' {taken} leave {max(left, 0)} per policy replica, not a multiple of "
+                f"pp_size * dp_replicate_size * cp_size * tp_size ({others})"
             )
         policy_world = left
     plan = [Placement("policy", i, policy_world) for i in range(num_policy)]
     plan += [Placement("rollout", i, rollout_world) for i in range(num_rollout)]
     if not num_gpus:
         return plan
+    if colocated:
+        return _colocate(plan, num_policy=num_policy, num_gpus=num_gpus)
     need = sum(p.nproc for p in plan)
     if need > num_gpus:
         raise ValueError(
@@ -155,6 +170,37 @@ def plan_placement(
     for p in plan:
         placed.append(Placement(p.role, p.index, p.nproc, tuple(range(start, start + p.nproc))))
         start += p.nproc
+    return placed
+
+
+def _colocate(plan: list[Placement], *, num_policy: int, num_gpus: int) -> list[Placement]:
+    """`plan_placement` for `mode = "colocated_separated"` on `num_gpus` GPUs: disjoint GPUs
+    for the policy replicas, and every rollout replica on a slice of one policy replica's."""
+    policies, rollouts = plan[:num_policy], plan[num_policy:]
+    policy_world = policies[0].nproc if policies else 0
+    need = num_policy * policy_world
+    if need > num_gpus:
+        raise ValueError(
+            f'mode = "colocated_separated": the layout needs {need} GPUs ({num_policy} policy '
+            f"replica(s) x {policy_world} (policy.parallelism); the rollout replicas share "
+            f"them) and this machine has {num_gpus}"
+        )
+    rollout_world = rollouts[0].nproc if rollouts else 0
+    if rollout_world > policy_world:
+        raise ValueError(
+            f'mode = "colocated_separated": a rollout replica '
+            f"(rollout.parallelism.tp_size * pp_size = {rollout_world}) must fit in the GPUs of "
+            f"one policy replica (policy.parallelism: {policy_world})"
+        )
+    placed = [
+        Placement(p.role, p.index, p.nproc, tuple(range(i * p.nproc, (i + 1) * p.nproc)))
+        for i, p in enumerate(policies)
+    ]
+    slices = policy_world // rollout_world if rollouts else 1
+    for r in rollouts:
+        host = placed[r.index % num_policy].devices
+        start = (r.index // num_policy) % slices * rollout_world
+        placed.append(Placement(r.role, r.index, r.nproc, host[start : start + rollout_world]))
     return placed
 
 

@@ -119,11 +119,27 @@ def _layout(cfg: Config, num_policy: int, num_rollout: int, p: Preflight) -> Non
             "launcher gives it"
         )
         return
-    need = num_policy * policy_world + num_rollout * (rollout_world or 0)
+    # (mode = "colocated_separated": the rollout replicas run on the policy replicas' GPUs)
+    shared = rl and cfg.mode == "colocated_separated"
+    rollout_ranks = rollout_world or 0
+    need = num_policy * policy_world + (0 if shared else num_rollout * rollout_ranks)
     parts = f"policy {num_policy} x {policy_world}"
     if rl:
         parts += f" + rollout {num_rollout} x {rollout_world}"
-    p.notes.append(f"layout: {need} device(s) or CPU processes ({parts})")
+    if shared:
+        p.notes.append(
+            f"layout: {need} device(s) ({parts}, the rollout replicas on the policy replicas' "
+            f'GPUs: mode = "colocated_separated"), or {need + num_rollout * rollout_ranks} '
+            "CPU processes"
+        )
+        if rollout_ranks > policy_world:
+            p.errors.append(
+                f'mode = "colocated_separated": a rollout replica (rollout.parallelism.tp_size '
+                f"* pp_size = {rollout_ranks}) must fit in the GPUs of one policy replica "
+                f"(policy.parallelism: {policy_world})"
+            )
+    else:
+        p.notes.append(f"layout: {need} device(s) or CPU processes ({parts})")
     gpus = visible_gpus()
     if gpus is not None and need > gpus:
         p.errors.append(
