@@ -72,7 +72,16 @@ model_name_or_path = "tiny:qwen2"
     for r in records:
         assert 0.0 <= r["reward_mean"] <= 1.0
         assert r["num_sequences"] == 16
-        for key in ("loss", "entropy", "response_length_mean", "step_time", "rollout_tokens_per_s"):
+        for key in (
+            "loss",
+            "entropy",
+            "response_length_mean",
+            "step_time",
+            "generate_time",
+            "train_time",
+            "weight_update_time",
+            "rollout_tokens_per_s",
+        ):
             assert key in r
     trained = json.loads((run_dir / "trained_prompts.json").read_text())
     assert len(trained) == len(set(trained)) == 12

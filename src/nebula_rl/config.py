@@ -91,7 +91,6 @@ _MULTI_TURN = "multi-turn rollouts (rollout.multi_turn_config) are not supported
 _REMOTE = "remote rewards (use_remote_reward, the reward service) are not supported yet"
 _WORLD = "world-model (diffusers) training is not supported yet"
 _VLA = "vision-language-action (robot policy) training is not supported yet"
-_FP8 = "FP8 training (train.fp8) is not supported yet"
 _LOAD_BALANCE = "load-balanced SFT batching is not supported yet"
 _UPLOAD = "uploading checkpoints is not supported yet; copy `safetensors/` yourself"
 
@@ -587,12 +586,21 @@ class CheckpointConfig(_Section):
 class FP8Config(_Section):
     """FP8 training through torchao (cosmos-rl's `train.fp8`)."""
 
-    enable_fp8: bool = Field(default=False, json_schema_extra=refused(_FP8))
-    """Train the linear layers in FP8."""
-    fp8_recipe: str = Field(default="dynamic_scaling", json_schema_extra=refused(_FP8))
-    """Scale recipe: `dynamic_scaling`."""
-    quant_recipe: str = Field(default="rowwise", json_schema_extra=refused(_FP8))
-    """Quantisation: `rowwise` or `tensorwise`."""
+    enable_fp8: bool = False
+    """Train the decoder's linear layers in FP8 (torchao's Float8Linear; CUDA GPUs of compute
+    capability 8.9+, language models; the LM head and the parameters keep their dtypes).
+    Faster with `train.compile`."""
+    fp8_recipe: Literal["dynamic_scaling", "delayed_scaling"] = Field(
+        default="dynamic_scaling",
+        json_schema_extra=refused(
+            "torchao scales FP8 dynamically (from each tensor's current values) only; its "
+            "delayed scaling was removed"
+        ),
+    )
+    """Scale recipe: `dynamic_scaling` (scales from each tensor's current absolute maximum)."""
+    quant_recipe: Literal["rowwise", "tensorwise"] = "rowwise"
+    """Scale granularity: `rowwise` (a scale per row, torchao's more accurate recipe) or
+    `tensorwise` (one per tensor, faster)."""
 
 
 class FP4Config(_Section):
@@ -1140,7 +1148,10 @@ class RolloutConfig(_Section):
     """Keep the stop token's text (e.g. `<|im_end|>`) in the completion text rewards see and the
     group stores (the token ids trained on include the stop token either way)."""
     quantization: Literal["none", "fp8", "mxfp4"] = "none"
-    """Rollout weight quantisation."""
+    """Rollout weight quantisation. `fp8` (torch engine, Llama-family models, GPUs of compute
+    capability 8.9+ or CPUs): the decoder layers' matmuls run in float8 e4m3 with a scale per
+    weight row and per token, re-quantized from each weight update (embeddings, norms and the
+    LM head stay in `train.param_dtype`). `mxfp4` is refused."""
     gpu_memory_utilization: float = Field(default=0.8, gt=0.0, le=1.0)
     """vLLM: fraction of GPU memory it may take."""
     enforce_eager: bool = True
@@ -2030,13 +2041,14 @@ def _rule_refusals(cfg: Config) -> list[str]:
     }
     if r.backend in backend_reasons:
         out.append(f"rollout.backend = {json.dumps(r.backend)}: {backend_reasons[r.backend]}")
-    if r.quantization != "none":
-        why = (
-            "FP8 rollout weights are not supported yet"
-            if r.quantization == "fp8"
-            else ("MXFP4 rollout weights are not supported")
+    if r.quantization == "mxfp4":
+        out.append('rollout.quantization = "mxfp4": MXFP4 rollout weights are not supported')
+    elif r.quantization == "fp8" and r.backend == "vllm":
+        out.append(
+            'rollout.quantization = "fp8" with rollout.backend = "vllm": FP8 rollout weights run '
+            'in nebula-rl\'s torch engine (rollout.backend = "torch"); weight updates into '
+            "vLLM's FP8 layers are not built"
         )
-        out.append(f"rollout.quantization = {json.dumps(r.quantization)}: {why}")
     if r.backend == "torch" and r.parallelism.pp_size > 1:
         out.append(
             f"rollout.parallelism.pp_size = {r.parallelism.pp_size}: nebula-rl's torch engine "

@@ -412,10 +412,13 @@ def _run_grpo(
                 media = rollout_media(
                     vision, batch, cast(list[Any], texts), system_prompt=p.system_prompt
                 )
+            t_train = time.perf_counter()
             with cpu_threads(cfg.policy.cpu_threads):
                 metrics = trainer.grpo_step(batch, media)
             profiler.step()
+            t_update = time.perf_counter()
             engine.update_weights(model.named_parameters(), policy_version=step)
+            update_time = time.perf_counter() - t_update
             trained = trained + [g.prompt.prompt_id for g in batch]
             num_gen_tokens = sum(len(c.token_ids) for g in batch for c in g.completions)
             record = {
@@ -426,6 +429,9 @@ def _run_grpo(
                 "staleness_max": 0,
                 "groups_dropped": dropped,
                 "step_time": time.perf_counter() - t0,
+                "generate_time": gen_time,
+                "train_time": t_update - t_train,
+                "weight_update_time": update_time,
                 "rollout_tokens_per_s": num_gen_tokens / max(gen_time, 1e-9),
             }
             if validation_due(cfg, step, total_steps=total):

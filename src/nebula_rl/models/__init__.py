@@ -8,7 +8,8 @@ few-million-parameter model of that architecture with random initialisation and 
 tokenizer without merges built locally with the `tokenizers` library. `tiny:qwen2_gsm8k` is a
 larger one (~14M parameters, the GSM8K-shaped benchmark's) with a byte-level BPE tokenizer of 4096
 tokens trained on GSM8K's training text, shipped in this package (`gsm8k_tokenizer.json`,
-rebuilt by `python -m nebula_rl.models.bpe`). Exported, a preset is an ordinary Hugging Face
+rebuilt by `python -m nebula_rl.models.bpe`); `tiny:qwen2_5_0_5b` is Qwen2.5-0.5B's shape with that
+tokenizer (~0.36B parameters, for GPU benchmarks). Exported, a preset is an ordinary Hugging Face
 folder (config, safetensors, tokenizer, ChatML chat template). Presets exist for tests, demos and
 benchmarks and are never downloaded.
 """
@@ -121,6 +122,20 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
         num_key_value_heads=2,
         max_position_embeddings=1024,
         rope_theta=10000.0,
+        tie_word_embeddings=True,
+    ),
+    # The GPU benchmark job's model (configs/gpu_gsm8k.toml): Qwen2.5-0.5B's shape (layers,
+    # widths, heads, tied embeddings, rope_theta) with the GSM8K BPE tokenizer's 4096-token
+    # vocabulary instead of 151936, so ~0.36B parameters.
+    "qwen2_5_0_5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
         tie_word_embeddings=True,
     ),
     # Vision-language presets: a small ViT (patches of 16 or 14 px, merged 2x2 into one language
@@ -264,7 +279,10 @@ def _chatml_tokenizer(tok: Any, *, additional_special_tokens: list[str]) -> PreT
     return fast
 
 
-_PRESET_TOKENIZERS = {"qwen2_gsm8k": build_gsm8k_tokenizer}
+_PRESET_TOKENIZERS = {
+    "qwen2_gsm8k": build_gsm8k_tokenizer,
+    "qwen2_5_0_5b": build_gsm8k_tokenizer,
+}
 """Presets whose tokenizer is not :func:`build_char_tokenizer`."""
 
 

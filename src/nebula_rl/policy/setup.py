@@ -41,6 +41,7 @@ __all__ = [
     "apply_trainable",
     "check_pipeline_micro_batches",
     "compute_dtype",
+    "convert_fp8",
     "load_policy_model",
     "parallelize_policy",
     "parallelize_reference",
@@ -133,7 +134,8 @@ def apply_trainable(model: nn.Module, policy: PolicyConfig) -> None:
 def _fp8_eligible(model: nn.Module) -> Callable[[nn.Module, str], bool]:
     """The linear layers FP8 training converts: those of the decoder (feature sizes divisible
     by 16, as FP8 matmuls need), not the LM head, whose logits stay in the compute dtype."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
 
     def eligible(module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear) or module is head:
@@ -165,13 +167,21 @@ def apply_fp8(model: nn.Module, cfg: Config) -> None:
             f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}"
         )
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        import torchao.float8  # noqa: F401
     except ImportError as err:
         raise ValueError(
             f"{key} trains through torchao's float8 layers: pip install 'nebula-rl[fp8]' "
             f"(torchao) ({err})"
         ) from None
-    config = Float8LinearConfig.from_recipe_name(fp8.quant_recipe)
+    convert_fp8(model, fp8.quant_recipe)
+
+
+def convert_fp8(model: nn.Module, recipe: str) -> None:
+    """Swap `model`'s decoder linear layers for torchao's Float8Linear with the scale `recipe`
+    (`rowwise`, `tensorwise`), in place (what `apply_fp8` does once it checked the device)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
     convert_to_float8_training(model, config=config, module_filter_fn=_fp8_eligible(model))
 
 

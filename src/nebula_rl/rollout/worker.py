@@ -268,16 +268,35 @@ class RolloutWorker:
         engine = self.engine
         assert isinstance(engine, TorchEngine)
 
+        size = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+
         def apply(receive: Callable[[], int | None]) -> None:
+            took: list[float] = []
+
+            def timed() -> int | None:
+                start = time.perf_counter()
+                try:
+                    return receive()
+                finally:
+                    took.append(time.perf_counter() - start)
+
             if isinstance(engine, LockstepEngine):  # (the other ranks take the same push)
                 assert receiver.generation is not None
-                engine.update_weights_with(receive, note=receiver.generation.number)
+                engine.update_weights_with(timed, note=receiver.generation.number)
             else:
-                engine.update_weights_with(receive)  # at the next token boundary
+                engine.update_weights_with(timed)  # at the next token boundary
             if engine.damaged:
                 log.warning("a weight push failed part-way: generating nothing until the next")
             else:
-                log.info("weights of version %d in place", engine.policy_version)
+                # (the receive's own time, generation paused; the model's bytes over it)
+                log.info(
+                    "weights of version %d in place: received in %.3f s (%.2f GB/s of the "
+                    "model's %.2f GB)",
+                    engine.policy_version,
+                    took[0],
+                    size / max(took[0], 1e-9) / 1e9,
+                    size / 1e9,
+                )
 
         receiver = _receiver(self.session, engine, apply=apply)
         self._weight_errors = receiver.run_in_background(
