@@ -41,15 +41,15 @@ mem_watch() {  # sample the GPU's used memory (MiB) every 0.5 s into $1 until ki
 for s in $STAGES; do
   case $s in
     tests)
-      stage tests 200 $PY -m pytest -q -s -m gpu -p no:cacheprovider \
+      stage tests 130 $PY -m pytest -q -s -m gpu -p no:cacheprovider \
         tests/test_gpu.py tests/test_engine.py tests/test_weights.py tests/test_parallelize.py
       ;;
     engine)
-      stage engine 150 $PY bench/gpu_engine.py --quantization fp8 --json "$OUT/engine.json"
+      stage engine 90 $PY bench/gpu_engine.py --quantization fp8 --json "$OUT/engine.json"
       ;;
     job)
       mem_watch "$OUT/job_mem.csv" & watcher=$!
-      stage job 240 $PY -m nebula_rl.cli train --config "$CONFIG" \
+      stage job 130 $PY -m nebula_rl.cli train --config "$CONFIG" \
         --output-dir /tmp/gpu_job --timestamp run
       kill $watcher 2>/dev/null
       cp /tmp/gpu_job/run/metrics.jsonl "$OUT/job_metrics.jsonl" 2>/dev/null
@@ -58,8 +58,8 @@ for s in $STAGES; do
     local)
       grep -v '^mode = ' "$CONFIG" > /tmp/gpu_local.toml
       mem_watch "$OUT/local_mem.csv" & watcher=$!
-      stage local 180 $PY -m nebula_rl.cli train --config /tmp/gpu_local.toml --local \
-        --output-dir /tmp/gpu_local --timestamp run --max-num-steps 6
+      stage local 70 $PY -m nebula_rl.cli train --config /tmp/gpu_local.toml --local \
+        --output-dir /tmp/gpu_local --timestamp run --max-num-steps 4
       kill $watcher 2>/dev/null
       cp /tmp/gpu_local/run/metrics.jsonl "$OUT/local_metrics.jsonl" 2>/dev/null
       ;;
