@@ -1,7 +1,7 @@
 """The numbers of bench/gpu_session.sh's job stages, from the files it leaves in OUT: seconds per
 step, rollout tokens/s, the weight push (from the rollout replica's log), the GPU's peak memory.
 
-    python bench/gpu_job_summary.py OUT [JOB_LOGS_DIR]
+    python bench/gpu_job_summary.py OUT [JOB_LOGS_DIR [MEMORY_DIR]]
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def _show(label: str, rows: list[dict], keys: list[str]) -> None:
 def main() -> None:
     out = Path(sys.argv[1])
     logs = Path(sys.argv[2]) if len(sys.argv) > 2 else None
+    memory = Path(sys.argv[3]) if len(sys.argv) > 3 else out
     job = _records(out / "job_metrics.jsonl")
     _show(
         "job (policy + rollout replicas on one GPU)",
@@ -56,7 +57,7 @@ def main() -> None:
     )
     if job:
         print(f"job rollout_tokens_per_s over the run: {job[-1]['rollout_tokens_per_s']:.0f}")
-    print(f"job peak GPU memory (both processes): {_peak_mib(out / 'job_mem.csv')}")
+    print(f"job peak GPU memory (both processes): {_peak_mib(memory / 'job_mem.csv')}")
     if logs is not None and logs.exists():
         pushes = [
             (float(m.group(1)), float(m.group(2)), float(m.group(3)))
@@ -83,7 +84,7 @@ def main() -> None:
         local,
         ["step_time", "generate_time", "train_time", "weight_update_time", "rollout_tokens_per_s"],
     )
-    print(f"local peak GPU memory: {_peak_mib(out / 'local_mem.csv')}")
+    print(f"local peak GPU memory: {_peak_mib(memory / 'local_mem.csv')}")
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ CONFIG=${CONFIG:-configs/gpu_gsm8k.toml}  # (a smaller one for a CPU smoke run o
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
   $PY -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+} 2>&1
+# (at most 8 files come back from the device machine: the memory samples stay in $SCRATCH)
+SCRATCH=${SCRATCH:-/tmp/gpu_session}
+mkdir -p "$SCRATCH"
 
 stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
   local name=$1 limit=$2
@@ -48,7 +50,7 @@ for s in $STAGES; do
       stage engine 90 $PY bench/gpu_engine.py --quantization fp8 --json "$OUT/engine.json"
       ;;
     job)
-      mem_watch "$OUT/job_mem.csv" & watcher=$!
+      mem_watch "$SCRATCH/job_mem.csv" & watcher=$!
       stage job 130 $PY -m nebula_rl.cli train --config "$CONFIG" \
         --output-dir /tmp/gpu_job --timestamp run
       kill $watcher 2>/dev/null
@@ -57,7 +59,7 @@ for s in $STAGES; do
       ;;
     local)
       grep -v '^mode = ' "$CONFIG" > /tmp/gpu_local.toml
-      mem_watch "$OUT/local_mem.csv" & watcher=$!
+      mem_watch "$SCRATCH/local_mem.csv" & watcher=$!
       stage local 70 $PY -m nebula_rl.cli train --config /tmp/gpu_local.toml --local \
         --output-dir /tmp/gpu_local --timestamp run --max-num-steps 4
       kill $watcher 2>/dev/null
@@ -70,4 +72,4 @@ echo "== summary"
 grep -h "GPU-REPORT\|passed\|failed\|SKIPPED\|Error" "$OUT/tests.log" 2>/dev/null | tail -40
 grep -h "SUMMARY\|^row\|^hf_generate\|^engine\|^device\|^model\|^workload\|^measured" \
   "$OUT/engine.log" 2>/dev/null
-$PY bench/gpu_job_summary.py "$OUT" /tmp/gpu_job/run/logs
+$PY bench/gpu_job_summary.py "$OUT" /tmp/gpu_job/run/logs "$SCRATCH"
