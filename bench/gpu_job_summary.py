@@ -53,11 +53,19 @@ def main() -> None:
     _show(
         "job (policy + rollout replicas on one GPU)",
         job,
-        ["step_time", "train_time", "wait_for_batch_time", "rollout_tokens_per_s"],
+        [
+            "step_time",
+            "train_time",
+            "wait_for_batch_time",
+            "rollout_tokens_per_s",
+            "gpu_memory_peak_gb",
+        ],
     )
     if job:
         print(f"job rollout_tokens_per_s over the run: {job[-1]['rollout_tokens_per_s']:.0f}")
-    print(f"job peak GPU memory (both processes): {_peak_mib(memory / 'job_mem.csv')}")
+    print(
+        f"job GPU memory in use, peak (nvidia-smi, both processes): {_peak_mib(memory / 'job_mem.csv')}"
+    )
     if logs is not None and logs.exists():
         pushes = [
             (float(m.group(1)), float(m.group(2)), float(m.group(3)))
@@ -68,6 +76,16 @@ def main() -> None:
                 re.sub(r"\s*\n\s*", " ", f.read_text(errors="replace")),
             )
         ]
+        peaks = [
+            float(m.group(1))
+            for f in sorted(logs.glob("rollout*.log"))
+            for m in re.finditer(
+                r"peak GPU memory ([\d.]+) GB",
+                re.sub(r"\s*\n\s*", " ", f.read_text(errors="replace")),
+            )
+        ]
+        if peaks:
+            print(f"rollout process peak GPU memory (allocated): {max(peaks):.2f} GB")
         if pushes:
             seconds = [p[0] for p in pushes]
             rates = [p[1] for p in pushes]
@@ -82,9 +100,16 @@ def main() -> None:
     _show(
         "local (one process)",
         local,
-        ["step_time", "generate_time", "train_time", "weight_update_time", "rollout_tokens_per_s"],
+        [
+            "step_time",
+            "generate_time",
+            "train_time",
+            "weight_update_time",
+            "rollout_tokens_per_s",
+            "gpu_memory_peak_gb",
+        ],
     )
-    print(f"local peak GPU memory: {_peak_mib(memory / 'local_mem.csv')}")
+    print(f"local GPU memory in use, peak (nvidia-smi): {_peak_mib(memory / 'local_mem.csv')}")
 
 
 if __name__ == "__main__":

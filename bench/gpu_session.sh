@@ -9,7 +9,7 @@
 # Each stage has its own time limit and log; the summary prints last. Run from the repository root
 # on the device machine with the wheels of .whl/ (see BENCHMARKS.md) installed first:
 #   OUT=/some/dir bash bench/gpu_session.sh [stages, default "tests engine job local"]
-# (PY: the python; CONFIG: the job's config.)
+# (PY: the python; CONFIG: the job's config; JOB_STEPS: its steps, default the config's.)
 set -u
 OUT=${OUT:-outputs/gpu_session}
 mkdir -p "$OUT"
@@ -52,7 +52,7 @@ for s in $STAGES; do
     job)
       mem_watch "$SCRATCH/job_mem.csv" & watcher=$!
       stage job 130 $PY -m nebula_rl.cli train --config "$CONFIG" \
-        --output-dir /tmp/gpu_job --timestamp run
+        --output-dir /tmp/gpu_job --timestamp run ${JOB_STEPS:+--max-num-steps $JOB_STEPS}
       kill $watcher 2>/dev/null
       cp /tmp/gpu_job/run/metrics.jsonl "$OUT/job_metrics.jsonl" 2>/dev/null
       (cd /tmp/gpu_job/run && tar czf - logs) > "$OUT/job_logs.tgz" 2>/dev/null

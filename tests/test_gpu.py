@@ -86,7 +86,7 @@ def _sft_losses(
     cfg = config_from_dict(
         {
             "train": {
-                "optm_lr": 1e-3,
+                "optm_lr": 3e-4,
                 "optm_warmup_steps": 0,
                 "param_dtype": param_dtype,
                 "compile": compile,
@@ -106,7 +106,8 @@ def _sft_losses(
 def test_fp8_training_follows_bf16_over_50_steps() -> None:
     """torchao's row-wise FP8 linear layers against bf16 autocast, same data and start: both
     fall, the last 10 steps' mean loss within 5% of bf16's and every step's within 15% (the
-    batches differ in difficulty, so single steps are noisy)."""
+    batches differ in difficulty, so single steps are noisy). At lr 1e-3 the bf16 run spikes at
+    step 40 by itself (on the GPU and the CPU alike), so the comparison trains at 3e-4."""
     bf16 = _sft_losses(50)
     fp8 = _sft_losses(50, fp8=True)
     gaps = [abs(a - b) / b for a, b in zip(fp8, bf16, strict=True)]

@@ -434,6 +434,8 @@ def _run_grpo(
                 "weight_update_time": update_time,
                 "rollout_tokens_per_s": num_gen_tokens / max(gen_time, 1e-9),
             }
+            if torch.cuda.is_available():  # (policy, optimiser and engine: this process)
+                record["gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
             if validation_due(cfg, step, total_steps=total):
                 record |= validate(step)
                 validated = step

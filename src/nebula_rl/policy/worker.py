@@ -444,6 +444,8 @@ class PolicyWorker:
             self._step_failed(command, [n for _, n in outcomes], errors[0])
             return
         train_time = time.perf_counter() - start
+        if self.backend == "nccl":  # (on CUDA; this rank's peak: the record shows rank 0's)
+            metrics = {**metrics, "gpu_memory_peak_gb": torch.cuda.max_memory_allocated() / 1e9}
         self.profiler.step()
         self.version = step
         if command["push_weights"]:

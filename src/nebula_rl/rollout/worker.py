@@ -269,6 +269,7 @@ class RolloutWorker:
         assert isinstance(engine, TorchEngine)
 
         size = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        device = next(engine.model.parameters()).device
 
         def apply(receive: Callable[[], int | None]) -> None:
             took: list[float] = []
@@ -289,13 +290,19 @@ class RolloutWorker:
                 log.warning("a weight push failed part-way: generating nothing until the next")
             else:
                 # (the receive's own time, generation paused; the model's bytes over it)
+                peak = (
+                    f"; peak GPU memory {torch.cuda.max_memory_allocated() / 1e9:.2f} GB"
+                    if device.type == "cuda"
+                    else ""
+                )
                 log.info(
                     "weights of version %d in place: received in %.3f s (%.2f GB/s of the "
-                    "model's %.2f GB)",
+                    "model's %.2f GB)%s",
                     engine.policy_version,
                     took[0],
                     size / max(took[0], 1e-9) / 1e9,
                     size / 1e9,
+                    peak,
                 )
 
         receiver = _receiver(self.session, engine, apply=apply)
