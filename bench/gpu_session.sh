@@ -72,4 +72,4 @@ echo "== summary"
 grep -h "GPU-REPORT\|passed\|failed\|SKIPPED\|Error" "$OUT/tests.log" 2>/dev/null | tail -40
 grep -h "SUMMARY\|^row\|^hf_generate\|^engine\|^device\|^model\|^workload\|^measured" \
   "$OUT/engine.log" 2>/dev/null
-$PY bench/gpu_job_summary.py "$OUT" /tmp/gpu_job/run/logs "$SCRATCH"
+$PY bench/gpu/job_summary.py "$OUT" /tmp/gpu_job/run/logs "$SCRATCH"

@@ -1,7 +1,7 @@
 """The numbers of bench/gpu_session.sh's job stages, from the files it leaves in OUT: seconds per
 step, rollout tokens/s, the weight push (from the rollout replica's log), the GPU's peak memory.
 
-    python bench/gpu_job_summary.py OUT [JOB_LOGS_DIR [MEMORY_DIR]]
+    python bench/gpu/job_summary.py OUT [JOB_LOGS_DIR [MEMORY_DIR]]
 """
 
 from __future__ import annotations
