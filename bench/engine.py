@@ -72,7 +72,10 @@ def make_prompts(batch: int, vocab: int) -> list[list[int]]:
     ]
 
 
-def left_pad(prompts: list[list[int]], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    prompts: list[list[int]], device: str | torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of `prompts`, left-padded with 0."""
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)

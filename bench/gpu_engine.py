@@ -62,6 +62,7 @@ from typing import Any
 import torch
 import transformers
 
+from engine import left_pad  # bench/engine.py (this folder is on sys.path when run as a script)
 from nebula_rl.rollout.engine import GenerationRequest, SamplingParams
 from nebula_rl.rollout.torch_engine import TorchEngine
 
@@ -112,17 +113,6 @@ def make_prompts(num: int, length: int, spread: int, vocab: int) -> list[list[in
     generator = torch.Generator().manual_seed(1)
     lengths = torch.randint(length - spread, length + spread + 1, (num,), generator=generator)
     return [torch.randint(0, vocab, (int(n),), generator=generator).tolist() for n in lengths]
-
-
-def left_pad(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and attention mask of `prompts`, left-padded with 0."""
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    return ids.to(device), mask.to(device)
 
 
 def sync(device: torch.device) -> None:

@@ -27,8 +27,11 @@ CONFIGS = {
 }
 
 
-def tiny_model(arch: str = "qwen2", seed: int = 0) -> torch.nn.Module:
-    """The project's tiny shape (random init; initializer_range 0.1 so that greedy outputs vary)."""
+def tiny_model(
+    arch: str = "qwen2", seed: int = 0, initializer_range: float = 0.1
+) -> torch.nn.Module:
+    """The project's tiny shape (random init; initializer_range 0.1 by default so that greedy
+    outputs vary)."""
     torch.manual_seed(seed)
     cfg = CONFIGS[arch](
         vocab_size=128,
@@ -40,7 +43,7 @@ def tiny_model(arch: str = "qwen2", seed: int = 0) -> torch.nn.Module:
         head_dim=64,
         max_position_embeddings=512,
         tie_word_embeddings=True,
-        initializer_range=0.1,
+        initializer_range=initializer_range,
         eos_token_id=None,  # no eos: HF generate with min_new_tokens would suppress it
     )
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
