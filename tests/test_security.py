@@ -382,3 +382,61 @@ def test_the_controller_process_imports_neither_torch_nor_transformers(
     assert {"nebula_rl.controller.scheduler", "fastapi", "redis"} <= imported  # (it did log)
     heavy = {m for m in imported if m.split(".")[0] in ("torch", "transformers", "datasets")}
     assert heavy == set()
+
+
+def _group_member(member: int, redis_url: str, name: str) -> tuple:
+    """Members 0 and 1 join weight group `name` in the job's Redis and broadcast; member 2 is a
+    rogue that knows Redis's address (from `redis_url` without its password, or with a wrong
+    one) and tries to take rank 1's place."""
+    from datetime import timedelta
+
+    import redis
+    import torch
+
+    from nebula_rl.weights import Rendezvous, build_group
+
+    if member == 2:
+        outcomes = []
+        url = urlparse(redis_url)
+        for password in ("", ":wrong"):
+            rogue = redis.Redis.from_url(
+                f"redis://{password and password + '@'}{url.hostname}:{url.port}"
+            )
+            rdzv = Rendezvous("", 0, name, 2, redis=rogue)
+            start = time.monotonic()
+            try:
+                build_group(rdzv, rank=1, timeout=timedelta(seconds=20))
+                outcomes.append(("joined", time.monotonic() - start))
+            except redis.RedisError as err:
+                outcomes.append((type(err).__name__, time.monotonic() - start))
+        return tuple(outcomes)
+    rdzv = Rendezvous("", 0, name, 2, redis=redis.Redis.from_url(redis_url))
+    group = build_group(rdzv, rank=member, timeout=timedelta(seconds=30))
+    tensor = torch.tensor([7.0 if member == 0 else 0.0])
+    group.pg.broadcast(tensor, 0, group.timeout).wait()
+    group.close()
+    return (float(tensor[0]),)
+
+
+def test_a_rogue_that_knows_the_rendezvous_port_can_neither_join_nor_stall_a_group(
+    tmp_path: Path,
+) -> None:
+    """Weight groups meet in the job's Redis (no TCPStore port): a process that knows its address
+    but not its password is refused at once and leaves no key behind, and the members then form
+    the group and broadcast as usual."""
+    import redis
+
+    from member_pool import MemberPool
+    from nebula_rl.controller import start_redis
+
+    with start_redis(data_dir=tmp_path / "redis") as server:
+        pool = MemberPool(3)
+        try:
+            (rogue,) = pool.run_on([2], _group_member, server.url, "weights-1").values()
+            assert [kind for kind, _ in rogue] == ["AuthenticationError", "AuthenticationError"]
+            assert all(seconds < 5 for _, seconds in rogue)  # refused, not left waiting
+            assert redis.Redis.from_url(server.url).keys("*weights-1*") == []
+            members = pool.run_on([0, 1], _group_member, server.url, "weights-1")
+            assert members == {0: (7.0,), 1: (7.0,)}
+        finally:
+            pool.close()

@@ -24,8 +24,10 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from collections.abc import Sequence
@@ -292,8 +294,9 @@ def run_shard(
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if not cuda:
         torch.set_num_threads(1)
-    if tp > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=tp)
+    if tp > 1:  # (the shard's ranks meet in a file of the parent's private folder: no port)
+        store = dist.FileStore(os.environ[_SHARD_STORE_ENV], tp)
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=tp)
     revision = ec.model.model_revision
     tokenizer = load_tokenizer(model, revision=revision)
     weights = load_model(
@@ -365,15 +368,23 @@ def _sampling(g: EvalGenerationConfig, eos_token_id: int | None) -> Any:
 # The parent: start, supervise and restart the shards, merge their files
 
 
+_SHARD_STORE_ENV = "NEBULA_EVAL_STORE"
+"""The file a TP shard's ranks meet in (a `FileStore`), in a folder only this user can open:
+unlike torch's env:// rendezvous (a TCPStore listening on every interface, unauthenticated)."""
+
+
 def _start_shard(
-    config_json: Path, model: str, shard: int, out: Path, tp: int, score: bool, port: int
+    config_json: Path, model: str, shard: int, out: Path, tp: int, score: bool, folder: Path
 ) -> list[subprocess.Popen[bytes]]:
     """The processes of shard `shard`'s ranks; on GPUs, they see the shard's `tp` devices of
-    those visible (`CUDA_VISIBLE_DEVICES`, else all), rank r using the r-th."""
+    those visible (`CUDA_VISIBLE_DEVICES`, else all), rank r using the r-th. The ranks meet in
+    a new file of `folder` (the parent's private folder) at every start."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range((shard + 1) * tp)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port),
+    store = tempfile.mkstemp(prefix=f"shard-{shard}-", dir=folder)
+    os.close(store[0])
+    os.unlink(store[1])  # (FileStore creates it: a leftover file would hold a stale rendezvous)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", _SHARD_STORE_ENV: store[1],
            "CUDA_VISIBLE_DEVICES": ",".join(devices[shard * tp : (shard + 1) * tp])}  # fmt: skip
     mode = "score" if score else "generate"
     return [
@@ -407,8 +418,6 @@ def evaluate(
     (default `evaluation.output_dir`), restarting any that dies; merge their rows into
     `samples.jsonl`; with `score`, write and return :func:`summarize`'s metrics
     (`results.json`)."""
-    from nebula_rl.weights import free_port
-
     model = model or ec.model.model_name
     out = Path(output_dir or ec.evaluation.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -416,8 +425,9 @@ def evaluate(
     config_json.write_text(ec.model_dump_json(indent=2))
     total = _num_rows(ec, model)
     files = [out / f"shard-{k}.jsonl" for k in range(ec.shards())]
+    stores = Path(tempfile.mkdtemp(prefix="nebula-eval-"))  # (mode 0700)
     running = {
-        k: _start_shard(config_json, model, k, files[k], ec.model.tp_size, score, free_port())
+        k: _start_shard(config_json, model, k, files[k], ec.model.tp_size, score, stores)
         for k in range(ec.shards())
     }
     restarts = dict.fromkeys(running, 0)
@@ -442,11 +452,12 @@ def evaluate(
                         )
                     restarts[k] += 1
                     running[k] = _start_shard(config_json, model, k, files[k],
-                                              ec.model.tp_size, score, free_port())  # fmt: skip
+                                              ec.model.tp_size, score, stores)  # fmt: skip
     finally:
         for procs in running.values():
             for p in procs:
                 p.kill()
+        shutil.rmtree(stores, ignore_errors=True)
         bar.close()
     records = sorted(
         (json.loads(line) for f in files for line in f.read_text().splitlines()),
