@@ -7,6 +7,8 @@
                                                     run a job (RL: controller + replicas)
     nebula-rl controller --config FILE              only the controller (multi-node)
     nebula-rl replica --role R --controller H:P     one replica (it starts its ranks itself)
+    nebula-rl slurm --config FILE --nodes N [--submit]
+                                                    an sbatch script running the job on N nodes
     nebula-rl status | replica ls | replica show N  inspect a running job (tables)
     nebula-rl plot RUN_DIR [--out FILE]             reward and length curves as a PNG
     nebula-rl config-reference [--write|--check F]  the config reference, from config.py
@@ -442,6 +444,51 @@ def _cmd_config_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_slurm(args: argparse.Namespace) -> int:
+    """Render the job's sbatch script to --out (or stdout); with --submit, submit it and print
+    the job id. A layout or flag that cannot run exits 2, naming it."""
+    from nebula_rl.slurm import SlurmJob, render_sbatch, submit
+
+    cfg = _load(args.config)
+    job = SlurmJob(
+        config_path=Path(args.config).resolve(),
+        num_nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        num_policy=args.policy,
+        num_rollout=args.rollout,
+        partition=args.partition or "",
+        account=args.account or "",
+        time=args.time or "",
+        job_name=args.job_name,
+        output_dir=Path(args.output_dir).resolve() if args.output_dir else None,
+        port=args.port,
+        workdir=Path.cwd(),
+    )
+    try:
+        script = render_sbatch(cfg, job)
+    except ValueError as err:
+        print(f"error: {args.config}: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else None
+    if out is None and args.submit:  # sbatch reads a file
+        out = Path(job.output_dir or cfg.train.output_dir) / f"{job.job_name}.sbatch"
+    if out is None:
+        print(script, end="")
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(script)
+    # (Slurm writes its log there and does not create the folder)
+    Path(job.output_dir or cfg.train.output_dir).mkdir(parents=True, exist_ok=True)
+    print(f"wrote {out}", file=sys.stderr)
+    if args.submit:
+        try:
+            print(submit(out))
+        except (OSError, RuntimeError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def _cmd_reward_service(args: argparse.Namespace) -> int:
     """Serve the world-model reward service until SIGINT or SIGTERM, then stop its workers
     (docs/reward-service.md); a bad config or a port in use exits 2, naming the key, workers
@@ -550,6 +597,41 @@ def build_parser() -> argparse.ArgumentParser:
         # `--controller` may come before or after `ls`: default SUPPRESS keeps the earlier one.
         p.add_argument("--controller", default=argparse.SUPPRESS, help="HOST:PORT")
         _add_connection_flags(p, address=False)
+
+    slurm = sub.add_parser(
+        "slurm",
+        help="write (and with --submit, submit) an sbatch script that runs the RL job on the "
+        "nodes of a Slurm allocation: controller and Redis on the first, replicas by their GPUs",
+    )
+    slurm.add_argument("--config", required=True, help="TOML config file")
+    slurm.add_argument("--nodes", type=int, required=True, help="nodes of the allocation")
+    slurm.add_argument(
+        "--gpus-per-node", type=int, default=8, help="GPUs of a node (default 8; 0: CPU ranks)"
+    )
+    slurm.add_argument("--partition", help="Slurm partition")
+    slurm.add_argument("--account", help="Slurm account")
+    slurm.add_argument("--time", help="time limit (Slurm's format, e.g. 04:00:00)")
+    slurm.add_argument("--job-name", default="nebula-rl", help="Slurm job name")
+    slurm.add_argument(
+        "--output-dir", help="override train.output_dir (the run folder and Slurm's log go there)"
+    )
+    slurm.add_argument(
+        "--policy", type=int, help="policy replicas (policy.parallelism.n_init_replicas)"
+    )
+    slurm.add_argument(
+        "--rollout", type=int, help="rollout replicas (rollout.parallelism.n_init_replicas)"
+    )
+    slurm.add_argument(
+        "--port", type=int, default=0, help="controller port (default: controller.port, else free)"
+    )
+    slurm.add_argument("--out", help="write the script to this file (default: stdout)")
+    slurm.add_argument(
+        "--submit",
+        action="store_true",
+        help="submit it with sbatch and print the job id (default file: "
+        "<output_dir>/<job name>.sbatch)",
+    )
+    slurm.set_defaults(func=_cmd_slurm)
 
     status = sub.add_parser("status", help="where a running job stands (step, ledger, replicas)")
     _add_connection_flags(status)
