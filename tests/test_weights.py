@@ -25,7 +25,7 @@ from nebula_rl.weights import (
     weight_backend,
 )
 from nebula_rl.weights.elastic import ElasticReceiver, ElasticSender, is_collective_failure
-from nebula_rl.weights.group import Generation, leave_group
+from nebula_rl.weights.group import Generation, gloo_address, leave_group
 from nebula_rl.weights.reshard import ShardedReceiver, ShardedSender, full_box
 
 TIMEOUT = timedelta(seconds=30)  # a failing test errors out instead of hanging
@@ -652,3 +652,17 @@ def test_colocated_push_between_processes_on_one_gpu(members):
     stages CUDA weights through host shared memory and they arrive bit for bit, in the
     rollout's GPU parameters (copied in place, not re-pointed at the CPU set)."""
     _check_colocated(members.run(_colocated_body, 2, "cuda:0"), "cuda:0")
+
+
+def test_gloo_address_is_the_one_that_reaches_the_rendezvous(monkeypatch):
+    """gloo's own choice (the host name's address, else loopback) is kept on one host and under
+    GLOO_SOCKET_IFNAME; a rendezvous elsewhere gets the local address that routes to it, which
+    peers on other hosts can reach (tests/test_multinode.py runs a job across namespaces)."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert gloo_address(Rendezvous("127.0.0.1", 29500, "g", 2)) is None
+    assert gloo_address(Rendezvous("", 0, "g", 2, redis=connect("redis://127.0.0.1:1/0"))) is None
+    remote = Rendezvous("192.0.2.77", 29500, "g", 2)  # (TEST-NET-1: never reached)
+    address = gloo_address(remote)  # (None on a machine with no route to it)
+    assert address is None or not address.startswith("127.")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    assert gloo_address(remote) is None

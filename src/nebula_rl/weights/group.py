@@ -31,6 +31,8 @@ timeout.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import os
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -62,6 +64,7 @@ __all__ = [
     "WeightGroup",
     "build_group",
     "free_port",
+    "gloo_address",
     "leave_group",
     "serve_store",
     "weight_backend",
@@ -354,6 +357,33 @@ def _join(
         ) from err
 
 
+def gloo_address(rdzv: Rendezvous) -> str | None:
+    """The local address a gloo member of `rdzv` listens on and gives its peers: the one this
+    host reaches the rendezvous from (the job's Redis, or the TCPStore's host), so that members
+    on other hosts can connect back. None leaves the choice to gloo, which takes
+    `GLOO_SOCKET_IFNAME`'s interface when it is set, else the address the host name resolves to,
+    falling back to loopback: right on one host, but a host name that resolves to 127.0.1.1
+    (Debian's default) or a network namespace would advertise an address its peers cannot
+    reach. None too when the rendezvous is on loopback (every member is on this host)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    if rdzv.redis is not None:
+        kwargs = rdzv.redis.connection_pool.connection_kwargs
+        host, port = kwargs.get("host"), int(kwargs.get("port") or 6379)
+    else:
+        host, port = rdzv.host, rdzv.port
+    if not host:  # (a Unix socket)
+        return None
+    try:
+        family, kind, proto, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(target)  # (UDP: picks the route, sends nothing)
+            local = str(probe.getsockname()[0])
+    except OSError:
+        return None
+    return None if ipaddress.ip_address(local).is_loopback else local
+
+
 def build_group(
     rdzv: Rendezvous,
     *,
@@ -378,7 +408,14 @@ def build_group(
     pg: torch._C._distributed_c10d.Backend
     if backend == "gloo":
         device = torch.device("cpu")
-        pg = ProcessGroupGloo(store, rank, rdzv.world_size, timeout)
+        address = gloo_address(rdzv)
+        if address is None:
+            pg = ProcessGroupGloo(store, rank, rdzv.world_size, timeout)
+        else:
+            options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+            options._timeout = timeout
+            options._devices = [ProcessGroupGloo.create_device(hostname=address)]
+            pg = ProcessGroupGloo(store, rank, rdzv.world_size, options)
     else:
         from torch.distributed import ProcessGroupNCCL
 
