@@ -97,6 +97,9 @@ def _sft_losses(
     )
     model = load_model("tiny:qwen2", seed=4, device="cuda")
     prepare_single_process(model, cfg)
+    converted = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+    # q, k, v, o, gate, up, down of each of the 4 layers; never the LM head
+    assert len(converted) == (28 if fp8 else 0) and "lm_head" not in converted
     trainer = PolicyTrainer(model, cfg, total_steps=steps, pad_id=0)
     batches = _sft_batches(10, 16)
     return [trainer.sft_step(batches[i % len(batches)])["loss"] for i in range(steps)]
@@ -120,6 +123,7 @@ def test_fp8_training_follows_bf16_over_50_steps() -> None:
     assert late_bf16 < 0.5 * bf16[0] and late_fp8 < 0.5 * fp8[0]
     assert abs(late_fp8 - late_bf16) / late_bf16 < 0.05
     assert max(gaps) < 0.15
+    assert fp8 != bf16  # (FP8 rounding ran)
 
 
 def test_compiled_blocks_step_like_plain_on_cuda() -> None:

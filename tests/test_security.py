@@ -7,6 +7,7 @@ schema) finds no request that makes it fail (5xx).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -72,10 +73,7 @@ class Controller:
         return {"Authorization": f"Bearer {self.token}"}
 
 
-@pytest.fixture(scope="module")
-def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Controller]:
-    tmp = tmp_path_factory.mktemp("security")
-    port = free_port()
+def _job_config(tmp: Path, port: int) -> Path:
     cfg = config_from_dict(
         {
             "train": {
@@ -97,6 +95,14 @@ def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Controller]
     )
     config = tmp / "job.json"
     config.write_text(cfg.model_dump_json())
+    return config
+
+
+@contextlib.contextmanager
+def _controller(tmp: Path, host: str = "127.0.0.1") -> Iterator[Controller]:
+    """A `nebula-rl controller` process started by hand on `host` (its Redis too)."""
+    port = free_port(host)
+    config = _job_config(tmp, port)
     run_dir, log = tmp / "run", tmp / "controller.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEBULA_")}
     process = subprocess.Popen(
@@ -111,13 +117,14 @@ def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Controller]
             str(config),
             "--run-dir",
             str(run_dir),
+            *(["--host", host] if host != "127.0.0.1" else []),
         ],
         env=env,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its Redis is in its process group: both go at the end
     )
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     deadline = time.monotonic() + 120
     while True:
         assert process.poll() is None, log.read_text()
@@ -132,6 +139,12 @@ def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Controller]
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Controller]:
+    with _controller(tmp_path_factory.mktemp("security")) as started:
+        yield started
 
 
 def _resp(sock: socket.socket, command: bytes) -> bytes:
@@ -440,3 +453,33 @@ def test_a_rogue_that_knows_the_rendezvous_port_can_neither_join_nor_stall_a_gro
             assert members == {0: (7.0,), 1: (7.0,)}
         finally:
             pool.close()
+
+
+def test_a_controller_on_another_address_puts_its_redis_there_and_refuses_a_wildcard(
+    tmp_path: Path,
+) -> None:
+    """Replicas on other hosts dial the controller's Redis: started by hand with `--host`, the
+    controller binds its Redis (and only it and the API) to that address; `--host 0.0.0.0` would
+    give replicas a URL they cannot dial and is refused (exit 2)."""
+    host = "127.0.0.2"  # (a loopback address that is not 127.0.0.1)
+    with _controller(tmp_path, host=host) as started:
+        meta = httpx.get(f"{started.url}/api/meta", headers=started.auth).json()
+        assert urlparse(meta["redis_url"]).hostname == host
+        listening = _listening_inodes()
+        addresses = [
+            listening[int(os.readlink(fd)[len("socket:[") : -1])]
+            for pid in _process_tree(started.process.pid)
+            for fd in Path(f"/proc/{pid}/fd").iterdir()
+            if os.readlink(fd).startswith("socket:[")
+            and int(os.readlink(fd)[len("socket:[") : -1]) in listening
+        ]
+        assert len(addresses) == 2 and all(a.startswith("0200007F:") for a in addresses)
+    wildcard = subprocess.run(
+        [sys.executable, "-m", "nebula_rl.cli", "controller", "--config",
+         str(_job_config(tmp_path, free_port())), "--run-dir", str(tmp_path / "wild"),
+         "--host", "0.0.0.0"],
+        capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("NEBULA_")},
+    )  # fmt: skip
+    assert wildcard.returncode == 2, wildcard.stderr
+    assert "give one address" in wildcard.stdout + wildcard.stderr

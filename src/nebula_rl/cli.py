@@ -90,18 +90,37 @@ def _setup_torch() -> None:
 
 
 class _RunLogHandler(logging.FileHandler):
-    """A file log in the run folder, created (with the folder) by the first record only: a job
-    refused before it starts leaves no run folder behind."""
+    """A file log in the run folder, created (with the folder) by nebula-rl's first record: a
+    job refused before it starts leaves no run folder behind. Other libraries' records (import-
+    time warnings, e.g. torchao's when transformers imports it) wait in memory until the file
+    exists, so they do not create it."""
+
+    _MAX_HELD = 1000
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, delay=True)
+        self._held: list[logging.LogRecord] = []
 
     def _open(self):  # type: ignore[no-untyped-def]
         Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
         return super()._open()
 
+    def emit(self, record: logging.LogRecord) -> None:
+        waiting = self.stream is None and not Path(self.baseFilename).parent.exists()
+        if waiting and not record.name.startswith("nebula_rl"):
+            if len(self._held) < self._MAX_HELD:
+                self._held.append(record)
+            return
+        held, self._held = self._held, []
+        for earlier in held:
+            super().emit(earlier)
+        super().emit(record)
+
 
 def _file_log(path: Path) -> tuple[logging.Logger, logging.Handler]:
     """Send every log record (and the tracebacks the returned logger takes) to `path` too; the
     console keeps its short lines. Returns that logger and the file's handler."""
-    handler = _RunLogHandler(path, delay=True)
+    handler = _RunLogHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger().addHandler(handler)
     trace = logging.getLogger("nebula_rl.traceback")
@@ -240,7 +259,17 @@ def _cmd_controller(args: argparse.Namespace) -> int:
     if not redis_url:
         from nebula_rl.controller.redis_server import start_redis
 
-        redis = start_redis(host="127.0.0.1", data_dir=run_dir / "redis")
+        # On the controller's interface (replicas on other hosts reach both), with a password;
+        # a wildcard address would hand replicas a URL they cannot dial.
+        if host in ("0.0.0.0", "::", ""):
+            log.error(
+                "--host %r: the job's Redis binds to the controller's address and replicas dial "
+                "it, so give one address (e.g. this node's), or start Redis yourself and set %s",
+                host,
+                REDIS_URL_ENV,
+            )
+            return 2
+        redis = start_redis(host=host, data_dir=run_dir / "redis")
         redis_url = redis.url
     try:
         run_controller(
