@@ -32,7 +32,13 @@ from nebula_rl.weights import free_port
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 # Timing metrics differ between runs; everything else in a metrics line must repeat exactly.
-TIMINGS = ("step_time", "rollout_tokens_per_s")
+TIMINGS = (
+    "step_time",
+    "generate_time",
+    "train_time",
+    "weight_update_time",
+    "rollout_tokens_per_s",
+)
 
 
 def parity_reward(completion: str, reference: str) -> float:
