@@ -217,21 +217,27 @@ def _process_tree(root: int) -> list[int]:
     return pids
 
 
-def test_everything_listens_on_loopback_and_secrets_stay_secret(controller: Controller) -> None:
+def _listening_addresses(pids: list[int]) -> list[str]:
+    """The local addresses (as /proc/net/tcp writes them) of the listening sockets of `pids`."""
     listening = _listening_inodes()
-    tree = _process_tree(controller.process.pid)
-    assert len(tree) >= 2  # the controller and its Redis
     addresses = []
-    for pid in tree:
+    for pid in pids:
         for fd in Path(f"/proc/{pid}/fd").iterdir():
             try:
                 target = os.readlink(fd)
-            except OSError:
+            except OSError:  # (closed meanwhile)
                 continue
             if target.startswith("socket:["):
                 inode = int(target[len("socket:[") : -1])
                 if inode in listening:
                     addresses.append(listening[inode])
+    return addresses
+
+
+def test_everything_listens_on_loopback_and_secrets_stay_secret(controller: Controller) -> None:
+    tree = _process_tree(controller.process.pid)
+    assert len(tree) >= 2  # the controller and its Redis
+    addresses = _listening_addresses(tree)
     # HTTP API and Redis (the replicas' groups meet in Redis): two listeners, both on 127.0.0.1
     # (hex, little-endian).
     assert len(addresses) == 2, addresses
@@ -427,8 +433,9 @@ def _group_member(member: int, redis_url: str, name: str) -> tuple:
     group = build_group(rdzv, rank=member, timeout=timedelta(seconds=30))
     tensor = torch.tensor([7.0 if member == 0 else 0.0])
     group.pg.broadcast(tensor, 0, group.timeout).wait()
+    mine = _listening_addresses([os.getpid()])
     group.close()
-    return (float(tensor[0]),)
+    return (float(tensor[0]), sorted({a.split(":")[0] for a in mine}))
 
 
 def test_a_rogue_that_knows_the_rendezvous_port_can_neither_join_nor_stall_a_group(
@@ -436,7 +443,7 @@ def test_a_rogue_that_knows_the_rendezvous_port_can_neither_join_nor_stall_a_gro
 ) -> None:
     """Weight groups meet in the job's Redis (no TCPStore port): a process that knows its address
     but not its password is refused at once and leaves no key behind, and the members then form
-    the group and broadcast as usual."""
+    the group (listening on loopback only) and broadcast as usual."""
     import redis
 
     from member_pool import MemberPool
@@ -450,7 +457,8 @@ def test_a_rogue_that_knows_the_rendezvous_port_can_neither_join_nor_stall_a_gro
             assert all(seconds < 5 for _, seconds in rogue)  # refused, not left waiting
             assert redis.Redis.from_url(server.url).keys("*weights-1*") == []
             members = pool.run_on([0, 1], _group_member, server.url, "weights-1")
-            assert members == {0: (7.0,), 1: (7.0,)}
+            # The group's sockets listen on loopback only, like every port of a one-host job.
+            assert members == {0: (7.0, ["0100007F"]), 1: (7.0, ["0100007F"])}
         finally:
             pool.close()
 
@@ -465,14 +473,7 @@ def test_a_controller_on_another_address_puts_its_redis_there_and_refuses_a_wild
     with _controller(tmp_path, host=host) as started:
         meta = httpx.get(f"{started.url}/api/meta", headers=started.auth).json()
         assert urlparse(meta["redis_url"]).hostname == host
-        listening = _listening_inodes()
-        addresses = [
-            listening[int(os.readlink(fd)[len("socket:[") : -1])]
-            for pid in _process_tree(started.process.pid)
-            for fd in Path(f"/proc/{pid}/fd").iterdir()
-            if os.readlink(fd).startswith("socket:[")
-            and int(os.readlink(fd)[len("socket:[") : -1]) in listening
-        ]
+        addresses = _listening_addresses(_process_tree(started.process.pid))
         assert len(addresses) == 2 and all(a.startswith("0200007F:") for a in addresses)
     wildcard = subprocess.run(
         [sys.executable, "-m", "nebula_rl.cli", "controller", "--config",

@@ -655,12 +655,13 @@ def test_colocated_push_between_processes_on_one_gpu(members):
 
 
 def test_gloo_address_is_the_one_that_reaches_the_rendezvous(monkeypatch):
-    """gloo's own choice (the host name's address, else loopback) is kept on one host and under
-    GLOO_SOCKET_IFNAME; a rendezvous elsewhere gets the local address that routes to it, which
-    peers on other hosts can reach (tests/test_multinode.py runs a job across namespaces)."""
+    """On one host the group listens on loopback only; a rendezvous elsewhere gets the local
+    address that routes to it, which peers on other hosts can reach (tests/test_multinode.py
+    runs a job across namespaces); GLOO_SOCKET_IFNAME leaves the choice to gloo."""
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    assert gloo_address(Rendezvous("127.0.0.1", 29500, "g", 2)) is None
-    assert gloo_address(Rendezvous("", 0, "g", 2, redis=connect("redis://127.0.0.1:1/0"))) is None
+    assert gloo_address(Rendezvous("127.0.0.1", 29500, "g", 2)) == "127.0.0.1"
+    one_host = Rendezvous("", 0, "g", 2, redis=connect("redis://127.0.0.1:1/0"))
+    assert gloo_address(one_host) == "127.0.0.1"
     remote = Rendezvous("192.0.2.77", 29500, "g", 2)  # (TEST-NET-1: never reached)
     address = gloo_address(remote)  # (None on a machine with no route to it)
     assert address is None or not address.startswith("127.")

@@ -31,7 +31,6 @@ timeout.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import socket
 import time
@@ -360,11 +359,11 @@ def _join(
 def gloo_address(rdzv: Rendezvous) -> str | None:
     """The local address a gloo member of `rdzv` listens on and gives its peers: the one this
     host reaches the rendezvous from (the job's Redis, or the TCPStore's host), so that members
-    on other hosts can connect back. None leaves the choice to gloo, which takes
-    `GLOO_SOCKET_IFNAME`'s interface when it is set, else the address the host name resolves to,
-    falling back to loopback: right on one host, but a host name that resolves to 127.0.1.1
-    (Debian's default) or a network namespace would advertise an address its peers cannot
-    reach. None too when the rendezvous is on loopback (every member is on this host)."""
+    on other hosts can connect back; on one host (a rendezvous on loopback) that is loopback, so
+    the group's sockets listen on no network interface. None leaves the choice to gloo, which
+    takes `GLOO_SOCKET_IFNAME`'s interface when it is set (set it to choose yourself), else the
+    address the host name resolves to: a public interface on one host, and across hosts an
+    address its peers may not reach (Debian's 127.0.1.1, a network namespace)."""
     if os.environ.get("GLOO_SOCKET_IFNAME"):
         return None
     if rdzv.redis is not None:
@@ -381,7 +380,7 @@ def gloo_address(rdzv: Rendezvous) -> str | None:
             local = str(probe.getsockname()[0])
     except OSError:
         return None
-    return None if ipaddress.ip_address(local).is_loopback else local
+    return local
 
 
 def build_group(
