@@ -589,7 +589,7 @@ class FP8Config(_Section):
     enable_fp8: bool = False
     """Train the decoder's linear layers in FP8 (torchao's Float8Linear; CUDA GPUs of compute
     capability 8.9+, language models; the LM head and the parameters keep their dtypes).
-    Faster with `train.compile`."""
+    torchao fuses its casts under `train.compile`."""
     fp8_recipe: Literal["dynamic_scaling", "delayed_scaling"] = Field(
         default="dynamic_scaling",
         json_schema_extra=refused(
@@ -600,7 +600,7 @@ class FP8Config(_Section):
     """Scale recipe: `dynamic_scaling` (scales from each tensor's current absolute maximum)."""
     quant_recipe: Literal["rowwise", "tensorwise"] = "rowwise"
     """Scale granularity: `rowwise` (a scale per row, torchao's more accurate recipe) or
-    `tensorwise` (one per tensor, faster)."""
+    `tensorwise` (one per tensor, torchao's faster one)."""
 
 
 class FP4Config(_Section):
