@@ -677,3 +677,45 @@ def test_lockstep_tp_ranks_sample_alike_and_update_at_the_same_token(members):
             torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(f_logprobs))
             changed += any(v == 7 for _, v in versions) and versions[0][1] == 0
     assert changed > 0  # some completion spans the update (started on version 0, ended on 7)
+
+
+def _nccl_body(member, port):
+    """Member 0 (cuda:0) pushes a bf16 model-like state to member 1 (cuda:1) over NCCL, sliced
+    for a TP-2 receiver's first rank (rows 0..half of the weight); member 1 checks the slice."""
+    torch.cuda.set_device(member)
+    group = build_group(
+        Rendezvous("127.0.0.1", port, "nccl", 2), rank=member, backend="nccl", timeout=TIMEOUT
+    )
+    g = torch.Generator().manual_seed(7)
+    weights = {
+        "w": torch.randn(16, 8, generator=g).bfloat16().cuda(),
+        "b": torch.randn(16, generator=g).cuda(),
+    }
+    try:
+        if member == 0:
+            sender = ShardedSender(group, weights, num_senders=1)
+            sender.push(weights, version=2).wait()
+            return {n: t.cpu() for n, t in weights.items()}
+        local = {
+            "w": torch.zeros(8, 8, dtype=torch.bfloat16, device="cuda"),
+            "b": torch.zeros(16, device="cuda"),
+        }
+        boxes = {
+            "w": ((16, 8), ((0, 8), (0, 8))),
+            "b": ((16,), full_box((16,))),
+        }
+        receiver = ShardedReceiver(group, local, boxes, num_senders=1)
+        version = receiver.receive()
+        receiver.close()
+        return receiver.shared_memory, version, {n: t.cpu() for n, t in local.items()}
+    finally:
+        group.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
+def test_nccl_resharded_push_is_bit_exact(members):
+    reports = members.run(_nccl_body, 2, free_port())
+    sent, (shm, version, got) = reports[0], reports[1]
+    assert not shm and version == 2  # (NCCL: point to point, no shared memory)
+    assert torch.equal(got["w"], sent["w"][:8]) and torch.equal(got["b"], sent["b"])
