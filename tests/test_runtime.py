@@ -430,6 +430,7 @@ def test_policy_replicas_of_two_ranks_run_the_job(tmp_path, grpo_job_config):
     assert sum("exported" in log for log in logs) == 1
 
 
+@pytest.mark.slow  # (~17 s; the placement rules are fast tests in test_launch.py)
 def test_colocated_separated_job_runs_end_to_end(tmp_path, grpo_job_config):
     """`mode = "colocated_separated"` (on GPUs the rollout replica shares the policy replica's;
     on CPU the same processes as disaggregated): the job trains every prompt once, the weights
