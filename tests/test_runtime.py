@@ -388,6 +388,7 @@ def test_a_preemption_signal_checkpoints_the_job_which_goes_on(tmp_path, grpo_jo
     assert (run_dir / "checkpoints" / "controller" / f"step_{step}.json").exists()
 
 
+@pytest.mark.slow  # (~23 s on 2 cores: the default run stays near 15 min)
 def test_tensor_parallel_rollout_replica_runs_the_job(tmp_path, grpo_job_config):
     """A rollout replica of 2 ranks (`rollout.parallelism.tp_size = 2`, the lock-step engine):
     both ranks take every weight push; the job trains every prompt once."""
@@ -400,6 +401,7 @@ def test_tensor_parallel_rollout_replica_runs_the_job(tmp_path, grpo_job_config)
     assert re.search(r"\[rank 1\] joined weight group generation \d+ as rank 2", log)
 
 
+@pytest.mark.slow  # (~36 s on 2 cores: the default run stays near 15 min)
 def test_policy_replicas_of_two_ranks_run_the_job(tmp_path, grpo_job_config):
     """`--policy 2` replicas of two FSDP2 ranks each (`dp_shard_size = 2`) and a rollout of two
     tensor-parallel ranks: rank 0 of each replica hands its commands to rank 1, ranks `i` of the
