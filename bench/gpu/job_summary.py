@@ -67,23 +67,18 @@ def main() -> None:
         f"job GPU memory in use, peak (nvidia-smi, both processes): {_peak_mib(memory / 'job_mem.csv')}"
     )
     if logs is not None and logs.exists():
+        # (the console handler wraps long lines: join them back)
+        text = " ".join(
+            re.sub(r"\s*\n\s*", " ", f.read_text(errors="replace"))
+            for f in sorted(logs.glob("rollout*.log"))
+        )
         pushes = [
             (float(m.group(1)), float(m.group(2)), float(m.group(3)))
-            for f in sorted(logs.glob("rollout*.log"))
             for m in re.finditer(
-                r"received in ([\d.]+) s \(([\d.]+) GB/s of the model's ([\d.]+) GB\)",
-                # (the console handler wraps long lines: join them back)
-                re.sub(r"\s*\n\s*", " ", f.read_text(errors="replace")),
+                r"received in ([\d.]+) s \(([\d.]+) GB/s of the model's ([\d.]+) GB\)", text
             )
         ]
-        peaks = [
-            float(m.group(1))
-            for f in sorted(logs.glob("rollout*.log"))
-            for m in re.finditer(
-                r"peak GPU memory ([\d.]+) GB",
-                re.sub(r"\s*\n\s*", " ", f.read_text(errors="replace")),
-            )
-        ]
+        peaks = [float(m.group(1)) for m in re.finditer(r"peak GPU memory ([\d.]+) GB", text)]
         if peaks:
             print(f"rollout process peak GPU memory (allocated): {max(peaks):.2f} GB")
         if pushes:

@@ -553,6 +553,16 @@ def _add_connection_flags(parser: argparse.ArgumentParser, *, address: bool = Tr
     parser.add_argument("--json", action="store_true", help="print the raw JSON instead")
 
 
+def _add_replica_counts(parser: argparse.ArgumentParser) -> None:
+    """The initial replica counts, overriding the config's (`train`, `slurm`)."""
+    parser.add_argument(
+        "--policy", type=int, help="policy replicas (policy.parallelism.n_init_replicas)"
+    )
+    parser.add_argument(
+        "--rollout", type=int, help="rollout replicas (rollout.parallelism.n_init_replicas)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for the CLI reference in the docs)."""
     parser = argparse.ArgumentParser(prog="nebula-rl", description=__doc__.split("\n")[0])
@@ -581,12 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--timestamp", help="override train.timestamp (the run folder's name under output_dir)"
     )
-    train.add_argument(
-        "--policy", type=int, help="policy replicas (policy.parallelism.n_init_replicas)"
-    )
-    train.add_argument(
-        "--rollout", type=int, help="rollout replicas (rollout.parallelism.n_init_replicas)"
-    )
+    _add_replica_counts(train)
     train.add_argument(
         "--local", action="store_true", help="RL in this one process instead (no controller)"
     )
@@ -644,12 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument(
         "--output-dir", help="override train.output_dir (the run folder and Slurm's log go there)"
     )
-    slurm.add_argument(
-        "--policy", type=int, help="policy replicas (policy.parallelism.n_init_replicas)"
-    )
-    slurm.add_argument(
-        "--rollout", type=int, help="rollout replicas (rollout.parallelism.n_init_replicas)"
-    )
+    _add_replica_counts(slurm)
     slurm.add_argument(
         "--port", type=int, default=0, help="controller port (default: controller.port, else free)"
     )

@@ -43,6 +43,7 @@ __all__ = [
     "build_char_tokenizer",
     "build_gsm8k_tokenizer",
     "build_tiny_model",
+    "check_fp8_gpu",
     "count_parameters",
     "is_hub_id",
     "is_vision_language",
@@ -358,6 +359,17 @@ def resolve_dtype(name: str) -> torch.dtype:
     if name not in dtypes:
         raise ValueError(f"unknown dtype {name!r}; choose from {sorted(dtypes)}")
     return dtypes[name]
+
+
+def check_fp8_gpu(device: torch.device, key: str) -> None:
+    """Refuse, naming `key`, FP8 matmuls on a CUDA GPU without FP8 matrix units (compute
+    capability below 8.9); other devices are the caller's to judge."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            f"{key} needs a GPU with FP8 matrix units (compute capability 8.9 or later: Ada, "
+            f"Hopper, Blackwell); {torch.cuda.get_device_name(device)} has "
+            f"{torch.cuda.get_device_capability(device)}"
+        )
 
 
 def _preset_name(name_or_path: str) -> str | None:

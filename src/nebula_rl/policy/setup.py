@@ -6,8 +6,8 @@ policy replicas (`policy/worker.py`) both do before they build a `PolicyTrainer`
    trainable flags (`apply_trainable`).
 2. The caller takes the copies that must stay plain now: the reference policy, and the local
    rollout engine's copy in `param_dtype` (`rollout_copy`).
-3. `parallelize_policy`: FP8 linear layers (`train.fp8`, `apply_fp8`); then, under torch.distributed with several ranks, the split of
-   `[policy.parallelism]` (`parallelize.parallelize_model`, with every `[train]` and `[policy]`
+3. `parallelize_policy`: FP8 linear layers first (`train.fp8`, `apply_fp8`); then, under
+   torch.distributed with several ranks, the split of `[policy.parallelism]` (`parallelize.parallelize_model`, with every `[train]` and `[policy]`
    key it honours) and this rank's data-parallel place; in one process,
    `prepare_single_process`: activation checkpointing and torch.compile of the decoder blocks.
    The reference policy is split the same way (`parallelize_reference`).
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nebula_rl.config import Config, PolicyConfig, TrainingConfig
-from nebula_rl.models import load_model, resolve_dtype
+from nebula_rl.models import check_fp8_gpu, load_model, resolve_dtype
 
 if TYPE_CHECKING:
     from nebula_rl.policy.parallelize import ParallelDims, ParallelModel
@@ -161,11 +161,7 @@ def apply_fp8(model: nn.Module, cfg: Config) -> None:
             f"{key} needs CUDA GPUs with FP8 matrix units (compute capability 8.9 or later: Ada, "
             f"Hopper, Blackwell); the policy is on {device.type}"
         )
-    if torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(
-            f"{key} needs a GPU with FP8 matrix units (compute capability 8.9 or later); "
-            f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}"
-        )
+    check_fp8_gpu(device, key)
     try:
         import torchao.float8  # noqa: F401
     except ImportError as err:

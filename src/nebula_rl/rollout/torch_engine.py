@@ -60,7 +60,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nebula_rl.models import media_token_ids
+from nebula_rl.models import check_fp8_gpu, media_token_ids
 from nebula_rl.rollout.engine import (
     Completion,
     Engine,
@@ -167,12 +167,7 @@ def _check_fp8(
             f"{key} needs the engine's compact forward (Llama-family models: "
             f"{', '.join(FUSED_MODEL_TYPES)}): {reason or 'forward=hf was asked for'}"
         )
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        name = torch.cuda.get_device_name(device)
-        raise ValueError(
-            f"{key} needs a GPU with FP8 matrix units (compute capability 8.9 or later: Ada, "
-            f"Hopper, Blackwell); {name} has {torch.cuda.get_device_capability(device)}"
-        )
+    check_fp8_gpu(device, key)
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"{key} runs on CUDA GPUs (and, slowly, CPUs), not on {device.type}")
     for layer in _decoder_layers(model)[1]:
