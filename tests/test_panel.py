@@ -101,7 +101,6 @@ def job(
             config_json=cfg.model_dump(mode="json"),
             token=TOKEN,
             meta_extra={"redis_url": redis.url, "total_steps": scheduler.total_steps},
-            on_register=scheduler.on_register,
             metrics_path=scheduler.metrics_path,
             heartbeat_timeout=cfg.controller.heartbeat_timeout,
         )

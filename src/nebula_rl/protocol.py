@@ -2,6 +2,10 @@
 
 Frozen, slotted dataclasses that serialise to JSON (:func:`to_json` / :func:`from_json`) so they
 can sit in Redis streams. Token sequences are lists of ints; nothing here holds a tensor.
+
+A pushed group travels as two JSON strings: the whole :class:`RolloutGroup`, which the controller
+keeps as it came and only the policy decodes, and its :class:`GroupHeader`, the few fields the
+controller judges it by (a header is ~1% of a group of 8 x 128 tokens).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any, Literal
 __all__ = [
     "Completion",
     "FinishReason",
+    "GroupHeader",
     "Prompt",
     "RolloutGroup",
     "from_json",
@@ -99,16 +104,59 @@ class RolloutGroup:
         return min(c.policy_version for c in self.completions)
 
 
-def to_json(obj: Prompt | RolloutGroup) -> str:
+@dataclass(frozen=True, slots=True)
+class GroupHeader:
+    """What the controller needs of a pushed group to judge it (accept, drop as stale or as a
+    duplicate, filter, record as a validation answer) and to batch it, without its tokens."""
+
+    prompt: Prompt
+    """The group's prompt (requeued as it is when the group is dropped as stale)."""
+    policy_version: int
+    """:attr:`RolloutGroup.policy_version`."""
+    num_tokens: int
+    """Response tokens over all completions."""
+    filtered: bool
+    """Dynamic sampling dropped the group on the rollout (`extra["filtered"]`)."""
+    failed: bool
+    """The rollout could not generate it (`"error"` in `extra`; validation prompts)."""
+    rewards: list[float]
+    """Reward of each completion, [n_generation]."""
+    lengths: list[int]
+    """Response tokens of each completion, [n_generation]."""
+    versions: list[int]
+    """:attr:`Completion.policy_version` of each completion, [n_generation]."""
+
+    @classmethod
+    def of(cls, group: RolloutGroup) -> GroupHeader:
+        """The header of `group`."""
+        lengths = [len(c.token_ids) for c in group.completions]
+        return cls(
+            group.prompt,
+            group.policy_version,
+            sum(lengths),
+            bool(group.extra.get("filtered")),
+            "error" in group.extra,
+            group.rewards,
+            lengths,
+            [c.policy_version for c in group.completions],
+        )
+
+
+def to_json(obj: Prompt | RolloutGroup | GroupHeader) -> str:
     """Serialise a wire object."""
     return json.dumps(asdict(obj), separators=(",", ":"))
 
 
-def from_json(kind: type[Prompt] | type[RolloutGroup], text: str | bytes) -> Any:
+def from_json(
+    kind: type[Prompt] | type[RolloutGroup] | type[GroupHeader], text: str | bytes
+) -> Any:
     """Inverse of :func:`to_json` for the given type."""
     data = json.loads(text)
     if kind is Prompt:
         return Prompt(**data)
+    if kind is GroupHeader:
+        data["prompt"] = Prompt(**data["prompt"])
+        return GroupHeader(**data)
     if kind is RolloutGroup:
         data["prompt"] = Prompt(**data["prompt"])
         data["completions"] = [

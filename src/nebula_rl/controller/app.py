@@ -295,13 +295,10 @@ def create_app(
     @app.post("/api/replica/heartbeat")
     def heartbeat(req: HeartbeatRequest) -> dict[str, Any]:
         """Record liveness; 404 tells a replica the controller forgot it and it must re-register."""
-        if not state.heartbeat(req.name, policy_version=req.policy_version, stats=req.stats):
+        job = state.heartbeat(req.name, policy_version=req.policy_version, stats=req.stats)
+        if job is None:
             raise HTTPException(404, f"replica {req.name} is not registered")
-        return {
-            "policy_version": state.policy_version(),
-            "step": state.step(),
-            "finished": state.finished(),
-        }
+        return job
 
     @app.post("/api/replica/unregister")
     def unregister(req: UnregisterRequest) -> dict[str, Any]:

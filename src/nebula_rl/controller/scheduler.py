@@ -97,11 +97,11 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from nebula_rl.config import Config
-from nebula_rl.controller.app import RegisterRequest
 from nebula_rl.controller.state import JobState
 from nebula_rl.data import epoch_order, rl_prompt, rl_validation_rows
 from nebula_rl.metrics_log import FILE_LOGGERS, log_image_file, open_loggers
@@ -111,6 +111,9 @@ from nebula_rl.validation import validation_due, validation_metrics
 __all__ = ["Scheduler"]
 
 log = logging.getLogger(__name__)
+
+GROUPS_PER_POLL = 1024
+"""Most groups judged in one transaction (32 MiB of groups of 8 x 128 tokens)."""
 
 
 class SideFiles(Protocol):
@@ -180,23 +183,12 @@ class Scheduler:
         # The file sinks of `[logging] logger`; the launcher, which owns the terminal, the console.
         self.loggers = open_loggers(cfg, run_dir, total_steps=total_steps, only=FILE_LOGGERS)
 
-    # -- registration ---------------------------------------------------------------------------
-
-    def on_register(self, req: RegisterRequest) -> dict[str, Any]:
-        """Extra answer fields for a joining replica: none. Ranks come with the generations of
-        the groups (see :meth:`sync_groups`), once the replica reports itself ready."""
-        return {}
-
     # -- membership -----------------------------------------------------------------------------
 
     def _ready(self, role: str) -> dict[str, int]:
         """Registered replicas of `role` that loaded their model -> their replica ids, oldest
         registration first."""
-        ready = sorted(
-            (info["replica_id"], name)
-            for name, info in self.state.replicas().items()
-            if info["role"] == role and info["ready"]
-        )
+        ready = sorted((i, name) for name, i in self.state.ready_replicas(role).items())
         return {name: replica_id for replica_id, name in ready}
 
     @staticmethod
@@ -329,12 +321,15 @@ class Scheduler:
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def run(self, *, poll_ms: int = 20) -> None:
+    def run(self, *, poll_ms: int = 20, watch: Callable[[], None] | None = None) -> None:
         """Schedule until `total_steps` are trained (or the prompts run out), then stop the
-        policy replica, which exports the final weights, and mark the job finished."""
+        policy replica, which exports the final weights, and mark the job finished. `watch`
+        runs on every pass (the controller's: restart its API process if it died)."""
         self.start_due_validation()
         self.record_validations()  # (answered before a restart, not yet recorded)
         while self.state.step() < self.total_steps:
+            if watch is not None:
+                watch()
             self.reap()
             self.sync_groups()
             self.release_prompts()
@@ -345,6 +340,8 @@ class Scheduler:
                 log.warning("the dataset ran out of prompts after step %d", self.state.step())
                 break
         while self.state.pending_validations():  # the last step's
+            if watch is not None:
+                watch()
             self.reap()
             self.sync_groups()
             self.judge_groups(block_ms=poll_ms)
@@ -396,20 +393,19 @@ class Scheduler:
         )
 
     def judge_groups(self, *, block_ms: int) -> None:
-        """Accept, filter or drop every group the rollouts pushed; keep validation answers and
-        record the validations they complete."""
-        version = self.state.policy_version()
-        answered = False
-        for msg_id, group in self.state.poll_groups(256, block_ms):
-            if group.prompt.validation_step is not None:
-                answered |= self.state.record_validation(group, msg_id=msg_id)
-                continue
-            self._tokens_received += sum(len(c.token_ids) for c in group.completions)
-            if group.extra.get("filtered"):
-                self.state.mark_filtered(group, msg_id=msg_id)
-            else:
-                self.state.accept_group(group, version, self.allowed, msg_id=msg_id)
-        if answered:
+        """Accept, filter or drop every group the rollouts pushed (by their headers: the
+        completions stay undecoded JSON), in one transaction per poll; keep validation answers
+        and record the validations they complete."""
+        pushed = self.state.read_groups(GROUPS_PER_POLL, block_ms)
+        answers = [g for g in pushed if g.header.prompt.validation_step is not None]
+        training = [g for g in pushed if g.header.prompt.validation_step is None]
+        self._tokens_received += sum(g.header.num_tokens for g in training)
+        self.state.judge_groups(
+            training,
+            current_version=self.state.policy_version(),
+            allowed_outdated_steps=self.allowed,
+        )
+        if self.state.record_answers(answers):
             self.record_validations()
 
     # -- validation -----------------------------------------------------------------------------
@@ -790,11 +786,12 @@ def run_controller(
     num_rollout: int,
     num_policy: int = 1,
 ) -> None:
-    """The controller process: serve the API at `host:port` and schedule the job to its end.
+    """The controller: serve the API at `host:port` from a process of its own
+    (:mod:`~nebula_rl.controller.api_process`) and schedule the job to its end in this one.
     (The replicas' process groups meet in Redis, so no replica has to run on its host.)"""
     import re
 
-    from nebula_rl.controller.app import create_app, serve
+    from nebula_rl.controller.api_process import ApiProcess, ApiSpec
     from nebula_rl.controller.client import RESTART_ENV
     from nebula_rl.controller.redis_server import connect
     from nebula_rl.data import num_train_steps, rl_dataset, rl_validation_rows
@@ -840,19 +837,22 @@ def run_controller(
         "num_rows": len(rows),
         "resume_from": None if resume_from is None else str(resume_from),
     }
-    app = create_app(
-        state=state,
-        config_json=cfg.model_dump(mode="json"),
+    api = ApiSpec(
+        redis_url=redis_url,
+        job=job,
         token=token,
+        host=host,
+        port=port,
+        config_json=cfg.model_dump(mode="json"),
         meta_extra=meta,
-        on_register=scheduler.on_register,
         metrics_path=scheduler.metrics_path,
         heartbeat_timeout=cfg.controller.heartbeat_timeout,
+        log_level=logging.getLogger().getEffectiveLevel(),
     )
-    with serve(app, host=host, port=port) as server:
+    with ApiProcess(api) as server:
         log.info("controller of job %s at %s: %d steps", job, server.url, total_steps)
         scheduler.resume_in_flight()
-        scheduler.run()
+        scheduler.run(watch=server.check)
         _wait_for_replicas(state, timeout_s=30.0)
     if store is not None:
         store.remove()

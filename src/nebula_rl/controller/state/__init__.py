@@ -7,9 +7,9 @@ Life of a prompt in an epoch (the ledger, `ledger:<epoch>`, maps dataset index -
 
     enqueue_prompts        -> outstanding   (XADD to the `prompts` stream)
     claim_prompts          -> a rollout replica holds it (pending in consumer group `rollout`)
-    push_group + ack       -> its RolloutGroup waits in the `groups` stream
-    accept_group           -> completed     (in the buffer)     or, if too stale, requeued
-    mark_filtered          -> filtered      (dynamic sampling dropped its all-equal group)
+    push_group + ack       -> its RolloutGroup waits in the `groups` stream (with its header)
+    judge_groups           -> completed     (in the buffer)     or, if too stale, requeued,
+                           or filtered      (dynamic sampling dropped its all-equal group)
     requeue_pending        -> requeued      (a dead replica's prompts go back to the stream)
     next_batch/mark_trained-> trained
 
@@ -17,6 +17,11 @@ Exactly once: a prompt may be generated more than once (a replica that was decla
 only slow pushes its group anyway), but only the first group of each `prompt_id` is accepted
 (`accepted:<epoch>` set), so it is trained once. Nothing is lost: a prompt leaves the streams only
 when its group is accepted or it is put back as a new stream entry, in one transaction.
+
+The controller judges a group by its header (:class:`~nebula_rl.protocol.GroupHeader`: prompt,
+versions, rewards, lengths), pushed beside it, and keeps the group's JSON as it came: the
+buffer holds what the rollout pushed, and only the policy decodes it. A poll's groups are judged
+in one transaction.
 
 Validation prompts live beside the ledger, never in it (`validation`): their own stream and
 per-step ledger, answered exactly once by the same means, recorded as `val/*` records of the step
@@ -52,15 +57,24 @@ from nebula_rl.controller.state._base import (
     KINDS,
     POLICY_GROUP,
     ROLLOUT_GROUP,
+    PushedGroup,
 )
 from nebula_rl.controller.state.commands import Commands
 from nebula_rl.controller.state.groups import Groups
-from nebula_rl.controller.state.ledger import LEDGER_STATES, Ledger
+from nebula_rl.controller.state.ledger import LEDGER_STATES, VERDICTS, Ledger
 from nebula_rl.controller.state.registry import Registry
 from nebula_rl.controller.state.snapshot import Snapshots
 from nebula_rl.controller.state.validation import Validation
 
-__all__ = ["CONTROLLER_GROUP", "LEDGER_STATES", "POLICY_GROUP", "ROLLOUT_GROUP", "JobState"]
+__all__ = [
+    "CONTROLLER_GROUP",
+    "LEDGER_STATES",
+    "POLICY_GROUP",
+    "ROLLOUT_GROUP",
+    "VERDICTS",
+    "JobState",
+    "PushedGroup",
+]
 
 log = logging.getLogger(__name__)
 

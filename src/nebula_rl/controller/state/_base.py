@@ -1,16 +1,27 @@
 """What every part of the job's Redis state shares: the client, the job's key prefix, the
-names of the streams' consumer groups."""
+names of the streams' consumer groups, a pushed group as the controller reads it."""
 
 from __future__ import annotations
 
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import redis
+from redis.client import Pipeline
 from redis.exceptions import ResponseError
 
-__all__ = ["CONTROLLER_GROUP", "KINDS", "POLICY_GROUP", "ROLLOUT_GROUP", "StateBase"]
+from nebula_rl.protocol import GroupHeader, RolloutGroup, to_json
+
+__all__ = [
+    "CONTROLLER_GROUP",
+    "KINDS",
+    "POLICY_GROUP",
+    "ROLLOUT_GROUP",
+    "PushedGroup",
+    "StateBase",
+]
 
 ROLLOUT_GROUP = "rollout"
 """Consumer group of rollout replicas on the `prompts` stream."""
@@ -20,6 +31,28 @@ POLICY_GROUP = "policy"
 """Consumer group of a policy replica on its `commands:<replica>` stream."""
 KINDS = ("policy", "weights")
 """The elastic groups: the policy replicas' data-parallel group, the weight group."""
+
+
+@dataclass(frozen=True, slots=True)
+class PushedGroup:
+    """A group as the `groups` stream holds it: its header decoded, its body (the
+    :class:`~nebula_rl.protocol.RolloutGroup` as JSON) kept as it came, for the buffer."""
+
+    msg_id: str | None
+    """Its entry in the `groups` stream (None: not from the stream, e.g. in a test)."""
+    header: GroupHeader
+    """What judging needs."""
+    header_json: str
+    """The header as pushed (the buffer keeps it beside the body)."""
+    body: str
+    """The whole group as pushed; only the policy decodes it."""
+
+    @classmethod
+    def of(cls, group: RolloutGroup, msg_id: str | None = None) -> PushedGroup:
+        """`group` as :meth:`~nebula_rl.controller.state.ledger.Ledger.push_group` sends it."""
+        header = GroupHeader.of(group)
+        return cls(msg_id, header, to_json(header), to_json(group))
+
 
 _JOB_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -62,3 +95,11 @@ class StateBase:
     def key(self, *parts: object) -> str:
         """`nebula:<job>:<part>:<part>...`."""
         return self.prefix + ":".join(str(p) for p in parts)
+
+    def _ack_groups(self, pipe: Pipeline, pushed: list[PushedGroup]) -> None:
+        """Acknowledge and delete the stream entries of `pushed` (in the caller's transaction,
+        with what was decided about them)."""
+        msg_ids = [g.msg_id for g in pushed if g.msg_id is not None]
+        if msg_ids:
+            pipe.xack(self.key("groups"), CONTROLLER_GROUP, *msg_ids)
+            pipe.xdel(self.key("groups"), *msg_ids)

@@ -1,25 +1,41 @@
 """The prompt ledger, the completion buffer and the training steps (see the package docstring
-for the life of a prompt)."""
+for the life of a prompt).
+
+The buffer keeps each accepted group by prompt id as it was pushed, its JSON never decoded
+here: `buffer` and `inflight` list prompt ids (oldest first), `bodies` and `headers` map a
+buffered or in-flight prompt id to the group's JSON and to its
+:class:`~nebula_rl.protocol.GroupHeader`, and `buffer_versions` (a sorted set) holds the policy
+version of each buffered group, so the staleness filter finds the stale ones without reading the
+others.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections import defaultdict
 from dataclasses import replace
 from typing import Any
 
 from redis.client import Pipeline
 
-from nebula_rl.controller.state._base import CONTROLLER_GROUP, ROLLOUT_GROUP, StateBase
-from nebula_rl.protocol import Prompt, RolloutGroup, from_json, to_json
+from nebula_rl.controller.state._base import (
+    CONTROLLER_GROUP,
+    ROLLOUT_GROUP,
+    PushedGroup,
+    StateBase,
+)
+from nebula_rl.protocol import GroupHeader, Prompt, RolloutGroup, from_json, to_json
 
-__all__ = ["LEDGER_STATES", "Ledger"]
+__all__ = ["LEDGER_STATES", "VERDICTS", "Ledger"]
 
 log = logging.getLogger(__name__)
 
 LEDGER_STATES = ("outstanding", "requeued", "completed", "filtered", "trained")
 """What the ledger records per dataset index: handed out, handed out again after a requeue,
 accepted into the buffer, dropped by dynamic sampling, trained."""
+VERDICTS = ("accepted", "stale", "duplicate", "filtered")
+"""What :meth:`Ledger.judge_groups` decides about a training group."""
 
 
 class Ledger(StateBase):
@@ -96,21 +112,32 @@ class Ledger(StateBase):
                 for msg_id in msg_ids:
                     pipe.xrange(stream, msg_id, msg_id)
                 prompts = [from_json(Prompt, e[0][1]["prompt"]) for e in pipe.execute() if e]
-            states = [self._state(p) for p in prompts]
-            with self.redis.pipeline() as pipe:  # MULTI/EXEC
-                for p, state in zip(prompts, states, strict=True):
-                    if state in ("outstanding", "requeued"):
-                        self._requeue(pipe, p)
-                        requeued += 1
-                pipe.xack(stream, ROLLOUT_GROUP, *msg_ids)
-                pipe.xdel(stream, *msg_ids)
-                pipe.execute()
+            requeued += self._requeue_held(prompts, msg_ids)
         if requeued:
             log.info("requeued %d prompts held by %s", requeued, consumer)
         return requeued
 
-    def _state(self, prompt: Prompt) -> str | None:
-        return self.redis.hget(self.key("ledger", prompt.epoch), prompt.index)
+    def _requeue_held(self, prompts: list[Prompt], msg_ids: list[str]) -> int:
+        """Requeue the unresolved ones of `prompts` and acknowledge their entries `msg_ids`, in
+        one transaction; returns how many were requeued."""
+        stream = self.key("prompts")
+
+        def requeue(pipe: Pipeline) -> int:
+            # Watched: a group that the controller (another process) accepts meanwhile must not
+            # see its prompt requeued.
+            states = [pipe.hget(self.key("ledger", p.epoch), p.index) for p in prompts]
+            pipe.multi()
+            held = [
+                p for p, s in zip(prompts, states, strict=True) if s in ("outstanding", "requeued")
+            ]
+            for p in held:
+                self._requeue(pipe, p)
+            pipe.xack(stream, ROLLOUT_GROUP, *msg_ids)
+            pipe.xdel(stream, *msg_ids)
+            return len(held)
+
+        ledgers = sorted({self.key("ledger", p.epoch) for p in prompts})
+        return self.redis.transaction(requeue, *ledgers, value_from_callable=True)
 
     def released(self) -> int:
         """Prompts handed out so far, over all epochs (each dataset row counts once per epoch)."""
@@ -127,16 +154,21 @@ class Ledger(StateBase):
         pipe.hincrby(self.key("counters", prompt.epoch), "requeue_events", 1)
 
     def push_group(self, group: RolloutGroup) -> str:
-        """A rollout replica hands in one prompt's completions; returns the stream id."""
-        return self.redis.xadd(self.key("groups"), {"group": to_json(group)})
+        """A rollout replica hands in one prompt's completions; returns the stream id. The group
+        goes with its header, the part the controller reads (see :class:`PushedGroup`)."""
+        header = GroupHeader.of(group)
+        return self.redis.xadd(
+            self.key("groups"), {"header": to_json(header), "group": to_json(group)}
+        )
 
-    def poll_groups(
+    def read_groups(
         self, count: int, block_ms: int = 0, *, consumer: str = "controller"
-    ) -> list[tuple[str, RolloutGroup]]:
-        """Groups for the controller to judge with :meth:`accept_group`: (stream id, group).
+    ) -> list[PushedGroup]:
+        """Groups for the controller to judge (:meth:`judge_groups`), headers decoded, bodies
+        as pushed.
 
         Groups read but not judged before a controller crash come first, so none is skipped.
-        Undecodable entries are logged and dropped.
+        Entries without a readable header are logged and dropped.
         """
         stream = self.key("groups")
         reply = self.redis.xreadgroup(CONTROLLER_GROUP, consumer, {stream: "0"}, count=count)
@@ -148,17 +180,117 @@ class Ledger(StateBase):
         for _, entries in reply:
             for msg_id, fields in entries:
                 try:
-                    out.append((msg_id, _decode_group(fields)))
+                    out.append(_pushed(msg_id, fields))
                 except (KeyError, TypeError, ValueError) as err:
                     log.warning("dropping undecodable group %s: %s", msg_id, err)
                     self._drop_message(msg_id)
         return out
+
+    def poll_groups(
+        self, count: int, block_ms: int = 0, *, consumer: str = "controller"
+    ) -> list[tuple[str, RolloutGroup]]:
+        """:meth:`read_groups`, each group decoded whole: (stream id, group)."""
+        return [
+            (g.msg_id, from_json(RolloutGroup, g.body))
+            for g in self.read_groups(count, block_ms, consumer=consumer)
+            if g.msg_id is not None
+        ]
 
     def _drop_message(self, msg_id: str) -> None:
         with self.redis.pipeline() as pipe:
             pipe.xack(self.key("groups"), CONTROLLER_GROUP, msg_id)
             pipe.xdel(self.key("groups"), msg_id)
             pipe.execute()
+
+    def judge_groups(
+        self, pushed: list[PushedGroup], *, current_version: int, allowed_outdated_steps: int
+    ) -> list[str]:
+        """Judge training groups (no validation answers), in one transaction; returns the
+        verdict of each (:data:`VERDICTS`).
+
+        A group whose prompt_id was already accepted or filtered this epoch (also earlier in
+        `pushed`) is a duplicate, dropped. Else a group the rollout filtered (dynamic sampling)
+        resolves its prompt untrained. Else a stale one, `policy_version < current_version -
+        allowed_outdated_steps`, is dropped and its prompt requeued. Else it is accepted: its
+        JSON goes into the buffer as it was pushed. The stream entries are acknowledged in the
+        same transaction, so a crash can neither lose a group nor count it twice; the sets of
+        accepted prompts are watched, so a concurrent writer makes it start again.
+        """
+        if not pushed:
+            return []
+        oldest = current_version - allowed_outdated_steps
+        by_epoch: dict[int, list[PushedGroup]] = defaultdict(list)
+        for g in pushed:
+            assert g.header.prompt.validation_step is None, "a validation answer"
+            by_epoch[g.header.prompt.epoch].append(g)
+
+        def judge(pipe: Pipeline) -> list[str]:
+            taken = set()
+            for epoch, groups in by_epoch.items():
+                ids = [g.header.prompt.prompt_id for g in groups]
+                members = pipe.smismember(self.key("accepted", epoch), ids)
+                taken |= {i for i, member in zip(ids, members, strict=True) if member}
+            verdicts = []
+            for g in pushed:
+                h = g.header
+                if h.prompt.prompt_id in taken:
+                    verdicts.append("duplicate")
+                elif h.filtered:
+                    verdicts.append("filtered")
+                elif h.policy_version < oldest:
+                    verdicts.append("stale")
+                else:
+                    verdicts.append("accepted")
+                if verdicts[-1] in ("filtered", "accepted"):
+                    taken.add(h.prompt.prompt_id)
+            pipe.multi()
+            self._write_verdicts(pipe, pushed, verdicts, current_version=current_version)
+            self._ack_groups(pipe, pushed)
+            return verdicts
+
+        accepted_sets = [self.key("accepted", epoch) for epoch in by_epoch]
+        return self.redis.transaction(judge, *accepted_sets, value_from_callable=True)
+
+    def _write_verdicts(
+        self,
+        pipe: Pipeline,
+        pushed: list[PushedGroup],
+        verdicts: list[str],
+        *,
+        current_version: int,
+    ) -> None:
+        """Queue what `verdicts` decided about `pushed`: a few commands for the whole poll."""
+        resolved: dict[int, dict[str, str]] = defaultdict(dict)  # epoch -> prompt_id -> state
+        states: dict[int, dict[int, str]] = defaultdict(dict)  # epoch -> index -> ledger state
+        counts: dict[tuple[int, str], int] = defaultdict(int)
+        for g, verdict in zip(pushed, verdicts, strict=True):
+            p = g.header.prompt
+            if verdict == "duplicate":
+                counts[p.epoch, "duplicates_dropped"] += 1
+            elif verdict == "stale":
+                counts[p.epoch, "stale_dropped"] += 1
+                self._requeue(pipe, p, min_version=current_version)
+            else:
+                resolved[p.epoch][p.prompt_id] = verdict
+                states[p.epoch][p.index] = "completed" if verdict == "accepted" else verdict
+        for (epoch, name), n in counts.items():
+            pipe.hincrby(self.key("counters", epoch), name, n)
+        for epoch, prompt_ids in resolved.items():
+            pipe.sadd(self.key("accepted", epoch), *prompt_ids)
+            pipe.hset(self.key("ledger", epoch), mapping=states[epoch])  # type: ignore[arg-type]
+        if num_filtered := verdicts.count("filtered"):
+            pipe.incrby(self.key("filtered_total"), num_filtered)
+        buffered = {
+            g.header.prompt.prompt_id: g
+            for g, verdict in zip(pushed, verdicts, strict=True)
+            if verdict == "accepted"
+        }
+        if buffered:
+            pipe.rpush(self.key("buffer"), *buffered)
+            pipe.hset(self.key("bodies"), mapping={i: g.body for i, g in buffered.items()})
+            pipe.hset(self.key("headers"), mapping={i: g.header_json for i, g in buffered.items()})
+            versions = {i: g.header.policy_version for i, g in buffered.items()}
+            pipe.zadd(self.key("buffer_versions"), versions)  # type: ignore[arg-type]
 
     def accept_group(
         self,
@@ -168,58 +300,13 @@ class Ledger(StateBase):
         *,
         msg_id: str | None = None,
     ) -> bool:
-        """Put `group` into the buffer unless it is a duplicate or too stale; True if accepted.
-
-        Stale means `group.policy_version < current_version - allowed_outdated_steps`; a stale
-        group is dropped and its prompt requeued. A group whose prompt_id was already accepted
-        this epoch is dropped. `msg_id` (from :meth:`poll_groups`) is acknowledged in the same
-        transaction, so a crash can neither lose the group nor count it twice.
-        """
-        p = group.prompt
-        accepted, counters = self.key("accepted", p.epoch), self.key("counters", p.epoch)
-        stale = group.policy_version < current_version - allowed_outdated_steps
-
-        def decide(pipe: Pipeline) -> bool:
-            duplicate = pipe.sismember(accepted, p.prompt_id)
-            pipe.multi()
-            if duplicate:
-                pipe.hincrby(counters, "duplicates_dropped", 1)
-            elif stale:
-                pipe.hincrby(counters, "stale_dropped", 1)
-                self._requeue(pipe, p, min_version=current_version)
-            else:
-                pipe.sadd(accepted, p.prompt_id)
-                pipe.rpush(self.key("buffer"), to_json(group))
-                pipe.hset(self.key("ledger", p.epoch), p.index, "completed")
-            if msg_id is not None:
-                pipe.xack(self.key("groups"), CONTROLLER_GROUP, msg_id)
-                pipe.xdel(self.key("groups"), msg_id)
-            return not duplicate and not stale
-
-        return self.redis.transaction(decide, accepted, value_from_callable=True)
-
-    def mark_filtered(self, group: RolloutGroup, *, msg_id: str | None = None) -> bool:
-        """Dynamic sampling dropped `group` (all rewards equal): its prompt is done, untrained.
-
-        False if the prompt's group was already accepted or filtered (a duplicate)."""
-        p = group.prompt
-        accepted, counters = self.key("accepted", p.epoch), self.key("counters", p.epoch)
-
-        def decide(pipe: Pipeline) -> bool:
-            duplicate = pipe.sismember(accepted, p.prompt_id)
-            pipe.multi()
-            if duplicate:
-                pipe.hincrby(counters, "duplicates_dropped", 1)
-            else:
-                pipe.sadd(accepted, p.prompt_id)
-                pipe.hset(self.key("ledger", p.epoch), p.index, "filtered")
-                pipe.incr(self.key("filtered_total"))
-            if msg_id is not None:
-                pipe.xack(self.key("groups"), CONTROLLER_GROUP, msg_id)
-                pipe.xdel(self.key("groups"), msg_id)
-            return not duplicate
-
-        return self.redis.transaction(decide, accepted, value_from_callable=True)
+        """:meth:`judge_groups` for one group; True if accepted into the buffer."""
+        verdicts = self.judge_groups(
+            [PushedGroup.of(group, msg_id)],
+            current_version=current_version,
+            allowed_outdated_steps=allowed_outdated_steps,
+        )
+        return verdicts == ["accepted"]
 
     def filtered_total(self) -> int:
         """Groups dropped by dynamic sampling, over all epochs."""
@@ -231,8 +318,9 @@ class Ledger(StateBase):
 
     def next_batch(
         self, size: int, *, current_version: int = 0, allowed_outdated_steps: int | None = None
-    ) -> list[RolloutGroup] | None:
-        """The training batch in flight, else the `size` oldest accepted groups, else None.
+    ) -> list[GroupHeader] | None:
+        """The headers of the training batch in flight, else of the `size` oldest accepted
+        groups (now in flight), else None.
 
         A batch stays in flight (`inflight` list) until :meth:`mark_trained`; asking again
         returns the same batch, so a restarted controller re-issues it instead of losing it.
@@ -255,39 +343,55 @@ class Ledger(StateBase):
             pipe.multi()
             pipe.ltrim(buffer, size, -1)
             pipe.rpush(inflight, *batch)
+            pipe.zrem(self.key("buffer_versions"), *batch)
             return batch
 
         batch = self.redis.transaction(take, buffer, inflight, value_from_callable=True)
-        return None if batch is None else [from_json(RolloutGroup, g) for g in batch]
+        return None if batch is None else self._headers(batch)
+
+    def _headers(self, prompt_ids: list[str]) -> list[GroupHeader]:
+        """The headers of buffered or in-flight groups."""
+        raw = self.redis.hmget(self.key("headers"), prompt_ids)
+        assert None not in raw, f"groups without a header: {prompt_ids}"
+        return [from_json(GroupHeader, h) for h in raw]
 
     def _drop_stale(self, current_version: int, allowed_outdated_steps: int) -> int:
-        """Requeue the prompts of buffered groups older than the staleness bound."""
-        buffer, oldest = self.key("buffer"), current_version - allowed_outdated_steps
+        """Requeue the prompts of buffered groups older than the staleness bound (found by
+        their versions alone)."""
+        buffer, versions = self.key("buffer"), self.key("buffer_versions")
+        oldest = current_version - allowed_outdated_steps
 
         def drop(pipe: Pipeline) -> int:
-            entries = pipe.lrange(buffer, 0, -1)
-            stale = [
-                (raw, group)
-                for raw in entries
-                if (group := from_json(RolloutGroup, raw)).policy_version < oldest
+            stale = pipe.zrangebyscore(versions, "-inf", f"({oldest}")
+            if not stale:
+                return 0
+            prompts = [
+                from_json(GroupHeader, h).prompt for h in pipe.hmget(self.key("headers"), stale)
             ]
             pipe.multi()
-            for raw, group in stale:
-                p = group.prompt
-                pipe.lrem(buffer, 1, raw)
+            for prompt_id in stale:
+                pipe.lrem(buffer, 1, prompt_id)
+            pipe.zrem(versions, *stale)
+            pipe.hdel(self.key("bodies"), *stale)
+            pipe.hdel(self.key("headers"), *stale)
+            for p in prompts:
                 pipe.srem(self.key("accepted", p.epoch), p.prompt_id)
                 pipe.hincrby(self.key("counters", p.epoch), "stale_dropped", 1)
                 self._requeue(pipe, p, min_version=current_version)
             return len(stale)
 
-        dropped = self.redis.transaction(drop, buffer, value_from_callable=True)
+        dropped = self.redis.transaction(drop, buffer, versions, value_from_callable=True)
         if dropped:
             log.info("dropped %d buffered groups older than version %d", dropped, oldest)
         return dropped
 
     def inflight_batch(self) -> list[RolloutGroup]:
-        """The training batch in flight (empty when none)."""
-        return [from_json(RolloutGroup, g) for g in self.redis.lrange(self.key("inflight"), 0, -1)]
+        """The training batch in flight (empty when none), decoded."""
+        prompt_ids = self.redis.lrange(self.key("inflight"), 0, -1)
+        if not prompt_ids:
+            return []
+        bodies = self.redis.hmget(self.key("bodies"), prompt_ids)
+        return [from_json(RolloutGroup, body) for body in bodies if body is not None]
 
     def mark_trained(
         self,
@@ -303,16 +407,20 @@ class Ledger(StateBase):
         `policy_version` and the step's metrics `record` appended (see :meth:`step_records`), so a
         controller that dies at any point records the step exactly once.
         """
-        inflight = self.key("inflight")
+        inflight, headers = self.key("inflight"), self.key("headers")
 
         def finish(pipe: Pipeline) -> None:
-            prompts = [from_json(RolloutGroup, g).prompt for g in pipe.lrange(inflight, 0, -1)]
-            if sorted(p.prompt_id for p in prompts) != sorted(prompt_ids):
+            batch = pipe.lrange(inflight, 0, -1)
+            if sorted(batch) != sorted(prompt_ids):
                 raise ValueError(f"prompt_ids {prompt_ids} are not the batch in flight")
+            prompts = [from_json(GroupHeader, h).prompt for h in pipe.hmget(headers, batch)]
             pipe.multi()
             for p in prompts:
                 pipe.hset(self.key("ledger", p.epoch), p.index, "trained")
                 pipe.hincrby(self.key("trained", p.epoch), p.index, 1)
+            if batch:
+                pipe.hdel(self.key("bodies"), *batch)
+                pipe.hdel(headers, *batch)
             pipe.delete(inflight, self.key("step_plan"))
             pipe.set(self.key("step"), step)
             if policy_version is not None:
@@ -390,8 +498,8 @@ class Ledger(StateBase):
         return int(self.redis.get(self.key("step")) or 0)
 
 
-def _decode_group(fields: dict[str, str]) -> RolloutGroup:
-    group = from_json(RolloutGroup, fields["group"])
-    if not group.completions:
+def _pushed(msg_id: str, fields: dict[str, str]) -> PushedGroup:
+    header = from_json(GroupHeader, fields["header"])
+    if not header.rewards:
         raise ValueError("a group without completions")
-    return group
+    return PushedGroup(msg_id, header, fields["header"], fields["group"])

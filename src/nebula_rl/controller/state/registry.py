@@ -1,4 +1,10 @@
-"""The replica registry: who is registered, their heartbeats, who is ready."""
+"""The replica registry: who is registered, their heartbeats, who is ready.
+
+A heartbeat is one round trip to Redis (a script: the check that the replica is registered, its
+update and what it reads of the job), since the API answers every replica every few seconds
+while the data plane keeps Redis busy. Who is ready is kept apart per role (`ready:<role>`, name
+-> replica id), so the scheduler's membership checks read only that, not every replica's record.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,17 @@ from redis.client import Pipeline
 
 from nebula_rl.controller.state._base import StateBase
 
-__all__ = ["Registry"]
+__all__ = ["ROLES", "Registry"]
+
+ROLES = ("policy", "rollout")
+"""What a replica can be."""
+
+_HEARTBEAT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+redis.call('HSET', KEYS[1], 'last_heartbeat', ARGV[1], 'policy_version', ARGV[2], 'stats', ARGV[3])
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[4])
+return {redis.call('GET', KEYS[3]), redis.call('GET', KEYS[4]), redis.call('GET', KEYS[5])}
+"""
 
 
 class Registry(StateBase):
@@ -35,40 +51,38 @@ class Registry(StateBase):
             pipe.delete(self.key("replica", name))
             pipe.hset(self.key("replica", name), mapping=info)
             pipe.zadd(self.key("replicas"), {name: now})
+            for r in ROLES:  # (ready again once it loaded its model)
+                pipe.hdel(self.key("ready", r), name)
             pipe.execute()
         return replica_id
 
-    def heartbeat(self, name: str, *, policy_version: int, stats: dict[str, float]) -> bool:
-        """Replica `name` is alive, holding weights `policy_version`; False if not registered."""
-        replica = self.key("replica", name)
-
-        def beat(pipe: Pipeline) -> bool:
-            if not pipe.exists(replica):
-                return False
-            now = self.clock()
-            pipe.multi()
-            pipe.hset(
-                replica,
-                mapping={
-                    "last_heartbeat": now,
-                    "policy_version": policy_version,
-                    "stats": json.dumps(stats),
-                },
-            )
-            pipe.zadd(self.key("replicas"), {name: now})
-            return True
-
-        return self.redis.transaction(beat, replica, value_from_callable=True)
+    def heartbeat(
+        self, name: str, *, policy_version: int, stats: dict[str, float]
+    ) -> dict[str, Any] | None:
+        """Replica `name` is alive, holding weights `policy_version`; returns where the job
+        stands ({policy_version, step, finished}), or None if `name` is not registered."""
+        now = self.clock()
+        keys = [self.key("replica", name), self.key("replicas")]
+        keys += [self.key("policy_version"), self.key("step"), self.key("finished")]
+        reply = self.redis.eval(
+            _HEARTBEAT, len(keys), *keys, now, policy_version, json.dumps(stats), name
+        )
+        if reply is None:
+            return None
+        version, step, finished = reply
+        return {"policy_version": int(version or 0), "step": int(step or 0), "finished": finished}
 
     def set_ready(self, name: str) -> bool:
         """Replica `name` has loaded its model and can join groups now; False if unregistered."""
         replica = self.key("replica", name)
 
         def mark(pipe: Pipeline) -> bool:
-            if not pipe.exists(replica):
+            role, replica_id = pipe.hmget(replica, ["role", "replica_id"])
+            if role is None:
                 return False
             pipe.multi()
             pipe.hset(replica, "ready", 1)
+            pipe.hset(self.key("ready", role), name, replica_id)
             return True
 
         return self.redis.transaction(mark, replica, value_from_callable=True)
@@ -90,7 +104,9 @@ class Registry(StateBase):
         with self.redis.pipeline() as pipe:
             pipe.delete(self.key("replica", name))
             pipe.zrem(self.key("replicas"), name)
-            deleted, _ = pipe.execute()
+            for r in ROLES:
+                pipe.hdel(self.key("ready", r), name)
+            deleted, *_ = pipe.execute()
         return bool(deleted)
 
     def replicas(self) -> dict[str, dict[str, Any]]:
@@ -104,6 +120,10 @@ class Registry(StateBase):
         return {
             name: _decode_replica(info) for name, info in zip(names, infos, strict=True) if info
         }
+
+    def ready_replicas(self, role: str) -> dict[str, int]:
+        """Registered replicas of `role` that loaded their model: name -> replica id."""
+        return {n: int(i) for n, i in self.redis.hgetall(self.key("ready", role)).items()}
 
     def dead_replicas(self, timeout: float) -> list[str]:
         """Replicas whose last heartbeat is more than `timeout` seconds old."""

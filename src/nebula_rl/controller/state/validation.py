@@ -21,8 +21,8 @@ from typing import Any
 
 from redis.client import Pipeline
 
-from nebula_rl.controller.state._base import CONTROLLER_GROUP, ROLLOUT_GROUP, StateBase
-from nebula_rl.protocol import Prompt, RolloutGroup, from_json, to_json
+from nebula_rl.controller.state._base import ROLLOUT_GROUP, PushedGroup, StateBase
+from nebula_rl.protocol import GroupHeader, Prompt, from_json, to_json
 
 __all__ = ["Validation"]
 
@@ -82,48 +82,70 @@ class Validation(StateBase):
                 for msg_id in msg_ids:
                     pipe.xrange(stream, msg_id, msg_id)
                 prompts = [from_json(Prompt, e[0][1]["prompt"]) for e in pipe.execute() if e]
-            states = [self._val_state(p) for p in prompts]
-            with self.redis.pipeline() as pipe:  # MULTI/EXEC
-                for p, state in zip(prompts, states, strict=True):
-                    if state in ("outstanding", "requeued"):
-                        pipe.xadd(stream, {"prompt": to_json(p)})
-                        pipe.hset(self.key("val_ledger", p.validation_step), p.index, "requeued")
-                        requeued += 1
-                pipe.xack(stream, ROLLOUT_GROUP, *msg_ids)
-                pipe.xdel(stream, *msg_ids)
-                pipe.execute()
+            requeued += self._requeue_held_validation(prompts, msg_ids)
         if requeued:
             log.info("requeued %d validation prompts held by %s", requeued, consumer)
         return requeued
 
-    def _val_state(self, prompt: Prompt) -> str | None:
-        return self.redis.hget(self.key("val_ledger", prompt.validation_step), prompt.index)
+    def _requeue_held_validation(self, prompts: list[Prompt], msg_ids: list[str]) -> int:
+        """Requeue the unanswered ones of `prompts` and acknowledge their entries `msg_ids`, in
+        one transaction (watching the ledgers it reads: the controller records answers from
+        another process); returns how many were requeued."""
+        stream = self.key("val_prompts")
 
-    def record_validation(self, group: RolloutGroup, *, msg_id: str | None = None) -> bool:
-        """Keep the answer `group` to a validation prompt unless the prompt was answered before;
-        True if kept. `msg_id` (from `poll_groups`) is acknowledged in the same transaction."""
-        p = group.prompt
-        assert p.validation_step is not None, "not a validation group"
-        ledger = self.key("val_ledger", p.validation_step)
-        failed = "error" in group.extra
-        result = {
-            "rewards": [] if failed else [c.reward for c in group.completions],
-            "lengths": [] if failed else [len(c.token_ids) for c in group.completions],
-            "versions": [] if failed else [c.policy_version for c in group.completions],
-        }
-
-        def decide(pipe: Pipeline) -> bool:
-            new = pipe.hget(ledger, p.index) in ("outstanding", "requeued")
+        def requeue(pipe: Pipeline) -> int:
+            states = [
+                pipe.hget(self.key("val_ledger", p.validation_step), p.index) for p in prompts
+            ]
             pipe.multi()
-            if new:
-                pipe.hset(ledger, p.index, "done")
-                pipe.hset(self.key("val_results", p.validation_step), p.index, json.dumps(result))
-            if msg_id is not None:
-                pipe.xack(self.key("groups"), CONTROLLER_GROUP, msg_id)
-                pipe.xdel(self.key("groups"), msg_id)
-            return new
+            held = [
+                p for p, s in zip(prompts, states, strict=True) if s in ("outstanding", "requeued")
+            ]
+            for p in held:
+                pipe.xadd(stream, {"prompt": to_json(p)})
+                pipe.hset(self.key("val_ledger", p.validation_step), p.index, "requeued")
+            pipe.xack(stream, ROLLOUT_GROUP, *msg_ids)
+            pipe.xdel(stream, *msg_ids)
+            return len(held)
 
-        return self.redis.transaction(decide, ledger, value_from_callable=True)
+        ledgers = sorted({self.key("val_ledger", p.validation_step) for p in prompts})
+        return self.redis.transaction(requeue, *ledgers, value_from_callable=True)
+
+    def record_answers(self, pushed: list[PushedGroup]) -> int:
+        """Keep the first answer to each validation prompt among `pushed` (all validation
+        groups) and drop those answered before; returns how many were kept. One transaction,
+        which also acknowledges the stream entries; the validation ledgers are watched (a
+        replica's prompts may be requeued meanwhile)."""
+        if not pushed:
+            return 0
+        by_step: dict[int, list[PushedGroup]] = {}
+        for g in pushed:
+            step = g.header.prompt.validation_step
+            assert step is not None, "not a validation group"
+            by_step.setdefault(step, []).append(g)
+
+        def decide(pipe: Pipeline) -> int:
+            kept: dict[int, dict[int, str]] = {}  # step -> index -> result
+            for step, groups in by_step.items():
+                indices = [g.header.prompt.index for g in groups]
+                states = pipe.hmget(self.key("val_ledger", step), indices)
+                for g, state in zip(groups, states, strict=True):
+                    answers = kept.setdefault(step, {})
+                    if (
+                        state in ("outstanding", "requeued")
+                        and g.header.prompt.index not in answers
+                    ):
+                        answers[g.header.prompt.index] = json.dumps(_result(g.header))
+            pipe.multi()
+            for step, answers in kept.items():
+                if answers:
+                    pipe.hset(self.key("val_ledger", step), mapping=dict.fromkeys(answers, "done"))
+                    pipe.hset(self.key("val_results", step), mapping=answers)  # type: ignore[arg-type]
+            self._ack_groups(pipe, pushed)
+            return sum(len(answers) for answers in kept.values())
+
+        ledgers = [self.key("val_ledger", step) for step in by_step]
+        return self.redis.transaction(decide, *ledgers, value_from_callable=True)
 
     def pending_validations(self) -> list[int]:
         """Steps whose validation was handed out and is not recorded yet, in order."""
@@ -158,3 +180,11 @@ class Validation(StateBase):
             return True
 
         return self.redis.transaction(finish, pending, value_from_callable=True)
+
+
+def _result(header: GroupHeader) -> dict[str, list[Any]]:
+    """What a validation answer keeps: its completions' rewards, lengths and policy versions
+    (none when the rollout could not generate it)."""
+    if header.failed:
+        return {"rewards": [], "lengths": [], "versions": []}
+    return {"rewards": header.rewards, "lengths": header.lengths, "versions": header.versions}

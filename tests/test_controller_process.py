@@ -1,0 +1,140 @@
+"""`nebula-rl controller` serves its API from a process of its own: a real controller, a real
+Redis, real HTTP. The API answers while the scheduler's process is stopped, comes back when it
+dies, and never outlives the controller."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from nebula_rl.controller import start_redis
+from nebula_rl.controller.client import ControllerClient
+
+CONFIG = """
+[train]
+train_batch_per_replica = 16
+max_num_steps = 5
+[train.train_policy]
+type = "grpo"
+reward_function = "arithmetic"
+[train.train_policy.dataset]
+name = "builtin:arithmetic"
+kwargs = { num_samples = 40 }
+[policy]
+model_name_or_path = "tiny:qwen2"
+[rollout]
+n_generation = 4
+"""
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # (it exited meanwhile)
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _api_process(pid: int) -> int:
+    """The controller's API process (its spawned child, not multiprocessing's tracker)."""
+    for child in _children(pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+        except OSError:
+            continue
+    raise AssertionError(f"no API process under {pid}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _healthy(address: str) -> bool:
+    try:
+        return httpx.get(f"http://{address}/health", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture
+def controller(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """A `nebula-rl controller` waiting for its replicas; yields it and its run folder."""
+    (tmp_path / "job.toml").write_text(CONFIG)
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEBULA_")}
+    with start_redis(data_dir=tmp_path / "redis") as redis:
+        env["NEBULA_REDIS_URL"] = redis.url
+        argv = [sys.executable, "-m", "nebula_rl.cli", "controller", "--config", "job.toml"]
+        argv += ["--run-dir", str(run_dir), "--policy", "1", "--rollout", "1"]
+        log = (tmp_path / "controller.log").open("wb")
+        process = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=log)
+        try:
+            _wait(lambda: (run_dir / "controller").exists(), 120)
+            address = (run_dir / "controller").read_text().strip()
+            _wait(lambda: process.poll() is None and _healthy(address), 120)
+            yield process, run_dir
+        finally:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGCONT)
+                process.send_signal(signal.SIGTERM)
+                process.wait(30)
+            log.close()
+
+
+def test_the_api_answers_while_the_scheduler_is_stopped_and_comes_back_after_dying(
+    controller: tuple[subprocess.Popen[bytes], Path],
+) -> None:
+    process, run_dir = controller
+    address = (run_dir / "controller").read_text().strip()
+    client = ControllerClient(address, (run_dir / "token").read_text(), timeout=10.0)
+    api = _api_process(process.pid)
+
+    os.kill(process.pid, signal.SIGSTOP)  # the scheduler loop cannot run at all
+    try:
+        assert client.register("rollout-0", role="rollout")["replica_id"] >= 1
+        beat = client.heartbeat("rollout-0", policy_version=0, stats={})
+        assert beat == {"policy_version": 0, "step": 0, "finished": None}
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+
+    os.kill(api, signal.SIGKILL)  # the loop notices and starts another on the same port
+    _wait(lambda: _healthy(address) and _api_process(process.pid) != api)
+    assert client.heartbeat("rollout-0", policy_version=0, stats={})["step"] == 0
+    assert process.poll() is None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_the_api_process_ends_with_the_controller(
+    controller: tuple[subprocess.Popen[bytes], Path], sig: signal.Signals
+) -> None:
+    process, run_dir = controller
+    address = (run_dir / "controller").read_text().strip()
+    api = _api_process(process.pid)
+    process.send_signal(sig)
+    process.wait(30)
+    _wait(lambda: not _alive(api), 10)  # no orphan keeps the port
+    assert not _healthy(address)
