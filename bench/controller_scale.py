@@ -1,25 +1,28 @@
-"""Controller scale: hundreds of simulated rollout replicas against a real controller and Redis.
+"""Controller scale: hundreds to thousands of simulated rollout replicas against a real controller
+and Redis, once per `--clients` number (256 and 1,024 by default).
 
 What a rollout replica does to the controller, `--clients` times over, with no model behind it:
 
 - control plane (HTTP, `nebula_rl.controller.client.ControllerClient`): fetch `/api/meta`,
   register, then a heartbeat every `heartbeat_s` (the interval `ReplicaSession` derives from
-  `controller.heartbeat_timeout`: 2 s by default), unregister at the end;
+  `controller.heartbeat_timeout`: 2 s by default), unregister at the end; the heartbeats are
+  `ControllerClient.heartbeat`'s request written as plain HTTP/1.1 on asyncio streams, one
+  keep-alive connection per replica (see :func:`control_plane` for why);
 - data plane (Redis, `nebula_rl.controller.state.JobState`): claim up to 4 prompts
   (`claim_prompts`, blocking 200 ms when there are none), and for each push a scored group of
   `--n-generation` completions of `--response-tokens` tokens (`push_group`, XADD) and acknowledge
   the prompt (`ack_prompts`): `rollout/worker.py`'s calls, without generation time, so the
   controller is the bottleneck.
 
-The controller is the real one (`nebula-rl controller` as its own process: HTTP API, scheduler
-loop judging every group, ledger, staleness filter, step scheduling) on a Redis this script
-starts; one policy replica is simulated in this process (it reads each `train` command and the
+The controller is the real one (`nebula-rl controller`: the scheduler loop judging every group,
+ledger, staleness filter, step scheduling, and its HTTP API in a process of its own) on a Redis
+this script starts; one policy replica is simulated in this process (it reads each `train` command and the
 in-flight batch, and reports the step done at once). Heartbeats come from one process and the
-data plane from another (threads in each), so that a busy data-plane client does not delay the
-timing of heartbeats in its own interpreter.
+data plane from another (64 threads, each acting as its share of the replicas in turn), so that
+a busy data-plane client does not delay the timing of heartbeats in its own interpreter.
 
-Peer, measured in the same run under the same load (same clients, payloads and rates): the bare
-transports. The same data-plane threads XADD the same group payloads to a raw Redis stream
+Peer, measured in the same run under the same load (same clients, payloads and rates), each
+phase on a fresh Redis: the bare transports. The same data-plane threads XADD the same group payloads to a raw Redis stream
 (nothing claims, judges or acknowledges them), and the heartbeats go to a bare FastAPI app with a
 no-op handler served by the same uvicorn set-up in its own process. So the ratios say what the
 controller's work costs on top of the transports it is built on:
@@ -30,13 +33,18 @@ controller's work costs on top of the transports it is built on:
 - heartbeat p99 latency: the no-op's p99 / the controller's p99 (a speed ratio, higher is
   better). Goal (set here): at least 0.5x, i.e. at most twice the bare HTTP round trip.
 
-    python bench/controller_scale.py [--clients 256] [--seconds 15] [--response-tokens 128]
-        [--n-generation 8] [--batch 256]
+Each configuration prints its table and two SUMMARY lines (`..._256`, `..._1024`).
+
+    python bench/controller_scale.py [--clients 256 1024] [--seconds 15]
+        [--response-tokens 128] [--n-generation 8] [--batch 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
+import json
 import multiprocessing as mp
 import os
 import random
@@ -65,6 +73,10 @@ CLAIM = 4
 """Prompts a simulated rollout claims at once."""
 WARMUP_S = 3.0
 """Seconds of load before the measuring window opens."""
+DATA_THREADS = 64
+"""Threads of the data plane; each acts as `--clients / DATA_THREADS` replicas in turn (a Redis
+consumer name each). More threads only wait for the client's interpreter lock: 1,024 of them
+on 2 cores took minutes to start and seconds per push."""
 
 
 Parts = list[tuple[list[int], list[float], str, float]]
@@ -100,20 +112,25 @@ def make_group(prompt: Prompt, parts: Parts, *, version: int) -> RolloutGroup:
 def data_plane(
     mode: str, redis_url: str, args: argparse.Namespace, stop: Any, out: Any, ready: Any
 ) -> None:
-    """Child process: `--clients` threads pushing groups, as rollouts (`controller`) or as bare
-    XADDs (`raw`); reports (end time, seconds, completions) of every push."""
+    """Child process: `--clients` rollouts pushing groups (`controller`: claim, push, ack as
+    each replica in turn) or bare XADDs (`raw`), from at most :data:`DATA_THREADS` threads;
+    reports (end time, seconds, completions) of every push."""
     records: list[tuple[float, float, int]] = []
     lock = threading.Lock()
+    stop = local_event(stop)
+    num_threads = min(args.clients, DATA_THREADS)
 
     def client(index: int) -> None:
         parts = draw_parts(args.n_generation, args.response_tokens, random.Random(index))
         redis = connect(redis_url)
-        name = f"rollout-{index}"
+        names = itertools.cycle(f"rollout-{i}" for i in range(index, args.clients, num_threads))
         state = JobState(redis, JOB) if mode == "controller" else None
         template = Prompt("0:0", 0, 0, "1+2=", "3")
         mine: list[tuple[float, float, int]] = []
-        ready.release()
+        for _ in range(index, args.clients, num_threads):
+            ready.release()
         while not stop.is_set():
+            name = next(names)
             if state is None:
                 group = make_group(template, parts, version=0)
                 start = time.perf_counter()
@@ -130,7 +147,7 @@ def data_plane(
         with lock:
             records.extend(mine)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(num_threads)]
     for t in threads:
         t.start()
     for t in threads:
@@ -141,37 +158,98 @@ def data_plane(
 def control_plane(
     mode: str, address: str, token: str, args: argparse.Namespace, stop: Any, out: Any, ready: Any
 ) -> None:
-    """Child process: `--clients` threads that join (controller mode) and heartbeat every
-    `heartbeat_s`; reports (time, seconds) of every heartbeat."""
-    records: list[tuple[float, float]] = []
-    lock = threading.Lock()
+    """Child process: `--clients` replicas that join (controller mode: `ControllerClient`'s
+    meta and register), then send `ControllerClient.heartbeat`'s request every `heartbeat_s`,
+    each over a keep-alive connection of its own, all on one event loop; reports (time,
+    seconds, ok) of every heartbeat.
 
-    def client(index: int) -> None:
-        name = f"rollout-{index}"
-        api = ControllerClient(address, token)
-        if mode == "controller":
-            api.meta()
+    The heartbeats are written and read as plain HTTP/1.1 on asyncio streams: what is timed is
+    the server. A thread per replica with httpx timed this process instead (its interpreter
+    lock: 1,024 threads on 2 cores wait seconds for it), and httpx's async client spent more
+    CPU per request than the servers it measured."""
+    names = [f"rollout-{index}" for index in range(args.clients)]
+    api = ControllerClient(address, token)
+    if mode == "controller":
+        api.meta()
+        for name in names:
             api.register(name, role="rollout")
+    for _ in names:
         ready.release()
-        mine = []
-        next_beat = time.monotonic() + random.Random(index).random() * args.heartbeat_s
-        while not stop.wait(max(0.0, next_beat - time.monotonic())):
-            next_beat += args.heartbeat_s
-            start = time.perf_counter()
-            api.heartbeat(name, policy_version=0, stats={"tokens_per_s": 1.0, "groups": 1.0})
-            mine.append((time.time(), time.perf_counter() - start))
-        if mode == "controller":
+    records = asyncio.run(heartbeats(address, token, names, args.heartbeat_s, stop))
+    if mode == "controller":
+        for name in names:
             api.unregister(name)
-        api.close()
-        with lock:
-            records.extend(mine)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    api.close()
     out.put(("beats", records))
+
+
+async def heartbeats(
+    address: str, token: str, names: list[str], interval_s: float, stop: Any
+) -> list[tuple[float, float, bool]]:
+    """Heartbeat as each of `names` every `interval_s` (first beats spread over an interval)
+    until `stop` is set; (end time, seconds, answered 2xx) of each. A failed beat (an error,
+    or no answer in 30 s) counts with the time it took; the replica reconnects for the next."""
+    host, port = address.rsplit(":", 1)
+    records: list[tuple[float, float, bool]] = []
+
+    async def beat(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
+    ) -> bool:
+        writer.write(request)
+        await writer.drain()
+        status = int((await reader.readline()).split()[1])
+        length = 0
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        await reader.readexactly(length)
+        return 200 <= status < 300
+
+    async def replica(index: int, name: str) -> None:
+        body = json.dumps(
+            {"name": name, "policy_version": 0, "stats": {"tokens_per_s": 1.0, "groups": 1.0}}
+        ).encode()
+        request = (
+            f"POST /api/replica/heartbeat HTTP/1.1\r\nHost: {address}\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+        loop = asyncio.get_running_loop()
+        next_beat = loop.time() + random.Random(index).random() * interval_s
+        connection = None
+        while not stop.is_set():
+            await asyncio.sleep(max(0.0, next_beat - loop.time()))
+            next_beat += interval_s
+            start = time.perf_counter()
+            try:
+                if connection is None:
+                    connection = await asyncio.open_connection(host, int(port))
+                ok = await asyncio.wait_for(beat(*connection, request), 30.0)
+            except (OSError, ValueError, IndexError, TimeoutError, asyncio.IncompleteReadError):
+                ok = False
+            if not ok and connection is not None:
+                connection[1].close()
+                connection = None
+            records.append((time.time(), time.perf_counter() - start, ok))
+        if connection is not None:
+            connection[1].close()
+
+    await asyncio.gather(*(replica(i, name) for i, name in enumerate(names)))
+    return records
+
+
+def local_event(shared: Any) -> threading.Event:
+    """A copy of the multiprocessing event `shared` for this process's threads, set when it is:
+    hundreds of threads polling a multiprocessing event contend for its process-shared lock."""
+    local = threading.Event()
+
+    def follow() -> None:
+        shared.wait()
+        local.set()
+
+    threading.Thread(target=follow, daemon=True).start()
+    return local
 
 
 def noop_server(port: int) -> None:
@@ -287,8 +365,9 @@ def run_phase(
     for p in procs:
         p.start()
     for _ in range(2 * args.clients):
-        if not ready.acquire(timeout=120):
-            raise SystemExit("the simulated clients did not start within 120 s")
+        if not ready.acquire(timeout=300):
+            stop.set()
+            raise SystemExit("the simulated clients did not start within 300 s")
     time.sleep(WARMUP_S)
     t0 = time.time()
     start_count = accepted_groups(state) if state else 0
@@ -299,19 +378,21 @@ def run_phase(
     if state is not None:
         state.redis.close()
     stop.set()
-    reports = dict(out.get(timeout=120) for _ in procs)
+    reports = dict(out.get(timeout=300) for _ in procs)
     beats, pushes = reports["beats"], reports["pushes"]
     for p in procs:
         p.join(timeout=60)
     in_window = [r for r in pushes if t0 <= r[0] < t1]
     pushed = sum(r[2] for r in in_window)
     handled = (end_count - start_count) * args.n_generation if state else pushed
-    beat_s = sorted(s for t, s in beats if t0 <= t < t1)
+    beat_s = sorted(s for t, s, _ in beats if t0 <= t < t1)
+    failed = sum(not ok for t, _, ok in beats if t0 <= t < t1)
     push_s = sorted(s for _, s, _ in in_window)
     return {
         "completions_per_s": handled / (t1 - t0),
         "pushed_per_s": pushed / (t1 - t0),
         "beats_per_s": len(beat_s) / (t1 - t0),
+        "beats_failed": failed,
         "beat_p50": percentile(beat_s, 50),
         "beat_p99": percentile(beat_s, 99),
         "push_p50": percentile(push_s, 50),
@@ -328,20 +409,9 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[rank]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--clients", type=int, default=256, help="simulated rollout replicas")
-    parser.add_argument("--seconds", type=float, default=15.0, help="measuring window per phase")
-    parser.add_argument("--n-generation", type=int, default=8, help="completions per group")
-    parser.add_argument("--response-tokens", type=int, default=128, help="tokens per completion")
-    parser.add_argument("--batch", type=int, default=256, help="groups per training step")
-    parser.add_argument("--rows", type=int, default=20000, help="dataset rows (per epoch)")
-    args = parser.parse_args()
-    heartbeat_timeout = config_from_dict(controller_config(args)).controller.heartbeat_timeout
-    args.heartbeat_s = max(0.2, min(2.0, heartbeat_timeout / 5))  # as ReplicaSession.join
-
-    token = os.urandom(16).hex()
-    os.environ[TOKEN_ENV] = token
+def measure(args: argparse.Namespace, token: str) -> dict[str, dict[str, Any]]:
+    """One configuration (`args.clients` replicas): the controller, then the bare transports,
+    each on a fresh Redis."""
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="nebula-bench-scale-") as tmp:
         run_dir = Path(tmp) / JOB
@@ -371,9 +441,10 @@ def main() -> None:
                 thread.join()
                 policy.leave()
             finally:
-                controller.terminate()
+                controller.terminate()  # (its API process sees it and stops too)
                 controller.wait(timeout=30)
 
+        with start_redis(data_dir=Path(tmp) / "redis-bare") as redis_server:
             port = free_port("127.0.0.1")
             address = f"127.0.0.1:{port}"
             ctx = mp.get_context("spawn")
@@ -387,19 +458,23 @@ def main() -> None:
             finally:
                 server.terminate()
                 server.join(timeout=30)
+    return results
 
+
+def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None:
+    """The table and the SUMMARY lines of one configuration."""
     c, b = results["controller"], results["bare"]
     parts = draw_parts(args.n_generation, args.response_tokens, random.Random(0))
     payload = len(to_json(make_group(Prompt("0:0", 0, 0, "1+2=", "3"), parts, version=0)))
     print(
-        f"{args.clients} simulated rollouts, groups of {args.n_generation} x "
+        f"\n{args.clients} simulated rollouts, groups of {args.n_generation} x "
         f"{args.response_tokens} tokens ({payload / 1024:.0f} KiB as JSON), heartbeat every "
         f"{args.heartbeat_s:g} s, {args.batch} groups per step, {args.seconds:g} s window, "
         f"{os.cpu_count()} cores shared by Redis, the server and the clients"
     )
     print(
-        f"{'path':44} {'compl/s':>8} {'beats/s':>8} {'beat p50 ms':>12} {'beat p99 ms':>12} "
-        f"{'push p50 ms':>12} {'push p99 ms':>12}"
+        f"{'path':44} {'compl/s':>8} {'beats/s':>8} {'failed':>7} {'beat p50 ms':>12} "
+        f"{'beat p99 ms':>12} {'push p50 ms':>12} {'push p99 ms':>12}"
     )
     for name, r in (
         ("controller (HTTP API + scheduler + ledger)", c),
@@ -407,7 +482,7 @@ def main() -> None:
     ):
         print(
             f"{name:44} {r['completions_per_s']:8.0f} {r['beats_per_s']:8.1f} "
-            f"{r['beat_p50'] * 1e3:12.1f} {r['beat_p99'] * 1e3:12.1f} "
+            f"{r['beats_failed']:7d} {r['beat_p50'] * 1e3:12.1f} {r['beat_p99'] * 1e3:12.1f} "
             f"{r['push_p50'] * 1e3:12.1f} {r['push_p99'] * 1e3:12.1f}"
         )
     print(
@@ -417,8 +492,38 @@ def main() -> None:
     )
     completions = c["completions_per_s"] / b["completions_per_s"]
     latency = b["beat_p99"] / c["beat_p99"]
-    print(f"SUMMARY controller_completions_vs_raw_xadd {completions:.2f}x goal {COMPLETIONS_GOAL}x")
-    print(f"SUMMARY controller_heartbeat_p99_vs_noop {latency:.2f}x goal {LATENCY_GOAL}x")
+    n = args.clients
+    print(
+        f"SUMMARY controller_completions_vs_raw_xadd_{n} {completions:.2f}x "
+        f"goal {COMPLETIONS_GOAL}x"
+    )
+    print(f"SUMMARY controller_heartbeat_p99_vs_noop_{n} {latency:.2f}x goal {LATENCY_GOAL}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--clients",
+        type=int,
+        nargs="+",
+        default=[256, 1024],
+        help="simulated rollout replicas: one configuration per number",
+    )
+    parser.add_argument("--seconds", type=float, default=15.0, help="measuring window per phase")
+    parser.add_argument("--n-generation", type=int, default=8, help="completions per group")
+    parser.add_argument("--response-tokens", type=int, default=128, help="tokens per completion")
+    parser.add_argument("--batch", type=int, default=256, help="groups per training step")
+    parser.add_argument("--rows", type=int, default=20000, help="dataset rows (per epoch)")
+    args = parser.parse_args()
+    heartbeat_timeout = config_from_dict(controller_config(args)).controller.heartbeat_timeout
+    args.heartbeat_s = max(0.2, min(2.0, heartbeat_timeout / 5))  # as ReplicaSession.join
+
+    token = os.urandom(16).hex()
+    os.environ[TOKEN_ENV] = token
+    configurations = args.clients
+    for clients in configurations:
+        args.clients = clients
+        report(args, measure(args, token))
 
 
 def wait_healthy_noop(address: str, timeout_s: float = 60) -> None:
