@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -75,6 +76,9 @@ CommBackend = Literal["gloo", "nccl"]
 # rebuilt, the other ranks keep one connection per store, and a RedisStore's Python object must
 # outlive the groups built on it.
 _STORES: dict[tuple[Any, ...], Store] = {}
+_STORES_LOCK = threading.Lock()
+"""Held while the cache is read and filled: two threads building groups at once (trajectory
+transfers) must not each make a store, one of which would be dropped while in use."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +290,11 @@ def serve_store(host: str, port: int) -> TCPStore:
 
 
 def _store(rdzv: Rendezvous, *, rank: int, timeout: timedelta) -> Store:
+    with _STORES_LOCK:
+        return _cached_store(rdzv, rank=rank, timeout=timeout)
+
+
+def _cached_store(rdzv: Rendezvous, *, rank: int, timeout: timedelta) -> Store:
     if rdzv.redis is not None:
         kwargs = rdzv.redis.connection_pool.connection_kwargs
         key: tuple[Any, ...] = ("redis", *(kwargs.get(k) for k in ("host", "port", "path", "db")))
