@@ -359,6 +359,7 @@ def test_ledger_trains_every_prompt_exactly_once(state: JobState) -> None:
         "requeue_events": 8,
         "duplicates_dropped": 2,
         "stale_dropped": 2,
+        "trajectories_lost": 0,
     }
     assert state.claim_prompts("rollout-b", 100) == [] and state.poll_groups(100) == []
     assert state.buffer_size() == 0 and state.next_batch(1) is None

@@ -218,10 +218,12 @@ def _start_job(
     *,
     policy: list[str],
     rollout: list[str],
+    counts: tuple[int, int] | None = None,
 ) -> dict[str, str]:
-    """Redis and the controller on node0, then a policy replica on each node of `policy` and a
-    rollout replica on each of `rollout` (named `policy-<i>` / `rollout-<i>`), started by hand;
-    the environment a process of the job gets (the token, and on node0 the Redis URL)."""
+    """Redis and the controller on node0 (told to expect `counts` policy and rollout replicas,
+    default as many as started), then a policy replica on each node of `policy` and a rollout
+    replica on each of `rollout` (named `policy-<i>` / `rollout-<i>`), started by hand; the
+    environment a process of the job gets (the token, and on node0 the Redis URL)."""
     head = cluster.add_node("node0")
     for node in [*policy, *rollout]:
         cluster.add_node(node)
@@ -256,15 +258,22 @@ def _start_job(
     cli = [sys.executable, "-m", "nebula_rl.cli"]
     controller = [*cli, "controller", "--config", str(config), "--run-dir", str(run_dir)]
     controller += ["--host", head, "--port", str(CONTROLLER_PORT)]
-    controller += ["--policy", str(len(policy)), "--rollout", str(len(rollout))]
+    num_policy, num_rollout = counts or (len(policy), len(rollout))
+    controller += ["--policy", str(num_policy), "--rollout", str(num_rollout)]
     cluster.start("node0", "controller", controller, head_env)
-    address = f"{head}:{CONTROLLER_PORT}"
+    cluster.on("node0", _HEALTHY.replace("{head}", head), env, timeout_s=90)
     for role, nodes in (("policy", policy), ("rollout", rollout)):
         for i, node in enumerate(nodes):
-            argv = [*cli, "replica", "--role", role, "--controller", address]
-            argv += ["--name", f"{role}-{i}", "--nproc", "1"]
-            cluster.start(node, f"{role}-{i}", argv, env)
+            _start_replica(cluster, node, role, f"{role}-{i}", env)
     return head_env
+
+
+def _start_replica(cluster: Cluster, node: str, role: str, name: str, env: dict[str, str]) -> None:
+    """`nebula-rl replica` on `node`, reaching the controller on node0."""
+    address = f"{cluster.nodes['node0']}:{CONTROLLER_PORT}"
+    argv = [sys.executable, "-m", "nebula_rl.cli", "replica", "--role", role]
+    argv += ["--controller", address, "--name", name, "--nproc", "1"]
+    cluster.start(node, name, argv, {k: v for k, v in env.items() if k != REDIS_URL_ENV})
 
 
 def _cfg(
@@ -276,6 +285,18 @@ def _cfg(
         num_rows=num_rows,
         groups=BATCH,
     )
+
+
+_HEALTHY = f"""
+import time, httpx
+while True:  # (as the Slurm script does: replicas start once the controller answers)
+    try:
+        if httpx.get("http://{{head}}:{CONTROLLER_PORT}/health").status_code == 200:
+            break
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.2)
+"""
 
 
 _PEEK = f"""
@@ -465,3 +486,52 @@ def test_rollout_node_cut_off_mid_run(cluster, tmp_path, grpo_job_config):
         "sending to 2 rollout replica(s)"
     )
     assert held > 0 and ledger["0"]["summary"]["requeue_events"] >= held
+
+
+_BUFFERED = f"""
+import os, time, redis
+from nebula_rl.controller import JobState
+state = JobState(redis.Redis.from_url(os.environ[{REDIS_URL_ENV!r}], decode_responses=True), "{JOB}")
+while state.buffer_size() < {{n}}:
+    time.sleep(0.1)
+"""
+
+
+def test_world_model_job_across_nodes(cluster, tmp_path):
+    """World-model RL across nodes that share no trajectory folder (each its own /dev/shm).
+    rollout-0 (node3) starts alone and samples the first batches; it is killed before any policy
+    replica exists, and its trajectories go with it. Then rollout-1 (node2) and the policy
+    (node1) start: the policy hands the steps of rollout-0's groups back, their prompts are
+    sampled again, and it trains on rollout-1's trajectories, fetched from node2 over gloo.
+    Every prompt is trained exactly once."""
+    from nebula_rl.config import config_from_dict
+    from test_flow_runtime import NUM_ROWS, PROMPTS_PER_STEP, _job
+
+    head = f"{cluster.subnet}.2"
+    raw = _job(tmp_path, **{"controller.host": head, "controller.port": CONTROLLER_PORT})
+    raw["train"]["timestamp"] = JOB
+    cfg = config_from_dict(raw)
+    run_dir = Path(cfg.train.output_dir) / JOB
+    env = _start_job(cluster, tmp_path, cfg, policy=[], rollout=["node3"], counts=(1, 2))
+    for node in ("node1", "node2"):
+        cluster.add_node(node)
+    code = _BUFFERED.replace("{n}", str(PROMPTS_PER_STEP))
+    cluster.on("node0", code, env, timeout_s=JOB_TIMEOUT_S)
+    cluster.signal("rollout-0", signal.SIGKILL)
+    _start_replica(cluster, "node2", "rollout", "rollout-1", env)
+    _start_replica(cluster, "node1", "policy", "policy-0", env)
+    _finish(cluster, ["controller", "policy-0", "rollout-1"])
+
+    steps = _steps(run_dir)
+    assert [m["step"] for m in steps] == list(range(1, NUM_ROWS // PROMPTS_PER_STEP + 1))
+    ledger = _check_ledger(run_dir, NUM_ROWS)
+    assert ledger["0"]["summary"]["trajectories_lost"] >= PROMPTS_PER_STEP
+    policy_log = (cluster.logs / "policy-0.log").read_text()
+    assert "handing it back" in policy_log
+    fetched = [
+        int(n) for n in re.findall(r"fetched (\d+) trajector(?:y|ies) from rollout-1", policy_log)
+    ]
+    assert sum(fetched) >= NUM_ROWS, policy_log[-3000:]  # (a step handed back: again)
+    assert "from rollout-0" not in policy_log.replace("not fetched", "")
+    controller_log = (cluster.logs / "controller.log").read_text()
+    assert "handed back untrained" in controller_log

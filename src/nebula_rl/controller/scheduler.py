@@ -95,6 +95,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -515,7 +516,13 @@ class Scheduler:
         the `r`-th of as many near-equal slices of the batch as there are members (the step does
         not depend on the split: the loss takes the global counts)."""
         members = group["members"]
-        plan = {**plan, "generation": group["generation"], "members": members, "results": {}}
+        plan = {
+            **plan,
+            "generation": group["generation"],
+            "attempt": secrets.token_hex(6),
+            "members": members,
+            "results": {},
+        }
         self._plan = plan
         self.state.save_step_plan(plan)  # before the commands: a restart finds and resends them
         ids = plan["prompt_ids"]
@@ -525,6 +532,7 @@ class Scheduler:
                 "type": "train",
                 "generation": group["generation"],
                 "step": plan["step"],
+                "attempt": plan["attempt"],
                 "prompt_ids": ids[bounds[rank] : bounds[rank + 1]],
                 "push_weights": plan["push"] and rank == 0,
                 "checkpoint": plan["checkpoint"] and rank == 0,
@@ -559,6 +567,23 @@ class Scheduler:
                 result["error"],
             )
             self.state.request_regroup("policy", record["generation"])
+        elif kind == "train_lost":
+            # Every member hands the step back together, each naming its own lost groups.
+            plan = self._plan
+            if plan is None or result.get("attempt") != plan.get("attempt"):
+                return  # (an attempt sent again since)
+            plan.setdefault("lost", {})[result["name"]] = result["lost"]
+            if set(plan["lost"]) < set(plan["members"]):
+                return
+            lost = sorted({i for ids in plan["lost"].values() for i in ids})
+            dropped = self.state.release_inflight(lost)
+            log.warning(
+                "step %d handed back untrained: %d group(s) lost their trajectories with the "
+                "rollout replica that held them; their prompts are sampled again",
+                plan["step"],
+                dropped,
+            )
+            self._plan, self._sent = None, None
         elif kind == "train":
             plan = self._plan
             # (a result recorded before a restart comes back once: it is not new)

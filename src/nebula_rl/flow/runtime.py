@@ -9,14 +9,17 @@ world-model RL is asynchronous and elastic: rollouts sample with weights at most
 - A rollout replica (:class:`FlowRolloutWorker`) samples `rollout.n_generation` trajectories
   per prompt with the SDE sampler (`flow.local.roll_out`), the prompts it holds in one batch,
   scores them (in process or through the reward service; a latent-space model's samples decoded
-  by its VAE first), writes each group's trajectory to the job's trajectory folder
+  by its VAE first), writes each group's trajectory to its host's trajectory folder
   (`flow.trajectories`: shared memory, not JSON; a latent-space model's are latents) and pushes
   the group, with its rewards, its distance to the data and the file's name, before
-  acknowledging its prompt. New weights from the
+  acknowledging its prompt. It hands its files to policy ranks on other hosts
+  (`flow.transfer`). New weights from the
   policy are taken between batches: a trajectory is sampled with one version throughout, which
   its group records.
 - A policy replica trains with :class:`FlowTrainer` in place of the language-model trainer:
-  it reads the groups' trajectories, turns rewards into group-relative advantages and runs the
+  it reads the groups' trajectories (fetching those written on other hosts; when a group's are
+  gone with the rollout replica that held them, the step goes back to the controller, which
+  has those prompts sampled again), turns rewards into group-relative advantages and runs the
   configured algorithm (`flow.local.train_on_batch`: FlowGRPO, DDRL, DiffusionNFT), summing
   gradients with the other policy replicas; its weights go to the rollouts through the weight
   group after every step, as a language model's do.
@@ -52,6 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from nebula_rl.config import Config, GrpoConfig
 from nebula_rl.controller.client import ReplicaSession
+from nebula_rl.controller.state import JobState
 from nebula_rl.flow.data import Clip, clip_batch
 from nebula_rl.flow.ema import FlowTrainingState
 from nebula_rl.flow.job import (
@@ -83,9 +87,10 @@ from nebula_rl.flow.parallel import (
 )
 from nebula_rl.flow.sampler import Trajectory
 from nebula_rl.flow.trajectories import TrajectoryStore
+from nebula_rl.flow.transfer import TrajectoryServer, fetch_trajectories
 from nebula_rl.flow.vae import pixels_to_samples, samples_to_pixels
 from nebula_rl.models import resolve_dtype
-from nebula_rl.policy.replicas import ReplicaGroup
+from nebula_rl.policy.replicas import GroupsLost, ReplicaGroup
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.weights.elastic import ElasticReceiver
 from nebula_rl.weights.group import WeightGroup, weight_backend
@@ -158,6 +163,10 @@ class FlowRolloutWorker:
         )
         self.score = flow_scorer(p)
         self.store = TrajectoryStore.for_job(run_dir)
+        self.server = TrajectoryServer(
+            session.state, session.name, self.store, timeout=cfg.controller.collective_timeout
+        )
+        """Hands this replica's trajectory files to policy ranks on other hosts."""
         base = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed
         self.generator = torch.Generator(device=device).manual_seed(
             (base or 0) + 1000 * session.registration["replica_id"]
@@ -280,6 +289,7 @@ class FlowRolloutWorker:
         then acknowledge its prompt (a crash in between duplicates the group, which the
         controller keeps once; it loses nothing)."""
         name = self.store.write(prompt.prompt_id, trajectory)
+        self.server.wrote(name, prompt)
         completions = [
             Completion([], [], "", "stop", [(0, version)], reward=float(r)) for r in rewards
         ]
@@ -293,11 +303,13 @@ class FlowRolloutWorker:
 
     def close(self) -> None:
         self._closing = True
+        self.server.stop(job_ended=self.session.finished() is not None)
 
 
 def run_flow_rollout(session: ReplicaSession, *, device: torch.device) -> None:
     """Body of a world-model rollout replica's process."""
     worker = FlowRolloutWorker(session, device=device)
+    worker.server.start()
     worker.start_weight_thread()
     session.start_heartbeats()
     session.mark_ready()  # the controller adds it to the weight group now
@@ -324,8 +336,12 @@ class FlowTrainer:
         total_steps: int,
         run_dir: Path,
         mesh: DeviceMesh | None = None,
+        state: JobState | None = None,
     ) -> None:
         self.model, self.cfg, self.clips, self.store = model, cfg, clips, store
+        self.state = state
+        """The job's state, to fetch trajectories from rollout replicas on other hosts (None:
+        every file must be in `store`)."""
         self.run_dir = run_dir
         self.mesh = mesh
         """The replica's ranks the model is sharded over (None: one process)."""
@@ -372,6 +388,41 @@ class FlowTrainer:
             if param.grad is not None:
                 param.grad.div_(self.replicas.size)
 
+    def _trajectories(self, groups: list[RolloutGroup]) -> list[Trajectory]:
+        """The trajectories of this rank's share of the replica's `groups`: from this host's
+        folder, else from the rollout replicas that wrote them. Raises `GroupsLost` on every
+        rank of every replica (they agree first) when any rank lacks one, naming this replica's
+        lost groups."""
+        mine = groups[self.dp_rank :: self.dp_size]
+        found: dict[str, Trajectory | None] = {}
+        wanted: dict[str, list[str]] = {}
+        for g in mine:
+            file = g.extra["trajectory"]
+            if (self.store.root / file).is_file():
+                found[file] = self.store.read(file)
+            elif self.state is not None:
+                wanted.setdefault(g.replica, []).append(file)
+            else:
+                found[file] = None
+        if wanted:
+            assert self.state is not None
+            timeout = self.cfg.controller.collective_timeout
+            found |= fetch_trajectories(self.state, wanted, timeout=timeout)
+        # Which of the replica's groups are lost, agreed by its ranks and then all replicas.
+        lost = torch.zeros(len(groups), dtype=torch.float64)
+        for k, g in enumerate(mine):
+            lost[self.dp_rank + k * self.dp_size] = found[g.extra["trajectory"]] is None
+        if self.dp is not None:
+            dist.all_reduce(lost, group=self.dp.get_group())
+        total = lost.sum().reshape(1)
+        if self.replicas is not None:
+            self.replicas.sum_(total)
+        if total.item() > 0:
+            raise GroupsLost(
+                [g.prompt.prompt_id for g, n in zip(groups, lost, strict=True) if n > 0]
+            )
+        return [t for t in (found[g.extra["trajectory"]] for g in mine) if t is not None]
+
     def _batch_std(self, groups: list[RolloutGroup]) -> float:
         """The std of the rewards of the whole step (`global_std`): over this replica's groups
         and the other replicas'."""
@@ -386,11 +437,12 @@ class FlowTrainer:
         """Train on this replica's share of a step; the step's metrics over every replica."""
         s = self.settings
         self.planned_updates = s.num_minibatches
-        batch_std = self._batch_std(groups) if s.global_std else None
-        groups = groups[self.dp_rank :: self.dp_size]  # (this rank's share of the replica's)
-        if not groups:
+        mine = groups[self.dp_rank :: self.dp_size]  # (this rank's share of the replica's)
+        if not mine:
             raise ValueError("a world-model step gave this policy rank no groups")
-        trajectories = [self.store.read(g.extra["trajectory"]) for g in groups]
+        trajectories = self._trajectories(groups)
+        batch_std = self._batch_std(groups) if s.global_std else None
+        groups = mine
         first = trajectories[0]
         for group, t in zip(groups, trajectories, strict=True):
             if (
@@ -484,11 +536,12 @@ class FlowTrainer:
 
 
 def flow_policy(
-    cfg: Config, *, device: torch.device, meta: dict[str, Any]
+    cfg: Config, *, device: torch.device, meta: dict[str, Any], state: JobState | None = None
 ) -> tuple[nn.Module, FlowTrainer, Callable[[Path], Any]]:
     """A world-model policy replica's model (FSDP2-sharded over the replica's ranks when it has
-    several), trainer, and export (`safetensors/...` folders loadable as
-    `policy.model_name_or_path`; every rank of the replica calls it, its rank 0 writes)."""
+    several), trainer (fetching trajectories through the job's `state` from rollout replicas on
+    other hosts), and export (`safetensors/...` folders loadable as `policy.model_name_or_path`;
+    every rank of the replica calls it, its rank 0 writes)."""
     run_dir = Path(meta["run_dir"])
     clips = flow_clips(cfg, run_dir, create=False)
     _check_clips(cfg, clips, meta)
@@ -506,6 +559,7 @@ def flow_policy(
         total_steps=meta["total_steps"],
         run_dir=run_dir,
         mesh=mesh,
+        state=state,
     )
 
     def export(folder: Path) -> None:  # (the weights' averages with train.ema_enable)

@@ -1,18 +1,20 @@
 """Where a world-model job's trajectories travel from the rollout replicas to the policy: files of
-tensors in one folder per job, never JSON through Redis.
+tensors in one folder per host and job, never JSON through Redis.
 
 A rollout replica writes each scored group's trajectory (the latents of every denoising step,
 the log-prob of each SDE step, the noise levels, which frames were given) as one safetensors
 file, written under a temporary name and renamed, so a reader never sees half a file; the group
 it pushes to the controller names the file (`RolloutGroup.extra["trajectory"]`). The policy
-replica that trains the group reads it; the controller deletes the files of the groups a step trained, and the
-folder when the job ends. A controller snapshot (a checkpoint of the job) keeps a copy of the
-files its buffered groups need, which a resumed job puts back.
+rank that trains the group reads it from its own host's folder when it is there, else fetches it
+from the replica that wrote it (`flow.transfer`: over a gloo group, as the weights travel).
+The controller deletes the files of the groups a step trained from its host's folder, the
+rollout replicas from theirs, and the folders go when the job ends. A controller snapshot (a
+checkpoint of the job) keeps a copy of the files its host holds for its buffered groups, which a
+resumed job puts back.
 
 The folder is `/dev/shm/nebula-rl/<job>` (shared memory: a page-cache copy each way) where
-`/dev/shm` exists, else under the system's temporary folder. The replicas of a job must
-therefore share a host, or be given a folder they all see with `NEBULA_TRAJECTORY_DIR` (e.g. on
-a shared filesystem); a policy replica that cannot find a group's file says so by name.
+`/dev/shm` exists, else under the system's temporary folder, or under `NEBULA_TRAJECTORY_DIR`
+(e.g. a shared filesystem every host sees).
 """
 
 from __future__ import annotations
@@ -32,10 +34,34 @@ from torch import Tensor
 
 from nebula_rl.flow.sampler import Trajectory
 
-__all__ = ["TRAJECTORY_DIR_ENV", "TrajectoryStore"]
+__all__ = ["TRAJECTORY_DIR_ENV", "TrajectoryStore", "tensors_trajectory", "trajectory_tensors"]
 
 TRAJECTORY_DIR_ENV = "NEBULA_TRAJECTORY_DIR"
 """A folder every replica of the job sees, instead of the host's shared memory."""
+
+
+def trajectory_tensors(trajectory: Trajectory) -> dict[str, Tensor]:
+    """`trajectory` as named CPU tensors (a file's, or a transfer's)."""
+    tensors = {
+        "latents": trajectory.latents,
+        "log_probs": trajectory.log_probs,
+        "sigmas": trajectory.sigmas,
+        "noise_level": torch.tensor(float(trajectory.noise_level), dtype=torch.float64),
+    }
+    if trajectory.given is not None:  # (conditioning frames)
+        tensors["given"] = trajectory.given
+    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+
+
+def tensors_trajectory(t: dict[str, Tensor]) -> Trajectory:
+    """The trajectory of :func:`trajectory_tensors`' tensors."""
+    return Trajectory(
+        latents=t["latents"],
+        log_probs=t["log_probs"],
+        sigmas=t["sigmas"],
+        noise_level=float(t["noise_level"]),
+        given=t.get("given"),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,16 +93,9 @@ class TrajectoryStore:
         a group sampled twice after a crash leaves two files, one of which is trained)."""
         self.root.mkdir(parents=True, exist_ok=True)
         name = f"{self._stem(prompt_id)}.{uuid.uuid4().hex[:12]}.safetensors"
-        tensors = {
-            "latents": trajectory.latents.contiguous(),
-            "log_probs": trajectory.log_probs.contiguous(),
-            "sigmas": trajectory.sigmas.contiguous(),
-            "noise_level": torch.tensor(float(trajectory.noise_level), dtype=torch.float64),
-        }
-        if trajectory.given is not None:  # (conditioning frames)
-            tensors["given"] = trajectory.given.contiguous()
+        tensors = trajectory_tensors(trajectory)
         partial = self.root / f".{name}.partial"
-        save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(partial))
+        save_file(tensors, str(partial))
         partial.rename(self.root / name)
         return name
 
@@ -84,18 +103,8 @@ class TrajectoryStore:
         """The trajectory in file `name`."""
         path = self.root / name
         if not path.is_file():
-            raise FileNotFoundError(
-                f"trajectory {path} is missing: world-model rollout and policy replicas must "
-                f"share a host (shared memory) or a folder named by {TRAJECTORY_DIR_ENV}"
-            )
-        t: dict[str, Tensor] = load_file(str(path))
-        return Trajectory(
-            latents=t["latents"],
-            log_probs=t["log_probs"],
-            sigmas=t["sigmas"],
-            noise_level=float(t["noise_level"]),
-            given=t.get("given"),
-        )
+            raise FileNotFoundError(f"trajectory {path} is missing")
+        return tensors_trajectory(load_file(str(path)))
 
     def discard(self, prompt_ids: list[str]) -> int:
         """Delete every file of these prompts' groups; how many."""

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from nebula_rl.weights.group import WeightGroup
 
-__all__ = ["CollectiveError", "DataParallelSums", "ReplicaGroup"]
+__all__ = ["CollectiveError", "DataParallelSums", "GroupsLost", "ReplicaGroup"]
 
 # Gradient bucket size: large enough that the per-call cost vanishes, small enough that the
 # flat copy is a small fraction of the model.
@@ -103,6 +103,16 @@ def _replica_wide(
 
 class CollectiveError(RuntimeError):
     """A collective between policy replicas failed or timed out (a replica died or hangs)."""
+
+
+class GroupsLost(RuntimeError):
+    """What some groups of the step need is gone (a world model's trajectories, with the rollout
+    replica that held them): every rank of every replica raises it together, before training,
+    and the controller takes the step back and has those prompts sampled again."""
+
+    def __init__(self, prompt_ids: list[str]) -> None:
+        super().__init__(f"{len(prompt_ids)} group(s) of the step are lost: {prompt_ids[:8]}")
+        self.prompt_ids = prompt_ids
 
 
 class ReplicaGroup:

@@ -72,7 +72,7 @@ from nebula_rl.models import load_tokenizer, resolve_dtype
 from nebula_rl.models.export import export_hf
 from nebula_rl.policy.batching import rollout_media
 from nebula_rl.policy.checkpoint import Checkpointer
-from nebula_rl.policy.replicas import CollectiveError, ReplicaGroup
+from nebula_rl.policy.replicas import CollectiveError, GroupsLost, ReplicaGroup
 from nebula_rl.policy.setup import (
     load_policy_model,
     parallelize_policy,
@@ -133,7 +133,9 @@ class PolicyWorker:
         if cfg.policy.is_diffusers:  # a world model
             from nebula_rl.flow.runtime import flow_policy
 
-            self.hf_model, flow, self._export = flow_policy(cfg, device=device, meta=meta)
+            self.hf_model, flow, self._export = flow_policy(
+                cfg, device=device, meta=meta, state=session.state
+            )
             self.trainer = flow
             saved = flow.checkpoint_module  # (with the old weights and the averages)
         else:
@@ -438,6 +440,19 @@ class PolicyWorker:
             metrics = self.trainer.grpo_step(groups, self._media(groups))
         except CollectiveError as err:
             error = str(err) or type(err).__name__
+        except GroupsLost as err:  # (every rank, before any update: nothing to undo)
+            log.warning("step %d: %s; handing it back", step, err)
+            self._report(
+                {
+                    "type": "train_lost",
+                    "generation": command["generation"],
+                    "step": step,
+                    "attempt": command.get("attempt"),
+                    "rank": self.rank,
+                    "lost": err.prompt_ids,
+                }
+            )
+            return
         outcomes = self._gather((error, self.optimizer_steps - before))
         errors = [e for e, _ in outcomes if e is not None]
         if errors:  # (any rank's failure is the replica's)

@@ -385,6 +385,42 @@ class Ledger(StateBase):
             log.info("dropped %d buffered groups older than version %d", dropped, oldest)
         return dropped
 
+    def release_inflight(self, lost: list[str]) -> int:
+        """Take the batch in flight back untrained: the groups of the prompts `lost` (their
+        trajectories went with the replica that held them) are dropped and their prompts
+        requeued, to be sampled again; the others return to the front of the buffer in their
+        order. How many were dropped."""
+        buffer, inflight = self.key("buffer"), self.key("inflight")
+        versions, lost_ids = self.key("buffer_versions"), set(lost)
+
+        def release(pipe: Pipeline) -> int:
+            batch: list[str] = pipe.lrange(inflight, 0, -1)
+            headers = [from_json(GroupHeader, h) for h in pipe.hmget(self.key("headers"), batch)]
+            kept = [(i, h) for i, h in zip(batch, headers, strict=True) if i not in lost_ids]
+            dropped = [h.prompt for i, h in zip(batch, headers, strict=True) if i in lost_ids]
+            pipe.multi()
+            if kept:
+                pipe.lpush(buffer, *reversed([i for i, _ in kept]))
+                pipe.zadd(versions, {i: h.policy_version for i, h in kept})
+            if dropped:
+                pipe.hdel(self.key("bodies"), *(p.prompt_id for p in dropped))
+                pipe.hdel(self.key("headers"), *(p.prompt_id for p in dropped))
+            for p in dropped:
+                pipe.srem(self.key("accepted", p.epoch), p.prompt_id)
+                pipe.hincrby(self.key("counters", p.epoch), "trajectories_lost", 1)
+                self._requeue(pipe, p)
+            pipe.delete(inflight, self.key("step_plan"))
+            return len(dropped)
+
+        return self.redis.transaction(release, inflight, buffer, value_from_callable=True)
+
+    def prompt_states(self, prompts: list[Prompt]) -> list[str | None]:
+        """The ledger's state of each prompt (:data:`LEDGER_STATES`; None: never handed out)."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for p in prompts:
+                pipe.hget(self.key("ledger", p.epoch), p.index)
+            return list(pipe.execute())
+
     def inflight_batch(self) -> list[RolloutGroup]:
         """The training batch in flight (empty when none), decoded."""
         prompt_ids = self.redis.lrange(self.key("inflight"), 0, -1)
@@ -445,8 +481,8 @@ class Ledger(StateBase):
 
     def ledger_summary(self, epoch: int) -> dict[str, int]:
         """Counts for `epoch`: `total` prompts, how many are in each of :data:`LEDGER_STATES`,
-        `trained_more_than_once` (must stay 0), and the `requeue_events`, `duplicates_dropped`
-        and `stale_dropped` counters."""
+        `trained_more_than_once` (must stay 0), and the `requeue_events`, `duplicates_dropped`,
+        `stale_dropped` and `trajectories_lost` counters."""
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.hvals(self.key("ledger", epoch))
             pipe.hvals(self.key("trained", epoch))
@@ -455,7 +491,7 @@ class Ledger(StateBase):
         summary = {"total": len(states)}
         summary |= {s: states.count(s) for s in LEDGER_STATES}
         summary["trained_more_than_once"] = sum(int(n) > 1 for n in trained)
-        for name in ("requeue_events", "duplicates_dropped", "stale_dropped"):
+        for name in ("requeue_events", "duplicates_dropped", "stale_dropped", "trajectories_lost"):
             summary[name] = int(counters.get(name, 0))
         return summary
 
