@@ -385,7 +385,7 @@ def run_flow_rl(
         pixels = samples_to_pixels(model, trajectory.final)
         scored = score(pixels, prompts)
         rewards = torch.tensor(scored if scored is not None else [0.0] * len(prompts))
-        advantages = flow_advantages(rewards, s.group_size, s)
+        advantages = flow_advantages(rewards, s.group_size, s).to(trajectory.final.device)
         with cpu_threads(s.train_threads):
             losses, clip_fraction = train_on_batch(
                 model, optimizer, FlowBatch(prompts, x0, text, mask, trajectory, advantages), s,

@@ -276,7 +276,9 @@ def sample(
     for i in range(num_steps):
         sigma = torch.full((x.shape[0],), float(sigmas[i]), device=x.device)
         v = velocity(x, sigma)
-        z = torch.randn(x.shape, generator=generator, device=x.device)
+        # (drawn where the generator lives: a CPU generator gives the same noise on any device)
+        where = x.device if generator is None else generator.device
+        z = torch.randn(x.shape, generator=generator, device=where).to(x.device)
         step = sde_step(x, v, sigmas, i, noise_level=noise_level, noise=z, free=free)
         x = keep(step.sample)
         latents.append(x)
