@@ -15,7 +15,9 @@ import torch
 
 from flow_configs import reward_service, scored_remotely, tiny_flow_config, tiny_flow_policy
 from nebula_rl.config import ConfigError, config_from_dict, load_config
+from nebula_rl.flow.data import clip_batch
 from nebula_rl.flow.diffusers_models import DIFFUSERS_PRESETS
+from nebula_rl.flow.job import flow_clips
 from nebula_rl.flow.models import check_flow_model, flow_model_config, load_flow_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,12 +38,25 @@ def _flow(tmp_path: Path, *, trainer: str = "flow_grpo", **policy: object) -> di
 
 
 @pytest.mark.parametrize("path", WFM, ids=lambda p: p.name)
-def test_the_shipped_world_model_configs_load(path):
-    """Each loads; the warm start builds the model the RL configs start from."""
+def test_the_shipped_world_model_configs_load(path, tmp_path):
+    """Each loads; the warm start builds the model the RL configs start from; the GPU demo's
+    model, as bench/gpu/make_cosmos.py writes it (here two blocks narrow), is one the config
+    can train."""
     cfg = load_config(path)
     assert cfg.policy.is_diffusers
     if cfg.policy.model_name_or_path in DIFFUSERS_PRESETS:
         check_flow_model(cfg)
+    elif cfg.policy.model_name_or_path == "/tmp/nebula-gpu/cosmos2b":
+        folder = tmp_path / "cosmos"
+        small = ["--layers", "2", "--heads", "2", "--head-dim", "32"]
+        script = [sys.executable, str(ROOT / "bench" / "gpu" / "make_cosmos.py")]
+        subprocess.run([*script, "--out", str(folder), *small], check=True, capture_output=True)
+        moved = cfg.policy.model_copy(update={"model_name_or_path": str(folder)})
+        cfg = cfg.model_copy(update={"policy": moved})
+        check_flow_model(cfg)
+        x, text, mask = clip_batch(flow_clips(cfg, tmp_path / "run")[:2])
+        velocity = load_flow_model(cfg, seed=0)(x, torch.full((2,), 0.5), text, mask)
+        assert velocity.shape == x.shape == (2, 3, 2, 32, 32)
     elif cfg.policy.warmstart_config is None:
         assert flow_model_config(cfg).size == 16
     else:
