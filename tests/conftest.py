@@ -1,8 +1,10 @@
-"""Shared test settings: one torch thread per process (2-core machines), quiet transformers; and
-`grpo_job_config`, the small arithmetic GRPO job the runtime, chaos and panel tests run."""
+"""Shared test settings: one torch thread per process (2-core machines), quiet transformers;
+`grpo_job_config`, the small arithmetic GRPO job the runtime, chaos and panel tests run; and
+`redis_server`, a private Redis per test."""
 
 import copy
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +16,18 @@ import torch
 import transformers
 
 from nebula_rl.config import Config, config_from_dict
+from nebula_rl.controller import RedisServer, start_redis
 
 torch.set_num_threads(1)
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """The test's own Redis (password, loopback, data in the test's folder), stopped after."""
+    with start_redis(data_dir=tmp_path / "redis") as server:
+        yield server
 
 
 def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from nebula_rl.config import Config
-from nebula_rl.controller import JobState, RedisServer, connect, start_redis
+from nebula_rl.controller import JobState, RedisServer, connect
 from nebula_rl.controller.client import TOKEN_ENV
 from nebula_rl.weights import free_port
 
@@ -57,12 +57,6 @@ def _cfg(
         groups=BATCH,
         n_generation=N_GENERATION,
     )
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with start_redis(data_dir=tmp_path / "redis") as server:
-        yield server
 
 
 @dataclass

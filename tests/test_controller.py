@@ -23,12 +23,6 @@ HEARTBEAT = {"name": "rollout-0", "policy_version": 3, "stats": {"tokens_per_s":
 
 
 @pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with start_redis(data_dir=tmp_path / "redis") as server:
-        yield server
-
-
-@pytest.fixture
 def state(redis_server: RedisServer) -> JobState:
     return JobState(connect(redis_server.url), "job-1")
 

@@ -8,23 +8,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from nebula_rl.controller import JobState, RedisServer, connect, start_redis
+from nebula_rl.controller import JobState, RedisServer, connect
 from nebula_rl.flow.sampler import Trajectory
 from nebula_rl.flow.trajectories import TrajectoryStore
 from nebula_rl.flow.transfer import TrajectoryServer, fetch_trajectories
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with start_redis(data_dir=tmp_path / "redis") as server:
-        yield server
 
 
 @pytest.fixture
@@ -45,6 +38,17 @@ def _trajectory(seed: int, *, given: bool = False) -> Trajectory:
 
 def _prompt(index: int) -> Prompt:
     return Prompt(f"0:{index}", 0, index, f"caption {index}", "")
+
+
+def _hand_in(state: JobState, claimed: list[tuple[str, Prompt]], replica: str) -> None:
+    """What a rollout replica and the controller do with `claimed` prompts: push a group of
+    each (rewards by index), acknowledge the prompts, accept the groups."""
+    for _, prompt in claimed:
+        completion = Completion([], [], "", "stop", [(0, 0)], reward=float(prompt.index))
+        state.push_group(RolloutGroup(prompt, [], [completion] * 2, replica))
+    state.ack_prompts([m for m, _ in claimed])
+    for msg_id, group in state.poll_groups(8):
+        assert state.accept_group(group, 0, 1, msg_id=msg_id)
 
 
 def _server(state: JobState, tmp_path: Path, name: str) -> TrajectoryServer:
@@ -116,11 +120,7 @@ def test_a_holder_deletes_the_files_of_trained_prompts(state, tmp_path):
     for _, prompt in claimed:
         files[prompt.index] = server.store.write(prompt.prompt_id, _trajectory(prompt.index))
         server.wrote(files[prompt.index], prompt)
-        completion = Completion([], [], "", "stop", [(0, 0)], reward=float(prompt.index))
-        state.push_group(RolloutGroup(prompt, [], [completion] * 2, "rollout-0"))
-    state.ack_prompts([m for m, _ in claimed])
-    for msg_id, group in state.poll_groups(8):
-        assert state.accept_group(group, 0, 1, msg_id=msg_id)
+    _hand_in(state, claimed, "rollout-0")
     assert server.cleanup() == 0  # (accepted, not trained)
     batch = state.next_batch(2)
     assert batch is not None
@@ -133,13 +133,7 @@ def test_a_holder_deletes_the_files_of_trained_prompts(state, tmp_path):
 
 def test_a_lost_batch_goes_back_and_its_lost_prompts_are_sampled_again(state):
     state.enqueue_prompts([_prompt(i) for i in range(4)])
-    claimed = state.claim_prompts("rollout-0", 4)
-    for _, prompt in claimed:
-        completion = Completion([], [], "", "stop", [(0, 0)], reward=1.0)
-        state.push_group(RolloutGroup(prompt, [], [completion] * 2, "rollout-0"))
-    state.ack_prompts([m for m, _ in claimed])
-    for msg_id, group in state.poll_groups(8):
-        assert state.accept_group(group, 0, 1, msg_id=msg_id)
+    _hand_in(state, state.claim_prompts("rollout-0", 4), "rollout-0")
     batch = state.next_batch(3)
     assert batch is not None
     lost = [batch[0].prompt.prompt_id, batch[2].prompt.prompt_id]
@@ -149,12 +143,7 @@ def test_a_lost_batch_goes_back_and_its_lost_prompts_are_sampled_again(state):
     assert state.inflight_batch() == [] and state.buffer_size() == 2
     again = state.claim_prompts("rollout-1", 10)
     assert sorted(p.prompt_id for _, p in again) == sorted(lost)
-    for _, prompt in again:  # (sampled again: accepted, though its id was accepted before)
-        completion = Completion([], [], "", "stop", [(0, 0)], reward=0.5)
-        state.push_group(RolloutGroup(prompt, [], [completion] * 2, "rollout-1"))
-    state.ack_prompts([m for m, _ in again])
-    for msg_id, group in state.poll_groups(8):
-        assert state.accept_group(group, 0, 1, msg_id=msg_id)
+    _hand_in(state, again, "rollout-1")  # (accepted again, though their ids were accepted)
     final = state.next_batch(4)
     assert final is not None
     # (the kept groups first, in their order, then the new ones)

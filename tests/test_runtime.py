@@ -7,14 +7,13 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
 
 from nebula_rl.config import Config
-from nebula_rl.controller import JobState, RedisServer, connect, start_redis
+from nebula_rl.controller import JobState, RedisServer, connect
 from nebula_rl.controller.scheduler import Scheduler
 from nebula_rl.data import rl_rows
 from nebula_rl.protocol import Completion, RolloutGroup
@@ -33,12 +32,6 @@ def _cfg(grpo_job_config, *, allowed: int, changes: dict | None = None, **grpo: 
         groups=BATCH,
         allowed=allowed,
     )
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with start_redis(data_dir=tmp_path / "redis") as server:
-        yield server
 
 
 def _scheduler(cfg: Config, redis_server: RedisServer, tmp_path: Path) -> Scheduler:
