@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -34,7 +33,7 @@ from nebula_rl.flow.local import (
     roll_out,
     train_on_batch,
 )
-from nebula_rl.flow.parallel import dp_mesh, sample_seed
+from nebula_rl.flow.parallel import dp_mesh, sample_seed, sum_over
 from nebula_rl.flow.vae import samples_to_pixels
 from nebula_rl.ranks import cpu_threads
 
@@ -64,7 +63,7 @@ def run_colocated(
     (`flow.parallel.frozen_copy`: sharded like `model`), each None where not used."""
     s = settings
     dp = dp_mesh(mesh)
-    rank, ranks, group = dp.get_local_rank(), dp.size(), dp.get_group()
+    rank, ranks = dp.get_local_rank(), dp.size()
     device = next(model.parameters()).device
     for iteration in range(start, s.num_iterations + 1):
         everyone = prompt_clips(iteration)
@@ -85,7 +84,7 @@ def run_colocated(
             [float(rewards.sum()), float(rewards.square().sum()), float(len(rewards))],
             dtype=torch.float64,
         )
-        dist.all_reduce(stats, group=group)
+        sum_over(stats, dp)
         total, squares, n = stats.tolist()
         batch_std = pooled_std(total, squares, n)
         advantages = flow_advantages(rewards, s.group_size, s, batch_std=batch_std).to(device)
@@ -110,7 +109,7 @@ def run_colocated(
             ],
             dtype=torch.float64,
         )
-        dist.all_reduce(sums, group=group)
+        sum_over(sums, dp)
         loss, clip, distance, lost = sums.tolist()
         mean = total / n
         record = {

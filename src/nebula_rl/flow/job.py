@@ -66,6 +66,7 @@ from nebula_rl.flow.parallel import (
     frozen_copy,
     save_sharded_flow_model,
     shard_flow_model,
+    sum_over,
 )
 from nebula_rl.flow.sampler import guided_velocity, sample
 from nebula_rl.flow.vae import sample_shape, samples_to_pixels
@@ -480,7 +481,7 @@ def run(cfg: Config) -> Path:
         def on_step(values: dict[str, float]) -> None:
             if dp is not None:  # (the loss of the whole batch: the mean of the ranks')
                 loss = torch.tensor([values["loss"]], dtype=torch.float64)
-                dist.all_reduce(loss, group=dp.get_group())
+                sum_over(loss, dp)
                 values = {**values, "loss": float(loss) / world}
             record(values)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from nebula_rl.config import Config
@@ -30,6 +30,7 @@ __all__ = [
     "sample_seed",
     "save_sharded_flow_model",
     "shard_flow_model",
+    "sum_over",
 ]
 
 
@@ -180,3 +181,16 @@ def sample_seed(seed: int, step: int, prompt_id: str, k: int) -> int:
     """A seed for sample `k` of the group of `prompt_id` at `step`."""
     digest = hashlib.sha256(f"{seed}:{step}:{prompt_id}:{k}".encode()).digest()
     return int.from_bytes(digest[:6], "little")
+
+
+def sum_over(values: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Sum the CPU tensor `values` over `mesh`'s group in place: staged on this rank's GPU when
+    the group is NCCL's (which takes no CPU tensor), directly over gloo."""
+    group = mesh.get_group()
+    if mesh.device_type == "cuda":
+        staged = values.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(staged, group=group)
+        values.copy_(staged.cpu())
+    else:
+        dist.all_reduce(values, group=group)
+    return values

@@ -84,6 +84,7 @@ from nebula_rl.flow.parallel import (
     sample_seed,
     save_sharded_flow_model,
     shard_flow_model,
+    sum_over,
 )
 from nebula_rl.flow.sampler import Trajectory
 from nebula_rl.flow.trajectories import TrajectoryStore
@@ -413,7 +414,7 @@ class FlowTrainer:
         for k, g in enumerate(mine):
             lost[self.dp_rank + k * self.dp_size] = found[g.extra["trajectory"]] is None
         if self.dp is not None:
-            dist.all_reduce(lost, group=self.dp.get_group())
+            sum_over(lost, self.dp)
         total = lost.sum().reshape(1)
         if self.replicas is not None:
             self.replicas.sum_(total)
@@ -506,7 +507,7 @@ class FlowTrainer:
             dtype=torch.float64,
         )
         if self.dp is not None:
-            dist.all_reduce(sums, group=self.dp.get_group())
+            sum_over(sums, self.dp)
         if self.replicas is not None:
             self.replicas.sum_(sums)
         every = self.cfg.logging.multi_modal_log_interval
