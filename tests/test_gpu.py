@@ -131,3 +131,49 @@ def test_compiled_blocks_step_like_plain_on_cuda() -> None:
     compiled = _sft_losses(3, compile=True, param_dtype="float32")
     print(f"GPU-REPORT compile vs eager fp32 losses: {compiled} vs {plain}")
     assert compiled == pytest.approx(plain, rel=1e-4)
+
+
+def test_world_model_rl_runs_on_cuda(tmp_path) -> None:
+    """The tiny DiT's FlowGRPO and DDRL in one process on the GPU: the SDE noise comes from a
+    CPU generator and is the CPU run's, and both train. (An H200 run of the world-model demo
+    failed on each: noise drawn on the GPU from a CPU generator, advantages left on the CPU.)"""
+    import math
+
+    from nebula_rl.flow.data import make_toy_dataset, read_local_dataset
+    from nebula_rl.flow.dit import TinyDiT, TinyDiTConfig
+    from nebula_rl.flow.job import visual_scorer
+    from nebula_rl.flow.local import FlowRLSettings, roll_out, run_flow_rl
+
+    clips = read_local_dataset(make_toy_dataset(tmp_path / "toy", frames=2, size=16), num_frames=2)
+    torch.manual_seed(0)
+    model = TinyDiT(TinyDiTConfig(frames=2, size=16, patch=4, width=64, depth=2, heads=4))
+    s = FlowRLSettings(num_iterations=2)
+    cpu = roll_out(model, clips[:4], s, torch.Generator().manual_seed(1))[-1]
+    gpu = roll_out(model.cuda(), clips[:4], s, torch.Generator().manual_seed(1))[-1]
+    gap = float((gpu.latents.cpu() - cpu.latents).abs().max())
+    print(f"GPU-REPORT world-model trajectory, CUDA vs CPU from one CPU generator: max {gap:.2e}")
+    assert gap < 1e-2
+    score = visual_scorer({"brightness": 1.0})
+    ddrl = FlowRLSettings(algorithm="ddrl", num_iterations=2, data_beta=0.01)
+    for settings in (s, ddrl):
+        records = run_flow_rl(model, clips, settings, score=score)
+        assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_world_model_metric_sums_over_an_nccl_group() -> None:
+    """`flow.parallel.sum_over` stages a CPU tensor on the GPU for an NCCL mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from nebula_rl.flow.parallel import sum_over
+
+    store = dist.HashStore()
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        mesh = init_device_mesh("cuda", (1,))
+        values = torch.tensor([1.5, 2.0], dtype=torch.float64)
+        assert sum_over(values, mesh) is values and values.tolist() == [1.5, 2.0]
+        assert values.device.type == "cpu"
+    finally:
+        dist.destroy_process_group()
