@@ -393,7 +393,7 @@ def _check_ledger(run_dir: Path, num_rows: int) -> dict:
 def test_job_across_three_nodes(cluster, tmp_path, grpo_job_config):
     """Controller and Redis on node0, the policy on node1, the rollout on node2: the job runs to
     its end, every prompt is trained once, and the weights went from node1 to node2 over gloo."""
-    num_rows = 24
+    num_rows = 64  # (steps enough that the job still runs while the test looks at it)
     cfg = _cfg(grpo_job_config, f"{cluster.subnet}.2", num_rows=num_rows)
     run_dir = Path(cfg.train.output_dir) / cfg.train.timestamp
     env = _start_job(cluster, tmp_path, cfg, policy=["node1"], rollout=["node2"])
@@ -429,7 +429,7 @@ def test_rollout_node_cut_off_mid_run(cluster, tmp_path, grpo_job_config):
     """Two rollout nodes; after step 2 node3's link goes down (the process lives on, unreachable):
     the controller declares rollout-1 dead, requeues its prompts and rebuilds the weight group
     without it, and the job finishes on node2 with every prompt trained exactly once."""
-    num_rows = 48
+    num_rows = 96  # (enough steps that the watcher, started once rollout-1 works, sees it hold)
     cfg = _cfg(
         grpo_job_config,
         f"{cluster.subnet}.2",
