@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -40,26 +41,39 @@ n_generation = 4
 """
 
 
-@pytest.fixture
-def controller(tmp_path: Path) -> Iterator[Path]:
-    """A `nebula-rl controller` process for a job waiting for its replicas; yields its run
-    folder, where it wrote its address and token."""
-    (tmp_path / "job.toml").write_text(CONFIG)
+@contextmanager
+def running_controller(
+    tmp_path: Path, config: str, *, rollout: int
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """`nebula-rl controller` for job `config` (1 policy, `rollout` rollout replicas) on its own
+    Redis, once it answers `/health`; yields the process and its run folder, where it wrote its
+    address and token; stops it (resumed first, if a test stopped it) after."""
+    (tmp_path / "job.toml").write_text(config)
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEBULA_")}
     with start_redis(data_dir=tmp_path / "redis") as redis:
         env["NEBULA_REDIS_URL"] = redis.url
         argv = [sys.executable, "-m", "nebula_rl.cli", "controller", "--config", "job.toml"]
-        argv += ["--run-dir", str(run_dir), "--policy", "1", "--rollout", "2"]
+        argv += ["--run-dir", str(run_dir), "--policy", "1", "--rollout", str(rollout)]
         log = (tmp_path / "controller.log").open("wb")
         process = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=log)
         try:
             _wait_until_up(run_dir, process)
-            yield run_dir
+            yield process, run_dir
         finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(30)
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGCONT)
+                process.send_signal(signal.SIGTERM)
+                process.wait(30)
             log.close()
+
+
+@pytest.fixture
+def controller(tmp_path: Path) -> Iterator[Path]:
+    """A `nebula-rl controller` process for a job waiting for its replicas; yields its run
+    folder, where it wrote its address and token."""
+    with running_controller(tmp_path, CONFIG, rollout=2) as (_, run_dir):
+        yield run_dir
 
 
 def _wait_until_up(run_dir: Path, process: subprocess.Popen[bytes]) -> None:

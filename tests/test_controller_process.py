@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from nebula_rl.controller import start_redis
 from nebula_rl.controller.client import ControllerClient
+from test_cli import running_controller
 
 CONFIG = """
 [train]
@@ -83,26 +82,8 @@ def _healthy(address: str) -> bool:
 @pytest.fixture
 def controller(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     """A `nebula-rl controller` waiting for its replicas; yields it and its run folder."""
-    (tmp_path / "job.toml").write_text(CONFIG)
-    run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEBULA_")}
-    with start_redis(data_dir=tmp_path / "redis") as redis:
-        env["NEBULA_REDIS_URL"] = redis.url
-        argv = [sys.executable, "-m", "nebula_rl.cli", "controller", "--config", "job.toml"]
-        argv += ["--run-dir", str(run_dir), "--policy", "1", "--rollout", "1"]
-        log = (tmp_path / "controller.log").open("wb")
-        process = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=log)
-        try:
-            _wait(lambda: (run_dir / "controller").exists(), 120)
-            address = (run_dir / "controller").read_text().strip()
-            _wait(lambda: process.poll() is None and _healthy(address), 120)
-            yield process, run_dir
-        finally:
-            if process.poll() is None:
-                os.kill(process.pid, signal.SIGCONT)
-                process.send_signal(signal.SIGTERM)
-                process.wait(30)
-            log.close()
+    with running_controller(tmp_path, CONFIG, rollout=1) as running:
+        yield running
 
 
 def test_the_api_answers_while_the_scheduler_is_stopped_and_comes_back_after_dying(
