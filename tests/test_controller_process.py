@@ -15,23 +15,7 @@ import httpx
 import pytest
 
 from nebula_rl.controller.client import ControllerClient
-from test_cli import running_controller
-
-CONFIG = """
-[train]
-train_batch_per_replica = 16
-max_num_steps = 5
-[train.train_policy]
-type = "grpo"
-reward_function = "arithmetic"
-[train.train_policy.dataset]
-name = "builtin:arithmetic"
-kwargs = { num_samples = 40 }
-[policy]
-model_name_or_path = "tiny:qwen2"
-[rollout]
-n_generation = 4
-"""
+from test_cli import CONFIG, running_controller
 
 
 def _children(pid: int) -> list[int]:

@@ -389,12 +389,13 @@ class FlowTrainer:
             if param.grad is not None:
                 param.grad.div_(self.replicas.size)
 
-    def _trajectories(self, groups: list[RolloutGroup]) -> list[Trajectory]:
-        """The trajectories of this rank's share of the replica's `groups`: from this host's
-        folder, else from the rollout replicas that wrote them. Raises `GroupsLost` on every
-        rank of every replica (they agree first) when any rank lacks one, naming this replica's
-        lost groups."""
-        mine = groups[self.dp_rank :: self.dp_size]
+    def _trajectories(
+        self, groups: list[RolloutGroup], mine: list[RolloutGroup]
+    ) -> list[Trajectory]:
+        """The trajectories of `mine`, this rank's share of the replica's `groups`: from this
+        host's folder, else from the rollout replicas that wrote them. Raises `GroupsLost` on
+        every rank of every replica (they agree first) when any rank lacks one, naming this
+        replica's lost groups."""
         found: dict[str, Trajectory | None] = {}
         wanted: dict[str, list[str]] = {}
         for g in mine:
@@ -441,7 +442,7 @@ class FlowTrainer:
         mine = groups[self.dp_rank :: self.dp_size]  # (this rank's share of the replica's)
         if not mine:
             raise ValueError("a world-model step gave this policy rank no groups")
-        trajectories = self._trajectories(groups)
+        trajectories = self._trajectories(groups, mine)
         batch_std = self._batch_std(groups) if s.global_std else None
         groups = mine
         first = trajectories[0]

@@ -34,7 +34,6 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -186,9 +185,8 @@ def fetch_trajectories(
 ) -> dict[str, Trajectory | None]:
     """The files `wanted` (holder -> file names) from their holders, at once; a file whose
     holder is gone or does not have it maps to None."""
-    registered = set(state.replicas())
     out: dict[str, Trajectory | None] = {f: None for files in wanted.values() for f in files}
-    asks = {holder: files for holder, files in wanted.items() if holder in registered}
+    asks = {holder: files for holder, files in wanted.items() if state.is_registered(holder)}
     if not asks:
         return out
     with ThreadPoolExecutor(len(asks), thread_name_prefix="trajectory-fetch") as pool:
@@ -205,16 +203,20 @@ def _fetch_from(
     state: JobState, holder: str, files: list[str], timeout: float
 ) -> dict[str, Trajectory | None]:
     name = f"{state.job}-trajectories-{uuid.uuid4().hex[:16]}"
-    key = _requests_key(state, holder)
+    key, request = _requests_key(state, holder), json.dumps({"group": name, "files": files})
     with state.redis.pipeline() as pipe:
-        pipe.rpush(key, json.dumps({"group": name, "files": files}))
+        pipe.rpush(key, request)
         pipe.expire(key, max(int(timeout), 1))
         pipe.execute()
-    gone = _holder_gone(state, holder)
     group = None
     try:
         rdzv = Rendezvous("", 0, name, 2, redis=state.redis)
-        group = build_group(rdzv, rank=1, timeout=timedelta(seconds=timeout), cancelled=gone)
+        group = build_group(  # (given up once the holder leaves the registry: it died)
+            rdzv,
+            rank=1,
+            timeout=timedelta(seconds=timeout),
+            cancelled=lambda: not state.is_registered(holder),
+        )
         start = time.perf_counter()
         header = json.loads(_broadcast_bytes(group, None))
         out: dict[str, Trajectory | None] = {}
@@ -246,16 +248,4 @@ def _fetch_from(
     finally:
         leave_group(group)
         with contextlib.suppress(Exception):  # (a request nobody took is withdrawn)
-            state.redis.lrem(key, 0, json.dumps({"group": name, "files": files}))
-
-
-def _holder_gone(state: JobState, holder: str) -> Callable[[], bool]:
-    """Whether `holder` left the registry (asked at most every half second)."""
-    last = [0.0, False]
-
-    def gone() -> bool:
-        if time.monotonic() - last[0] > 0.5:
-            last[0], last[1] = time.monotonic(), holder not in state.replicas()
-        return bool(last[1])
-
-    return gone
+            state.redis.lrem(key, 0, request)

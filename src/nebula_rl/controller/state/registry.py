@@ -121,6 +121,10 @@ class Registry(StateBase):
             name: _decode_replica(info) for name, info in zip(names, infos, strict=True) if info
         }
 
+    def is_registered(self, name: str) -> bool:
+        """Whether replica `name` is registered (one key read, not :meth:`replicas`' all)."""
+        return bool(self.redis.exists(self.key("replica", name)))
+
     def ready_replicas(self, role: str) -> dict[str, int]:
         """Registered replicas of `role` that loaded their model: name -> replica id."""
         return {n: int(i) for n, i in self.redis.hgetall(self.key("ready", role)).items()}
