@@ -58,7 +58,7 @@ from typing import Any
 
 import httpx
 
-from nebula_rl.config import config_from_dict
+from nebula_rl.config import ControllerConfig, config_from_dict
 from nebula_rl.controller import JobState, connect, start_redis
 from nebula_rl.controller.client import REDIS_URL_ENV, TOKEN_ENV, ControllerClient, ReplicaSession
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup, to_json
@@ -348,6 +348,7 @@ def controller_config(args: argparse.Namespace) -> dict[str, Any]:
             "n_generation": args.n_generation,
             "max_response_length": args.response_tokens,
         },
+        "controller": {"scheduler_niceness": args.scheduler_niceness},
     }
 
 
@@ -470,7 +471,8 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None
         f"\n{args.clients} simulated rollouts, groups of {args.n_generation} x "
         f"{args.response_tokens} tokens ({payload / 1024:.0f} KiB as JSON), heartbeat every "
         f"{args.heartbeat_s:g} s, {args.batch} groups per step, {args.seconds:g} s window, "
-        f"{os.cpu_count()} cores shared by Redis, the server and the clients"
+        f"{os.cpu_count()} cores shared by Redis, the server and the clients, "
+        f"scheduler niceness {args.scheduler_niceness}"
     )
     print(
         f"{'path':44} {'compl/s':>8} {'beats/s':>8} {'failed':>7} {'beat p50 ms':>12} "
@@ -514,6 +516,12 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=128, help="tokens per completion")
     parser.add_argument("--batch", type=int, default=256, help="groups per training step")
     parser.add_argument("--rows", type=int, default=20000, help="dataset rows (per epoch)")
+    parser.add_argument(
+        "--scheduler-niceness",
+        type=int,
+        default=ControllerConfig().scheduler_niceness,
+        help="the controller's controller.scheduler_niceness (0: the loop at the API's priority)",
+    )
     args = parser.parse_args()
     heartbeat_timeout = config_from_dict(controller_config(args)).controller.heartbeat_timeout
     args.heartbeat_s = max(0.2, min(2.0, heartbeat_timeout / 5))  # as ReplicaSession.join

@@ -42,6 +42,11 @@ def _api_process(pid: int) -> int:
     raise AssertionError(f"no API process under {pid}")
 
 
+def _nice(pid: int) -> int:
+    """The nice value of process `pid`'s main thread (Linux keeps one per thread)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[16])
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
@@ -86,10 +91,24 @@ def test_the_api_answers_while_the_scheduler_is_stopped_and_comes_back_after_dyi
     finally:
         os.kill(process.pid, signal.SIGCONT)
 
-    os.kill(api, signal.SIGKILL)  # the loop notices and starts another on the same port
+    os.kill(api, signal.SIGKILL)  # the watcher notices and starts another on the same port
     _wait(lambda: _healthy(address) and _api_process(process.pid) != api)
     assert client.heartbeat("rollout-0", policy_version=0, stats={})["step"] == 0
     assert process.poll() is None
+
+
+def test_the_scheduler_loop_yields_to_the_api_and_restarts_keep_the_api_priority(
+    controller: tuple[subprocess.Popen[bytes], Path],
+) -> None:
+    process, run_dir = controller
+    address = (run_dir / "controller").read_text().strip()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    _wait(lambda: _nice(process.pid) == min(19, base + 10))  # (the loop's thread: the main one)
+    api = _api_process(process.pid)
+    assert _nice(api) == base
+    os.kill(api, signal.SIGKILL)
+    _wait(lambda: _healthy(address) and _api_process(process.pid) != api)
+    assert _nice(_api_process(process.pid)) == base  # started by the watcher, not the loop
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])

@@ -98,7 +98,6 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -322,15 +321,12 @@ class Scheduler:
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def run(self, *, poll_ms: int = 20, watch: Callable[[], None] | None = None) -> None:
+    def run(self, *, poll_ms: int = 20) -> None:
         """Schedule until `total_steps` are trained (or the prompts run out), then stop the
-        policy replica, which exports the final weights, and mark the job finished. `watch`
-        runs on every pass (the controller's: restart its API process if it died)."""
+        policy replica, which exports the final weights, and mark the job finished."""
         self.start_due_validation()
         self.record_validations()  # (answered before a restart, not yet recorded)
         while self.state.step() < self.total_steps:
-            if watch is not None:
-                watch()
             self.reap()
             self.sync_groups()
             self.release_prompts()
@@ -341,8 +337,6 @@ class Scheduler:
                 log.warning("the dataset ran out of prompts after step %d", self.state.step())
                 break
         while self.state.pending_validations():  # the last step's
-            if watch is not None:
-                watch()
             self.reap()
             self.sync_groups()
             self.judge_groups(block_ms=poll_ms)
@@ -816,7 +810,7 @@ def run_controller(
     (The replicas' process groups meet in Redis, so no replica has to run on its host.)"""
     import re
 
-    from nebula_rl.controller.api_process import ApiProcess, ApiSpec
+    from nebula_rl.controller.api_process import ApiProcess, ApiSpec, lower_thread_priority
     from nebula_rl.controller.client import RESTART_ENV
     from nebula_rl.controller.redis_server import connect
     from nebula_rl.data import num_train_steps, rl_dataset, rl_validation_rows
@@ -877,7 +871,9 @@ def run_controller(
     with ApiProcess(api) as server:
         log.info("controller of job %s at %s: %d steps", job, server.url, total_steps)
         scheduler.resume_in_flight()
-        scheduler.run(watch=server.check)
+        # (after the API process and its watcher started: they keep the normal priority)
+        lower_thread_priority(cfg.controller.scheduler_niceness)
+        scheduler.run()
         _wait_for_replicas(state, timeout_s=30.0)
     if store is not None:
         store.remove()
