@@ -78,6 +78,8 @@ def test_a_poll_is_judged_at_once_and_each_prompt_accepted_once(state: JobState)
     assert summary["completed"] == 2 and summary["filtered"] == 1 and summary["requeued"] == 1
     assert summary["duplicates_dropped"] == 5 and summary["stale_dropped"] == 2
     assert state.filtered_total() == 1
+    # A step's record reads the same two numbers from counters (judged twice: counted once).
+    assert state.step_counters(0) == {"stale_dropped": 2, "groups_filtered": 1}
     requeued = state.claim_prompts("rollout-1", 10)
     assert [(p.prompt_id, p.min_version) for _, p in requeued] == [("0:1", 2), ("0:1", 2)]
 

@@ -638,9 +638,7 @@ class Scheduler:
         if not results:
             record["metrics_lost"] = True
         epoch = int(plan["prompt_ids"][0].split(":")[0])
-        ledger = self.state.ledger_summary(epoch)
-        record["stale_dropped"] = ledger["stale_dropped"]
-        record["groups_filtered"] = ledger["filtered"]
+        record |= self.state.step_counters(epoch)
         self.state.mark_trained(plan["prompt_ids"], step, policy_version=step, record=record)
         if self.side_files is not None:
             self.side_files.discard(plan["prompt_ids"])
@@ -746,11 +744,13 @@ class Scheduler:
         holds less than a batch, and no step runs."""
         if self._plan is not None or self.state.released() < self.num_prompts:
             return False
+        if self.state.buffer_size() >= self.batch_size:
+            return False
         open_prompts = sum(
             s["outstanding"] + s["requeued"]
             for s in (self.state.ledger_summary(e) for e in self.state.epochs())
         )
-        return open_prompts == 0 and self.state.buffer_size() < self.batch_size
+        return open_prompts == 0
 
     def write_ledger(self) -> None:
         """`ledger.json`: per epoch, the ledger counts and how often each row was trained."""

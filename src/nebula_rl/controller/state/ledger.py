@@ -273,6 +273,8 @@ class Ledger(StateBase):
             else:
                 resolved[p.epoch][p.prompt_id] = verdict
                 states[p.epoch][p.index] = "completed" if verdict == "accepted" else verdict
+                if verdict == "filtered":  # (once per prompt: a resolved one is a duplicate)
+                    counts[p.epoch, "groups_filtered"] += 1
         for (epoch, name), n in counts.items():
             pipe.hincrby(self.key("counters", epoch), name, n)
         for epoch, prompt_ids in resolved.items():
@@ -494,6 +496,13 @@ class Ledger(StateBase):
         for name in ("requeue_events", "duplicates_dropped", "stale_dropped", "trajectories_lost"):
             summary[name] = int(counters.get(name, 0))
         return summary
+
+    def step_counters(self, epoch: int) -> dict[str, int]:
+        """`stale_dropped` and `groups_filtered` of `epoch` so far: what a step's record needs,
+        read from two counters rather than from the whole ledger as :meth:`ledger_summary`."""
+        names = ("stale_dropped", "groups_filtered")
+        values = self.redis.hmget(self.key("counters", epoch), list(names))
+        return {name: int(v or 0) for name, v in zip(names, values, strict=True)}
 
     def trained_counts(self, epoch: int) -> dict[int, int]:
         """Dataset index -> how many optimiser steps trained its group in `epoch` (must be 1)."""
