@@ -208,6 +208,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
             return 0
         from nebula_rl.launch import launch
 
+        if cfg.distillation.enable:
+            raise ValueError(
+                "distillation.enable: the teacher's own replicas of the multi-process job are "
+                "not built yet; run on-policy distillation with `nebula-rl train --local` (the "
+                "teacher scores in that process)"
+            )
         return launch(cfg, run_dir=run_dir, num_policy=args.policy, num_rollout=args.rollout)
     except Exception as err:
         code = 2 if isinstance(err, ValueError) else 1
