@@ -8,14 +8,20 @@ taken at `train.train_policy.temperature`, the temperature of the student's log-
 compared with. It scores requests of `batch_size_per_replica` sequences, each in forward passes
 of `mini_batch` sequences (or of at most `max_token_len_per_mini_batch` padded tokens).
 
-`nebula-rl train --local` runs one teacher in its process, unsplit.
+Each teacher runs whole in one process (a split one is refused by name); `nebula-rl train
+--local` runs one in its process. In the multi-process job
+each teacher replica (`nebula-rl replica --role teacher`, `distillation.parallelism.
+n_init_replicas` of them, or `nebula-rl train --teacher N`) runs :func:`run_teacher`: it takes
+the groups the rollouts pushed for scoring from the controller's queue and hands them back
+scored (`nebula_rl.controller.state.teacher`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,7 +30,12 @@ from nebula_rl.config import Config
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
 from nebula_rl.protocol import Completion, RolloutGroup
 
-__all__ = ["Teacher", "check_same_tokenizer"]
+if TYPE_CHECKING:
+    from nebula_rl.controller.client import ReplicaSession
+
+__all__ = ["Teacher", "check_same_tokenizer", "check_teacher", "run_teacher"]
+
+log = logging.getLogger(__name__)
 
 
 def check_same_tokenizer(cfg: Config) -> None:
@@ -42,6 +53,20 @@ def check_same_tokenizer(cfg: Config) -> None:
             "distillation scores the student's token ids with the teacher, so both must share "
             "one tokenizer"
         )
+
+
+def check_teacher(cfg: Config) -> None:
+    """ValueError for a teacher that cannot run: split over several processes (not built), or
+    of another tokenizer than the policy."""
+    world = cfg.distillation.parallelism
+    sizes = (world.tp_size, world.cp_size, world.pp_size, world.dp_replicate_size)
+    if any(s > 1 for s in sizes) or world.dp_shard_size not in (1,):
+        raise ValueError(
+            "distillation.parallelism: a teacher replica split over several processes is not "
+            "built yet; each teacher replica runs whole in one process (set tp_size, cp_size, "
+            "pp_size, dp_replicate_size and dp_shard_size to 1, and scale with n_init_replicas)"
+        )
+    check_same_tokenizer(cfg)
 
 
 def _passes(lengths: Sequence[int], *, mini_batch: int, max_tokens: int | None) -> Iterator[range]:
@@ -68,22 +93,7 @@ class Teacher:
 
     def __init__(self, cfg: Config, *, device: torch.device | str) -> None:
         d = cfg.distillation
-        world = d.parallelism
-        if (
-            world.tp_size
-            * world.cp_size
-            * world.pp_size
-            * world.dp_replicate_size
-            * max(world.dp_shard_size, 1)
-            > 1
-            or world.dp_shard_size == -1
-        ):
-            raise ValueError(
-                "distillation.parallelism: a teacher split over several processes is not "
-                "built yet; nebula-rl train --local runs the teacher whole in its process "
-                "(set tp_size, cp_size, pp_size, dp_replicate_size and dp_shard_size to 1)"
-            )
-        check_same_tokenizer(cfg)
+        check_teacher(cfg)
         self.cfg = cfg
         self.device = torch.device(device)
         seed = d.seed if d.seed is not None else cfg.train.seed or 0
@@ -165,3 +175,22 @@ class Teacher:
                 fields["teacher_top_k_logprobs"] = top.values.float().cpu().tolist()
             out.append(dataclasses.replace(c, **fields))
         return out
+
+
+def run_teacher(session: ReplicaSession, *, device: torch.device) -> None:
+    """Body of a teacher replica: score queued groups until the job ends. A request is up to
+    `batch_size_per_replica` sequences' worth of groups (at least one group)."""
+    cfg = session.cfg
+    teacher = Teacher(cfg, device=device)
+    session.mark_ready()
+    state, num_groups = session.state, 0
+    groups_per_request = max(1, cfg.distillation.batch_size_per_replica // cfg.rollout.n_generation)
+    while session.finished() is None:
+        claimed = state.claim_for_teacher(session.name, groups_per_request, block_ms=500)
+        if not claimed:
+            continue
+        scored = teacher.score([group for _, group in claimed])
+        for (msg_id, _), group in zip(claimed, scored, strict=True):
+            state.push_scored(msg_id, group)
+        num_groups += len(claimed)
+    log.info("teacher %s scored %d groups", session.name, num_groups)
