@@ -4,6 +4,9 @@ the teacher's scores, and the policy step that trains on them."""
 import dataclasses
 import json
 import math
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +20,10 @@ from nebula_rl.algorithms import (
     top_k_divergence,
 )
 from nebula_rl.config import ConfigError, config_from_dict, load_config, refusals
+from nebula_rl.controller import JobState, connect
 from nebula_rl.models import load_model, load_tokenizer
 from nebula_rl.policy.trainer import PolicyTrainer
-from nebula_rl.protocol import Completion, Prompt, RolloutGroup
+from nebula_rl.protocol import Completion, GroupHeader, Prompt, RolloutGroup, from_json
 from nebula_rl.teacher import Teacher, check_same_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,3 +272,74 @@ def test_demo_distills_the_warm_start_into_a_fresh_student(tmp_path):
     first, last = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
     assert first > 2.0, kl  # a fresh student is far from the teacher
     assert last <= first - 1.0, kl
+
+
+# -- teacher replicas ----------------------------------------------------------------------------
+
+
+def test_groups_wait_for_a_teacher_and_a_dead_teachers_groups_go_to_another(redis_server):
+    """A training group enters the controller's `groups` stream only once scored; the groups a
+    teacher held when it died are scored by another, none lost."""
+    state = JobState(connect(redis_server.url), "job")
+    group = _groups(load_tokenizer("tiny:qwen2"))[0]
+    state.push_for_teacher(group)
+    assert state.read_groups(10) == [] and state.teacher_backlog() == 1
+    [(held, _)] = state.claim_for_teacher("teacher-0", 4)
+    assert state.claim_for_teacher("teacher-1", 4) == []  # held by teacher-0
+    state.register_replica("teacher-0", role="teacher", host="h", world_size=1)
+    assert state.requeue_pending("teacher-0") == 1  # it died: its groups go back
+    [(msg_id, again)] = state.claim_for_teacher("teacher-1", 4)
+    assert msg_id != held and again == group
+    scored = Teacher(_cfg(), device="cpu").score([again])[0]
+    state.push_scored(msg_id, scored)
+    assert state.teacher_backlog() == 0
+    [pushed] = state.read_groups(10)
+    assert from_json(RolloutGroup, pushed.body) == scored
+    assert pushed.header == GroupHeader.of(group)  # scoring changes no judged field
+
+
+@pytest.mark.slow
+def test_job_with_two_teacher_replicas_trains_every_prompt_once_on_scored_groups(
+    tmp_path, grpo_job_config
+):
+    """`nebula-rl train --teacher 2`: Redis, the controller, a policy, a rollout and two teacher
+    replicas as processes; every step trains on teacher-scored groups (the policy refuses an
+    unscored one), and every prompt is trained exactly once."""
+    cfg = grpo_job_config(
+        {
+            "distillation": {
+                "enable": True,
+                "model_name_or_path": "tiny:qwen2",
+                "seed": 11,  # another random model than the student
+                "compile": False,
+                "param_dtype": "float32",
+                "batch_size_per_replica": 4,
+            }
+        },
+        timestamp="distill",
+        num_rows=16,
+        allowed=1,
+    )
+    config = tmp_path / "job.json"
+    config.write_text(cfg.model_dump_json())
+    result = subprocess.run(
+        [sys.executable, "-m", "nebula_rl.cli", "train", "--config", str(config), "--teacher", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    run_dir = Path(cfg.train.output_dir) / "distill"
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in run_dir.glob("logs/*.log"))
+    assert result.returncode == 0, f"{result.stderr[-3000:]}\n{logs}"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "policy_version" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["distill_kl"] != 0.0 and r["reward_mean"] == 0.0 for r in steps)
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert ledger["0"]["trained"] == {str(i): 1 for i in range(16)}
+    scored = [
+        int(m.group(1))
+        for name in ("teacher-0", "teacher-1")
+        for m in re.finditer(r"scored (\d+) groups", (run_dir / "logs" / f"{name}.log").read_text())
+    ]
+    assert sum(scored) >= 16 and len(scored) == 2
