@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "cosmos-rl"
 
 
-def _cfg(distillation=None, **policy):
+def _cfg(distillation=None, parallelism=None, **policy):
     return config_from_dict(
         {
             "train": {
@@ -49,7 +49,7 @@ def _cfg(distillation=None, **policy):
                     **policy,
                 },
             },
-            "policy": {"model_name_or_path": "tiny:qwen2"},
+            "policy": {"model_name_or_path": "tiny:qwen2", "parallelism": parallelism or {}},
             "rollout": {"backend": "torch", "n_generation": 2, "max_response_length": 4},
             "distillation": {
                 "enable": True,
@@ -146,6 +146,8 @@ def test_unbuilt_distillation_settings_are_refused_by_name():
     for key in ("include_prompt", "rollout_top_k_recompute", "sequence_packing", "fsdp_offload"):
         with pytest.raises(ConfigError, match=f"distillation.{key} = true: "):
             _cfg({key: True})
+    with pytest.raises(ConfigError, match=r"distillation\.kl_discount_factor = 0\.9: "):
+        _cfg({"kl_discount_factor": 0.9}, parallelism={"cp_size": 2})
     with pytest.raises(ConfigError, match="trainer_token_ids_from_teacher = false: "):
         _cfg({"top_k": 4, "trainer_token_ids_from_teacher": False})
     with pytest.raises(ConfigError, match=r'needs train\.train_policy\.type = "grpo"'):

@@ -2108,6 +2108,12 @@ def _rule_refusals(cfg: Config) -> list[str]:
             "distillation.enable = true: on-policy distillation trains on the student's own "
             'rollouts; it needs train.train_policy.type = "grpo"'
         )
+    if d.enable and d.kl_discount_factor != 0.0 and cfg.policy.parallelism.cp_size > 1:
+        out.append(
+            f"distillation.kl_discount_factor = {d.kl_discount_factor}: the discounted sum runs "
+            "over whole sequences, which context parallelism (policy.parallelism.cp_size > 1) "
+            "splits; not built"
+        )
     if d.enable and d.top_k > 0 and not d.trainer_token_ids_from_teacher:
         out.append(
             "distillation.trainer_token_ids_from_teacher = false: the top-k ids come from the "
