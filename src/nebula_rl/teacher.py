@@ -8,12 +8,12 @@ taken at `train.train_policy.temperature`, the temperature of the student's log-
 compared with. It scores requests of `batch_size_per_replica` sequences, each in forward passes
 of `mini_batch` sequences (or of at most `max_token_len_per_mini_batch` padded tokens).
 
-Each teacher runs whole in one process (a split one is refused by name); `nebula-rl train
---local` runs one in its process. In the multi-process job
-each teacher replica (`nebula-rl replica --role teacher`, `distillation.parallelism.
-n_init_replicas` of them, or `nebula-rl train --teacher N`) runs :func:`run_teacher`: it takes
-the groups the rollouts pushed for scoring from the controller's queue and hands them back
-scored (`nebula_rl.controller.state.teacher`).
+Each teacher runs whole in one process (a split one is refused by name). `nebula-rl train
+--local` runs one in its process. In the multi-process job each teacher replica (`nebula-rl
+replica --role teacher`; `distillation.parallelism.n_init_replicas` of them, or `nebula-rl
+train --teacher N`) runs :func:`run_teacher`: it takes the groups the rollouts pushed for
+scoring from the controller's queue and hands them back scored
+(`nebula_rl.controller.state.teacher`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def check_teacher(cfg: Config) -> None:
     of another tokenizer than the policy."""
     world = cfg.distillation.parallelism
     sizes = (world.tp_size, world.cp_size, world.pp_size, world.dp_replicate_size)
-    if any(s > 1 for s in sizes) or world.dp_shard_size not in (1,):
+    if any(s > 1 for s in sizes) or world.dp_shard_size != 1:
         raise ValueError(
             "distillation.parallelism: a teacher replica split over several processes is not "
             "built yet; each teacher replica runs whole in one process (set tp_size, cp_size, "
@@ -112,7 +112,8 @@ class Teacher:
         param = resolve_dtype(d.param_dtype)
         self.autocast_dtype = None if param == resolve_dtype(d.master_dtype) else param
         self.logprob_dtype = resolve_dtype(d.logprob_dtype)
-        self.pad_id = int(load_tokenizer(d.model_name_or_path).pad_token_id or 0)
+        tokenizer = load_tokenizer(d.model_name_or_path, revision=d.model_revision)
+        self.pad_id = int(tokenizer.pad_token_id or 0)
 
     def score(self, groups: Sequence[RolloutGroup]) -> list[RolloutGroup]:
         """`groups` with every completion's teacher fields filled in."""
