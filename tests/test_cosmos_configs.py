@@ -1,7 +1,7 @@
 """cosmos-rl's shipped configs (tests/data/cosmos-rl, copied unchanged) with `nebula-rl check`.
 
 Every LLM config loads, or is refused only for a feature named in the issue that builds it
-(LoRA, colocated mode, distillation, multi-turn rollouts, FP8, the TensorRT-LLM backend) or in
+(LoRA, colocated mode, multi-turn rollouts, FP8, the TensorRT-LLM backend) or in
 the recorded exceptions below; the world-model, diffusion and robot-policy (VLA) configs are
 refused naming their feature. docs/cosmos-rl-migration.md lists every config with the status this
 test computes, so the page cannot drift.
@@ -53,7 +53,6 @@ ALLOWED_FOR_LLM = {
     # The features the issue names as built later.
     "LoRA",
     "colocated mode",
-    "distillation",
     "multi-turn",
     "FP8",
     "TensorRT-LLM backend",
@@ -166,10 +165,7 @@ def test_the_defaults_that_differ_are_listed(kind: str) -> None:
     ours = _flat(
         config_from_dict({"train": {"train_policy": {"type": kind}}}).model_dump(mode="json")
     )
-    # ([distillation] is refused whole until distillation is built: its defaults do not act)
-    differ = {
-        k for k in theirs if k in ours and ours[k] != theirs[k] and not k.startswith("distill")
-    }
+    differ = {k for k in theirs if k in ours and ours[k] != theirs[k]}
     listed = set(re.findall(r"^\| `([\w.]+)` \| .+ \| .+ \| .+ \|$", MIGRATION.read_text(), re.M))
     assert differ <= listed, sorted(differ - listed)
     assert len(theirs) > 150 and not {k for k in theirs if k not in ours} - {

@@ -3,7 +3,7 @@
     nebula-rl check --config FILE [--policy N] [--rollout M]
                                                     validate a config, print the values in
                                                     force and what a job would find here
-    nebula-rl train --config FILE [--policy N] [--rollout M] [--local]
+    nebula-rl train --config FILE [--policy N] [--rollout M] [--teacher T] [--local]
                                                     run a job (RL: controller + replicas)
     nebula-rl controller --config FILE              only the controller (multi-node)
     nebula-rl replica --role R --controller H:P     one replica (it starts its ranks itself)
@@ -208,7 +208,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
             return 0
         from nebula_rl.launch import launch
 
-        return launch(cfg, run_dir=run_dir, num_policy=args.policy, num_rollout=args.rollout)
+        return launch(
+            cfg,
+            run_dir=run_dir,
+            num_policy=args.policy,
+            num_rollout=args.rollout,
+            num_teacher=args.teacher,
+        )
     except Exception as err:
         code = 2 if isinstance(err, ValueError) else 1
         if not run_dir.exists():  # refused before anything started: no run folder, no log file
@@ -593,6 +599,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_replica_counts(train)
     train.add_argument(
+        "--teacher",
+        type=int,
+        help="distillation teacher replicas (distillation.parallelism.n_init_replicas)",
+    )
+    train.add_argument(
         "--local", action="store_true", help="RL in this one process instead (no controller)"
     )
     train.set_defaults(func=_cmd_train)
@@ -613,7 +624,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run one replica (its ranks as processes of this host); `replica ls` / "
         "`replica show NAME` inspect a running job's replicas",
     )
-    replica.add_argument("--role", choices=["policy", "rollout"], help="start a replica of it")
+    replica.add_argument(
+        "--role", choices=["policy", "rollout", "teacher"], help="start a replica of it"
+    )
     replica.add_argument("--controller", help="the controller's HOST:PORT")
     replica.add_argument("--name", help="unique replica name (default: role-host-pid)")
     replica.add_argument(

@@ -86,7 +86,6 @@ class _Section(BaseModel):
 # Reasons shared by several keys.
 _NEEDS_CUDA = "needs CUDA and is not supported yet"
 _LORA = "LoRA (policy.lora) is built for world models (policy.is_diffusers) only so far"
-_DISTILL = "on-policy distillation ([distillation]) is not supported yet"
 _MULTI_TURN = "multi-turn rollouts (rollout.multi_turn_config) are not supported yet"
 _REMOTE = "remote rewards (use_remote_reward, the reward service) are not supported yet"
 _WORLD = "world-model (diffusers) training is not supported yet"
@@ -1330,64 +1329,81 @@ class ValidationConfig(_Section):
 
 
 class DistillationConfig(_Section):
-    """On-policy distillation from a teacher (cosmos-rl's `[distillation]`)."""
+    """On-policy distillation from a teacher (cosmos-rl's `[distillation]`, docs/distillation.md):
+    the teacher scores every token the student samples, and each token's divergence between the
+    two shapes that token's advantage (`nebula_rl.algorithms.distill`)."""
 
-    enable: bool = Field(default=False, json_schema_extra=refused(_DISTILL))
-    """Distil from the teacher."""
-    parallelism: ParallelismConfig = Field(
-        default_factory=ParallelismConfig, json_schema_extra=refused(_DISTILL)
+    enable: bool = False
+    """Distil from the teacher; forces `train.train_policy.bypass_reward = true` (the task
+    reward is 0, as in cosmos-rl) and needs `train.train_policy.type = "grpo"`."""
+    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
+    """The teacher's replicas (`n_init_replicas`) and how each is split; `nebula-rl train
+    --local` runs one unsplit teacher in its process and refuses a split one."""
+    model_name_or_path: str = "Qwen/Qwen2.5-VL-7B-Instruct"
+    """Teacher model: a local folder, a tiny preset or a Hub name; it must use the policy's
+    tokenizer."""
+    model_revision: str | None = None
+    """Teacher revision (branch, tag or commit) on the Hub."""
+    compile: bool = True
+    """torch.compile the teacher's decoder blocks."""
+    master_dtype: Dtype = "float32"
+    """Dtype the teacher's weights are held in."""
+    param_dtype: Dtype = "bfloat16"
+    """Dtype the teacher's forward runs in (autocast; the weights' dtype when equal)."""
+    logprob_dtype: Dtype = "float32"
+    """Dtype the teacher's logits are cast to before the log-softmax."""
+    fsdp_reduce_dtype: Literal["float32"] = "float32"
+    """FSDP reduce dtype of a sharded teacher (it computes no gradients: nothing is reduced)."""
+    fsdp_offload: bool = Field(
+        default=False,
+        json_schema_extra=refused("offloading the teacher's parameters is not supported yet"),
     )
-    """Teacher parallelism."""
-    model_name_or_path: str = Field(
-        default="Qwen/Qwen2.5-VL-7B-Instruct", json_schema_extra=refused(_DISTILL)
+    """Offload a sharded teacher's parameters to the CPU."""
+    fsdp_reshard_after_forward: Literal["always", "never", "default"] = "never"
+    """Resharding of a sharded teacher after its forward."""
+    batch_size_per_replica: int = Field(default=8, gt=0)
+    """Sequences a teacher scores per request (a group is split into requests of this many)."""
+    max_token_len_per_mini_batch: int | None = Field(default=None, gt=0)
+    """Token budget of one teacher forward pass (rows padded to the longest); None: `mini_batch`
+    sequences per pass."""
+    sequence_packing: bool = Field(
+        default=False,
+        json_schema_extra=refused("packing the teacher's sequences is not supported yet"),
     )
-    """Teacher model."""
-    model_revision: str | None = Field(default=None, json_schema_extra=refused(_DISTILL))
-    """Teacher revision."""
-    compile: bool = Field(default=True, json_schema_extra=refused(_DISTILL))
-    """Compile the teacher."""
-    master_dtype: Dtype = Field(default="float32", json_schema_extra=refused(_DISTILL))
-    """Teacher master dtype."""
-    param_dtype: Dtype = Field(default="bfloat16", json_schema_extra=refused(_DISTILL))
-    """Teacher compute dtype."""
-    logprob_dtype: Dtype = Field(default="float32", json_schema_extra=refused(_DISTILL))
-    """Teacher log-prob dtype."""
-    fsdp_reduce_dtype: Literal["float32"] = Field(
-        default="float32", json_schema_extra=refused(_DISTILL)
+    """Pack the teacher's sequences into rows."""
+    mini_batch: int = Field(default=1, gt=0)
+    """Sequences per teacher forward pass."""
+    seed: int | None = None
+    """Seed of a teacher built from a config (tiny presets); None: `train.seed`."""
+    kl_penalty_coef: float = 1.0
+    """Scale of the per-token divergence subtracted from the advantage."""
+    kl_discount_factor: float = Field(default=0.0, ge=0.0, le=1.0)
+    """0: each token's own penalty; gamma > 0: the gamma-discounted sum of the penalties of the
+    token and the ones after it in the sequence."""
+    include_prompt: bool = Field(
+        default=False,
+        json_schema_extra=refused(
+            "distilling on prompt tokens is not supported yet: the student learns from the "
+            "teacher on its own sampled tokens"
+        ),
     )
-    """Teacher FSDP reduce dtype."""
-    fsdp_offload: bool = Field(default=False, json_schema_extra=refused(_DISTILL))
-    """Teacher FSDP offload."""
-    fsdp_reshard_after_forward: Literal["always", "never", "default"] = Field(
-        default="never", json_schema_extra=refused(_DISTILL)
+    """Also penalise the divergence on prompt tokens."""
+    top_k: int = 0
+    """0 (or less): the divergence is log pi_student - log pi_teacher of the sampled token; k > 0:
+    the generalised JSD over the teacher's k most likely tokens at each position."""
+    jsd_beta: float = Field(default=0.5, ge=0.0, le=1.0)
+    """With `top_k` > 0: 0 is forward KL(teacher || student), 1 reverse KL(student || teacher),
+    between the JSD with the mixture beta * teacher + (1 - beta) * student."""
+    trainer_token_ids_from_teacher: bool = True
+    """With `top_k` > 0: the k tokens are the teacher's (forced false when `top_k` <= 0)."""
+    rollout_top_k_recompute: bool = Field(
+        default=False,
+        json_schema_extra=refused(
+            "top-k ids come from the teacher (trainer_token_ids_from_teacher); rollouts "
+            "return no top-k ids to recompute"
+        ),
     )
-    """Teacher FSDP resharding."""
-    batch_size_per_replica: int = Field(default=8, json_schema_extra=refused(_DISTILL))
-    """Teacher batch."""
-    max_token_len_per_mini_batch: int | None = Field(
-        default=None, json_schema_extra=refused(_DISTILL)
-    )
-    """Teacher token budget per mini-batch."""
-    sequence_packing: bool = Field(default=False, json_schema_extra=refused(_DISTILL))
-    """Teacher sequence packing."""
-    mini_batch: int = Field(default=1, json_schema_extra=refused(_DISTILL))
-    """Teacher mini-batch."""
-    seed: int | None = Field(default=None, json_schema_extra=refused(_DISTILL))
-    """Teacher seed."""
-    kl_penalty_coef: float = Field(default=1.0, json_schema_extra=refused(_DISTILL))
-    """KL coefficient."""
-    kl_discount_factor: float = Field(default=0.0, json_schema_extra=refused(_DISTILL))
-    """KL discount."""
-    include_prompt: bool = Field(default=False, json_schema_extra=refused(_DISTILL))
-    """KL on prompt tokens too."""
-    top_k: int = Field(default=0, json_schema_extra=refused(_DISTILL))
-    """Top-k JSD (0: sampled-token KL)."""
-    jsd_beta: float = Field(default=0.5, json_schema_extra=refused(_DISTILL))
-    """JSD interpolation."""
-    trainer_token_ids_from_teacher: bool = Field(default=True, json_schema_extra=refused(_DISTILL))
-    """Top-k ids from the teacher."""
-    rollout_top_k_recompute: bool = Field(default=False, json_schema_extra=refused(_DISTILL))
-    """Recompute top-k after generation."""
+    """Recompute the rollout's top-k ids after generation."""
 
 
 class VLAConfig(_Section):
@@ -1534,6 +1550,7 @@ class Config(_Section):
                     policy.pop("dataloader_prefetch_factor", None)
         if train.get("transfer_dtype") is None:
             train.pop("transfer_dtype", None)
+        _distillation_side_effects(data, policy)
         return data
 
     @model_validator(mode="after")
@@ -1642,6 +1659,27 @@ def _grpo_side_effects(policy: dict[str, Any], train: dict[str, Any], data: dict
         policy.setdefault("use_rollout_logprobs_for_loss", False)
     if policy.get("use_rollout_logprobs_for_loss"):
         policy["collect_rollout_logprobs"] = True
+
+
+def _distillation_side_effects(data: dict[str, Any], policy: dict[str, Any]) -> None:
+    """cosmos-rl's `[distillation]` rules: distillation trains on the teacher's signal alone
+    (`bypass_reward` forced on; nebula-rl always sends token ids, cosmos-rl's other forced key);
+    without it `top_k` is 0; `top_k` <= 0 takes no top-k ids from the teacher."""
+    distill = data.get("distillation")
+    if not isinstance(distill, dict):
+        return
+    if distill.get("enable") and policy.get("type") == "grpo":  # (SFT is refused by name)
+        if policy.get("bypass_reward") is False:
+            log.warning(
+                "distillation.enable forces train.train_policy.bypass_reward = true (as "
+                "cosmos-rl does): the task reward is not trained on"
+            )
+        policy["bypass_reward"] = True
+    else:
+        distill["top_k"] = 0
+    top_k = distill.get("top_k", 0)
+    if isinstance(top_k, int) and top_k <= 0:
+        distill["trainer_token_ids_from_teacher"] = False
 
 
 def _dotted(loc: tuple[int | str, ...]) -> str:
@@ -2068,6 +2106,23 @@ def _rule_refusals(cfg: Config) -> list[str]:
                     'rollout.backend = "torch" has no use for it'
                 )
     policy = cfg.train.train_policy
+    d = cfg.distillation
+    if d.enable and not isinstance(policy, GrpoConfig):
+        out.append(
+            "distillation.enable = true: on-policy distillation trains on the student's own "
+            'rollouts; it needs train.train_policy.type = "grpo"'
+        )
+    if d.enable and d.kl_discount_factor != 0.0 and cfg.policy.parallelism.cp_size > 1:
+        out.append(
+            f"distillation.kl_discount_factor = {d.kl_discount_factor}: the discounted sum runs "
+            "over whole sequences, which context parallelism (policy.parallelism.cp_size > 1) "
+            "splits; not built"
+        )
+    if d.enable and d.top_k > 0 and not d.trainer_token_ids_from_teacher:
+        out.append(
+            "distillation.trainer_token_ids_from_teacher = false: the top-k ids come from the "
+            "teacher; rollouts do not return top-k ids"
+        )
     if isinstance(policy, GrpoConfig):
         if cfg.train.sequence_packing:
             out.append(

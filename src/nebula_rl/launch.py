@@ -119,10 +119,11 @@ class Placement:
 
 
 def plan_placement(
-    cfg: Config, *, num_policy: int, num_rollout: int, num_gpus: int
+    cfg: Config, *, num_policy: int, num_rollout: int, num_gpus: int, num_teacher: int = 0
 ) -> list[Placement]:
     """The replicas of an RL job and their ranks; with `num_gpus` > 0, their GPUs (policy
-    replicas first). A layout that needs more GPUs than there are is refused, naming the keys.
+    replicas first, then rollout, then distillation teacher replicas, one rank each). A layout
+    that needs more GPUs than there are is refused, naming the keys.
 
     `mode = "disaggregated"`: disjoint GPUs for every replica; `policy.parallelism.dp_shard_size
     = -1` takes the GPUs the rollout replicas leave, split evenly over the policy replicas.
@@ -155,6 +156,12 @@ def plan_placement(
         policy_world = left
     plan = [Placement("policy", i, policy_world) for i in range(num_policy)]
     plan += [Placement("rollout", i, rollout_world) for i in range(num_rollout)]
+    if colocated and num_teacher:
+        raise ValueError(
+            'mode = "colocated_separated" places no distillation teacher replicas yet; use '
+            'mode = "disaggregated" with distillation.enable'
+        )
+    plan += [Placement("teacher", i, 1) for i in range(num_teacher)]
     if not num_gpus:
         return plan
     if colocated:
@@ -164,7 +171,8 @@ def plan_placement(
         raise ValueError(
             f"the layout needs {need} GPUs ({num_policy} policy replica(s) x {policy_world} "
             f"(policy.parallelism) + {num_rollout} rollout replica(s) x {rollout_world} "
-            f"(rollout.parallelism.tp_size * pp_size)) and this machine has {num_gpus}"
+            f"(rollout.parallelism.tp_size * pp_size) + {num_teacher} teacher replica(s) "
+            f"(distillation.parallelism)) and this machine has {num_gpus}"
         )
     placed, start = [], 0
     for p in plan:
@@ -209,6 +217,8 @@ def replica_nproc(cfg: Config, role: str, *, num_gpus: int) -> int:
     sizes; a policy's `dp_shard_size = -1` takes all `num_gpus` (1 on CPU)."""
     if role == "rollout":
         return cfg.rollout.parallelism.tp_size * cfg.rollout.parallelism.pp_size
+    if role == "teacher":  # (a split teacher is refused where it loads)
+        return 1
     return plan_placement(cfg, num_policy=1, num_rollout=0, num_gpus=num_gpus)[0].nproc
 
 
@@ -322,11 +332,19 @@ def launch(
     run_dir: Path,
     num_policy: int | None = None,
     num_rollout: int | None = None,
+    num_teacher: int | None = None,
     max_controller_restarts: int = 3,
 ) -> int:
-    """Run the RL job `cfg` with its controller and replicas as processes; the exit code."""
+    """Run the RL job `cfg` with its controller and replicas as processes; the exit code.
+    Teacher replicas (`num_teacher`, else `distillation.parallelism.n_init_replicas`) start
+    only with `distillation.enable`."""
     num_policy = num_policy or cfg.policy.parallelism.n_init_replicas
     num_rollout = num_rollout or cfg.rollout.parallelism.n_init_replicas
+    num_teacher = (
+        (num_teacher or cfg.distillation.parallelism.n_init_replicas)
+        if cfg.distillation.enable
+        else 0
+    )
     check_installed(cfg.logging.logger)  # before anything starts
     ensure_model(cfg)
     check_job(cfg)
@@ -336,6 +354,7 @@ def launch(
         cfg,
         num_policy=num_policy,
         num_rollout=num_rollout,
+        num_teacher=num_teacher,
         num_gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0,
     )
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -483,6 +502,10 @@ def check_job(cfg: Config) -> None:
         )
     # (raises naming the key and the path)
     load_tokenizer(cfg.policy.model_name_or_path, revision=cfg.policy.model_revision)
+    if cfg.distillation.enable:
+        from nebula_rl.teacher import check_teacher
+
+        check_teacher(cfg)
     par = cfg.policy.parallelism
     others = par.pp_size * par.dp_replicate_size * par.cp_size * par.tp_size
     dims = ParallelDims.from_config(par, world_size=replica_world_size(par) or others)

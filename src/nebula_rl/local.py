@@ -78,6 +78,7 @@ from nebula_rl.rollout.worker import (
 )
 from nebula_rl.runs import drop_steps_after, resolve_run_dir
 from nebula_rl.signals import CheckpointSignal
+from nebula_rl.teacher import Teacher
 from nebula_rl.validation import validation_due, validation_metrics, validation_seed
 
 __all__ = ["run"]
@@ -374,6 +375,10 @@ def _run_grpo(
         seed=cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed or 0,
     )
     prepare_single_process(model, cfg)
+    # On-policy distillation: the teacher scores each step's groups in this process.
+    teacher = (
+        Teacher(cfg, device=next(model.parameters()).device) if cfg.distillation.enable else None
+    )
     trainer = PolicyTrainer(
         model, cfg, total_steps=total, pad_id=tokenizer.pad_token_id, ref_model=ref
     )
@@ -405,6 +410,10 @@ def _run_grpo(
             if not batch:
                 step -= 1
                 break
+            t_teacher = time.perf_counter()
+            if teacher is not None:
+                batch = teacher.score(batch)
+            teacher_time = time.perf_counter() - t_teacher
             media = None
             if vision is not None:
                 texts = [g.prompt.prompt for g in batch]
@@ -430,6 +439,7 @@ def _run_grpo(
                 "groups_dropped": dropped,
                 "step_time": time.perf_counter() - t0,
                 "generate_time": gen_time,
+                **({"teacher_time": teacher_time} if teacher is not None else {}),
                 "train_time": t_update - t_train,
                 "weight_update_time": update_time,
                 "rollout_tokens_per_s": num_gen_tokens / max(gen_time, 1e-9),

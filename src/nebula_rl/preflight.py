@@ -126,6 +126,17 @@ def _layout(cfg: Config, num_policy: int, num_rollout: int, p: Preflight) -> Non
     parts = f"policy {num_policy} x {policy_world}"
     if rl:
         parts += f" + rollout {num_rollout} x {rollout_world}"
+    if rl and cfg.distillation.enable:
+        teacher = cfg.distillation.parallelism
+        num_teacher = teacher.n_init_replicas
+        need += num_teacher
+        parts += f" + teacher {num_teacher} x 1"
+        if replica_world_size(teacher) != 1:
+            p.notes.append(
+                "distillation.parallelism: each teacher replica runs whole in one process "
+                "(a split teacher is not built yet: `nebula-rl train` refuses sizes above 1; "
+                "scale the teacher with n_init_replicas)"
+            )
     if shared:
         p.notes.append(
             f"layout: {need} device(s) ({parts}, the rollout replicas on the policy replicas' "
@@ -181,6 +192,9 @@ def preflight(
             p.errors.append(f"policy.warmstart_config: {policy.warmstart_config} does not exist")
     else:
         _check_name(policy.model_name_or_path, "policy.model_name_or_path", p.errors)
+    if cfg.distillation.enable:
+        name = cfg.distillation.model_name_or_path
+        _check_name(name, "distillation.model_name_or_path", p.errors)
     if policy.model_safetensor_path and not Path(policy.model_safetensor_path).exists():
         p.errors.append(
             f"policy.model_safetensor_path: {policy.model_safetensor_path} does not exist"

@@ -71,6 +71,14 @@ class Completion:
     reward_terms: dict[str, float] = field(default_factory=dict)
     """Each reward function's own (unweighted) value by name (those of `reward_function` and
     `filter_reward_metric`; dynamic sampling filters on the latter)."""
+    teacher_logprobs: list[float] = field(default_factory=list)
+    """On-policy distillation: the teacher's log-prob of each token, [T]; empty until a teacher
+    scored the completion."""
+    teacher_top_k_ids: list[list[int]] = field(default_factory=list)
+    """With `distillation.top_k` = k > 0: the teacher's k most likely tokens at each position,
+    [T][k]."""
+    teacher_top_k_logprobs: list[list[float]] = field(default_factory=list)
+    """The teacher's log-probs of `teacher_top_k_ids`, [T][k]."""
 
     @property
     def policy_version(self) -> int:

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def _join(
-    role: Literal["policy", "rollout"], controller: str, name: str, ranks: Ranks
+    role: Literal["policy", "rollout", "teacher"], controller: str, name: str, ranks: Ranks
 ) -> ReplicaSession:
     """Rank 0 registers the replica; the others attach to it with rank 0's registration."""
     if ranks.world_size == 1:
@@ -42,7 +42,9 @@ def _join(
     )
 
 
-def run_replica(role: Literal["policy", "rollout"], *, controller: str, name: str) -> int:
+def run_replica(
+    role: Literal["policy", "rollout", "teacher"], *, controller: str, name: str
+) -> int:
     """Join the job at `controller` (HOST:PORT) as (a rank of) replica `name` and run `role`
     until the job ends."""
     ranks = rank_env()
@@ -54,7 +56,11 @@ def run_replica(role: Literal["policy", "rollout"], *, controller: str, name: st
     if ranks.world_size > 1:
         init_ranks("nccl" if device.type == "cuda" else "gloo")
     session = _join(role, controller, name, ranks)
-    threads = (session.cfg.policy if role == "policy" else session.cfg.rollout).cpu_threads
+    threads = None  # (a teacher: torch's default)
+    if role == "policy":
+        threads = session.cfg.policy.cpu_threads
+    elif role == "rollout":
+        threads = session.cfg.rollout.cpu_threads
     if threads is not None:
         torch.set_num_threads(threads)
     # At once, not after loading the model: a load slower than the heartbeat timeout must not
@@ -68,6 +74,10 @@ def run_replica(role: Literal["policy", "rollout"], *, controller: str, name: st
             from nebula_rl.policy.worker import run_policy
 
             run_policy(session, device=device)
+        elif role == "teacher":
+            from nebula_rl.teacher import run_teacher
+
+            run_teacher(session, device=device)
         elif session.cfg.policy.is_diffusers:  # a world model's rollouts
             from nebula_rl.flow.runtime import run_flow_rollout
 

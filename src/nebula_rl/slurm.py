@@ -90,6 +90,12 @@ def _check_job(cfg: Config, job: SlurmJob) -> None:
             'mode = "colocated" runs a world model on the policy\'s ranks in one job, without '
             "replicas: run it with `nebula-rl train`"
         )
+    if cfg.distillation.enable:
+        raise ValueError(
+            "distillation.enable: the sbatch script places no teacher replicas yet; run "
+            "`nebula-rl train` on one node, or start teachers by hand with `nebula-rl replica "
+            "--role teacher --controller HOST:PORT`"
+        )
     if job.num_nodes < 1:
         raise ValueError(f"--nodes must be at least 1 (got {job.num_nodes})")
     if job.gpus_per_node < 0:

@@ -24,6 +24,12 @@ from nebula_rl.algorithms.base import (
     PolicyBatch,
 )
 from nebula_rl.algorithms.dapo import dynamic_sampling_filter
+from nebula_rl.algorithms.distill import (
+    discounted_future_sum,
+    distillation_advantages,
+    sampled_token_divergence,
+    top_k_divergence,
+)
 from nebula_rl.algorithms.grpo import (
     clipped_policy_loss,
     group_advantages,
@@ -104,6 +110,8 @@ __all__ = [
     "aipo_weight",
     "clipped_policy_loss",
     "decoupled_weight",
+    "discounted_future_sum",
+    "distillation_advantages",
     "dynamic_sampling_filter",
     "finish_loss",
     "get_algorithm",
@@ -120,9 +128,11 @@ __all__ = [
     "policy_loss",
     "positive_nll",
     "ppo_clip_loss",
+    "sampled_token_divergence",
     "sft_loss",
     "sft_loss_from_logprobs",
     "sft_num_tokens",
     "shared_prefix_lengths",
     "token_mean_metric",
+    "top_k_divergence",
 ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nebula_rl.algorithms.base import LossSettings, PolicyBatch
+from nebula_rl.algorithms.base import LossSettings, PolicyBatch, token_advantages
 from nebula_rl.algorithms.regularizers import finish_loss, token_mean_metric
 
 
@@ -41,7 +41,7 @@ def aipo_loss(
         raise ValueError("variant 'aipo' needs behaviour_logprobs from the rollout engine")
     ratio = torch.exp(batch.logprobs - batch.old_logprobs.detach())
     weight = aipo_weight(batch.old_logprobs, batch.behaviour_logprobs, rho=settings.aipo_rho)
-    pg_loss = -weight * ratio * batch.advantages.unsqueeze(-1)
+    pg_loss = -weight * ratio * token_advantages(batch)
     truncated = (batch.old_logprobs - batch.behaviour_logprobs).exp() > settings.aipo_rho
     metrics = {
         "truncated_frac": token_mean_metric(

@@ -91,7 +91,8 @@ class PolicyBatch:
     """[B, T] log-probs of the proximal policy: recomputed by the trainer at step start, or the
     rollout's (`use_rollout_logprobs_for_loss`)."""
     advantages: Tensor
-    """[B] one advantage per sequence."""
+    """[B] one advantage per sequence, or [B, T] one per token (on-policy distillation adds a
+    per-token term); see `token_advantages`."""
     mask: Tensor
     """[B, T] float, 1 on completion tokens, 0 on prompt and padding."""
     behaviour_logprobs: Tensor | None = None
@@ -101,6 +102,20 @@ class PolicyBatch:
     entropy: Tensor | None = None
     """[B, T] per-token entropy of pi_theta; needed when entropy_coef != 0 (then it carries
     grad), optional otherwise (logged only)."""
+
+
+def token_advantages(batch: PolicyBatch) -> Tensor:
+    """The batch's advantages broadcastable to [B, T]: [B, 1] or [B, T]."""
+    a = batch.advantages
+    return a.unsqueeze(-1) if a.dim() == 1 else a
+
+
+def sequence_advantages(batch: PolicyBatch) -> Tensor:
+    """[B] each sequence's advantage: per-token advantages averaged over its masked tokens."""
+    a = batch.advantages
+    if a.dim() == 1:
+        return a
+    return (a * batch.mask).sum(dim=-1) / batch.mask.sum(dim=-1).clamp(min=1.0)
 
 
 class AdvantageFn(Protocol):

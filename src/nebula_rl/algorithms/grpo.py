@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from nebula_rl.algorithms.base import LossSettings, PolicyBatch
+from nebula_rl.algorithms.base import LossSettings, PolicyBatch, token_advantages
 from nebula_rl.algorithms.ppo import decoupled_weight, ppo_clip_loss
 from nebula_rl.algorithms.regularizers import finish_loss, token_mean_metric
 
@@ -97,7 +97,7 @@ def clipped_policy_loss(
     """
     pg_loss, is_clipped = ppo_clip_loss(
         ratio,
-        batch.advantages.unsqueeze(-1),
+        token_advantages(batch),
         epsilon_low=settings.epsilon_low,
         epsilon_high=settings.epsilon_high,
         lower_bound_ratio=settings.lower_bound_ratio,

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from nebula_rl.algorithms.aggregation import aggregate
-from nebula_rl.algorithms.base import LossSettings, PolicyBatch
+from nebula_rl.algorithms.base import LossSettings, PolicyBatch, sequence_advantages
 from nebula_rl.algorithms.masking import off_policy_sequence_mask
 
 
@@ -99,7 +99,7 @@ def finish_loss(
         keep = off_policy_sequence_mask(
             batch.logprobs,
             source,
-            batch.advantages,
+            sequence_advantages(batch),
             batch.mask,
             delta=settings.off_policy_masking_delta,
         )

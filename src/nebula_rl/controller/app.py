@@ -69,7 +69,7 @@ class RegisterRequest(_Body):
 
     name: ReplicaName
     """Unique replica name; rollout replicas also use it as their Redis consumer name."""
-    role: Literal["policy", "rollout"]
+    role: Literal["policy", "rollout", "teacher"]
     """What the replica does."""
     host: HostName
     """Host name or address where its rank 0 runs."""

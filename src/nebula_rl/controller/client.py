@@ -106,7 +106,7 @@ class ControllerClient:
         return self._call("GET", f"/api/replicas/{quote(name, safe='')}")
 
     def register(
-        self, name: str, *, role: Literal["policy", "rollout"], world_size: int = 1
+        self, name: str, *, role: Literal["policy", "rollout", "teacher"], world_size: int = 1
     ) -> dict[str, Any]:
         """Join the job as `name`."""
         body = {"name": name, "role": role, "host": socket.gethostname(), "world_size": world_size}
@@ -134,7 +134,7 @@ class ReplicaSession:
 
     name: str
     """Replica name (also its Redis consumer name)."""
-    role: Literal["policy", "rollout"]
+    role: Literal["policy", "rollout", "teacher"]
     """What it does."""
     client: ControllerClient
     """The controller's API."""
@@ -164,7 +164,12 @@ class ReplicaSession:
 
     @classmethod
     def join(
-        cls, address: str, *, name: str, role: Literal["policy", "rollout"], world_size: int = 1
+        cls,
+        address: str,
+        *,
+        name: str,
+        role: Literal["policy", "rollout", "teacher"],
+        world_size: int = 1,
     ) -> ReplicaSession:
         """Register with the controller at `address` (HOST:PORT) and connect to the job's Redis."""
         client = ControllerClient(address, read_token())
@@ -185,7 +190,7 @@ class ReplicaSession:
         address: str,
         *,
         name: str,
-        role: Literal["policy", "rollout"],
+        role: Literal["policy", "rollout", "teacher"],
         registration: dict[str, Any],
         world_size: int,
     ) -> ReplicaSession:

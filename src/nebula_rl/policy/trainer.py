@@ -41,9 +41,13 @@ from nebula_rl.algorithms import (
     LossFn,
     LossSettings,
     PolicyBatch,
+    distillation_advantages,
     policy_loss,
     positive_nll,
+    sampled_token_divergence,
     sft_loss_from_logprobs,
+    token_mean_metric,
+    top_k_divergence,
 )
 from nebula_rl.config import Config, GrpoConfig
 from nebula_rl.data.packing import packed_attention_mask, segment_positions
@@ -126,11 +130,13 @@ def _eos_ids(model: nn.Module) -> tuple[int, ...]:
 # 2**24, far above any vocabulary.
 TARGET, MASK = 0, 1
 """Channels of every batch's labels: the next token id and the trained-token mask."""
-OLD, ADVANTAGE, BEHAVIOUR, REF, POSITIVE = 2, 3, 4, 5, 6
+OLD, ADVANTAGE, BEHAVIOUR, REF, POSITIVE, SHAPING, DIVERGENCE = 2, 3, 4, 5, 6, 7, 8
 """Channels of an RL batch's labels: proximal, rollout and reference log-probs, the sequence's
-advantage and whether its reward is > 0."""
-ROW, POSITION = 2, 3
-"""Channels of a log-prob recomputation's labels: where each token's log-prob goes."""
+advantage, whether its reward is > 0, and on-policy distillation's per-token advantage term and
+student-teacher divergence (0 without)."""
+ROW, POSITION, TOP_K_IDS = 2, 3, 4
+"""Channels of a log-prob recomputation's labels: where each token's log-prob goes, and (from
+TOP_K_IDS on) the token ids whose log-probs are wanted when not the target's."""
 
 
 def _labels(mb: TokenBatch, extra: Sequence[Tensor] = ()) -> Tensor:
@@ -399,21 +405,33 @@ class PolicyTrainer:
         batch: TokenBatch,
         plan: list[list[list[int]]],
         temperature: float,
+        *,
+        token_ids: Tensor | None = None,
     ) -> Tensor:
         """[N, L-1] log-probs of `forward`'s model at `batch`'s target tokens, in float32 on the
         CPU, where this rank computes a loss over them (its rows; under PP on the last stage
-        only, under CP at its sequence shard's positions), forward passes as in `plan`."""
+        only, under CP at its sequence shard's positions), forward passes as in `plan`. With
+        `token_ids` [N, L-1, K]: [N, L-1, K] log-probs of those tokens instead."""
         out = torch.zeros_like(batch.target_mask)
+        if token_ids is not None:
+            out = out[..., None].repeat(1, 1, token_ids.shape[-1])
 
         def logprobs(logits: Tensor, labels: Tensor) -> Tensor:
             with torch.autocast(logits.device.type, enabled=False):
-                lp, _ = logits_logprobs(
-                    logits,
-                    labels[..., TARGET].long(),
-                    labels[..., MASK] > 0,
-                    temperature=temperature,
-                    logprob_dtype=self.logprob_dtype,
-                )
+                if token_ids is None:
+                    lp, _ = logits_logprobs(
+                        logits,
+                        labels[..., TARGET].long(),
+                        labels[..., MASK] > 0,
+                        temperature=temperature,
+                        logprob_dtype=self.logprob_dtype,
+                    )
+                else:  # only the masked positions' full distributions
+                    keep = labels[..., MASK] > 0
+                    picked = logits[keep].to(self.logprob_dtype) / temperature
+                    wanted = labels[..., TOP_K_IDS:][keep].long()
+                    lp = logits.new_zeros((*keep.shape, wanted.shape[-1]), dtype=picked.dtype)
+                    lp[keep] = torch.log_softmax(picked, dim=-1).gather(-1, wanted)
             return _attach(lp.new_zeros(()), (labels, lp))
 
         for rows in (rows for passes in plan for rows in passes):
@@ -421,9 +439,14 @@ class PolicyTrainer:
                 mb = batch.select(rows)
                 where = torch.tensor(rows, dtype=torch.float32)[:, None].expand_as(mb.target_mask)
                 positions = torch.arange(mb.target_mask.shape[1], dtype=torch.float32)
-                labels = _labels(mb, [where, positions.expand_as(mb.target_mask)])
+                extra = [where, positions.expand_as(mb.target_mask)]
+                if token_ids is not None:
+                    extra += list(token_ids[rows, : mb.target_mask.shape[1]].unbind(-1))
+                labels = _labels(mb, extra)
             else:
-                mb, labels = self._dummy(4)
+                mb, labels = self._dummy(
+                    TOP_K_IDS + (0 if token_ids is None else token_ids.shape[-1])
+                )
             for piece in forward.run(mb, labels, logprobs, backward=False, device=self.device):
                 labels_seen, lp = _payload(piece)
                 keep = labels_seen[..., MASK] > 0
@@ -513,6 +536,11 @@ class PolicyTrainer:
             if self._reference is None or p.kl_beta == 0
             else self._recompute_logprobs(self._reference, batch, plan, p.temperature)
         )
+        shaping, divergence = (
+            self._distillation(groups, batch, plan, old)
+            if self.cfg.distillation.enable
+            else (None, None)
+        )
         local = [
             (
                 float(batch.target_mask[rows].sum()),
@@ -542,7 +570,9 @@ class PolicyTrainer:
                     num_positive=num_positive,
                 )
                 for rows in passes:
-                    mb, labels = self._grpo_inputs(batch, rows, old, ref, positive)
+                    mb, labels = self._grpo_inputs(
+                        batch, rows, old, ref, positive, shaping, divergence
+                    )
                     pieces = self._policy.run(
                         mb, labels, compute, backward=True, device=self.device
                     )
@@ -581,6 +611,56 @@ class PolicyTrainer:
             "num_sequences": num_sequences_total,
         }
 
+    def _distillation(
+        self,
+        groups: Sequence[RolloutGroup],
+        batch: TokenBatch,
+        plan: list[list[list[int]]],
+        student: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """On-policy distillation's per-token advantage term and divergence, [N, L-1] each, 0
+        off `target_mask`, from the teacher's scores on the completions. `student`: the
+        proximal policy's log-probs of the sampled tokens (the current policy's on the first
+        pass of an on-policy step); with `top_k` > 0 the policy's log-probs of the teacher's
+        top-k tokens are computed here."""
+        d = self.cfg.distillation
+        mask = batch.target_mask
+        k = max(d.top_k, 0)
+        teacher = torch.zeros((*mask.shape, max(k, 1)))
+        ids = torch.zeros((*mask.shape, max(k, 1)), dtype=torch.long)
+        rows = [(g, c) for g in groups for c in g.completions]
+        for r, (g, c) in enumerate(rows):
+            num_scores = len(c.teacher_logprobs if k == 0 else c.teacher_top_k_logprobs)
+            if num_scores != len(c.token_ids):
+                raise ValueError(
+                    f"prompt {g.prompt.prompt_id}: a completion of {len(c.token_ids)} tokens "
+                    f"carries {num_scores} teacher scores; distillation.enable trains only on "
+                    "completions a teacher scored"
+                )
+            if not c.token_ids:
+                continue
+            at = slice(len(g.prompt_token_ids) - 1, len(g.prompt_token_ids) - 1 + len(c.token_ids))
+            if k == 0:
+                teacher[r, at, 0] = torch.tensor(c.teacher_logprobs)
+            else:
+                teacher[r, at] = torch.tensor(c.teacher_top_k_logprobs)
+                ids[r, at] = torch.tensor(c.teacher_top_k_ids)
+        if k == 0:
+            divergence = sampled_token_divergence(student, teacher[..., 0])
+        else:
+            on_ids = self._recompute_logprobs(
+                self._policy, batch, plan, self.cfg.grpo.temperature, token_ids=ids
+            )
+            divergence = top_k_divergence(on_ids, teacher, beta=d.jsd_beta)
+        divergence = divergence * mask
+        shaping = distillation_advantages(
+            divergence,
+            mask,
+            kl_penalty_coef=d.kl_penalty_coef,
+            kl_discount_factor=d.kl_discount_factor,
+        )
+        return shaping, divergence
+
     def _grpo_inputs(
         self,
         batch: TokenBatch,
@@ -588,10 +668,12 @@ class PolicyTrainer:
         old: Tensor,
         ref: Tensor | None,
         positive: Tensor,
+        shaping: Tensor | None,
+        divergence: Tensor | None,
     ) -> tuple[TokenBatch, Tensor]:
-        """One forward pass's rows and their labels (channels TARGET ... POSITIVE)."""
+        """One forward pass's rows and their labels (channels TARGET ... DIVERGENCE)."""
         if not rows:
-            return self._dummy(POSITIVE + 1)
+            return self._dummy(DIVERGENCE + 1)
         mb = batch.select(rows)
         width = mb.target_mask.shape[1]
         index = torch.tensor(rows)
@@ -603,6 +685,10 @@ class PolicyTrainer:
                 mb.behaviour_logprobs,
                 torch.zeros_like(mb.target_mask) if ref is None else ref[index, :width],
                 positive[index],
+                torch.zeros_like(mb.target_mask) if shaping is None else shaping[index, :width],
+                torch.zeros_like(mb.target_mask)
+                if divergence is None
+                else divergence[index, :width],
             ],
         )
         return mb, labels
@@ -622,6 +708,7 @@ class PolicyTrainer:
         `positive_nll_coef` times VAPO's positive-example NLL), carrying its metrics (shares of
         the slice's)."""
         p = self.cfg.grpo
+        distill = self.cfg.distillation.enable
 
         def compute(logits: Tensor, labels: Tensor) -> Tensor:
             with torch.autocast(logits.device.type, enabled=False):
@@ -638,7 +725,11 @@ class PolicyTrainer:
                 batch = PolicyBatch(
                     logprobs=logprobs,
                     old_logprobs=labels[..., OLD],
-                    advantages=labels[:, 0, ADVANTAGE],
+                    advantages=(
+                        labels[:, 0, ADVANTAGE, None] + labels[..., SHAPING]
+                        if distill
+                        else labels[:, 0, ADVANTAGE]
+                    ),
                     mask=mask,
                     behaviour_logprobs=labels[..., BEHAVIOUR] if use_behaviour else None,
                     ref_logprobs=labels[..., REF] if with_ref else None,
@@ -648,6 +739,10 @@ class PolicyTrainer:
                     batch, settings, num_tokens=num_tokens, num_sequences=num_sequences
                 )
                 values = {"loss": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+                if distill:  # the step's mean per-token divergence (reverse KL with top_k 0)
+                    values["distill_kl"] = token_mean_metric(
+                        labels[..., DIVERGENCE], mask, num_tokens=num_tokens
+                    ).detach()
                 if p.positive_nll_coef is not None:
                     positive = labels[:, 0, POSITIVE] > 0
                     nll = positive_nll(logprobs, mask, positive, num_tokens=num_positive)

@@ -470,7 +470,11 @@ class RolloutWorker:
             claimed.prompt, ids, completions, replica=self.session.name, extra=extra
         )
         state = self.session.state
-        state.push_group(group)
+        training = claimed.prompt.validation_step is None and not extra
+        if training and self.session.cfg.distillation.enable:  # a teacher scores it first
+            state.push_for_teacher(group)
+        else:
+            state.push_group(group)
         if claimed.prompt.validation_step is None:
             state.ack_prompts([claimed.msg_id])
         else:

@@ -13,6 +13,9 @@ Life of a prompt in an epoch (the ledger, `ledger:<epoch>`, maps dataset index -
     requeue_pending        -> requeued      (a dead replica's prompts go back to the stream)
     next_batch/mark_trained-> trained
 
+With on-policy distillation (`[distillation]`) a training group waits in `teacher_groups` until a
+teacher replica scored it, and only then enters `groups` (see `teacher`).
+
 Exactly once: a prompt may be generated more than once (a replica that was declared dead but was
 only slow pushes its group anyway), but only the first group of each `prompt_id` is accepted
 (`accepted:<epoch>` set), so it is trained once. Nothing is lost: a prompt leaves the streams only
@@ -44,7 +47,8 @@ into a batch.
 
 The state is split by concern: `ledger` (prompts, buffer, steps), `validation` (validation
 prompts and answers), `registry` (replicas and heartbeats), `commands` (commands and results),
-`groups` (elastic group generations), `snapshot` (checkpoints of the whole state); `JobState`
+`groups` (elastic group generations), `snapshot` (checkpoints of the whole state), `teacher`
+(groups waiting for a distillation teacher); `JobState`
 combines them.
 """
 
@@ -57,6 +61,7 @@ from nebula_rl.controller.state._base import (
     KINDS,
     POLICY_GROUP,
     ROLLOUT_GROUP,
+    TEACHER_GROUP,
     PushedGroup,
 )
 from nebula_rl.controller.state.commands import Commands
@@ -64,6 +69,7 @@ from nebula_rl.controller.state.groups import Groups
 from nebula_rl.controller.state.ledger import LEDGER_STATES, VERDICTS, Ledger
 from nebula_rl.controller.state.registry import Registry
 from nebula_rl.controller.state.snapshot import Snapshots
+from nebula_rl.controller.state.teacher import TeacherQueue
 from nebula_rl.controller.state.validation import Validation
 
 __all__ = [
@@ -79,7 +85,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class JobState(Ledger, Validation, Registry, Commands, Groups, Snapshots):
+class JobState(Ledger, Validation, Registry, Commands, Groups, Snapshots, TeacherQueue):
     """All durable controller state of job `job`, kept in Redis (see the module docstring).
 
     `redis` must decode responses to `str` (see :func:`nebula_rl.controller.connect`). `clock`
@@ -96,6 +102,9 @@ class JobState(Ledger, Validation, Registry, Commands, Groups, Snapshots):
             consumer["name"]
             for stream in ("prompts", "val_prompts")
             for consumer in self.redis.xinfo_consumers(self.key(stream), ROLLOUT_GROUP)
+        } | {
+            consumer["name"]
+            for consumer in self.redis.xinfo_consumers(self.key("teacher_groups"), TEACHER_GROUP)
         }
         for name in sorted(consumers):
             self.requeue_pending(name)
@@ -106,8 +115,13 @@ class JobState(Ledger, Validation, Registry, Commands, Groups, Snapshots):
 
     def requeue_pending(self, consumer: str) -> int:
         """Put the prompts `consumer` holds back on their streams, training prompts (see
-        :meth:`Ledger.requeue_pending`) and validation prompts alike; returns how many."""
-        return Ledger.requeue_pending(self, consumer) + self.requeue_validation(consumer)
+        :meth:`Ledger.requeue_pending`) and validation prompts alike, and the groups it held
+        for scoring as a teacher (:meth:`TeacherQueue.requeue_teacher`); returns how many."""
+        return (
+            Ledger.requeue_pending(self, consumer)
+            + self.requeue_validation(consumer)
+            + self.requeue_teacher(consumer)
+        )
 
     def reap_dead_replicas(self, timeout: float) -> list[str]:
         """Unregister replicas silent for `timeout` seconds and requeue their prompts."""

@@ -19,6 +19,7 @@ __all__ = [
     "KINDS",
     "POLICY_GROUP",
     "ROLLOUT_GROUP",
+    "TEACHER_GROUP",
     "PushedGroup",
     "StateBase",
 ]
@@ -29,6 +30,8 @@ CONTROLLER_GROUP = "controller"
 """Consumer group of the controller on the `groups` and `results` streams."""
 POLICY_GROUP = "policy"
 """Consumer group of a policy replica on its `commands:<replica>` stream."""
+TEACHER_GROUP = "teacher"
+"""Consumer group of teacher replicas on the `teacher_groups` stream (on-policy distillation)."""
 KINDS = ("policy", "weights")
 """The elastic groups: the policy replicas' data-parallel group, the weight group."""
 
@@ -85,6 +88,7 @@ class StateBase:
             (self.key("val_prompts"), ROLLOUT_GROUP),
             (self.key("groups"), CONTROLLER_GROUP),
             (self.key("results"), CONTROLLER_GROUP),
+            (self.key("teacher_groups"), TEACHER_GROUP),
         ):
             try:
                 self.redis.xgroup_create(stream, group, id="0", mkstream=True)

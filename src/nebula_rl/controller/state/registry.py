@@ -17,7 +17,7 @@ from nebula_rl.controller.state._base import StateBase
 
 __all__ = ["ROLES", "Registry"]
 
-ROLES = ("policy", "rollout")
+ROLES = ("policy", "rollout", "teacher")
 """What a replica can be."""
 
 _HEARTBEAT = """
@@ -32,7 +32,12 @@ class Registry(StateBase):
     """Registered replicas (a hash each, plus a sorted set of last heartbeats)."""
 
     def register_replica(
-        self, name: str, *, role: Literal["policy", "rollout"], host: str, world_size: int
+        self,
+        name: str,
+        *,
+        role: Literal["policy", "rollout", "teacher"],
+        host: str,
+        world_size: int,
     ) -> int:
         """Add (or re-add, after a restart) replica `name`; returns a new, job-unique replica id."""
         replica_id = self.redis.incr(self.key("replica_seq"))
