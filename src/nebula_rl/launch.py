@@ -326,7 +326,15 @@ def launch(
 ) -> int:
     """Run the RL job `cfg` with its controller and replicas as processes; the exit code."""
     num_policy = num_policy or cfg.policy.parallelism.n_init_replicas
-    num_rollout = num_rollout or cfg.rollout.parallelism.n_init_replicas
+    if cfg.mode == "colocated":  # every policy replica generates: no rollout replicas
+        if num_rollout:
+            raise ValueError(
+                f'--rollout {num_rollout}: mode = "colocated" starts no rollout replicas (each '
+                "policy replica generates on its own ranks); scale with --policy"
+            )
+        num_rollout = 0
+    else:
+        num_rollout = num_rollout or cfg.rollout.parallelism.n_init_replicas
     check_installed(cfg.logging.logger)  # before anything starts
     ensure_model(cfg)
     check_job(cfg)

@@ -75,6 +75,7 @@ from nebula_rl.weights.group import WeightGroup, weight_backend
 from nebula_rl.weights.reshard import ShardedReceiver
 
 __all__ = [
+    "InlineExecutor",
     "RolloutWorker",
     "completion_text",
     "make_completions",
@@ -87,7 +88,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class _InlineExecutor(Executor):
+class InlineExecutor(Executor):
     """Scores in the calling thread (`rollout.reward_workers = 0`)."""
 
     def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
@@ -220,7 +221,7 @@ class RolloutWorker:
                 cfg.rollout.reward_workers, mp_context=torch.multiprocessing.get_context("spawn")
             )
             if cfg.rollout.reward_workers > 0
-            else _InlineExecutor()
+            else InlineExecutor()
         )
         r = cfg.rollout
         self.capacity = max(1, r.max_num_seqs // r.n_generation)
