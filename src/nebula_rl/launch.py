@@ -484,7 +484,8 @@ def check_job(cfg: Config) -> None:
         check_flow_job(cfg)
         return
     check_backend(cfg)
-    if cfg.rollout.backend != "torch":
+    # (mode = "colocated" runs cosmos-rl's example_hf as the torch engine)
+    if cfg.rollout.backend != "torch" and cfg.mode != "colocated":
         raise ValueError(
             f"rollout.backend = {cfg.rollout.backend!r} is not wired into the runtime's rollout "
             'replicas yet; set rollout.backend = "torch"'
