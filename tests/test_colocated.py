@@ -75,6 +75,34 @@ def test_cosmos_colocated_recipe_loads_and_lays_out_no_rollout_replica(tmp_path:
     assert result.returncode == 0, result.stderr
 
 
+def test_controller_refuses_rollout_replicas_and_requeues_a_rejoining_replicas_prompts(
+    redis_server,
+) -> None:
+    """In colocated mode a rollout replica would never get the policy's weights: its
+    registration is refused, naming the mode. A colocated replica that rejoins under its old
+    name (restarted) gives back the prompts it held, as a rollout replica does."""
+    import httpx
+
+    from nebula_rl.controller import JobState, connect, create_app, serve
+    from nebula_rl.protocol import Prompt
+
+    state = JobState(connect(redis_server.url), "job")
+    token = "test-token-0123456789"
+    auth = {"Authorization": f"Bearer {token}"}
+    app = create_app(state=state, config_json={"mode": "colocated"}, token=token)
+    with serve(app) as server, httpx.Client(base_url=server.url, timeout=10.0) as client:
+        rollout = {"name": "rollout-0", "role": "rollout", "host": "h", "world_size": 1}
+        reply = client.post("/api/replica/register", json=rollout, headers=auth)
+        assert reply.status_code == 409
+        assert reply.json()["detail"].startswith('mode = "colocated": the policy replicas')
+        policy = {**rollout, "name": "policy-0", "role": "policy"}
+        assert client.post("/api/replica/register", json=policy, headers=auth).status_code == 200
+        state.enqueue_prompts([Prompt(f"0:{i}", 0, i, "1+1", "2") for i in range(3)])
+        assert len(state.claim_prompts("policy-0", 2)) == 2
+        assert client.post("/api/replica/register", json=policy, headers=auth).status_code == 200
+        assert state.ledger_summary(0)["requeued"] == 2
+
+
 def _train(config: Config, where: Path, *extra: str) -> None:
     """`nebula-rl train` of `config`, the test rewards importable (`reward_helpers`)."""
     path = where / f"{config.train.timestamp}.json"
