@@ -2032,6 +2032,13 @@ def _colocated_refusals(cfg: Config) -> list[str]:
     if not isinstance(cfg.train.train_policy, GrpoConfig):
         out.append('mode = "colocated": colocated mode is for RL (train_policy.type = "grpo")')
         return out
+    if cfg.rollout.backend == "vllm":
+        out.append(
+            'rollout.backend = "vllm": mode = "colocated" generates with the policy\'s weights '
+            "in nebula-rl's torch engine, and vLLM loads and holds a copy of its own; set "
+            'rollout.backend = "torch" (or cosmos-rl\'s "example_hf"), or mode = '
+            '"colocated_separated" to run vLLM on the policy\'s GPUs'
+        )
     policy, rollout = cfg.policy.parallelism, cfg.rollout.parallelism
     if policy.pp_size > 1:
         out.append(
@@ -2089,17 +2096,12 @@ def _rule_refusals(cfg: Config) -> list[str]:
         "example_hf": "cosmos-rl's example_hf backend generates with the policy's own module "
         'in mode = "colocated" (nebula-rl runs its torch engine there); in other modes use '
         "`torch` (nebula-rl's built-in engine)",
-        "vllm": "mode = \"colocated\" generates with the policy's weights in nebula-rl's torch "
-        'engine; vLLM loads and holds a copy of its own. Set rollout.backend = "torch" (or '
-        'cosmos-rl\'s "example_hf"), or mode = "colocated_separated" to run vLLM on the '
-        "policy's GPUs",
         "vla": _VLA,
         "diffusion_nft_rollout": _WORLD,
         "gym": "gym environments are not supported yet",
     }
     colocated_backend = r.backend == "example_hf" and cfg.mode == "colocated"
-    vllm_elsewhere = r.backend == "vllm" and cfg.mode != "colocated"
-    if r.backend in backend_reasons and not (colocated_backend or vllm_elsewhere):
+    if r.backend in backend_reasons and not colocated_backend:
         out.append(f"rollout.backend = {json.dumps(r.backend)}: {backend_reasons[r.backend]}")
     if r.quantization == "mxfp4":
         out.append('rollout.quantization = "mxfp4": MXFP4 rollout weights are not supported')
