@@ -15,6 +15,7 @@ import pytest
 from nebula_rl.config import Config, ConfigError, config_from_dict, load_config
 from nebula_rl.launch import launch
 from nebula_rl.preflight import preflight
+from nebula_rl.slurm import SlurmJob, render_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
 COSMOS = ROOT / "tests" / "data" / "cosmos-rl" / "configs" / "qwen2-5"
@@ -66,6 +67,10 @@ def test_cosmos_colocated_recipe_loads_and_lays_out_no_rollout_replica(tmp_path:
     )
     with pytest.raises(ValueError, match=r'--rollout 1: mode = "colocated" starts no rollout'):
         launch(cfg, run_dir=tmp_path, num_rollout=1)
+    script = render_sbatch(cfg, SlurmJob(config_path=RECIPE, num_nodes=1, gpus_per_node=4))
+    assert "NUM_ROLLOUT=0\n" in script  # (it starts the two policy replicas only)
+    with pytest.raises(ValueError, match=r'--rollout 2: mode = "colocated" starts no rollout'):
+        render_sbatch(cfg, SlurmJob(config_path=RECIPE, num_nodes=1, num_rollout=2))
     result = subprocess.run(
         [sys.executable, "-m", "nebula_rl.cli", "check", "--config", str(RECIPE)],
         capture_output=True,
@@ -178,7 +183,7 @@ def test_colocated_job_trains_on_the_samples_and_losses_of_the_local_run(
     assert len(trained) == 12
 
 
-@pytest.mark.slow  # (~50 s on 2 busy cores; the recipe's two replicas took ~95 s)
+@pytest.mark.slow  # (~65 s on 2 busy cores; the recipe's two replicas took ~95 s)
 def test_cosmos_colocated_recipe_runs_shrunk_to_cpu(tmp_path: Path) -> None:
     """cosmos-rl's qwen2-5-3b colocated recipe (a colocated replica of two FSDP2 ranks, its
     example_hf engine and example trainer), with the model, data and sizes shrunk, and one
@@ -217,7 +222,7 @@ def test_cosmos_colocated_recipe_runs_shrunk_to_cpu(tmp_path: Path) -> None:
     assert not list(run_dir.glob("logs/rollout-*.log"))
 
 
-@pytest.mark.slow  # (~60 s on 2 busy cores: 16 steps after ~20 s of start-up)
+@pytest.mark.slow  # (~45 s on 2 busy cores: 16 steps after ~20 s of start-up)
 def test_colocated_replica_learns_with_its_own_rollouts(tmp_path, grpo_job_config) -> None:
     """The tiny model from scratch, rewarded by the length of its 3-token completions (4 prompts
     x 8 completions a step, lr 5e-3): the mean reward of the last 4 of 16 steps is at least
