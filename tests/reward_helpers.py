@@ -41,3 +41,9 @@ def probe(pixels: Tensor, prompts: Sequence[str]) -> list[float]:
         raise ValueError("a prompt asked this reward to fail")
     scores = brightness(pixels, prompts)
     return [float("nan") if "nan" in p else s for p, s in zip(prompts, scores, strict=True)]
+
+
+def text_length(completion: str, reference: str) -> float:
+    """The completion's length in characters over 10: a reward that varies within a group even
+    for an untrained model (tests/test_colocated.py compares two runs' losses with it)."""
+    return len(completion) / 10

@@ -171,8 +171,7 @@ def test_every_field_is_documented():
     assert undocumented == []
 
 
-def test_colocated_separated_runs_language_models_and_colocated_is_refused_for_them():
-    cfg = config_from_dict({"mode": "colocated_separated", "rollout": {"backend": "torch"}})
-    assert cfg.mode == "colocated_separated"
-    with pytest.raises(ConfigError, match=r'mode = "colocated": .*`nebula-rl train --local`'):
-        config_from_dict({"mode": "colocated", "rollout": {"backend": "torch"}})
+def test_language_models_run_colocated_separated_and_colocated():
+    """(tests/test_colocated.py checks colocated mode's own rules.)"""
+    for mode in ("colocated_separated", "colocated"):
+        assert config_from_dict({"mode": mode, "rollout": {"backend": "torch"}}).mode == mode

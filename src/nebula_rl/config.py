@@ -387,7 +387,9 @@ class GrpoConfig(_Section):
     uncentralized_training: bool = Field(
         default=False,
         json_schema_extra=refused(
-            "colocated mode is built for world models (policy.is_diffusers) only so far"
+            'mode = "colocated" sends every group through the controller\'s ledger, so that a '
+            "crashed replica loses no prompt and the replicas share one batch; training each "
+            "replica on its own rollouts without the controller is not built"
         ),
     )
     """Colocated mode: rollouts go to the local policy without the controller."""
@@ -1496,8 +1498,8 @@ class Config(_Section):
     mode: Literal["disaggregated", "colocated", "colocated_separated"] = "disaggregated"
     """`disaggregated`: policy and rollout replicas on their own devices; `colocated_separated`
     (language models): rollout replica `i` runs in its own processes on the GPUs of policy replica
-    `i mod --policy`, weights pass through host shared memory (docs/architecture.md); `colocated`
-    (world models): the policy's ranks sample and train in turns."""
+    `i mod --policy`, weights pass through host shared memory (docs/architecture.md); `colocated`:
+    the policy's ranks generate and train in turns, no rollout replicas (docs/colocated.md)."""
     redis: str = ""
     """Redis: empty starts a private server on a free port, a port number (cosmos-rl's form,
     e.g. "12800") starts it on that port, a `redis://` URL uses an existing server."""
@@ -1827,6 +1829,8 @@ def refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
         found, value, default, refusal = _value(cfg, key)
         if not found or refusal is None:
             continue
+        if cfg.mode == "colocated" and key in _COLOCATED_KEYS:
+            continue  # (`_colocated_refusals` checks them)
         section_default = _section_default(cfg, key)
         if value != default and value != section_default:
             out.append(f"{key} = {_format_value(value)}: {refusal['refused']}")
@@ -1865,6 +1869,11 @@ def _section_default(cfg: Config, dotted: str) -> Any:
         node = getattr(node, part)
     return None
 
+
+TRAINER_ALIASES = {"custom_grpo_example": "grpo"}
+"""cosmos-rl's example trainers that are its own trainer unchanged (every override of
+`tools/example/custom_grpo_trainer.py` calls the base class) -> the nebula-rl trainer that runs
+them; a config naming one is noted, not refused."""
 
 _OTHER_TRAINERS = {
     "grpo_vla": _VLA,
@@ -2053,12 +2062,67 @@ def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
     return out
 
 
+_COLOCATED_KEYS = ("rollout.parallelism.dp_shard_size",)
+"""Keys refused in general that `mode = "colocated"` reads (checked by `_colocated_refusals`)."""
+
+
+def _colocated_refusals(cfg: Config) -> list[str]:
+    """Why a language model's `mode = "colocated"` config cannot run (docs/colocated.md): every
+    rank of a policy replica generates its share of the prompts with the whole weights, so the
+    rollout side is the policy's ranks, data parallel."""
+    out = []
+    if not isinstance(cfg.train.train_policy, GrpoConfig):
+        out.append('mode = "colocated": colocated mode is for RL (train_policy.type = "grpo")')
+        return out
+    if cfg.rollout.backend == "vllm":
+        out.append(
+            'rollout.backend = "vllm": mode = "colocated" generates with the policy\'s weights '
+            "in nebula-rl's torch engine, and vLLM loads and holds a copy of its own; set "
+            'rollout.backend = "torch" (or cosmos-rl\'s "example_hf"), or mode = '
+            '"colocated_separated" to run vLLM on the policy\'s GPUs'
+        )
+    policy, rollout = cfg.policy.parallelism, cfg.rollout.parallelism
+    if policy.pp_size > 1:
+        out.append(
+            f'policy.parallelism.pp_size = {policy.pp_size} with mode = "colocated": each rank '
+            "generates with the whole model, and a pipeline stage holds only its own layers"
+        )
+    for key in ("tp_size", "pp_size"):
+        if getattr(rollout, key) != 1:
+            out.append(
+                f'rollout.parallelism.{key} = {getattr(rollout, key)} with mode = "colocated": '
+                "every rank of a policy replica generates its own share of the prompts with the "
+                "whole weights (gathered once per step), so rollouts are not split further"
+            )
+    world = policy.pp_size * policy.dp_replicate_size * policy.dp_shard_size * policy.cp_size
+    world *= policy.tp_size
+    if policy.dp_shard_size != -1 and rollout.dp_shard_size != world:
+        out.append(
+            f"rollout.parallelism.dp_shard_size = {rollout.dp_shard_size}: in mode = "
+            '"colocated" the rollouts run on the policy replica\'s ranks, data parallel, so it '
+            f"must equal the ranks of policy.parallelism ({world}), as cosmos-rl requires"
+        )
+    if rollout.n_init_replicas != policy.n_init_replicas:
+        out.append(
+            f"rollout.parallelism.n_init_replicas = {rollout.n_init_replicas}: in mode = "
+            '"colocated" every policy replica is also a rollout replica, so it must equal '
+            f"policy.parallelism.n_init_replicas ({policy.n_init_replicas})"
+        )
+    if cfg.train.sync_weight_interval != 1:
+        out.append(
+            f"train.sync_weight_interval = {cfg.train.sync_weight_interval}: in mode = "
+            '"colocated" the engine takes the new weights after every step (no push to skip)'
+        )
+    return out
+
+
 def _rule_refusals(cfg: Config) -> list[str]:
     """Refusals that depend on values, or on several keys."""
     out = []
     policy_type = cfg.train.train_policy.type
     trainer = cfg.train.train_policy.trainer_type
-    if trainer != policy_type and not cfg.policy.is_diffusers:
+    aliased = TRAINER_ALIASES.get(trainer) == policy_type
+    if trainer != policy_type and not cfg.policy.is_diffusers and not aliased:
         why = _OTHER_TRAINERS.get(
             trainer,
             f"nebula-rl's {policy_type} trainer is the only one; trainers registered by a "
@@ -2066,22 +2130,20 @@ def _rule_refusals(cfg: Config) -> list[str]:
         )
         out.append(f"train.train_policy.trainer_type = {json.dumps(trainer)}: {why}")
     if cfg.mode == "colocated":
-        out.append(
-            'mode = "colocated": a language model\'s policy and rollout taking turns in one '
-            "process is `nebula-rl train --local` (that mode is built for world models); "
-            'mode = "colocated_separated" runs the replicas in their own processes on the same GPUs'
-        )
+        out += _colocated_refusals(cfg)
     r = cfg.rollout
     backend_reasons = {
         "vllm_async": "the vllm_async backend is not supported; use `vllm` or `torch`",
         "trtllm": "the TensorRT-LLM backend is not supported yet; use `vllm` or `torch`",
-        "example_hf": "cosmos-rl's example_hf backend serves colocated mode, which is not "
-        "supported yet; use `torch` (nebula-rl's built-in engine)",
+        "example_hf": "cosmos-rl's example_hf backend generates with the policy's own module "
+        'in mode = "colocated" (nebula-rl runs its torch engine there); in other modes use '
+        "`torch` (nebula-rl's built-in engine)",
         "vla": _VLA,
         "diffusion_nft_rollout": _WORLD,
         "gym": "gym environments are not supported yet",
     }
-    if r.backend in backend_reasons:
+    colocated_backend = r.backend == "example_hf" and cfg.mode == "colocated"
+    if r.backend in backend_reasons and not colocated_backend:
         out.append(f"rollout.backend = {json.dumps(r.backend)}: {backend_reasons[r.backend]}")
     if r.quantization == "mxfp4":
         out.append('rollout.quantization = "mxfp4": MXFP4 rollout weights are not supported')
@@ -2190,6 +2252,12 @@ def _noted_effects(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
     """Values in force that differ from what the user wrote or left to the default."""
     notes = []
     policy = cfg.train.train_policy
+    if TRAINER_ALIASES.get(policy.trainer_type) == policy.type:
+        notes.append(
+            f"train.train_policy.trainer_type = {json.dumps(policy.trainer_type)}: cosmos-rl's "
+            f"example of a registered trainer, its {policy.type} trainer unchanged; nebula-rl's "
+            f"{policy.type} trainer runs it"
+        )
     if isinstance(policy, GrpoConfig):
         for key, value in VARIANT_DEFAULTS[policy.variant].items():
             if f"train.train_policy.{key}" not in user_keys:

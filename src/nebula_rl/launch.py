@@ -339,7 +339,15 @@ def launch(
     Teacher replicas (`num_teacher`, else `distillation.parallelism.n_init_replicas`) start
     only with `distillation.enable`."""
     num_policy = num_policy or cfg.policy.parallelism.n_init_replicas
-    num_rollout = num_rollout or cfg.rollout.parallelism.n_init_replicas
+    if cfg.mode == "colocated":  # every policy replica generates: no rollout replicas
+        if num_rollout:
+            raise ValueError(
+                f'--rollout {num_rollout}: mode = "colocated" starts no rollout replicas (each '
+                "policy replica generates on its own ranks); scale with --policy"
+            )
+        num_rollout = 0
+    else:
+        num_rollout = num_rollout or cfg.rollout.parallelism.n_init_replicas
     num_teacher = (
         (num_teacher or cfg.distillation.parallelism.n_init_replicas)
         if cfg.distillation.enable
@@ -495,7 +503,8 @@ def check_job(cfg: Config) -> None:
         check_flow_job(cfg)
         return
     check_backend(cfg)
-    if cfg.rollout.backend != "torch":
+    # (mode = "colocated" runs cosmos-rl's example_hf as the torch engine)
+    if cfg.rollout.backend != "torch" and cfg.mode != "colocated":
         raise ValueError(
             f"rollout.backend = {cfg.rollout.backend!r} is not wired into the runtime's rollout "
             'replicas yet; set rollout.backend = "torch"'

@@ -124,7 +124,9 @@ def _layout(cfg: Config, num_policy: int, num_rollout: int, p: Preflight) -> Non
     rollout_ranks = rollout_world or 0
     need = num_policy * policy_world + (0 if shared else num_rollout * rollout_ranks)
     parts = f"policy {num_policy} x {policy_world}"
-    if rl:
+    if rl and cfg.mode == "colocated":  # (no rollout replicas: num_rollout is 0)
+        parts += ", every rank also generating: colocated"
+    elif rl:
         parts += f" + rollout {num_rollout} x {rollout_world}"
     if rl and cfg.distillation.enable:
         teacher = cfg.distillation.parallelism
@@ -186,6 +188,8 @@ def preflight(
     p = Preflight()
     num_policy = num_policy or cfg.policy.parallelism.n_init_replicas
     num_rollout = num_rollout or cfg.rollout.parallelism.n_init_replicas
+    if cfg.mode == "colocated" and not cfg.policy.is_diffusers:
+        num_rollout = 0  # (the policy replicas generate)
     policy = cfg.policy
     if policy.warmstart_config is not None:
         if not Path(policy.warmstart_config).is_file():

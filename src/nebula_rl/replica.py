@@ -70,7 +70,15 @@ def run_replica(
     # replica goes on (SIGUSR1 would otherwise end it).
     forward_checkpoint_signals(session.cfg.train, session.client.request_checkpoint)
     try:
-        if role == "policy":
+        if (
+            role == "policy"
+            and session.cfg.mode == "colocated"
+            and not session.cfg.policy.is_diffusers
+        ):
+            from nebula_rl.policy.colocated import run_colocated
+
+            run_colocated(session, device=device)
+        elif role == "policy":
             from nebula_rl.policy.worker import run_policy
 
             run_policy(session, device=device)

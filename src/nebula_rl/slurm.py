@@ -232,6 +232,12 @@ def render_sbatch(cfg: Config, job: SlurmJob) -> str:
     _check_job(cfg, job)
     num_policy = job.num_policy or cfg.policy.parallelism.n_init_replicas
     num_rollout = job.num_rollout or cfg.rollout.parallelism.n_init_replicas
+    if cfg.mode == "colocated":  # (the policy replicas generate: docs/colocated.md)
+        if job.num_rollout:
+            raise ValueError(
+                f'--rollout {job.num_rollout}: mode = "colocated" starts no rollout replicas'
+            )
+        num_rollout = 0
     placed = place_on_nodes(
         cfg,
         num_policy=num_policy,

@@ -279,9 +279,15 @@ def create_app(
             extra = on_register(req) if on_register is not None else {}
         except ValueError as err:
             raise HTTPException(409, str(err)) from None
-        if req.role == "rollout":
-            # A rollout that rejoins under its old name has lost the prompts it held.
-            state.requeue_pending(req.name)
+        if req.role == "rollout" and config_json.get("mode") == "colocated":
+            raise HTTPException(
+                409,
+                'mode = "colocated": the policy replicas generate; a rollout replica would '
+                "never receive their weights (start another policy replica instead)",
+            )
+        # A replica that rejoins under its old name has lost the prompts it held (a rollout's,
+        # or a colocated policy replica's; other policy replicas hold none).
+        state.requeue_pending(req.name)
         replica_id = state.register_replica(
             req.name, role=req.role, host=req.host, world_size=req.world_size
         )

@@ -240,15 +240,15 @@ class PolicyWorker:
         dist.all_gather_object(values, value, group=control_group())
         return values
 
-    def _tick(self) -> _Tick:
-        """Rank 0 reads the job's state (waiting up to half a second for a command); every rank
+    def _tick(self, *, block_ms: int = 500) -> _Tick:
+        """Rank 0 reads the job's state (waiting up to `block_ms` for a command); every rank
         gets what it read."""
         tick = None
         if self.lead:
             state = self.session.state
             finished = self.session.finished()
             weights = current_generation(state, KIND)
-            commands = [] if finished else state.read_commands(self.session.name, block_ms=500)
+            commands = [] if finished else state.read_commands(self.session.name, block_ms=block_ms)
             tick = _Tick(finished, weights, list(commands))
         return self._share(tick)
 
@@ -371,10 +371,19 @@ class PolicyWorker:
             self.version,
         )
         self._report(self._regrouped())
-        # The state may have moved on (a sync, or a step whose push failed): the rollouts get it.
+        self._regrouped_weights()
+
+    def _regrouped_weights(self) -> None:
+        """After a regroup: the state may have moved on (a sync, or a step whose push failed),
+        so the rollouts get it."""
         weights = self._share(current_generation(self.session.state, KIND) if self.lead else None)
         self.weights.refresh(self.model.named_parameters, self.version, generation=weights)
         self.weights.push(self.model.named_parameters(), self.version)
+
+    def _stepped_weights(self, *, push: bool) -> None:
+        """After a step: push the new weights to the rollouts when the command says so."""
+        if push:
+            self.weights.push(self.model.named_parameters(), self.version)
 
     def _report(self, result: dict[str, Any]) -> None:
         """Hand `result` to the controller, signed with this replica's name (rank 0 only)."""
@@ -463,8 +472,7 @@ class PolicyWorker:
             metrics = {**metrics, "gpu_memory_peak_gb": torch.cuda.max_memory_allocated() / 1e9}
         self.profiler.step()
         self.version = step
-        if command["push_weights"]:
-            self.weights.push(self.model.named_parameters(), step)
+        self._stepped_weights(push=command["push_weights"])
         if command["checkpoint"]:
             self.checkpointer.save(step, data={})
         self.last_result = {

@@ -2,6 +2,7 @@
 
 `rollout.backend = "torch"` is nebula-rl's built-in engine on the model the caller loaded
 (`enable_chunked_prefill` and `max_num_batched_tokens` apply to it too);
+`"example_hf"` (cosmos-rl's engine for `mode = "colocated"`) is the torch engine in that mode;
 `"vllm"` (the default, as in cosmos-rl) is vLLM, which loads the model folder itself and takes
 cosmos-rl's vLLM settings (`gpu_memory_utilization`, `enforce_eager`, `enable_chunked_prefill`).
 :func:`check_backend` tells, before any process starts or model loads, whether the backend can
@@ -71,7 +72,9 @@ def build_engine(
             "updates into vLLM's quantized layers are not built; use rollout.backend = "
             '"torch", whose engine runs FP8 weights and quantizes each update'
         )
-    if r.backend == "torch":
+    # (cosmos-rl's example_hf backend runs the policy's own module in colocated mode: here the
+    # torch engine over the policy's weights)
+    if r.backend == "torch" or (r.backend == "example_hf" and cfg.mode == "colocated"):
         from nebula_rl.rollout.lockstep import LockstepEngine
         from nebula_rl.rollout.torch_engine import TorchEngine
 

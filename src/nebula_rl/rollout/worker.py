@@ -75,8 +75,10 @@ from nebula_rl.weights.group import WeightGroup, weight_backend
 from nebula_rl.weights.reshard import ShardedReceiver
 
 __all__ = [
+    "InlineExecutor",
     "RolloutWorker",
     "completion_text",
+    "hand_in",
     "make_completions",
     "prompt_inputs",
     "run_rollout",
@@ -87,7 +89,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class _InlineExecutor(Executor):
+class InlineExecutor(Executor):
     """Scores in the calling thread (`rollout.reward_workers = 0`)."""
 
     def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
@@ -220,7 +222,7 @@ class RolloutWorker:
                 cfg.rollout.reward_workers, mp_context=torch.multiprocessing.get_context("spawn")
             )
             if cfg.rollout.reward_workers > 0
-            else _InlineExecutor()
+            else InlineExecutor()
         )
         r = cfg.rollout
         self.capacity = max(1, r.max_num_seqs // r.n_generation)
@@ -461,24 +463,16 @@ class RolloutWorker:
         filtered: bool,
         error: str | None = None,
     ) -> None:
-        if not completions:  # the stream only takes groups with completions
-            completions = [Completion([], [], "", "abort", [(0, self.engine.policy_version)])]
-        extra: dict[str, Any] = {"filtered": True} if filtered else {}
-        if error is not None:
-            extra["error"] = error
-        group = RolloutGroup(
-            claimed.prompt, ids, completions, replica=self.session.name, extra=extra
+        hand_in(
+            self.session,
+            claimed.msg_id,
+            claimed.prompt,
+            ids,
+            completions,
+            version=self.engine.policy_version,
+            filtered=filtered,
+            error=error,
         )
-        state = self.session.state
-        training = claimed.prompt.validation_step is None and not extra
-        if training and self.session.cfg.distillation.enable:  # a teacher scores it first
-            state.push_for_teacher(group)
-        else:
-            state.push_group(group)
-        if claimed.prompt.validation_step is None:
-            state.ack_prompts([claimed.msg_id])
-        else:
-            state.ack_validation([claimed.msg_id])
         self.num_groups += 1
 
     def close(self) -> None:
@@ -556,6 +550,38 @@ def _receiver(
         backend=weight_backend(cfg.mode, next(engine.model.parameters()).device),
         timeout=timedelta(seconds=cfg.controller.collective_timeout),
     )
+
+
+def hand_in(
+    session: ReplicaSession,
+    msg_id: str,
+    prompt: Prompt,
+    ids: list[int],
+    completions: list[Completion],
+    *,
+    version: int,
+    filtered: bool,
+    error: str | None = None,
+) -> None:
+    """Push a prompt's group (to a teacher first: a training group of a distillation job) and
+    acknowledge the prompt; what a rollout replica and a colocated policy replica do with each
+    group they generated. `version`: the weights' version, for a group without completions."""
+    if not completions:  # the stream only takes groups with completions
+        completions = [Completion([], [], "", "abort", [(0, version)])]
+    extra: dict[str, Any] = {"filtered": True} if filtered else {}
+    if error is not None:
+        extra["error"] = error
+    group = RolloutGroup(prompt, ids, completions, replica=session.name, extra=extra)
+    state = session.state
+    training = prompt.validation_step is None and not extra
+    if training and session.cfg.distillation.enable:  # a teacher scores it first
+        state.push_for_teacher(group)
+    else:
+        state.push_group(group)
+    if prompt.validation_step is None:
+        state.ack_prompts([msg_id])
+    else:
+        state.ack_validation([msg_id])
 
 
 def run_rollout(session: ReplicaSession, *, device: torch.device) -> None:

@@ -1,0 +1,285 @@
+"""Colocated replica (`mode = "colocated"`, language models): a policy replica whose ranks also
+generate, taking turns with training, with the same controller, ledger and algorithms as
+disaggregated mode.
+
+The replica is a :class:`~nebula_rl.policy.worker.PolicyWorker` (regroups, `train` commands,
+checkpoints, export: all unchanged) whose loop, between commands, runs generation rounds:
+
+1. rank 0 claims up to `rollout.batch_size` prompts from the job's streams (validation prompts
+   first), exactly as a rollout replica does, and hands them to the replica's ranks;
+2. if the weights changed since the last round (a step, a regroup), every rank copies the
+   policy's weights into its engine (sharded parameters are gathered whole: one all-gather per
+   parameter per step, the traffic of one forward pass);
+3. rank `r` of `n` generates prompts `r, r + n, ...` with its own engine (the built-in torch
+   engine, `rollout.backend = "torch"` or cosmos-rl's `"example_hf"`), rank 0 collects the
+   outputs, scores them and pushes each group before acknowledging its prompt.
+
+So completions go back through the controller as in disaggregated mode: a crashed colocated
+replica loses no prompt (its claims are requeued), the controller judges staleness and forms the
+batch, and the step's `train` command comes like any other. A `train` command waits for the
+round in progress (at most `rollout.batch_size` prompts) and is taken before the next one.
+
+Why the engine decodes its own copy of the weights rather than the training module: the
+training module is in `train.master_dtype`, possibly FSDP2-sharded, checkpointed and compiled,
+while the engine decodes in `train.param_dtype` and fuses q/k/v and gate/up into one matmul by
+re-pointing its parameters at a fused buffer, which the optimiser's parameters cannot be. The
+copy costs the model once in `param_dtype` per rank (no optimiser state, no gradients) and one
+in-place copy per step; no weights cross process boundaries. Generation is then a plain,
+synchronous `engine.generate` on each rank, so the ranks need no lock step, and replica 1's rank
+0 samples exactly as `nebula-rl train --local` does (same seed, same batches).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Executor, ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nebula_rl.controller.client import ReplicaSession
+from nebula_rl.data import rl_rows, rl_validation_rows
+from nebula_rl.models import load_model, resolve_dtype
+from nebula_rl.policy.worker import PolicyWorker
+from nebula_rl.protocol import Completion, Prompt
+from nebula_rl.ranks import cpu_threads
+from nebula_rl.rewards import Scored, filter_values, scorer
+from nebula_rl.rollout.build import build_engine
+from nebula_rl.rollout.engine import GenerationRequest, RequestOutput
+from nebula_rl.rollout.worker import (
+    InlineExecutor,
+    completion_text,
+    hand_in,
+    make_completions,
+    prompt_inputs,
+    sampling_params,
+    validation_sampling_params,
+)
+from nebula_rl.validation import validation_seed
+
+__all__ = ["ColocatedWorker", "run_colocated"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Work:
+    """A claimed prompt, ready to generate: its stream id, the prompt, its reference answer and
+    the request every rank can run."""
+
+    msg_id: str
+    prompt: Prompt
+    reference: str
+    request: GenerationRequest
+
+
+class ColocatedWorker(PolicyWorker):
+    """One colocated replica (this process: one of its ranks); see the module docstring."""
+
+    def __init__(self, session: ReplicaSession, *, device: torch.device) -> None:
+        super().__init__(session, device=device)
+        cfg = self.cfg
+        # The starting weights are copied in from the policy before the first round.
+        model = load_model(
+            cfg.policy.model_name_or_path,
+            dtype=resolve_dtype(cfg.train.param_dtype),
+            device=device,
+            seed=cfg.train.seed or 0,
+            revision=cfg.policy.model_revision,
+        )
+        base = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed or 0
+        replica = session.registration["replica_id"] - 1  # (ids count from 1)
+        self.engine = build_engine(
+            cfg,
+            model=model,
+            tokenizer=self.tokenizer,
+            seed=base + 1000 * replica + self.local_rank,
+        )
+        self._stale = True
+        """Whether the engine's weights lag the policy's."""
+        if self.lead:
+            self.sampling = sampling_params(cfg, self.tokenizer.eos_token_id)
+            self.scorer = scorer(cfg)
+            self.val_scorer = scorer(cfg, validation=True) if cfg.validation.enable else None
+            local = cfg.train.local_dataset  # (prompts come as indices: read the rows here)
+            self.rows = rl_rows(cfg) if local else None
+            self.val_rows = rl_validation_rows(cfg) if local and cfg.validation.enable else None
+            workers = cfg.rollout.reward_workers
+            self.pool: Executor = (
+                ProcessPoolExecutor(workers, mp_context=torch.multiprocessing.get_context("spawn"))
+                if workers > 0
+                else InlineExecutor()
+            )
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Carry out commands until `stop` or the end of the job, generating in between."""
+        session = self.session
+        session.policy_version = lambda: self.version
+        session.start_heartbeats()
+        session.mark_ready()
+        busy = False
+        try:
+            while True:
+                tick = self._tick(block_ms=0 if busy else 100)
+                if tick.finished is not None:
+                    return
+                for msg_id, command in tick.commands:
+                    stopped = self.handle(command)
+                    if self.lead:
+                        session.state.ack_command(session.name, msg_id)
+                    if stopped:
+                        return
+                if tick.commands:  # (look for more before generating)
+                    busy = True
+                    continue
+                busy = self.in_sync and self.clean and self.generate_round()
+        finally:
+            if self.lead:
+                self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _regrouped_weights(self) -> None:
+        self._stale = True  # (the state agreed with the group may be another replica's)
+
+    def _stepped_weights(self, *, push: bool) -> None:
+        self._stale = True  # (there are no rollout replicas to push to)
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def generate_round(self) -> bool:
+        """Claim prompts, generate them on every rank, score and push them (see the module
+        docstring); whether there were any."""
+        work = self._share(self._claim() if self.lead else None)
+        if not work:
+            return False
+        if self._stale:
+            self._load_policy_weights()
+        rank, ranks = self.local_rank, self.num_ranks
+        mine = work[rank::ranks]
+        with cpu_threads(self.cfg.rollout.cpu_threads):
+            outputs = self.engine.generate([w.request for w in mine]) if mine else []
+        shares = self._gather(outputs)
+        if self.lead:
+            ordered = [shares[i % ranks][i // ranks] for i in range(len(work))]
+            self._push(work, ordered)
+        return True
+
+    def _load_policy_weights(self) -> None:
+        """Copy the policy's weights into the engine (a collective of the replica's ranks when
+        the parameters are sharded: each is gathered whole)."""
+
+        def full(tensor: torch.Tensor) -> torch.Tensor:
+            gather = getattr(tensor, "full_tensor", None)  # (a DTensor shard)
+            return gather() if gather is not None else tensor
+
+        with torch.no_grad():
+            weights = ((name, full(p.detach())) for name, p in self.model.named_parameters())
+            self.engine.update_weights(weights, policy_version=self.version)
+        self._stale = False
+
+    def _claim(self) -> list[_Work]:
+        """Rank 0: up to `rollout.batch_size` prompts, validation prompts first; a prompt that
+        cannot be generated (too long, a bad image) is pushed back at once as an error group."""
+        r, v = self.cfg.rollout, self.cfg.validation
+        state, name = self.session.state, self.session.name
+        claimed: list[tuple[str, Prompt]] = []
+        if self.val_scorer is not None:
+            claimed += state.claim_validation(name, v.batch_size or r.batch_size)
+        if len(claimed) < r.batch_size:
+            block_ms = 0 if claimed else 100
+            claimed += state.claim_prompts(name, r.batch_size - len(claimed), block_ms=block_ms)
+        work = []
+        for msg_id, prompt in claimed:
+            assert prompt.min_version <= self.version, (
+                f"prompt {prompt.prompt_id} needs weights of version {prompt.min_version}; this "
+                f"replica holds {self.version}"
+            )
+            text, reference = self._text(prompt)
+            n, sampling = r.n_generation, self.sampling
+            if prompt.validation_step is not None:
+                seed = validation_seed(self.cfg, prompt.validation_step, prompt.index)
+                n = v.n_generation
+                sampling = validation_sampling_params(
+                    self.cfg, self.tokenizer.eos_token_id, seed=seed
+                )
+            try:
+                ids, media = prompt_inputs(
+                    self.tokenizer, self.vision, text, system_prompt=self.cfg.grpo.system_prompt
+                )
+                request = GenerationRequest(ids, n=n, sampling=sampling, media=media)
+                self.engine.validate(request)
+            except ValueError as err:
+                log.error("prompt %s cannot be generated: %s", prompt.prompt_id, err)
+                self._send(msg_id, prompt, [], [], filtered=True, error=str(err))
+                continue
+            work.append(_Work(msg_id, prompt, reference, request))
+        return work
+
+    def _text(self, prompt: Prompt) -> tuple[str | list[dict[str, Any]], str]:
+        """The prompt's text and reference: as sent, or from this replica's own rows."""
+        if prompt.prompt is not None and prompt.reference is not None:
+            return prompt.prompt, prompt.reference
+        rows = self.rows if prompt.validation_step is None else self.val_rows
+        assert rows is not None, f"prompt {prompt.prompt_id} comes without its text"
+        row = rows[prompt.index]
+        p = self.cfg.grpo
+        return row[p.prompt_column_name], str(row[p.response_column_name])
+
+    def _push(self, work: list[_Work], outputs: list[RequestOutput]) -> None:
+        """Rank 0: decode, score and push each group, then acknowledge its prompt."""
+        include_stop = self.cfg.rollout.include_stop_str_in_output
+        scoring = []
+        for w, output in zip(work, outputs, strict=True):
+            texts = [
+                completion_text(
+                    self.tokenizer, c.token_ids, c.finish_reason, include_stop=include_stop
+                )
+                for c in output.completions
+            ]
+            lengths = [len(c.token_ids) for c in output.completions]
+            score = self.scorer if w.prompt.validation_step is None else self.val_scorer
+            assert score is not None
+            scoring.append(
+                (texts, self.pool.submit(score.score_group, texts, lengths, w.reference))
+            )
+        p = self.cfg.grpo
+        for w, output, (texts, pending) in zip(work, outputs, scoring, strict=True):
+            scored: list[Scored] = pending.result()
+            validating = w.prompt.validation_step is not None
+            logprobs = p.collect_rollout_logprobs and not validating
+            completions = make_completions(output, texts, scored, logprobs=logprobs)
+            filtered = not validating and (
+                p.dynamic_sampling_enabled
+                and len(set(filter_values(completions, p.filter_reward_metric))) == 1
+            )
+            self._send(
+                w.msg_id, w.prompt, list(output.prompt_token_ids), completions, filtered=filtered
+            )
+
+    def _send(
+        self,
+        msg_id: str,
+        prompt: Prompt,
+        ids: list[int],
+        completions: list[Completion],
+        *,
+        filtered: bool,
+        error: str | None = None,
+    ) -> None:
+        hand_in(
+            self.session,
+            msg_id,
+            prompt,
+            ids,
+            completions,
+            version=self.version,
+            filtered=filtered,
+            error=error,
+        )
+
+
+def run_colocated(session: ReplicaSession, *, device: torch.device) -> None:
+    """Body of a colocated replica process (one of its ranks)."""
+    ColocatedWorker(session, device=device).run()
