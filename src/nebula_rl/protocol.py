@@ -71,6 +71,9 @@ class Completion:
     reward_terms: dict[str, float] = field(default_factory=dict)
     """Each reward function's own (unweighted) value by name (those of `reward_function` and
     `filter_reward_metric`; dynamic sampling filters on the latter)."""
+    loss_mask: list[int] = field(default_factory=list)
+    """Multi-turn: 1 on the tokens the model sampled, 0 on the observations the environment
+    appended (tool results), [T]; empty: every token was sampled."""
 
     @property
     def policy_version(self) -> int:
