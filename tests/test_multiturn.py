@@ -3,6 +3,7 @@ one live KV cache, the conversation's observations and rewards, the loss mask, t
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -12,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from nebula_rl import local
 from nebula_rl.config import ConfigError, config_from_dict, load_config
 from nebula_rl.models import build_char_tokenizer
 from nebula_rl.policy.batching import collate_groups
@@ -321,3 +323,89 @@ def test_multi_turn_config_keys():
         )
     with pytest.raises(ConfigError, match="add_generation_prompt"):
         _cfg(continue_final_message=True)
+
+
+# -- learning ------------------------------------------------------------------------------------
+
+
+def _learning_run(tmp_path: Path, *, sft_steps: int, rl_steps: int) -> list[float]:
+    """configs/demo_multiturn.toml shrunk: a short SFT warm start of demo_sft.toml, then
+    `rl_steps` multi-turn GRPO steps of 64 conversations in this process; each step's mean
+    reward."""
+    sft = load_config(ROOT / "configs" / "demo_sft.toml")
+    sft.train.output_dir, sft.train.timestamp = str(tmp_path), "warm"
+    sft.train.max_num_steps = sft_steps
+    local.run(sft)
+    cfg = load_config(ROOT / "configs" / "demo_multiturn.toml")
+    cfg.train.output_dir, cfg.train.timestamp = str(tmp_path), "rl"
+    cfg.policy.model_name_or_path = str(tmp_path / "warm" / "safetensors" / "final")
+    cfg.policy.warmstart_config = None
+    cfg.train.train_batch_per_replica = cfg.grpo.mini_batch = 64
+    cfg.rollout.batch_size = 8
+    cfg.train.max_num_steps = rl_steps
+    run_dir = local.run(cfg)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["reward_mean"] for r in records if "reward_mean" in r]
+
+
+@pytest.mark.slow
+def test_multiturn_demo_learns(tmp_path):
+    """The two-turn arithmetic demo learns on CPU: from the demo's SFT warm start, the mean
+    reward (0..2) of the last 4 of 16 steps of 64 conversations is at least 0.1 above that of the
+    first 4. Measured: 0.47 -> 0.64 (+0.17; lr 3e-4 gave +0.13); ~50 s of CPU time (SFT 25 s,
+    RL 27 s), 4 min on 2 cores shared with four other test runs."""
+    rewards = _learning_run(tmp_path, sft_steps=110, rl_steps=16)
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last - first >= 0.1, rewards
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call tools:\n<tools>\n"
+    "{% for tool in tools %}{{ tool.function.name }}"
+    "({{ tool.function.parameters.properties | tojson }})\n{% endfor %}</tools>\n"
+    'Answer with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>\n'
+    "{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking %}<think>{% endif %}{% endif %}"
+)
+"""A Qwen2.5-style template that shows tool schemas and honours `enable_thinking`."""
+
+
+def test_the_cosmos_multiturn_config_runs_shrunk_to_cpu(tmp_path):
+    """cosmos-rl's multi-turn GRPO config with the tiny model, the arithmetic task, a chat
+    template file of our own (cosmos-rl's is a file of its package) and one local step; its
+    template is read when rollouts start, and a missing one is named then."""
+    cfg = load_config(COSMOS_MULTITURN)
+    cfg.train.output_dir, cfg.train.timestamp = str(tmp_path), "run"
+    cfg.policy.model_name_or_path = "tiny:qwen2"
+    cfg.policy.model_max_length = 512
+    cfg.train.param_dtype = "float32"
+    cfg.rollout.backend = "torch"
+    cfg.rollout.n_generation, cfg.rollout.batch_size = 2, 2
+    cfg.rollout.max_response_length = 24
+    cfg.train.train_batch_per_replica = cfg.grpo.mini_batch = 4
+    cfg.train.max_num_steps = 1
+    cfg.train.ckpt.enable_checkpoint = False
+    cfg.logging.logger = ["console"]
+    cfg.grpo.dataset.name = "builtin:arithmetic"
+    cfg.grpo.dataset.kwargs = {"num_samples": 8}
+    cfg.grpo.prompt_column_name, cfg.grpo.response_column_name = "prompt", "answer"
+    with pytest.raises(ValueError, match="custom_chat_template_path: no file"):
+        local.run(cfg)
+    template = tmp_path / "tool_template.jinja2"
+    template.write_text(TOOL_TEMPLATE)
+    cfg.rollout.multi_turn_config.custom_chat_template_path = str(template)
+    tokenizer = build_char_tokenizer()
+    with ThreadPoolExecutor(1) as pool:
+        request, _ = MultiTurn(cfg, tokenizer, pool).request(
+            "1+2=", "3", n=1, sampling=SamplingParams()
+        )
+    prompt = tokenizer.decode(request.prompt_token_ids)
+    assert 'calculator({"expression":' in prompt and prompt.endswith(
+        "<|im_start|>assistant\n<think>"
+    )
+    run_dir = local.run(cfg)
+    (record,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert record["num_sequences"] == 4

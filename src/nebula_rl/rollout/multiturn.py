@@ -16,8 +16,9 @@ the configured reward functions score the last assistant turn against the refere
 completion's reward is their sum.
 
 Observation tokens are what the chat template adds after the assistant's turn: the template is
-rendered before and after the new messages and the difference taken as text, together with what
-the template writes after the turn's stop token (ChatML's newline). A template that rewrites
+rendered before and after the new messages and the difference taken as text, after what the
+template writes to close the turn (ChatML's `<|im_end|>\n`) less the stop token the model
+sampled itself. A template that rewrites
 earlier turns (e.g. one that drops past thinking) is refused by name.
 """
 
@@ -51,6 +52,8 @@ __all__ = [
 ]
 
 Message = dict[str, Any]
+_MARK = "\x00end-of-turn\x00"
+"""Marks where a turn's content ends in a rendered conversation."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,10 +301,16 @@ class MultiTurn:
                 "once a message is added (e.g. it drops past thinking), so a conversation cannot "
                 "grow token by token; use a template that does not"
             )
+        # What the template writes after the turn's content (ChatML: "<|im_end|>\n"); the part
+        # the model's stop token already wrote is not repeated.
+        marked = [*before[:-1], {**before[-1], "content": before[-1]["content"] + _MARK}]
+        rendered = self.render(marked, tools=tools)
+        after_turn = rendered[rendered.rindex(_MARK) + len(_MARK) :]
         stop_text = str(self.tokenizer.decode([stop_token], skip_special_tokens=False))
-        at = old.rfind(stop_text) if stop_text else -1
-        tail = old[at + len(stop_text) :] if at >= 0 else ""
-        return list(self.tokenizer.encode(tail + extended[len(old) :], add_special_tokens=False))
+        if stop_text and after_turn.startswith(stop_text):
+            after_turn = after_turn[len(stop_text) :]
+        text = after_turn + extended[len(old) :]
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, tokens: Sequence[int]) -> str:
         """A turn's text."""
