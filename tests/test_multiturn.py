@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from nebula_rl import local
-from nebula_rl.config import ConfigError, config_from_dict, load_config
+from nebula_rl.config import ConfigError, MultiTurnRolloutConfig, config_from_dict, load_config
 from nebula_rl.models import build_char_tokenizer
 from nebula_rl.policy.batching import collate_groups
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup, from_json, to_json
@@ -271,9 +271,10 @@ def test_tool_errors_are_observations_with_a_penalty(bad_tools):
 
 
 def test_arithmetic_environment_rewards_the_warmup_turn():
-    env = ArithmeticEnvironment()
+    cfg = MultiTurnRolloutConfig(enable=True, environment="arithmetic")
+    env = ArithmeticEnvironment(cfg)
     (first,) = env.reset("3+4=", "7")
-    assert first == ArithmeticEnvironment().reset("3+4=", "7")[0]  # alike for a prompt's samples
+    assert first == ArithmeticEnvironment(cfg).reset("3+4=", "7")[0]  # alike for its samples
     a, b = (int(x) for x in first["content"].rstrip("=").split("+"))
     step = env.step(str(a + b))
     assert step.reward == 1.0 and step.messages == [{"role": "user", "content": "3+4="}]

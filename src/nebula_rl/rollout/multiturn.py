@@ -69,7 +69,17 @@ class Step:
 
 
 class Environment(ABC):
-    """One conversation's counterpart; a fresh one per sample."""
+    """One conversation's counterpart; a fresh one per sample, made with the config, the
+    system prompt (`train_policy.system_prompt`) and the schemas of the configured tools."""
+
+    def __init__(
+        self,
+        cfg: MultiTurnRolloutConfig,
+        *,
+        system_prompt: str = "",
+        schemas: Sequence[dict[str, Any]] = (),
+    ) -> None:
+        self.cfg, self.system_prompt, self.schemas = cfg, system_prompt, list(schemas)
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         """Schemas of the tools the chat template shows the model (none by default)."""
@@ -91,10 +101,14 @@ class ToolEnvironment(Environment):
     without a call ends the conversation. A failed call adds `tool_error_reward`."""
 
     def __init__(
-        self, cfg: MultiTurnRolloutConfig, *, system_prompt: str, schemas: list[dict[str, Any]]
+        self,
+        cfg: MultiTurnRolloutConfig,
+        *,
+        system_prompt: str = "",
+        schemas: Sequence[dict[str, Any]] = (),
     ) -> None:
+        super().__init__(cfg, system_prompt=system_prompt, schemas=schemas)
         self.enabled = cfg.enable_tools
-        self.schemas = schemas
         self.specs = {
             s["function"]["name"]: spec for s, spec in zip(schemas, cfg.tools, strict=True)
         }
@@ -102,7 +116,6 @@ class ToolEnvironment(Environment):
             timeout_s=cfg.tool_timeout, cpu_s=cfg.tool_cpu_seconds, memory_mb=cfg.tool_memory_mb
         )
         self.error_reward = cfg.tool_error_reward
-        self.system_prompt = system_prompt
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         return self.schemas if self.enabled else []
@@ -231,9 +244,8 @@ class MultiTurn:
 
     def environment(self) -> Environment:
         """A fresh environment of the configured kind."""
-        if self.cfg.environment == "tools":
-            return ToolEnvironment(self.cfg, system_prompt=self.system_prompt, schemas=self.schemas)
-        return ENVIRONMENTS[self.cfg.environment]()
+        kind = ENVIRONMENTS[self.cfg.environment]
+        return kind(self.cfg, system_prompt=self.system_prompt, schemas=self.schemas)
 
     def request(
         self,
