@@ -47,6 +47,8 @@ def test_colocated_config_rules_name_the_key_and_why() -> None:
     assert "rollout.parallelism.n_init_replicas = 1: in mode" in said
     said = _refusals({"train": {"sync_weight_interval": 2}})
     assert "train.sync_weight_interval = 2: in mode" in said
+    said = _refusals({"rollout": {"multi_turn_config": {"enable": True}}})
+    assert 'rollout.multi_turn_config.enable = true with mode = "colocated"' in said
     said = _refusals({"train": {"train_policy": {"type": "grpo", "uncentralized_training": True}}})
     assert "uncentralized_training = true" in said and "controller's ledger" in said
     said = _refusals({"train": {"train_policy": {"type": "sft"}}})

@@ -1,7 +1,7 @@
 """cosmos-rl's shipped configs (tests/data/cosmos-rl, copied unchanged) with `nebula-rl check`.
 
 Every LLM config loads, or is refused only for a feature named in the issue that builds it
-(LoRA, multi-turn rollouts, FP8, the TensorRT-LLM backend) or in
+(LoRA, FP8, the TensorRT-LLM backend) or in
 the recorded exceptions below; the world-model, diffusion and robot-policy (VLA) configs are
 refused naming their feature. docs/cosmos-rl-migration.md lists every config with the status this
 test computes, so the page cannot drift.
@@ -36,7 +36,6 @@ FEATURES = [
     ("LoRA", "LoRA"),
     ("colocated", "colocated mode"),
     ("distillation", "distillation"),
-    ("multi-turn", "multi-turn"),
     ("FP8", "FP8"),
     ("TensorRT-LLM", "TensorRT-LLM backend"),
     ("expert parallelism", "expert parallelism"),
@@ -52,7 +51,6 @@ FEATURES = [
 ALLOWED_FOR_LLM = {
     # The features the issue names as built later.
     "LoRA",
-    "multi-turn",
     "FP8",
     "TensorRT-LLM backend",
     # Recorded exceptions (see docs/cosmos-rl-migration.md): MoE expert parallelism for

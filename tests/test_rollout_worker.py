@@ -22,6 +22,7 @@ from nebula_rl.controller.client import TOKEN_ENV, ReplicaSession
 from nebula_rl.data import prompt_token_ids, rl_prompt, rl_rows, rl_validation_rows
 from nebula_rl.models import load_tokenizer
 from nebula_rl.protocol import Prompt, RolloutGroup
+from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.rollout.worker import RolloutWorker, completion_text, sampling_params
 
 TOKEN = "rollout-worker-test-token-0123"
@@ -273,3 +274,39 @@ def test_stop_token_text_is_kept_only_when_asked():
 def test_sampling_settings_follow_the_config(grpo_job_config):
     cfg = grpo_job_config({"rollout": {"sampling_config": {"repetition_penalty": 1.3}}})
     assert sampling_params(cfg, 2).repetition_penalty == 1.3
+
+
+def test_multi_turn_conversations_are_pushed_with_their_mask_and_turn_rewards(rollout_worker):
+    """The arithmetic environment through the replica's loop: the prompt is the environment's
+    opening, each completion is turn + observation (the dataset's question, masked) + turn, and
+    the warm-up turn's reward is in the total. Every token ends a turn here (the engine's stop
+    ids are the whole vocabulary), so each turn is one token."""
+    worker = rollout_worker(
+        {
+            "policy": {"model_max_length": 128},
+            "rollout": {
+                "max_response_length": 48,
+                "multi_turn_config": {
+                    "enable": True,
+                    "environment": "arithmetic",
+                    "max_assistant_turns": 2,
+                },
+            },
+        }
+    )
+    assert isinstance(worker.engine, TorchEngine)
+    worker.engine.eos_token_ids = tuple(range(worker.engine.vocab_size))
+    (prompt,) = _enqueue(worker.cfg, worker.session.state, 1)
+    (group,) = _groups(worker, 1)
+    question = rl_rows(worker.cfg)[prompt.index]["prompt"]
+    opening = worker.tokenizer.decode(group.prompt_token_ids)
+    assert opening.endswith("=<|im_end|>\n<|im_start|>assistant\n")  # (the warm-up question)
+    for c in group.completions:
+        observation = worker.tokenizer.decode(c.token_ids[1:-1])
+        # (the turn's stop token was not the template's: its "<|im_end|>" is written too)
+        turn_end = "\n" if c.token_ids[0] == worker.tokenizer.eos_token_id else "<|im_end|>\n"
+        expected = f"{turn_end}<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+        assert observation == expected, (c.token_ids, c.loss_mask, c.finish_reason, c.reward_terms)
+        assert c.loss_mask == [1] + [0] * (len(c.token_ids) - 2) + [1]
+        assert c.logprobs[1:-1] == [0.0] * (len(c.token_ids) - 2) and c.logprobs[0] < 0
+        assert c.reward == c.reward_terms["turns"] + c.reward_terms["arithmetic"]

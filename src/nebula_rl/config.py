@@ -86,7 +86,6 @@ class _Section(BaseModel):
 # Reasons shared by several keys.
 _NEEDS_CUDA = "needs CUDA and is not supported yet"
 _LORA = "LoRA (policy.lora) is built for world models (policy.is_diffusers) only so far"
-_MULTI_TURN = "multi-turn rollouts (rollout.multi_turn_config) are not supported yet"
 _REMOTE = "remote rewards (use_remote_reward, the reward service) are not supported yet"
 _WORLD = "world-model (diffusers) training is not supported yet"
 _VLA = "vision-language-action (robot policy) training is not supported yet"
@@ -1083,24 +1082,55 @@ class SamplingConfig(_Section):
 
 
 class MultiTurnRolloutConfig(_Section):
-    """Multi-turn, tool-using rollouts (cosmos-rl's `rollout.multi_turn_config`)."""
+    """Multi-turn, tool-using rollouts (cosmos-rl's `rollout.multi_turn_config`; see
+    docs/multi-turn.md). Every key but `enable` needs `enable = true`."""
 
-    enable: bool = Field(default=False, json_schema_extra=refused(_MULTI_TURN))
-    """Multi-turn rollouts."""
-    enable_tools: bool = Field(default=False, json_schema_extra=refused(_MULTI_TURN))
-    """Tool calls."""
-    enable_thinking: bool = Field(default=False, json_schema_extra=refused(_MULTI_TURN))
-    """Thinking mode of the chat template."""
-    custom_chat_template_path: str | None = Field(
-        default=None, json_schema_extra=refused(_MULTI_TURN)
-    )
-    """Jinja chat template."""
-    max_assistant_turns: int = Field(default=5, json_schema_extra=refused(_MULTI_TURN))
-    """Most assistant turns."""
-    add_generation_prompt: bool = Field(default=True, json_schema_extra=refused(_MULTI_TURN))
-    """Add the generation prompt."""
-    continue_final_message: bool = Field(default=False, json_schema_extra=refused(_MULTI_TURN))
-    """Continue the last message."""
+    enable: bool = False
+    """Multi-turn rollouts: each completion is a conversation of assistant turns and the
+    environment's observations (tool results), generated as one sequence (the torch engine keeps
+    its KV cache across turns); only the assistant's tokens are trained."""
+    enable_tools: bool = False
+    """With `environment = "tools"`: show the model the schemas of `tools` (the chat template's
+    `tools`) and run the Hermes `<tool_call>` calls it writes; false: no tool is run."""
+    enable_thinking: bool = False
+    """Passed to the chat template as `enable_thinking` (Qwen3's thinking mode)."""
+    custom_chat_template_path: str | None = None
+    """A Jinja chat template file used instead of the tokenizer's, read when rollouts start
+    (relative paths from the working directory; `nebula-rl check` does not open it)."""
+    max_assistant_turns: int = Field(default=5, ge=1)
+    """Most assistant turns of a conversation."""
+    add_generation_prompt: bool = True
+    """End the rendered prompt and each observation with the assistant's header."""
+    continue_final_message: bool = False
+    """Render the prompt so that the model continues its last (assistant) message; needs
+    `add_generation_prompt = false`."""
+    environment: Literal["tools", "arithmetic"] = "tools"
+    """nebula-rl: what answers the model's turns: `tools` (the tool calls of each turn are run
+    and their results sent back; a turn without one ends the conversation) or `arithmetic` (the
+    CPU demo: a warm-up sum whose answer is rewarded per turn, then the dataset's question)."""
+    tools: list[str] = Field(default_factory=lambda: ["calculator"])
+    """nebula-rl: the tools of `environment = "tools"`: built-in names (`calculator`) or
+    `"module:function"` (type hints and a Google-style docstring give its schema)."""
+    tool_timeout: float = Field(default=10.0, gt=0.0)
+    """nebula-rl: wall-clock seconds a tool call may take before it is killed."""
+    tool_cpu_seconds: int = Field(default=5, ge=1)
+    """nebula-rl: CPU seconds a tool call may use."""
+    tool_memory_mb: int = Field(default=512, ge=32)
+    """nebula-rl: address space (MiB) a tool call may use."""
+    tool_error_reward: float = 0.0
+    """nebula-rl: reward added for each tool call that fails (bad call, exception, limit,
+    timeout); e.g. -0.1 to penalise them."""
+
+    @model_validator(mode="after")
+    def _needs_enable(self) -> MultiTurnRolloutConfig:
+        if not self.enable:
+            default = MultiTurnRolloutConfig.model_construct()
+            changed = [k for k in self.model_fields_set if getattr(self, k) != getattr(default, k)]
+            if changed:
+                raise ValueError(f"{', '.join(sorted(changed))} need(s) enable = true")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message = true needs add_generation_prompt = false")
+        return self
 
 
 class RolloutAsyncConfig(_Section):
@@ -1590,6 +1620,18 @@ class Config(_Section):
             if policy.variant == "aipo" and not policy.collect_rollout_logprobs:
                 raise ValueError(
                     'train.train_policy.collect_rollout_logprobs must be true for variant = "aipo"'
+                )
+        if self.rollout.multi_turn_config.enable:
+            if not isinstance(policy, GrpoConfig):
+                raise ValueError(
+                    "rollout.multi_turn_config.enable needs an RL config "
+                    '(train.train_policy.type = "grpo")'
+                )
+            if self.rollout.parallelism.tp_size > 1:
+                raise ValueError(
+                    "rollout.multi_turn_config.enable is not supported yet with "
+                    "rollout.parallelism.tp_size > 1 (the ranks of a tensor-parallel rollout "
+                    "replay one engine's steps, and a conversation's turns are not replayed)"
                 )
         pp = self.policy.parallelism
         if pp.pp_size > 1:
@@ -2112,6 +2154,12 @@ def _colocated_refusals(cfg: Config) -> list[str]:
         out.append(
             f"train.sync_weight_interval = {cfg.train.sync_weight_interval}: in mode = "
             '"colocated" the engine takes the new weights after every step (no push to skip)'
+        )
+    if cfg.rollout.multi_turn_config.enable:
+        out.append(
+            'rollout.multi_turn_config.enable = true with mode = "colocated": a colocated '
+            "replica generates single-turn completions only so far; multi-turn rollouts run "
+            'with rollout replicas (mode = "disaggregated" or "colocated_separated")'
         )
     return out
 

@@ -68,10 +68,12 @@ from nebula_rl.ranks import cpu_threads, init_ranks
 from nebula_rl.rewards import Scorer, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
+from nebula_rl.rollout.multiturn import Conversation, with_turn_rewards
 from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.rollout.worker import (
-    completion_text,
+    completion_texts,
     make_completions,
+    multi_turn,
     prompt_inputs,
     sampling_params,
     validation_sampling_params,
@@ -203,29 +205,40 @@ def _generate(
     vision: VisionProcessor | None,
 ) -> list[tuple[Prompt, list[int], RequestOutput, list[str], list[Any]]]:
     """Generate `n` completions of each prompt (`sampling[i]` for prompt i), decode each once
-    and score it: (prompt, its token ids, the output, the texts, the scores) per prompt."""
+    and score it: (prompt, its token ids, the output, the texts, the scores) per prompt.
+    Multi-turn (`rollout.multi_turn_config.enable`): each completion is a conversation."""
+    turns = multi_turn(cfg, tokenizer, vision)
     ids, requests = [], []
+    conversations: list[list[Conversation] | None] = []
     for q, s in zip(prompts, sampling, strict=True):
         assert q.prompt is not None and q.reference is not None, "local prompts carry their text"
+        if turns is not None:
+            request, convs = turns.request(q.prompt, q.reference, n=n, sampling=s)
+            ids.append(list(request.prompt_token_ids))
+            requests.append(request)
+            conversations.append(convs)
+            continue
         q_ids, media = prompt_inputs(
             tokenizer, vision, q.prompt, system_prompt=cfg.grpo.system_prompt
         )
         ids.append(q_ids)
         requests.append(GenerationRequest(q_ids, n=n, sampling=s, media=media))
-    include_stop = cfg.rollout.include_stop_str_in_output
+        conversations.append(None)
     out = []
-    with cpu_threads(cfg.rollout.cpu_threads):
-        outputs = engine.generate(requests)
-    for prompt, prompt_ids, output in zip(prompts, ids, outputs, strict=True):
-        texts = [
-            completion_text(tokenizer, c.token_ids, c.finish_reason, include_stop=include_stop)
-            for c in output.completions
-        ]
+    try:
+        with cpu_threads(cfg.rollout.cpu_threads):
+            outputs = engine.generate(requests)
+    finally:
+        if turns is not None:
+            turns.executor.shutdown()
+    for prompt, prompt_ids, output, chats in zip(prompts, ids, outputs, conversations, strict=True):
+        texts = completion_texts(cfg, tokenizer, output, chats)
         lengths = [len(c.token_ids) for c in output.completions]
         assert prompt.reference is not None
-        out.append(
-            (prompt, prompt_ids, output, texts, score.score_group(texts, lengths, prompt.reference))
-        )
+        scored = score.score_group(texts, lengths, prompt.reference)
+        if chats is not None:
+            scored = with_turn_rewards(scored, chats)
+        out.append((prompt, prompt_ids, output, texts, scored))
     return out
 
 

@@ -79,6 +79,9 @@ class Completion:
     [T][k]."""
     teacher_top_k_logprobs: list[list[float]] = field(default_factory=list)
     """The teacher's log-probs of `teacher_top_k_ids`, [T][k]."""
+    loss_mask: list[int] = field(default_factory=list)
+    """Multi-turn: 1 on the tokens the model sampled, 0 on the observations the environment
+    appended (tool results), [T]; empty: every token was sampled."""
 
     @property
     def policy_version(self) -> int:

@@ -166,10 +166,11 @@ def collate_groups(
                     "train.train_policy.collect_rollout_logprobs is true"
                 )
             n = len(c.token_ids)
+            trained = [0] * skip + (c.loss_mask[skip:] if c.loss_mask else [1] * (n - skip))
             sequences.append(
                 (
                     p + c.token_ids,
-                    [0] * (len(p) + skip) + [1] * (n - skip),
+                    [0] * len(p) + trained,
                     [0.0] * len(p) + (c.logprobs if with_logprobs else [0.0] * n),
                 )
             )

@@ -65,6 +65,12 @@ def build_engine(
             'multi_modal_data); set rollout.backend = "torch", whose engine generates from '
             "images and videos"
         )
+    if r.backend == "vllm" and r.multi_turn_config.enable:
+        raise ValueError(
+            'rollout.multi_turn_config.enable with rollout.backend = "vllm": multi-turn '
+            "rollouts keep each conversation's KV cache across turns in nebula-rl's own engine; "
+            'set rollout.backend = "torch"'
+        )
     check_backend(cfg)
     if r.backend == "vllm" and r.quantization != "none":
         raise ValueError(

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from nebula_rl.data.vision import VisionInputs
 
 FinishReason = Literal["stop", "length", "abort"]
+Continuation = Callable[[int, list[int]], "Future[list[int] | None]"]
+"""Multi-turn: `(sample index, its tokens so far) -> future of the tokens to append`."""
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
@@ -113,6 +115,11 @@ class GenerationRequest:
     media: VisionInputs | None = None
     """A vision-language prompt's images and videos, as `data.vision.VisionProcessor` made them
     with `prompt_token_ids` (whose media tokens are already expanded); None for text."""
+    continuation: Continuation | None = None
+    """Multi-turn (the torch engine): called when a sample stops (a stop token or string) with
+    its index and tokens so far; the future's result is an observation, tokens appended without
+    sampling before the sample decodes on, or None (or no tokens) to finish it. The sample keeps
+    its KV cache while it waits; only the observation's tokens are run through the model."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -144,6 +151,9 @@ class Completion:
     """"stop" (stop token/string), "length" (max_tokens or max_model_len) or "abort"."""
     version_changes: tuple[tuple[int, int], ...]
     """(token_index, policy_version) change points, first entry at token_index 0."""
+    observations: tuple[tuple[int, int], ...] = ()
+    """Multi-turn: the `[start, end)` token ranges a continuation appended (not sampled; their
+    log-probs are 0)."""
 
     @property
     def policy_version(self) -> int:

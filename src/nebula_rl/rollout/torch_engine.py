@@ -35,6 +35,13 @@ Design, and the simplifications it makes:
   a constant amount of work per batch, plus some per finished sequence or new block, plus, only
   for requests with stop strings, a detokenization of the last few tokens. One device->host
   sync per step.
+- Multi-turn (`GenerationRequest.continuation`): a sample that stops hands its tokens to the
+  continuation and waits, out of the decode batch, its blocks kept. The observation that comes
+  back is fed through the decode step one token per step, batched with the other sequences, its
+  sampled token replaced by the observation's (log-prob 0): only the new tokens run through the
+  model, the prefix's keys and values are read from the cache. (A one-forward prefill of the
+  observation would take fewer steps; tool outputs are short, and this keeps one decode path for
+  both forwards.)
 - Weight updates land between steps (see `Engine`). Running sequences keep their KV cache: tokens
   after an update are sampled by the new weights attending to keys/values the old ones computed,
   as in PipelineRL's in-flight updates; the per-token versions record exactly that. The engine
@@ -53,6 +60,7 @@ import heapq
 import inspect
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, Protocol, cast
 
@@ -971,6 +979,11 @@ class _Sequence:
     index: int
     first_step: int
     stop: tuple[str, ...]
+    segments: list[tuple[int, int]] = field(default_factory=list)
+    """Multi-turn: (first token index, its step) of each run of tokens after the first, one per
+    step (a sample waiting for its continuation makes no tokens)."""
+    observations: list[tuple[int, int]] = field(default_factory=list)
+    """Multi-turn: the [start, end) token ranges appended by the continuation."""
 
 
 # (request state, sample indices, slots) of samples admitted together.
@@ -1186,6 +1199,10 @@ class TorchEngine(Engine):
         self._seen: torch.Tensor | None = None
         self._step_count = 0
         self._version_log: list[tuple[int, int]] = [(0, policy_version)]
+        self._parked: dict[int, Future[list[int] | None]] = {}
+        """Multi-turn: slots waiting for their continuation, out of the decode batch."""
+        self._forcing: dict[int, deque[int]] = {}
+        """Multi-turn: slots feeding an observation, its tokens still to come."""
 
     @classmethod
     def from_pretrained(
@@ -1323,7 +1340,7 @@ class TorchEngine(Engine):
         if state.slots:
             slots = sorted(state.slots)
             with torch.inference_mode():
-                return self._complete(slots, ["abort"] * len(slots), self._step_count - 1)
+                return self._complete(slots, ["abort"] * len(slots))
         del self._requests[request_id]
         return [self._output(state)]
 
@@ -1337,6 +1354,8 @@ class TorchEngine(Engine):
     def _step(self) -> list[RequestOutput]:
         with torch.inference_mode():
             outputs = []
+            if self._parked:
+                outputs += self._resume()
             if self._active_host.any():
                 outputs += self._decode()
             if self._chunking:  # (one chunk per step; admissions wait for the last)
@@ -1456,6 +1475,7 @@ class TorchEngine(Engine):
                 params, repetition_penalty=self._penalty[slots], seen=self._seen[slots]
             )
         tokens, logprobs = sample(logits, params)
+        forced = self._force(slots, tokens, logprobs) if self._forcing else None
         if counts["penalty"]:
             assert self._seen is not None
             self._seen[slots, tokens] = True
@@ -1466,6 +1486,8 @@ class TorchEngine(Engine):
         generated = columns + active
         self._num_generated[slots] = generated
         hit_stop = (self._stop_ids[slots] == tokens[:, None]).any(dim=-1)
+        if forced is not None:  # (an observation's tokens stop nothing)
+            hit_stop &= ~forced
         done = (hit_stop | (generated >= self._max_new[slots])) & active
         # The one device->host sync of the step.
         done_rows = done.nonzero().view(-1)
@@ -1474,11 +1496,111 @@ class TorchEngine(Engine):
             "stop" if s else "length" for s in hit_stop[done_rows].tolist()
         ]
         if counts["stop"]:
-            self._check_stop_strings(slots.tolist(), finished, reasons)
-        return self._complete(finished, reasons, self._step_count)
+            self._check_stop_strings(slots.tolist(), finished, reasons, forced)
+        if any(self._continues(slot) for slot in finished):
+            finished, reasons = self._park(finished, reasons)
+        return self._complete(finished, reasons)
+
+    # ------------------------------------------------------------------ multi-turn
+    def _continues(self, slot: int) -> bool:
+        seq = self._seqs[slot]
+        return seq is not None and seq.state.request.continuation is not None
+
+    def _num_tokens(self, slot: int) -> int:
+        """Tokens slot `slot` holds (sampled or appended): its cached ones and the last one."""
+        return int(self._pos_host[slot] - self._prompt_len_host[slot]) + 1
+
+    def _force(
+        self, slots: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor
+    ) -> torch.Tensor:
+        """Replace the sampled tokens of slots feeding an observation by its next tokens (log-prob
+        0); the rows replaced, bool [len(slots)]."""
+        rows, values = [], []
+        for row, slot in enumerate(slots.tolist()):
+            queue = self._forcing.get(slot)
+            if queue:
+                rows.append(row)
+                values.append(queue.popleft())
+                if not queue:
+                    del self._forcing[slot]
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        tokens[index] = torch.tensor(values, dtype=tokens.dtype, device=self.device)
+        logprobs[index] = 0.0
+        forced = torch.zeros(len(slots), dtype=torch.bool, device=self.device)
+        forced[index] = True
+        return forced
+
+    def _park(
+        self, finished: list[int], reasons: list[FinishReason]
+    ) -> tuple[list[int], list[FinishReason]]:
+        """Hand the samples that stopped and have a continuation their tokens, take them out of
+        the decode batch (blocks kept); the finished slots and reasons that remain."""
+        keep_slots: list[int] = []
+        keep_reasons: list[FinishReason] = []
+        for slot, reason in zip(finished, reasons, strict=True):
+            seq = self._seqs[slot]
+            continuation = None if seq is None else seq.state.request.continuation
+            if reason != "stop" or seq is None or continuation is None:
+                keep_slots.append(slot)
+                keep_reasons.append(reason)
+                continue
+            tokens = self._out_tokens[slot, : self._num_tokens(slot)].tolist()
+            self._parked[slot] = continuation(seq.index, tokens)
+            self._active_host[slot] = False
+            self._active[slot] = False
+            self._groups = None
+        return keep_slots, keep_reasons
+
+    def _resume(self) -> list[RequestOutput]:
+        """Samples whose continuation answered: append the observation and decode on, or finish
+        ("length" when the observation and one more token do not fit)."""
+        ready = [slot for slot, future in self._parked.items() if future.done()]
+        if not ready and not self._active_host.any() and not (self._waiting and self._free):
+            wait(list(self._parked.values()), timeout=0.005, return_when=FIRST_COMPLETED)
+            ready = [slot for slot, future in self._parked.items() if future.done()]
+        finished: list[int] = []
+        reasons: list[FinishReason] = []
+        for slot in ready:
+            observation = self._parked.pop(slot).result()
+            seq = self._seqs[slot]
+            assert seq is not None
+            num = self._num_tokens(slot)
+            request = seq.state.request
+            room = min(request.sampling.max_tokens, self._completion_room(request))
+            if not observation or num + len(observation) >= room:
+                finished.append(slot)
+                reasons.append("length" if observation else "stop")
+                continue
+            bad = [t for t in observation if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"an observation's token id {bad[0]} is outside the vocabulary")
+            self._forcing[slot] = deque(observation)
+            seq.segments.append((num, self._step_count))
+            seq.observations.append((num, num + len(observation)))
+            self._active_host[slot] = True
+            self._active[slot] = True
+            self._groups = None
+        return self._complete(finished, reasons)
+
+    def _version_changes(self, seq: _Sequence, num: int) -> tuple[tuple[int, int], ...]:
+        """The (token index, version) change points of `seq`'s `num` tokens."""
+        if not seq.segments:
+            return version_changes_for(self._version_log, seq.first_step, num)
+        starts = [(0, seq.first_step), *seq.segments]
+        ends = [start for start, _ in seq.segments] + [num]
+        changes: list[tuple[int, int]] = []
+        for (start, step), end in zip(starts, ends, strict=True):
+            for offset, version in version_changes_for(self._version_log, step, end - start):
+                if not changes or changes[-1][1] != version:
+                    changes.append((start + offset, version))
+        return tuple(changes)
 
     def _check_stop_strings(
-        self, slots: list[int], finished: list[int], reasons: list[FinishReason]
+        self,
+        slots: list[int],
+        finished: list[int],
+        reasons: list[FinishReason],
+        forced: torch.Tensor | None = None,
     ) -> None:
         """Host-side stop-string check, only for sequences whose request has stop strings.
 
@@ -1486,16 +1608,18 @@ class TorchEngine(Engine):
         stop token does.
         """
         position = {slot: row for row, slot in enumerate(finished)}
+        skip = set() if forced is None else {slots[r] for r in forced.nonzero().view(-1).tolist()}
         candidates = [
             (slot, seq)
             for slot in slots
-            if (seq := self._seqs[slot]) is not None
+            if slot not in skip
+            and (seq := self._seqs[slot]) is not None
             and seq.stop
             and (slot not in position or reasons[position[slot]] != "stop")
         ]
         if not candidates:
             return
-        lengths = [self._step_count - seq.first_step + 1 for _, seq in candidates]
+        lengths = [self._num_tokens(slot) for slot, _ in candidates]
         index = torch.tensor([slot for slot, _ in candidates], device=self.device)
         rows = self._out_tokens[index, : max(lengths)].tolist()  # one device->host copy
         for (slot, seq), row, num in zip(candidates, rows, lengths, strict=True):
@@ -1509,15 +1633,16 @@ class TorchEngine(Engine):
                 finished.append(slot)
                 reasons.append("stop")
 
-    def _complete(
-        self, slots: list[int], reasons: list[FinishReason], last_step: int
-    ) -> list[RequestOutput]:
+    def _complete(self, slots: list[int], reasons: list[FinishReason]) -> list[RequestOutput]:
         """Turn finished slots into completions, free the slots; return finished requests."""
         if not slots:
             return []
         seqs = [self._seqs[s] for s in slots]
-        lengths = [last_step - seq.first_step + 1 for seq in seqs if seq is not None]
-        assert len(lengths) == len(slots), "finished slots are occupied"
+        assert all(seq is not None for seq in seqs), "finished slots are occupied"
+        lengths = [self._num_tokens(s) for s in slots]
+        for slot in slots:
+            self._parked.pop(slot, None)  # (aborted while waiting for its continuation)
+            self._forcing.pop(slot, None)
         index = torch.as_tensor(slots, device=self.device)
         width = max(lengths)
         tokens = self._out_tokens[index, :width].tolist()
@@ -1537,7 +1662,8 @@ class TorchEngine(Engine):
                 tokens[row][:num],
                 logprobs[row][:num],
                 reason,
-                version_changes_for(self._version_log, seq.first_step, num),
+                self._version_changes(seq, num),
+                tuple(seq.observations),
             )
             self._release(slot)
             state.slots.discard(slot)

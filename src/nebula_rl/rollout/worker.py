@@ -67,6 +67,7 @@ from nebula_rl.rewards import Scored, Scorer, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
 from nebula_rl.rollout.lockstep import LockstepEngine
+from nebula_rl.rollout.multiturn import Conversation, MultiTurn, loss_mask, with_turn_rewards
 from nebula_rl.rollout.tensor_parallel import TensorParallel
 from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.validation import validation_seed
@@ -78,8 +79,10 @@ __all__ = [
     "InlineExecutor",
     "RolloutWorker",
     "completion_text",
+    "completion_texts",
     "hand_in",
     "make_completions",
+    "multi_turn",
     "prompt_inputs",
     "run_rollout",
     "sampling_params",
@@ -177,6 +180,7 @@ def make_completions(
             version_changes=[(i, v) for i, v in c.version_changes],
             reward=s.reward,
             reward_terms=s.terms,
+            loss_mask=loss_mask(c),
         )
         for c, text, s in zip(output.completions, texts, scored, strict=True)
     ]
@@ -211,6 +215,9 @@ class RolloutWorker:
         self.vision = vision_processor(cfg, config)
         self.sampling = sampling_params(cfg, self.tokenizer.eos_token_id)
         self.scorer = scorer(cfg)
+        self.multi_turn = multi_turn(cfg, self.tokenizer, self.vision)
+        self.conversations: dict[str, list[Conversation]] = {}
+        """Multi-turn: each request's conversations, until its group is pushed."""
         validating = cfg.validation.enable
         self.val_scorer = scorer(cfg, validation=True) if validating else None
         # With local_dataset prompts arrive as indices: this replica reads its own rows.
@@ -402,16 +409,6 @@ class RolloutWorker:
         prompt = claimed.prompt
         ids: list[int] = []
         try:
-            ids, media = (
-                claimed.inputs.result()
-                if claimed.inputs is not None
-                else prompt_inputs(
-                    self.tokenizer,
-                    self.vision,
-                    claimed.text,
-                    system_prompt=self.cfg.grpo.system_prompt,
-                )
-            )
             if prompt.validation_step is None:
                 n, sampling = self.cfg.rollout.n_generation, self.sampling
             else:
@@ -420,19 +417,37 @@ class RolloutWorker:
                 sampling = validation_sampling_params(
                     self.cfg, self.tokenizer.eos_token_id, seed=seed
                 )
-            request = GenerationRequest(ids, n=n, sampling=sampling, media=media)
-            self.generating[self.engine.submit(request)] = claimed
+            if self.multi_turn is not None:
+                request, conversations = self.multi_turn.request(
+                    claimed.text, claimed.reference, n=n, sampling=sampling
+                )
+                ids = list(request.prompt_token_ids)
+            else:
+                conversations = None
+                ids, media = (
+                    claimed.inputs.result()
+                    if claimed.inputs is not None
+                    else prompt_inputs(
+                        self.tokenizer,
+                        self.vision,
+                        claimed.text,
+                        system_prompt=self.cfg.grpo.system_prompt,
+                    )
+                )
+                request = GenerationRequest(ids, n=n, sampling=sampling, media=media)
+            future = self.engine.submit(request)
+            if conversations is not None:
+                self.conversations[request.request_id] = conversations
+            self.generating[future] = claimed
         except ValueError as err:  # e.g. a prompt longer than the model allows, a bad image
             log.error("prompt %s cannot be generated: %s", prompt.prompt_id, err)
             self._push(claimed, ids, [], filtered=True, error=str(err))
 
     def _generated(self, claimed: _Claimed, output: RequestOutput) -> None:
         """Decode each completion once and send the group to be scored."""
-        include_stop = self.cfg.rollout.include_stop_str_in_output
-        texts = [
-            completion_text(self.tokenizer, c.token_ids, c.finish_reason, include_stop=include_stop)
-            for c in output.completions
-        ]
+        texts = completion_texts(
+            self.cfg, self.tokenizer, output, self.conversations.get(output.request_id)
+        )
         lengths = [len(c.token_ids) for c in output.completions]
         validating = claimed.prompt.validation_step is not None
         score: Scorer | None = self.val_scorer if validating else self.scorer
@@ -445,6 +460,9 @@ class RolloutWorker:
     ) -> None:
         validating = claimed.prompt.validation_step is not None
         logprobs = self.cfg.grpo.collect_rollout_logprobs and not validating
+        conversations = self.conversations.pop(output.request_id, None)
+        if conversations is not None:
+            scored = with_turn_rewards(scored, conversations)
         completions = make_completions(output, texts, scored, logprobs=logprobs)
         p = self.cfg.grpo
         filtered = False
@@ -485,6 +503,43 @@ class RolloutWorker:
         if isinstance(self.engine, LockstepEngine):
             self.engine.stop_followers()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.multi_turn is not None:
+            self.multi_turn.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def multi_turn(cfg: Config, tokenizer: Any, vision: VisionProcessor | None) -> MultiTurn | None:
+    """The multi-turn request builder (`rollout.multi_turn_config.enable`), its environments'
+    steps run in a thread pool; None for single-turn rollouts."""
+    if not cfg.rollout.multi_turn_config.enable:
+        return None
+    if vision is not None:
+        raise ValueError(
+            "rollout.multi_turn_config.enable is not supported yet for vision-language models"
+        )
+    executor = ThreadPoolExecutor(
+        min(32, cfg.rollout.max_num_seqs), thread_name_prefix="nebula-env"
+    )
+    return MultiTurn(cfg, tokenizer, executor)
+
+
+def completion_texts(
+    cfg: Config,
+    tokenizer: Any,
+    output: RequestOutput,
+    conversations: Sequence[Conversation] | None,
+) -> list[str]:
+    """The texts the reward functions score: each completion's (decoded once), or of a
+    multi-turn conversation its last assistant turn."""
+    if conversations is not None:
+        return [
+            conversation.final_text(c)
+            for conversation, c in zip(conversations, output.completions, strict=True)
+        ]
+    include_stop = cfg.rollout.include_stop_str_in_output
+    return [
+        completion_text(tokenizer, c.token_ids, c.finish_reason, include_stop=include_stop)
+        for c in output.completions
+    ]
 
 
 def _engine(
