@@ -652,27 +652,14 @@ class TrainingConfig(_Section):
     """Floor of the decayed learning rate as a fraction of `optm_lr`."""
     optm_grad_norm_clip: float = Field(default=1.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 disables."""
-    ema_enable: bool = Field(
-        default=False,
-        json_schema_extra=refused(
-            "EMA weights are built for world models (policy.is_diffusers) only so far"
-        ),
-    )
-    """Keep an exponential moving average of the weights."""
-    ema_decay: float = Field(
-        default=0.9999,
-        json_schema_extra=refused(
-            "EMA weights are built for world models (policy.is_diffusers) only so far"
-        ),
-    )
-    """EMA decay."""
-    ema_update_step_interval: int = Field(
-        default=0,
-        json_schema_extra=refused(
-            "EMA weights are built for world models (policy.is_diffusers) only so far"
-        ),
-    )
-    """Steps between EMA updates (0: every step)."""
+    ema_enable: bool = False
+    """Keep an exponential moving average of the trained weights, exported beside them
+    (language models: `safetensors/final_ema`; world models export it in their place) and
+    saved in checkpoints (docs/ema.md)."""
+    ema_decay: float = Field(default=0.9999, ge=0.0, le=1.0)
+    """EMA decay; optimiser step t uses min((1 + t) / (10 + t), ema_decay)."""
+    ema_update_step_interval: int = Field(default=0, ge=0)
+    """Optimiser steps between EMA updates (0: every step)."""
     master_dtype: Dtype = "float32"
     """Dtype of the weights and optimiser state the optimiser updates (the master copy)."""
     param_dtype: Dtype = "float32"

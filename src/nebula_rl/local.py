@@ -53,7 +53,7 @@ from nebula_rl.models import load_tokenizer
 from nebula_rl.models.export import export_hf
 from nebula_rl.policy.batching import rollout_media
 from nebula_rl.policy.checkpoint import Checkpointer, resume_checkpoint
-from nebula_rl.policy.parallelize import ParallelModel
+from nebula_rl.policy.ema import with_ema_export
 from nebula_rl.policy.setup import (
     load_policy_model,
     parallelize_policy,
@@ -131,14 +131,13 @@ def run(cfg: Config) -> Path:
     # A vision-language model's processor: its conversations' images and videos, and its export.
     vision = vision_processor(cfg, model_config)
     policy = cfg.train.train_policy
-    parallel = None
     if isinstance(policy, GrpoConfig):
-        _run_grpo(cfg, policy, model, tokenizer, run_dir, vision=vision)
+        trainer = _run_grpo(cfg, policy, model, tokenizer, run_dir, vision=vision)
     else:
         with cpu_threads(cfg.policy.cpu_threads):
-            parallel = _run_sft(cfg, policy, model, tokenizer, run_dir, vision=vision)
-    if cfg.train.ckpt.export_safetensors:
-        export_hf(model, vision or tokenizer, run_dir / "safetensors" / "final", parallel=parallel)
+            trainer = _run_sft(cfg, policy, model, tokenizer, run_dir, vision=vision)
+    if cfg.train.ckpt.export_safetensors:  # (and the weight averages', `final_ema`)
+        _export(model, vision or tokenizer, trainer)(run_dir / "safetensors" / "final")
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
@@ -285,6 +284,13 @@ def _validate(
     return validation_metrics(rewards, lengths, versions)
 
 
+def _export(model: torch.nn.Module, tokenizer: Any, trainer: PolicyTrainer) -> Any:
+    """Writes Hugging Face exports of `model` into the folder it is given, and with
+    `train.ema_enable` of its weight averages beside it (`<folder>_ema`)."""
+    export = functools.partial(export_hf, model, tokenizer, parallel=trainer.parallel)
+    return with_ema_export(export, trainer.ema)
+
+
 def _checkpointer(
     cfg: Config,
     run_dir: Path,
@@ -301,7 +307,8 @@ def _checkpointer(
         scheduler=trainer.scheduler,
         # (the built-in engine's sampling generator is saved; vLLM's is its own)
         engine=engine if isinstance(engine, TorchEngine) else None,
-        export=functools.partial(export_hf, model, tokenizer, parallel=trainer.parallel),
+        ema=trainer.ema,
+        export=_export(model, tokenizer, trainer),
     )
 
 
@@ -355,8 +362,9 @@ def _run_grpo(
     run_dir: Path,
     *,
     vision: VisionProcessor | None = None,
-) -> None:
-    """RL in this process; `vision`: a vision-language model's processor."""
+) -> PolicyTrainer:
+    """RL in this process, by the trainer it returns; `vision`: a vision-language model's
+    processor."""
     rows = rl_rows(cfg)
     total = num_train_steps(cfg, len(rows), items_per_step=cfg.groups_per_replica)
     score = scorer(cfg)
@@ -453,6 +461,7 @@ def _run_grpo(
         checkpointer.close()
         writer.close()
     (run_dir / "trained_prompts.json").write_text(json.dumps(trained))
+    return trainer
 
 
 class _SftTokenize:
@@ -535,9 +544,9 @@ def _run_sft(
     run_dir: Path,
     *,
     vision: VisionProcessor | None = None,
-) -> ParallelModel | None:
-    """The SFT loop; the ParallelModel the model became under torchrun (None in one process).
-    `vision`: a vision-language model's processor (conversations with images and videos)."""
+) -> PolicyTrainer:
+    """The SFT loop, by the trainer it returns (its `parallel`: the ParallelModel the model
+    became under torchrun, None in one process). `vision`: a vision-language model's processor (conversations with images and videos)."""
     train_rows, val_rows = _sft_rows(cfg, p)
     tokenize = _SftTokenize(cfg, p, tokenizer, vision)
     batches = SftBatches(
@@ -611,11 +620,11 @@ def _run_sft(
                     checkpointer.save(step, data={"epoch": epoch, "position": position})
                 if signalled:
                     log.warning("stopping after step %d: a checkpoint is saved", step)
-                    return trainer.parallel
+                    return trainer
     finally:
         profiler.close()
         stop_signal.release()
         checkpointer.close()
         if writer is not None:
             writer.close()
-    return trainer.parallel
+    return trainer
