@@ -65,7 +65,7 @@ from nebula_rl.policy.trainer import PolicyTrainer, SftExample
 from nebula_rl.profiling import StepProfiler
 from nebula_rl.protocol import Prompt, RolloutGroup
 from nebula_rl.ranks import cpu_threads, init_ranks
-from nebula_rl.rewards import Scorer, filter_values, scorer
+from nebula_rl.rewards import RemoteScorer, Scorer, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
 from nebula_rl.rollout.torch_engine import TorchEngine
@@ -195,7 +195,7 @@ def _generate(
     tokenizer: Any,
     prompts: list[Prompt],
     cfg: Config,
-    score: Scorer,
+    score: Scorer | RemoteScorer,
     sampling: list[SamplingParams],
     n: int,
     vision: VisionProcessor | None,
@@ -211,9 +211,9 @@ def _generate(
         ids.append(q_ids)
         requests.append(GenerationRequest(q_ids, n=n, sampling=s, media=media))
     include_stop = cfg.rollout.include_stop_str_in_output
-    out = []
     with cpu_threads(cfg.rollout.cpu_threads):
         outputs = engine.generate(requests)
+    out = []
     for prompt, prompt_ids, output in zip(prompts, ids, outputs, strict=True):
         texts = [
             completion_text(tokenizer, c.token_ids, c.finish_reason, include_stop=include_stop)
@@ -221,9 +221,15 @@ def _generate(
         ]
         lengths = [len(c.token_ids) for c in output.completions]
         assert prompt.reference is not None
-        out.append(
-            (prompt, prompt_ids, output, texts, score.score_group(texts, lengths, prompt.reference))
+        # (with remote rewards every group is sent at once, its scores collected below)
+        scored: Any = (
+            score.submit(texts, lengths, prompt.reference, group=prompt.prompt_id)
+            if isinstance(score, RemoteScorer)
+            else score.score_group(texts, lengths, prompt.reference)
         )
+        out.append((prompt, prompt_ids, output, texts, scored))
+    if isinstance(score, RemoteScorer):
+        out = [(*rest, scored.result()) for *rest, scored in out]
     return out
 
 
@@ -232,7 +238,7 @@ def _rollout(
     tokenizer: Any,
     prompts: list[Prompt],
     cfg: Config,
-    score: Scorer,
+    score: Scorer | RemoteScorer,
     vision: VisionProcessor | None,
 ) -> list[RolloutGroup]:
     sampling = [sampling_params(cfg, tokenizer.eos_token_id)] * len(prompts)
@@ -253,7 +259,7 @@ def _validate(
     tokenizer: Any,
     cfg: Config,
     rows: list[dict[str, Any]],
-    score: Scorer,
+    score: Scorer | RemoteScorer,
     step: int,
     vision: VisionProcessor | None,
 ) -> dict[str, float]:
@@ -317,7 +323,7 @@ def _collect_batch(
     tokenizer: Any,
     prompts: _PromptStream,
     cfg: Config,
-    score: Scorer,
+    score: Scorer | RemoteScorer,
     vision: VisionProcessor | None,
 ) -> tuple[list[RolloutGroup], float, int]:
     """A step's scored groups (refilled while dynamic sampling drops some), the generation
@@ -369,7 +375,7 @@ def _run_grpo(
     total = num_train_steps(cfg, len(rows), items_per_step=cfg.groups_per_replica)
     score = scorer(cfg)
     val_rows = rl_validation_rows(cfg) if cfg.validation.enable else []
-    val_score = scorer(cfg, validation=True)
+    val_score = scorer(cfg, validation=True) if cfg.validation.enable else score
     # The reference is the starting model, also when resuming: copy it before a checkpoint loads
     # (and before the blocks are checkpointed or compiled: it only runs forward).
     ref = copy.deepcopy(model).eval().requires_grad_(False) if p.kl_beta > 0 else None
@@ -460,6 +466,9 @@ def _run_grpo(
         save_signal.release()
         checkpointer.close()
         writer.close()
+        for s in {id(score): score, id(val_score): val_score}.values():
+            if isinstance(s, RemoteScorer):
+                s.close()
     (run_dir / "trained_prompts.json").write_text(json.dumps(trained))
     return trainer
 
