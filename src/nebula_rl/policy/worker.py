@@ -344,6 +344,7 @@ class PolicyWorker:
                     self.trainer.scheduler,
                     version=self.version,
                     clean=self.clean,
+                    ema=self.trainer.ema,  # (a language model's or a world model's averages)
                 )
                 self.trainer.replicas = replicas
             elif not self.clean:
