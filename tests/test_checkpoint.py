@@ -1,6 +1,7 @@
 """Checkpoints: an interrupted and resumed run repeats an uninterrupted one bit for bit (SFT and
-GRPO; the weight averages of `train.ema_enable` and their export too); rotation; half-written checkpoints are ignored; async saves a snapshot; a checkpoint of an
-FSDP2-sharded model (two gloo processes) loads into one unsharded process."""
+GRPO; the weight averages of `train.ema_enable` and their export too); rotation; half-written
+checkpoints are ignored; async saves a snapshot; a checkpoint of an FSDP2-sharded model (two gloo
+processes), its weight averages too, loads into one unsharded process."""
 
 import json
 import multiprocessing as mp
@@ -27,6 +28,7 @@ from nebula_rl.policy.checkpoint import (
     is_checkpoint,
     latest_checkpoint,
 )
+from nebula_rl.policy.ema import WeightEMA
 from nebula_rl.weights import free_port
 
 # DCP notes each save/load without a process group; that is the single-process case tested here.
@@ -288,9 +290,11 @@ def _fsdp_rank(rank: int, port: int, run_dir: str, out) -> None:
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s)
+        ema = WeightEMA(model, decay=0.5, interval=1)  # (averages of this rank's shards)
         ids = torch.arange(1, 9).view(2, 4) + rank
         model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
         optimizer.step()
+        ema.step()
         scheduler.step()
         checkpointer = Checkpointer(
             CheckpointConfig(enable_checkpoint=True, save_mode="async"),
@@ -298,14 +302,17 @@ def _fsdp_rank(rank: int, port: int, run_dir: str, out) -> None:
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
+            ema=ema,
         )
         checkpointer.save(1, data={"position": 8}, ledger={"policy_version": 1})
         checkpointer.close()
         full = get_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
+        averages = {name: a.full_tensor() for name, a in ema.state().items()}
         if rank == 0:
             torch.save(full, Path(run_dir) / "full.pt")
+            torch.save(averages, Path(run_dir) / "ema.pt")
         dist.barrier()
         dist.destroy_process_group()
         out.put((rank, None))
@@ -345,8 +352,14 @@ def test_fsdp_sharded_checkpoint_loads_unsharded(tmp_path):
     model = load_model("tiny:qwen2", seed=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s)
+    ema = WeightEMA(model, decay=0.5, interval=1)
     restored = Checkpointer(
-        CheckpointConfig(), tmp_path, model=model, optimizer=optimizer, scheduler=scheduler
+        CheckpointConfig(),
+        tmp_path,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ema=ema,
     ).load(path)
     assert (restored.step, restored.data, restored.ledger) == (
         1,
@@ -363,3 +376,11 @@ def test_fsdp_sharded_checkpoint_loads_unsharded(tmp_path):
     for fqn, state in want_optim["state"].items():
         for key, tensor in state.items():
             assert torch.equal(got_optim["state"][fqn][key], tensor), (fqn, key)
+    # The weight averages, saved as shards, load whole; they lag the weights.
+    assert ema.steps == 1
+    want_ema = torch.load(tmp_path / "ema.pt", weights_only=True)
+    assert ema.state().keys() == want_ema.keys()
+    for name, tensor in want_ema.items():
+        assert torch.equal(ema.state()[name], tensor), name
+        if "norm" not in name:
+            assert not torch.equal(tensor, got_model[name]), name
