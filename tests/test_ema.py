@@ -8,7 +8,7 @@ import torch
 from nebula_rl.config import ConfigError, config_from_dict
 from nebula_rl.data import sft_example
 from nebula_rl.models import build_char_tokenizer, load_model
-from nebula_rl.policy.ema import ema_folder
+from nebula_rl.policy.ema import WeightEMA, ema_folder
 from nebula_rl.policy.trainer import PolicyTrainer
 
 
@@ -51,6 +51,27 @@ def test_averages_follow_the_warm_up_decay_every_interval_of_optimizer_steps():
     assert not torch.allclose(average, param.detach())  # they lag the live weights
     assert trainer.ema.steps == 5
     assert set(trainer.ema.state()) == {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_averages_of_bfloat16_weights_are_kept_in_float32():
+    model = load_model("tiny:qwen2", seed=0).to(torch.bfloat16)
+    ema = WeightEMA(model, decay=0.9999, interval=1)
+    param = model.model.norm.weight
+    start = param.detach().float().clone()
+    for _ in range(20):  # (steps of 1.0: exact in bfloat16 at these sizes)
+        with torch.no_grad():
+            param.add_(1.0)
+        ema.step()
+    want = start.clone()
+    for t in range(20):
+        d = min((1 + t) / (10 + t), 0.9999)
+        want = d * want + (1 - d) * (start + t + 1).to(torch.bfloat16).float()
+    (average,) = [a for n, a in ema.state().items() if n == "model.norm.weight"]
+    assert average.dtype == torch.float32
+    torch.testing.assert_close(average, want)
+    with ema.applied():  # (put into the bfloat16 weights for an export)
+        assert param.dtype == torch.bfloat16
+        torch.testing.assert_close(param.detach(), want.to(torch.bfloat16))
 
 
 def test_off_by_default_and_keys_checked_at_load(tmp_path):

@@ -4,8 +4,8 @@ parameter's average moves toward it, `ema <- ema + (1 - d) (param - ema)`, with 
 `d = min((1 + t) / (10 + t), ema_decay)` at optimiser step `t` (so the first averages follow the
 weights closely).
 
-The weights that sample and train stay the live ones. The averages are kept on each rank for the
-parameters it holds (FSDP2/TP DTensor shards, a pipeline stage's layers), so they cost one more
+The weights that sample and train stay the live ones. The averages are kept in float32 (the
+weights' dtype when wider) on each rank for the parameters it holds (FSDP2/TP DTensor shards, a pipeline stage's layers), so they cost one more
 copy of this rank's share of the weights and no communication; they are gathered only when an
 export puts them in the model for a moment (:meth:`WeightEMA.applied`). Language models export them
 beside the weights (`safetensors/final_ema`, `safetensors/step_<N>_ema`: :func:`with_ema_export`);
@@ -41,7 +41,8 @@ class WeightEMA:
         self.names = [n for n, _ in named]
         """The parameters' names in `model` (a checkpoint's keys)."""
         self.params = [p for _, p in named]
-        self.averages = [p.detach().clone() for p in self.params]
+        # (float32 at least: in bfloat16 a step of weight 1 - d = 1e-4 would mostly round away)
+        self.averages = [p.detach().clone().to(_average_dtype(p.dtype)) for p in self.params]
         self.steps = 0
         """Optimiser steps seen."""
 
@@ -57,7 +58,7 @@ class WeightEMA:
             return
         weight = 1.0 - self.current_decay(step)
         for average, param in zip(self.averages, self.params, strict=True):
-            average.lerp_(param.detach(), weight)
+            average.lerp_(param.detach().to(average.dtype), weight)
 
     def state(self) -> dict[str, Tensor]:
         """The averages by parameter name (this rank's shards: a DCP checkpoint's entries)."""
@@ -84,6 +85,10 @@ class WeightEMA:
             with torch.no_grad():
                 for param, saved in zip(self.params, live, strict=True):
                     param.copy_(saved)
+
+
+def _average_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def ema_folder(folder: Path) -> Path:
