@@ -119,24 +119,42 @@ def test_a_group_is_sent_again_until_the_service_answers(tmp_path, monkeypatch, 
 
 
 def test_local_job_trains_and_validates_with_remote_rewards(svc, tmp_path, monkeypatch):
+    """A `--local` job scored by the service takes the same steps as one scored in process
+    (by a reward that varies: the completion's length)."""
     point_client_at(monkeypatch, svc.url)
-    before = svc.service.stats()["calls"].get("arithmetic", 0)
-    cfg = arithmetic_grpo_config(
+    length = "reward_helpers:gated_length"  # (no gate here: it scores at once)
+    before = svc.service.stats()["calls"].get(length, 0)
+    common = {
+        "train": {"max_num_steps": 2, "train_policy": {"dataset": {"test_size": 2}}},
+        "validation": {"enable": True, "freq": 2, "n_generation": 2},
+    }
+    fn = {"name": length, "clip_max": 100.0}
+    remote = arithmetic_grpo_config(
         tmp_path,
-        remote_changes({"name": "arithmetic"}, batch_size=4),
-        {
-            "train": {"max_num_steps": 2, "train_policy": {"dataset": {"test_size": 2}}},
-            "validation": {"enable": True, "freq": 2, "n_generation": 2},
-        },
+        remote_changes(fn, batch_size=4, reward_clip_max=100.0),
+        common,
+        timestamp="remote",
     )
-    assert cfg.validation.use_remote_reward is None  # inherits training's
-    run_dir = local.run(cfg)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
-    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in records)
-    assert records[-1]["val/rollout_count"] == 2 * 2
-    # 2 steps of 4 groups (each one request of 4) and 2 validation groups, scored remotely
-    assert svc.service.stats()["calls"]["arithmetic"] - before >= 2
+    assert remote.validation.use_remote_reward is None  # inherits training's
+    here = arithmetic_grpo_config(
+        tmp_path,
+        {"train": {"train_policy": {"reward_function": length}}},
+        common,
+        timestamp="here",
+    )
+    runs = {}
+    for cfg in (remote, here):
+        run_dir = local.run(cfg)
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        runs[cfg.train.timestamp] = [json.loads(line) for line in lines]
+    assert [r["step"] for r in runs["remote"]] == [1, 2]
+    assert runs["remote"][-1]["val/rollout_count"] == 2 * 2
+    assert all(r["reward_std"] > 0 and r["loss"] != 0 for r in runs["remote"])  # (a real check)
+    for got, want in zip(runs["remote"], runs["here"], strict=True):
+        for key in ("reward_mean", "reward_std", "loss", "val/reward_mean"):
+            assert got.get(key) == want.get(key), key
+    # 2 steps of 4 groups (a request of 4 each) and 2 validation groups, scored remotely
+    assert svc.service.stats()["calls"][length] - before >= 2
 
 
 def test_text_and_pixel_rewards_each_take_their_own_media_type():
