@@ -1130,7 +1130,8 @@ class RolloutConfig(_Section):
     seed: int | None = None
     """Sampling seed; defaults to `train.seed`."""
     reward_workers: int = Field(default=1, ge=0)
-    """nebula-rl: processes that score completions (0: score in the rollout process)."""
+    """nebula-rl: processes that score completions (0: score in the rollout process); none start
+    with `use_remote_reward`, where the reward service scores."""
     include_stop_str_in_output: bool = False
     """Keep the stop token's text (e.g. `<|im_end|>`) in the completion text rewards see and the
     group stores (the token ids trained on include the stop token either way)."""
