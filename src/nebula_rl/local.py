@@ -555,7 +555,8 @@ def _run_sft(
     vision: VisionProcessor | None = None,
 ) -> PolicyTrainer:
     """The SFT loop, by the trainer it returns (its `parallel`: the ParallelModel the model
-    became under torchrun, None in one process). `vision`: a vision-language model's processor (conversations with images and videos)."""
+    became under torchrun, None in one process). `vision`: a vision-language model's processor
+    (conversations with images and videos)."""
     train_rows, val_rows = _sft_rows(cfg, p)
     tokenize = _SftTokenize(cfg, p, tokenizer, vision)
     batches = SftBatches(

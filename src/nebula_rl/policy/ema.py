@@ -5,12 +5,13 @@ parameter's average moves toward it, `ema <- ema + (1 - d) (param - ema)`, with 
 weights closely).
 
 The weights that sample and train stay the live ones. The averages are kept in float32 (the
-weights' dtype when wider) on each rank for the parameters it holds (FSDP2/TP DTensor shards, a pipeline stage's layers), so they cost one more
-copy of this rank's share of the weights and no communication; they are gathered only when an
-export puts them in the model for a moment (:meth:`WeightEMA.applied`). Language models export them
-beside the weights (`safetensors/final_ema`, `safetensors/step_<N>_ema`: :func:`with_ema_export`);
-world models export them in place of the weights, as cosmos-rl's diffusers trainers do
-(`nebula_rl.flow`). Checkpoints hold the averages and the count of steps they have seen.
+weights' dtype when wider) on each rank for the parameters it holds (FSDP2/TP DTensor shards, a
+pipeline stage's layers), so they cost one more copy of this rank's share of the weights and no
+communication; they are gathered only when an export puts them in the model for a moment
+(:meth:`WeightEMA.applied`). Language models export them beside the weights
+(`safetensors/final_ema`, `safetensors/step_<N>_ema`: :func:`with_ema_export`); world models
+export them in place of the weights, as cosmos-rl's diffusers trainers do (`nebula_rl.flow`).
+Checkpoints hold the averages and the count of steps they have seen.
 """
 
 from __future__ import annotations

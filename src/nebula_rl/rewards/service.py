@@ -6,16 +6,16 @@ of either signature.
 
 A trainer enqueues a batch (`POST /api/reward/enqueue`, body `<JSON>\\n<npy bytes>`; for text,
 `media_type = "text"` with the completions and references in the JSON and nothing after the
-newline) and gets a uuid at once; worker processes score it; the trainer pulls each reward's scores by uuid and name
-(`POST /api/reward/pull`, form fields `uuid` and `type`; 400 until they are ready). Every endpoint
-but `/health` needs `Authorization: Bearer <token>`.
+newline) and gets a uuid at once; worker processes score it; the trainer pulls each reward's
+scores by uuid and name (`POST /api/reward/pull`, form fields `uuid` and `type`; 400 until they
+are ready). Every endpoint but `/health` needs `Authorization: Bearer <token>`.
 
 Inside: a bounded queue (`max_pending` tasks waiting or running; 429 beyond it, never a silent
 drop), one shared pool of `num_workers` spawned processes that run any of the configured rewards,
-batching of queued requests of the same reward and sample shape (or of the same text reward)
-into one call, and a supervisor
-thread that puts the tasks of a worker that died back at the front of the queue and starts a new
-worker. Results stay in this process's memory for `result_ttl_s`. See docs/reward-service.md.
+batching of queued requests of the same reward and sample shape (text: of the same reward) into
+one call, and a supervisor thread that puts the tasks of a worker that died back at the front of
+the queue and starts a new worker. Results stay in this process's memory for `result_ttl_s`.
+See docs/reward-service.md.
 """
 
 from __future__ import annotations
