@@ -31,10 +31,13 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    """`base` with `changes` merged in, table by table (a value that is not a table replaces)."""
+    """`base` with `changes` merged in, table by table (a value that is not a table replaces; None
+    removes the key, as TOML cannot say None)."""
     out = copy.deepcopy(base)
     for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)

@@ -1,11 +1,13 @@
-"""A reward for tests/test_reward_service.py that the reward service's spawned workers import as
-`reward_helpers:probe` (they get pytest's sys.path, which holds tests/).
+"""Rewards for the reward-service tests that the service's spawned workers import as
+`reward_helpers:probe` and `reward_helpers:gated_length` (they get pytest's sys.path, which holds
+tests/).
 
 `probe` is `brightness` with behaviour a prompt asks for: `sleep=S` sleeps S seconds (the
 longest asked in the batch) before scoring, `fail` raises, `nan` scores that sample NaN. Each
 call appends its batch size to the file $NEBULA_TEST_REWARD_RECORD when that is set (read when
 the worker starts), so a test sees how the service batched requests. A worker process started
-while $NEBULA_TEST_WORKER_CRASH is set dies importing this module (exit code 3).
+while $NEBULA_TEST_WORKER_CRASH is set dies importing this module (exit code 3). `gated_length`
+is a text reward that scores only once a file the test creates exists.
 """
 
 from __future__ import annotations
@@ -47,3 +49,19 @@ def text_length(completion: str, reference: str) -> float:
     """The completion's length in characters over 10: a reward that varies within a group even
     for an untrained model (tests/test_colocated.py compares two runs' losses with it)."""
     return len(completion) / 10
+
+
+GATE_ENV = "NEBULA_TEST_REWARD_GATE"
+"""A file `gated_length` waits for before it scores (read when it is called)."""
+
+
+def gated_length(completion: str, reference: str) -> float:
+    """A text reward: the completion's length in characters, once the file $NEBULA_TEST_REWARD_GATE
+    exists (so a test decides when scores can arrive; raises after 60 s without it)."""
+    gate = os.environ.get(GATE_ENV)
+    deadline = time.monotonic() + 60
+    while gate and not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{gate} was never created")
+        time.sleep(0.01)
+    return float(len(completion))

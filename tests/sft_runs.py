@@ -28,9 +28,12 @@ def train(config: Path, launcher: Sequence[str] = tuple(CLI)) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-def assert_two_like_one(run_root: Path, num_steps: int, *, atol: float) -> dict[str, torch.Tensor]:
+def assert_two_like_one(
+    run_root: Path, num_steps: int, *, atol: float, folder: str = "final"
+) -> dict[str, torch.Tensor]:
     """The runs `run_root/one` and `run_root/two` took the same `num_steps` steps: the same global
-    token counts, losses and gradient norms to 1e-5 and exported weights to rtol 1e-4 and `atol`; the weights."""
+    token counts, losses and gradient norms to 1e-5 and exported weights (`safetensors/<folder>`)
+    to rtol 1e-4 and `atol`; the weights."""
     runs = {
         name: [json.loads(line) for line in (run_root / name / "metrics.jsonl").open()]
         for name in ("one", "two")
@@ -41,7 +44,7 @@ def assert_two_like_one(run_root: Path, num_steps: int, *, atol: float) -> dict[
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     weights = {
-        name: load_file(run_root / name / "safetensors" / "final" / "model.safetensors")
+        name: load_file(run_root / name / "safetensors" / folder / "model.safetensors")
         for name in ("one", "two")
     }
     assert weights["one"].keys() == weights["two"].keys()

@@ -1,6 +1,7 @@
 """Checkpoints: an interrupted and resumed run repeats an uninterrupted one bit for bit (SFT and
-GRPO); rotation; half-written checkpoints are ignored; async saves a snapshot; a checkpoint of an
-FSDP2-sharded model (two gloo processes) loads into one unsharded process."""
+GRPO; the weight averages of `train.ema_enable` and their export too); rotation; half-written
+checkpoints are ignored; async saves a snapshot; a checkpoint of an FSDP2-sharded model (two gloo
+processes), its weight averages too, loads into one unsharded process."""
 
 import json
 import multiprocessing as mp
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from transformers import AutoModelForCausalLM
 
 from nebula_rl import local
 from nebula_rl.config import CheckpointConfig, config_from_dict
@@ -26,6 +28,7 @@ from nebula_rl.policy.checkpoint import (
     is_checkpoint,
     latest_checkpoint,
 )
+from nebula_rl.policy.ema import WeightEMA
 from nebula_rl.weights import free_port
 
 # DCP notes each save/load without a process group; that is the single-process case tested here.
@@ -88,8 +91,8 @@ def _records(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS} for line in lines]
 
 
-def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "safetensors" / "final" / "model.safetensors")
+def _final_weights(run_dir: Path, folder: str = "final") -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "safetensors" / folder / "model.safetensors")
 
 
 def _assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -103,7 +106,9 @@ def _assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
 )
 def test_resumed_run_repeats_the_uninterrupted_run(tmp_path, policy, save_mode, epochs):
     ckpt = {"enable_checkpoint": True, "save_freq": 2, "max_keep": -1, "save_mode": save_mode}
-    cfg = _cfg(tmp_path, policy, epoch=epochs, max_num_steps=5, ckpt=ckpt)
+    # (with weight averages: they are saved, restored and exported beside the weights)
+    ema = {"ema_enable": True, "ema_decay": 0.5, "ema_update_step_interval": 2}
+    cfg = _cfg(tmp_path, policy, epoch=epochs, max_num_steps=5, ckpt=ckpt, **ema)
     run_dir = local.run(cfg)
     full = _records(run_dir)
     assert [r["step"] for r in full] == [1, 2, 3, 4, 5]
@@ -111,20 +116,28 @@ def test_resumed_run_repeats_the_uninterrupted_run(tmp_path, policy, save_mode, 
     if policy is GRPO:
         assert sum(r["groups_dropped"] for r in full) > 0  # steps consume varying prompt counts
     full_weights = _final_weights(run_dir)
+    full_ema = _final_weights(run_dir, "final_ema")
+    averaged = AutoModelForCausalLM.from_pretrained(run_dir / "safetensors" / "final_ema")
+    loaded = averaged.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in full_ema.items())
+    assert not any(torch.equal(full_ema[k], v) for k, v in full_weights.items() if "norm" not in k)
     trained = run_dir / "trained_prompts.json"  # GRPO only
     full_trained = trained.read_text() if policy is GRPO else None
     done = [p.name for p in sorted((run_dir / "checkpoints").iterdir()) if is_checkpoint(p)]
     assert done == ["step_2", "step_4", "step_5"]  # every save_freq steps, and after the last
     assert (run_dir / "safetensors" / "step_4" / "model.safetensors").is_file()
+    assert (run_dir / "safetensors" / "step_4_ema" / "model.safetensors").is_file()
 
     # An interrupted run: step 4's checkpoint half-written, metrics already past it.
     (checkpoint_path(run_dir, 4) / MANIFEST).unlink()
     shutil.rmtree(checkpoint_path(run_dir, 5))
     (run_dir / "safetensors" / "final").rename(run_dir / "full_final")
+    (run_dir / "safetensors" / "final_ema").rename(run_dir / "full_final_ema")
     cfg.train.resume = True
     assert local.run(cfg) == run_dir
     assert _records(run_dir) == full  # steps 3-5 replayed exactly, no duplicate lines
     _assert_same_weights(_final_weights(run_dir), full_weights)
+    _assert_same_weights(_final_weights(run_dir, "final_ema"), full_ema)
     if policy is GRPO:
         assert trained.read_text() == full_trained
     assert is_checkpoint(checkpoint_path(run_dir, 4))
@@ -138,6 +151,7 @@ def test_resumed_run_repeats_the_uninterrupted_run(tmp_path, policy, save_mode, 
     other = local.run(cfg)
     assert _records(other) == full[2:]
     _assert_same_weights(_final_weights(other), full_weights)
+    _assert_same_weights(_final_weights(other, "final_ema"), full_ema)
     if policy is GRPO:  # the prompts of the checkpoint's steps, then those trained here
         assert (other / "trained_prompts.json").read_text() == full_trained
 
@@ -276,9 +290,11 @@ def _fsdp_rank(rank: int, port: int, run_dir: str, out) -> None:
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s)
+        ema = WeightEMA(model, decay=0.5, interval=1)  # (averages of this rank's shards)
         ids = torch.arange(1, 9).view(2, 4) + rank
         model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
         optimizer.step()
+        ema.step()
         scheduler.step()
         checkpointer = Checkpointer(
             CheckpointConfig(enable_checkpoint=True, save_mode="async"),
@@ -286,14 +302,17 @@ def _fsdp_rank(rank: int, port: int, run_dir: str, out) -> None:
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
+            ema=ema,
         )
         checkpointer.save(1, data={"position": 8}, ledger={"policy_version": 1})
         checkpointer.close()
         full = get_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
+        averages = {name: a.full_tensor() for name, a in ema.state().items()}
         if rank == 0:
             torch.save(full, Path(run_dir) / "full.pt")
+            torch.save(averages, Path(run_dir) / "ema.pt")
         dist.barrier()
         dist.destroy_process_group()
         out.put((rank, None))
@@ -333,8 +352,14 @@ def test_fsdp_sharded_checkpoint_loads_unsharded(tmp_path):
     model = load_model("tiny:qwen2", seed=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s)
+    ema = WeightEMA(model, decay=0.5, interval=1)
     restored = Checkpointer(
-        CheckpointConfig(), tmp_path, model=model, optimizer=optimizer, scheduler=scheduler
+        CheckpointConfig(),
+        tmp_path,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ema=ema,
     ).load(path)
     assert (restored.step, restored.data, restored.ledger) == (
         1,
@@ -351,3 +376,11 @@ def test_fsdp_sharded_checkpoint_loads_unsharded(tmp_path):
     for fqn, state in want_optim["state"].items():
         for key, tensor in state.items():
             assert torch.equal(got_optim["state"][fqn][key], tensor), (fqn, key)
+    # The weight averages, saved as shards, load whole; they lag the weights.
+    assert ema.steps == 1
+    want_ema = torch.load(tmp_path / "ema.pt", weights_only=True)
+    assert ema.state().keys() == want_ema.keys()
+    for name, tensor in want_ema.items():
+        assert torch.equal(ema.state()[name], tensor), name
+        if "norm" not in name:
+            assert not torch.equal(tensor, got_model[name]), name

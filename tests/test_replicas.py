@@ -24,12 +24,13 @@ STEPS = 2
 METRICS = ("loss", "pg_loss", "entropy", "reward_mean", "reward_std", "num_tokens", "grad_norm")
 
 
-def _cfg():
+def _cfg(**train):
     return config_from_dict(
         {
             "train": {
                 "optm_lr": 1e-3,
                 "optm_warmup_steps": 0,
+                **train,
                 "train_policy": {"type": "grpo", "mini_batch": 3, "loss_type": "token-mean"},
             }
         }
@@ -119,7 +120,10 @@ def _joiner(rank: int, port: int, out) -> None:
     try:
         torch.set_num_threads(1)
         trainer = PolicyTrainer(
-            load_model("tiny:qwen2", seed=1 if rank == 0 else 7), _cfg(), total_steps=4, pad_id=0
+            load_model("tiny:qwen2", seed=1 if rank == 0 else 7),
+            _cfg(**EMA),
+            total_steps=4,
+            pad_id=0,
         )
         version = 0
         if rank == 0:
@@ -129,7 +133,12 @@ def _joiner(rank: int, port: int, out) -> None:
         group = build_group(Rendezvous("127.0.0.1", port, "join", 2, hosted=True), rank=rank)
         replicas = ReplicaGroup(group)
         agreed = replicas.sync_state(
-            trainer.model, trainer.optimizer, trainer.scheduler, version=version, clean=True
+            trainer.model,
+            trainer.optimizer,
+            trainer.scheduler,
+            version=version,
+            clean=True,
+            ema=trainer.ema,
         )
         trainer.replicas = replicas
         metrics = trainer.grpo_step(_groups(STEPS)[rank * 2 : (rank + 1) * 2])
@@ -142,18 +151,26 @@ def _joiner(rank: int, port: int, out) -> None:
         os._exit(0)
 
 
+EMA = {"ema_enable": True, "ema_decay": 0.5}
+"""Weight averages, which a joining replica takes too."""
+
+
 def _fingerprint(trainer: PolicyTrainer) -> list[float]:
-    """Sums of the parameters and of the optimiser's moments."""
+    """Sums of the parameters, of the optimiser's moments and of the weight averages, and the
+    optimiser steps the averages have seen."""
     values = [float(p.detach().double().sum()) for p in trainer.model.parameters()]
     for state in trainer.optimizer.state.values():
         values += [float(state["exp_avg"].double().sum()), float(state["exp_avg_sq"].sum())]
+    if trainer.ema is not None:
+        values += [float(a.double().sum()) for a in trainer.ema.averages]
+        values.append(float(trainer.ema.steps))
     return values
 
 
 def test_a_joining_replica_takes_the_state_of_a_live_one():
     """`ReplicaGroup.sync_state`: a replica that joins late receives the weights, optimiser
-    moments and schedule of the one that trained, so their next data-parallel step equals the
-    veteran's third step over the whole batch."""
+    moments, schedule and weight averages of the one that trained, so their next data-parallel
+    step equals the veteran's third step over the whole batch."""
     port = free_port()
     store = serve_store("127.0.0.1", port)  # noqa: F841 (the rendezvous lives while it does)
     ctx = mp.get_context("spawn")
@@ -161,7 +178,7 @@ def test_a_joining_replica_takes_the_state_of_a_live_one():
     procs = [ctx.Process(target=_joiner, args=(r, port, out), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
-    single = PolicyTrainer(load_model("tiny:qwen2", seed=1), _cfg(), total_steps=4, pad_id=0)
+    single = PolicyTrainer(load_model("tiny:qwen2", seed=1), _cfg(**EMA), total_steps=4, pad_id=0)
     for step in range(STEPS + 1):
         metrics = single.grpo_step(_groups(step))
     reports = {}

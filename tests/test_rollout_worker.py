@@ -81,11 +81,13 @@ def rollout_worker(tmp_path, grpo_job_config, monkeypatch) -> Iterator[Worker]:
         yield make
 
 
-def _enqueue(cfg: Config, state: JobState, num: int, **prompt: Any) -> list[Prompt]:
+def _enqueue(
+    cfg: Config, state: JobState, num: int, *, first: int = 0, **prompt: Any
+) -> list[Prompt]:
     rows = rl_rows(cfg)
     prompts = [
         rl_prompt(cfg, rows, epoch=0, index=i, with_text=not cfg.train.local_dataset)
-        for i in range(num)
+        for i in range(first, first + num)
     ]
     prompts = [Prompt(**{**_fields(p), **prompt}) for p in prompts]
     assert state.enqueue_prompts(prompts) == num
@@ -310,3 +312,45 @@ def test_multi_turn_conversations_are_pushed_with_their_mask_and_turn_rewards(ro
         assert c.loss_mask == [1] + [0] * (len(c.token_ids) - 2) + [1]
         assert c.logprobs[1:-1] == [0.0] * (len(c.token_ids) - 2) and c.logprobs[0] < 0
         assert c.reward == c.reward_terms["turns"] + c.reward_terms["arithmetic"]
+
+
+def _step_until(worker: RolloutWorker, done: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "the worker did not get there"
+        worker.step()
+
+
+def test_generation_goes_on_while_remote_scores_are_pending(rollout_worker, tmp_path, monkeypatch):
+    """With `use_remote_reward` a group waits for its scores in a thread of its own: while the
+    reward service holds the first prompt's scores back (its reward waits for a gate file), the
+    replica claims, generates and decodes the next prompt; both groups are pushed once the
+    scores come, each with the service's scores."""
+    from reward_helpers import GATE_ENV
+    from test_remote_rewards import _service, point_client_at, remote_changes
+
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(GATE_ENV, str(gate))  # (read by the service's worker process)
+    with _service() as svc:
+        point_client_at(monkeypatch, svc.url)
+        worker = rollout_worker(
+            remote_changes({"name": "reward_helpers:gated_length"}, batch_size=2),
+            {"rollout": {"batch_size": 1}},
+        )
+        state = worker.session.state
+        _enqueue(worker.cfg, state, 1)
+        _step_until(worker, lambda: len(worker.scoring) == 1 and not worker.generating)
+        _enqueue(worker.cfg, state, 1, first=1)  # the next prompt, after the first generated
+        _step_until(worker, lambda: len(worker.scoring) == 2 and not worker.generating)
+        # The second group was generated while the first one's scores were pending.
+        assert worker.num_groups == 0 and state.poll_groups(10) == []
+        assert all(not future.done() for future in worker.scoring)
+        gate.touch()
+        groups = _groups(worker, 2)
+    assert [g.prompt.index for g in groups] == [0, 1]
+    for g in groups:
+        assert g.rewards == [float(len(c.text)) for c in g.completions]
+        assert all(
+            c.reward_terms == {"reward_helpers:gated_length": float(len(c.text))}
+            for c in g.completions
+        )

@@ -279,6 +279,31 @@ def test_sync_job_end_to_end(tmp_path, grpo_job_config):
     _check_job(run_dir, allowed=0)
 
 
+@pytest.mark.slow  # (a second job like the one above; the pieces are fast tests elsewhere)
+def test_job_with_remote_rewards_and_weight_averages(tmp_path, grpo_job_config, monkeypatch):
+    """The rollout replica scores through the reward service (its REMOTE_REWARD_* variables
+    inherited from the launcher), the policy replica keeps weight averages and exports them
+    beside its weights (`safetensors/final_ema`)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from test_remote_rewards import _service, point_client_at, remote_changes
+
+    with _service() as svc:
+        point_client_at(monkeypatch, svc.url)
+        changes = remote_changes({"name": "arithmetic"}, batch_size=4)
+        changes["train"]["ema_enable"] = True
+        run_dir = _run_job(tmp_path, _cfg(grpo_job_config, allowed=1, changes=changes))
+        calls = svc.service.stats()["calls"]
+    _check_job(run_dir, allowed=1)
+    assert calls["arithmetic"] >= NUM_ROWS // 4 // 2  # (each group one request; some batched)
+    averages = AutoModelForCausalLM.from_pretrained(run_dir / "safetensors" / "final_ema")
+    final = load_file(run_dir / "safetensors" / "final" / "model.safetensors")
+    state = averages.state_dict()
+    assert final.keys() <= state.keys()
+    assert any(not torch.equal(state[k], v) for k, v in final.items())
+
+
 def test_two_policy_replicas_train_one_global_batch(tmp_path, grpo_job_config):
     """`--policy 2`: each step trains 2 x train_batch_per_replica groups, split between two
     data-parallel policy replicas; every prompt is still trained exactly once."""

@@ -235,6 +235,9 @@ def _arithmetic_sft(tmp_path: Path, name: str, **parallelism: int) -> Path:
                 "train_batch_per_replica": 8 // dp,
                 "max_num_steps": 4,
                 "seed": 5,
+                # (weight averages, kept on each rank's shards, gathered for their export)
+                "ema_enable": True,
+                "ema_decay": 0.5,
                 "train_policy": {
                     "type": "sft",
                     "mini_batch": 4,
@@ -278,7 +281,8 @@ def test_sft_on_two_processes_steps_like_one(tmp_path, parallelism):
     """`nebula-rl train` with two ranks (FSDP2, DDP, TP+SP, or two pipeline stages with each
     schedule; it starts its ranks itself, DDP's under torchrun instead): under data parallelism
     each rank takes its half of every batch, under TP and PP both take all of it; the losses
-    and the exported weights are those of one process with the whole batch."""
+    and the exported weights and weight averages (`train.ema_enable`, `final_ema`) are those of
+    one process with the whole batch."""
     from sft_runs import CLI, TORCHRUN, assert_two_like_one, train
 
     two = [*TORCHRUN, "-m", "nebula_rl.cli"] if "dp_replicate_size" in parallelism else CLI
@@ -286,4 +290,6 @@ def test_sft_on_two_processes_steps_like_one(tmp_path, parallelism):
         train(_arithmetic_sft(tmp_path, name, **(parallelism if name == "two" else {})), launcher)
     # TP sums partial matmuls in another order: after 4 AdamW steps (each moving a weight by
     # ~1e-3) single elements differ by up to ~1.4e-5 (as in test_parallelize.py).
-    assert_two_like_one(tmp_path, 4, atol=3e-5)
+    final = assert_two_like_one(tmp_path, 4, atol=3e-5)
+    averages = assert_two_like_one(tmp_path, 4, atol=3e-5, folder="final_ema")
+    assert not any(torch.equal(averages[k], final[k]) for k in final if "norm" not in k)

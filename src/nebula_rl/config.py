@@ -86,7 +86,6 @@ class _Section(BaseModel):
 # Reasons shared by several keys.
 _NEEDS_CUDA = "needs CUDA and is not supported yet"
 _LORA = "LoRA (policy.lora) is built for world models (policy.is_diffusers) only so far"
-_REMOTE = "remote rewards (use_remote_reward, the reward service) are not supported yet"
 _WORLD = "world-model (diffusers) training is not supported yet"
 _VLA = "vision-language-action (robot policy) training is not supported yet"
 _LOAD_BALANCE = "load-balanced SFT batching is not supported yet"
@@ -218,8 +217,9 @@ class RemoteRewardConfig(_Section):
     """Lower clip of the total reward."""
     reward_clip_max: float = 5.0
     """Upper clip of the total reward."""
-    batch_size: int = 1
-    """Completions per request to the service."""
+    batch_size: int = Field(default=1, ge=1)
+    """Completions per request to the service (a language model's: at most, within one
+    prompt's group)."""
 
 
 # Each RL variant's documented settings, applied to the keys of `[train.train_policy]` that the
@@ -295,12 +295,12 @@ class GrpoConfig(_Section):
     reward_function: RewardSpec = Field(default_factory=lambda: {"boxed_math": 1.0})
     """Reward function(s) by registered name or `module:function`: a name, a list (weight 1 each),
     or a table of name = weight."""
-    use_remote_reward: bool = Field(default=False, json_schema_extra=refused(_REMOTE))
-    """Score completions with a remote reward service."""
-    remote_reward: RemoteRewardConfig = Field(
-        default_factory=RemoteRewardConfig, json_schema_extra=refused(_REMOTE)
-    )
-    """Remote reward service settings."""
+    use_remote_reward: bool = False
+    """Score completions with a reward service (`nebula-rl reward-service`, or cosmos-rl's)
+    reached through $REMOTE_REWARD_ENQUEUE_URL, $REMOTE_REWARD_FETCH_URL, $REMOTE_REWARD_TOKEN,
+    with `remote_reward`'s functions instead of `reward_function` (docs/reward-service.md)."""
+    remote_reward: RemoteRewardConfig = Field(default_factory=RemoteRewardConfig)
+    """Remote reward service settings (read with `use_remote_reward`)."""
     filter_reward_metric: str | list[str] = Field(default_factory=list)
     """Dynamic sampling by these reward functions (registered names or `module:function`; they
     run even when not in `reward_function`): a group whose completions all have the same sum of
@@ -652,27 +652,14 @@ class TrainingConfig(_Section):
     """Floor of the decayed learning rate as a fraction of `optm_lr`."""
     optm_grad_norm_clip: float = Field(default=1.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 disables."""
-    ema_enable: bool = Field(
-        default=False,
-        json_schema_extra=refused(
-            "EMA weights are built for world models (policy.is_diffusers) only so far"
-        ),
-    )
-    """Keep an exponential moving average of the weights."""
-    ema_decay: float = Field(
-        default=0.9999,
-        json_schema_extra=refused(
-            "EMA weights are built for world models (policy.is_diffusers) only so far"
-        ),
-    )
-    """EMA decay."""
-    ema_update_step_interval: int = Field(
-        default=0,
-        json_schema_extra=refused(
-            "EMA weights are built for world models (policy.is_diffusers) only so far"
-        ),
-    )
-    """Steps between EMA updates (0: every step)."""
+    ema_enable: bool = False
+    """Keep an exponential moving average of the trained weights, exported beside them
+    (language models: `safetensors/final_ema`; world models export it in their place) and
+    saved in checkpoints (docs/ema.md)."""
+    ema_decay: float = Field(default=0.9999, ge=0.0, le=1.0)
+    """EMA decay; optimiser step t uses min((1 + t) / (10 + t), ema_decay)."""
+    ema_update_step_interval: int = Field(default=0, ge=0)
+    """Optimiser steps between EMA updates (0: every step)."""
     master_dtype: Dtype = "float32"
     """Dtype of the weights and optimiser state the optimiser updates (the master copy)."""
     param_dtype: Dtype = "float32"
@@ -1174,7 +1161,8 @@ class RolloutConfig(_Section):
     seed: int | None = None
     """Sampling seed; defaults to `train.seed`."""
     reward_workers: int = Field(default=1, ge=0)
-    """nebula-rl: processes that score completions (0: score in the rollout process)."""
+    """nebula-rl: processes that score completions (0: score in the rollout process); none start
+    with `use_remote_reward`, where the reward service scores."""
     include_stop_str_in_output: bool = False
     """Keep the stop token's text (e.g. `<|im_end|>`) in the completion text rewards see and the
     group stores (the token ids trained on include the stop token either way)."""
@@ -1347,12 +1335,11 @@ class ValidationConfig(_Section):
     reward_function: RewardSpec = Field(default_factory=dict)
     """Reward function(s), as in `train.train_policy.reward_function`; empty uses the training
     rewards."""
-    use_remote_reward: bool | None = Field(default=None, json_schema_extra=refused(_REMOTE))
-    """Score with the remote reward service (None: as training)."""
-    remote_reward: RemoteRewardConfig | None = Field(
-        default=None, json_schema_extra=refused(_REMOTE)
-    )
-    """Remote reward settings (None: as training)."""
+    use_remote_reward: bool | None = None
+    """Score with the remote reward service (None: as training; when set, as training too,
+    cosmos-rl's rule)."""
+    remote_reward: RemoteRewardConfig | None = None
+    """Remote reward settings of validation (None: training's `remote_reward`)."""
 
     @field_validator("reward_function")
     @classmethod
@@ -1876,7 +1863,68 @@ def refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
         section_default = _section_default(cfg, key)
         if value != default and value != section_default:
             out.append(f"{key} = {_format_value(value)}: {refusal['refused']}")
+    out += _remote_refusals(cfg)
     out += _rule_refusals(cfg)
+    return out
+
+
+def _remote_refusals(cfg: Config) -> list[str]:
+    """Why a language model's remote-reward keys cannot run as written (they replace the rule
+    reward functions, which would be read by nothing). Values are compared with the defaults:
+    a key written at its default asks for nothing (and a resolved config holds every key)."""
+    p = cfg.train.train_policy
+    if not isinstance(p, GrpoConfig):
+        return []
+    out = []
+    v = cfg.validation
+    prefix = "train.train_policy."
+    if not p.use_remote_reward:
+        if p.remote_reward != RemoteRewardConfig():
+            out.append(f"{prefix}remote_reward: read only with {prefix}use_remote_reward = true")
+        if v.use_remote_reward or v.remote_reward is not None:
+            out.append(
+                "validation.use_remote_reward / remote_reward: validation scores remotely as "
+                f"training does (cosmos-rl's rule): set {prefix}use_remote_reward = true"
+            )
+        return out
+    if v.use_remote_reward is False:
+        out.append(
+            "validation.use_remote_reward = false: validation scores as training does "
+            f"(cosmos-rl's rule), remotely with {prefix}use_remote_reward = true"
+        )
+    if p.reward_function != GrpoConfig().reward_function:
+        out.append(
+            f"{prefix}reward_function: with use_remote_reward the rewards are "
+            "remote_reward.reward_fns; give one or the other"
+        )
+    if v.reward_function:
+        out.append(
+            "validation.reward_function: with use_remote_reward validation's rewards are "
+            "validation.remote_reward.reward_fns (else training's); give one or the other"
+        )
+    if p.bypass_reward:
+        out.append(
+            f"{prefix}bypass_reward = true: scores nothing, so use_remote_reward would send "
+            "completions for nothing; set one of them"
+        )
+    names = [f.name for f in p.remote_reward.reward_fns]
+    unknown = [m for m in p.filter_reward_metric if m not in names]
+    if unknown:
+        out.append(
+            f"{prefix}filter_reward_metric = {_format_value(p.filter_reward_metric)}: with "
+            f"use_remote_reward it names remote_reward.reward_fns ({', '.join(names)})"
+        )
+    for key, remote in (
+        (prefix + "remote_reward", p.remote_reward),
+        ("validation.remote_reward", v.remote_reward),
+    ):
+        for i, f in enumerate(remote.reward_fns if remote is not None else []):
+            if f.score_key not in (None, f.name):
+                out.append(
+                    f"{key}.reward_fns[{i}].score_key = {json.dumps(f.score_key)}: nebula-rl's "
+                    "reward service answers each reward's scores under its name; name the reward "
+                    f"{json.dumps(f.score_key)} instead"
+                )
     return out
 
 

@@ -282,7 +282,7 @@ def run_shard(
     from nebula_rl.data import rl_dataset
     from nebula_rl.data.vision import VisionProcessor
     from nebula_rl.models import is_vision_language, load_model, load_tokenizer, resolve_dtype
-    from nebula_rl.rewards import scorer
+    from nebula_rl.rewards import Scorer, scorer
     from nebula_rl.rollout.build import build_engine
     from nebula_rl.rollout.engine import GenerationRequest
     from nebula_rl.rollout.tensor_parallel import TensorParallel
@@ -316,7 +316,9 @@ def run_shard(
     rows = rl_dataset(cfg)[0][: ec.evaluation.limit]
     done = _done_rows(out)
     mine = [i for i in range(shard, len(rows), ec.shards()) if i not in done]
-    score_one = scorer(cfg).score if score else None
+    rule = scorer(cfg) if score else None
+    assert rule is None or isinstance(rule, Scorer)  # (an eval config has no remote rewards)
+    score_one = rule.score if rule is not None else None
     e, g = ec.evaluation, ec.generation
     base = _sampling(g, tokenizer.eos_token_id)
     with out.open("a") as f:

@@ -53,7 +53,7 @@ from nebula_rl.models import load_tokenizer
 from nebula_rl.models.export import export_hf
 from nebula_rl.policy.batching import rollout_media
 from nebula_rl.policy.checkpoint import Checkpointer, resume_checkpoint
-from nebula_rl.policy.parallelize import ParallelModel
+from nebula_rl.policy.ema import with_ema_export
 from nebula_rl.policy.setup import (
     load_policy_model,
     parallelize_policy,
@@ -65,7 +65,7 @@ from nebula_rl.policy.trainer import PolicyTrainer, SftExample
 from nebula_rl.profiling import StepProfiler
 from nebula_rl.protocol import Prompt, RolloutGroup
 from nebula_rl.ranks import cpu_threads, init_ranks
-from nebula_rl.rewards import Scorer, filter_values, scorer
+from nebula_rl.rewards import RemoteScorer, Scorer, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
 from nebula_rl.rollout.multiturn import Conversation, with_turn_rewards
@@ -134,14 +134,13 @@ def run(cfg: Config) -> Path:
     # A vision-language model's processor: its conversations' images and videos, and its export.
     vision = vision_processor(cfg, model_config)
     policy = cfg.train.train_policy
-    parallel = None
     if isinstance(policy, GrpoConfig):
-        _run_grpo(cfg, policy, model, tokenizer, run_dir, vision=vision)
+        trainer = _run_grpo(cfg, policy, model, tokenizer, run_dir, vision=vision)
     else:
         with cpu_threads(cfg.policy.cpu_threads):
-            parallel = _run_sft(cfg, policy, model, tokenizer, run_dir, vision=vision)
-    if cfg.train.ckpt.export_safetensors:
-        export_hf(model, vision or tokenizer, run_dir / "safetensors" / "final", parallel=parallel)
+            trainer = _run_sft(cfg, policy, model, tokenizer, run_dir, vision=vision)
+    if cfg.train.ckpt.export_safetensors:  # (and the weight averages', `final_ema`)
+        _export(model, vision or tokenizer, trainer)(run_dir / "safetensors" / "final")
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
@@ -199,7 +198,7 @@ def _generate(
     tokenizer: Any,
     prompts: list[Prompt],
     cfg: Config,
-    score: Scorer,
+    score: Scorer | RemoteScorer,
     sampling: list[SamplingParams],
     n: int,
     vision: VisionProcessor | None,
@@ -235,11 +234,21 @@ def _generate(
         texts = completion_texts(cfg, tokenizer, output, chats)
         lengths = [len(c.token_ids) for c in output.completions]
         assert prompt.reference is not None
-        scored = score.score_group(texts, lengths, prompt.reference)
-        if chats is not None:
-            scored = with_turn_rewards(scored, chats)
+        # (with remote rewards every group is sent at once, its scores collected below)
+        scored: Any = (
+            score.submit(texts, lengths, prompt.reference, group=prompt.prompt_id)
+            if isinstance(score, RemoteScorer)
+            else score.score_group(texts, lengths, prompt.reference)
+        )
         out.append((prompt, prompt_ids, output, texts, scored))
-    return out
+    if isinstance(score, RemoteScorer):
+        out = [(*rest, scored.result()) for *rest, scored in out]
+    return [
+        (prompt, prompt_ids, output, texts, with_turn_rewards(scored, chats) if chats else scored)
+        for (prompt, prompt_ids, output, texts, scored), chats in zip(
+            out, conversations, strict=True
+        )
+    ]
 
 
 def _rollout(
@@ -247,7 +256,7 @@ def _rollout(
     tokenizer: Any,
     prompts: list[Prompt],
     cfg: Config,
-    score: Scorer,
+    score: Scorer | RemoteScorer,
     vision: VisionProcessor | None,
 ) -> list[RolloutGroup]:
     sampling = [sampling_params(cfg, tokenizer.eos_token_id)] * len(prompts)
@@ -268,7 +277,7 @@ def _validate(
     tokenizer: Any,
     cfg: Config,
     rows: list[dict[str, Any]],
-    score: Scorer,
+    score: Scorer | RemoteScorer,
     step: int,
     vision: VisionProcessor | None,
 ) -> dict[str, float]:
@@ -299,6 +308,13 @@ def _validate(
     return validation_metrics(rewards, lengths, versions)
 
 
+def _export(model: torch.nn.Module, tokenizer: Any, trainer: PolicyTrainer) -> Any:
+    """Writes Hugging Face exports of `model` into the folder it is given, and with
+    `train.ema_enable` of its weight averages beside it (`<folder>_ema`)."""
+    export = functools.partial(export_hf, model, tokenizer, parallel=trainer.parallel)
+    return with_ema_export(export, trainer.ema)
+
+
 def _checkpointer(
     cfg: Config,
     run_dir: Path,
@@ -315,7 +331,8 @@ def _checkpointer(
         scheduler=trainer.scheduler,
         # (the built-in engine's sampling generator is saved; vLLM's is its own)
         engine=engine if isinstance(engine, TorchEngine) else None,
-        export=functools.partial(export_hf, model, tokenizer, parallel=trainer.parallel),
+        ema=trainer.ema,
+        export=_export(model, tokenizer, trainer),
     )
 
 
@@ -324,7 +341,7 @@ def _collect_batch(
     tokenizer: Any,
     prompts: _PromptStream,
     cfg: Config,
-    score: Scorer,
+    score: Scorer | RemoteScorer,
     vision: VisionProcessor | None,
 ) -> tuple[list[RolloutGroup], float, int]:
     """A step's scored groups (refilled while dynamic sampling drops some), the generation
@@ -369,13 +386,14 @@ def _run_grpo(
     run_dir: Path,
     *,
     vision: VisionProcessor | None = None,
-) -> None:
-    """RL in this process; `vision`: a vision-language model's processor."""
+) -> PolicyTrainer:
+    """RL in this process, by the trainer it returns; `vision`: a vision-language model's
+    processor."""
     rows = rl_rows(cfg)
     total = num_train_steps(cfg, len(rows), items_per_step=cfg.groups_per_replica)
     score = scorer(cfg)
     val_rows = rl_validation_rows(cfg) if cfg.validation.enable else []
-    val_score = scorer(cfg, validation=True)
+    val_score = scorer(cfg, validation=True) if cfg.validation.enable else score
     # The reference is the starting model, also when resuming: copy it before a checkpoint loads
     # (and before the blocks are checkpointed or compiled: it only runs forward).
     ref = copy.deepcopy(model).eval().requires_grad_(False) if p.kl_beta > 0 else None
@@ -475,7 +493,11 @@ def _run_grpo(
         save_signal.release()
         checkpointer.close()
         writer.close()
+        for s in {id(score): score, id(val_score): val_score}.values():
+            if isinstance(s, RemoteScorer):
+                s.close()
     (run_dir / "trained_prompts.json").write_text(json.dumps(trained))
+    return trainer
 
 
 class _SftTokenize:
@@ -558,9 +580,10 @@ def _run_sft(
     run_dir: Path,
     *,
     vision: VisionProcessor | None = None,
-) -> ParallelModel | None:
-    """The SFT loop; the ParallelModel the model became under torchrun (None in one process).
-    `vision`: a vision-language model's processor (conversations with images and videos)."""
+) -> PolicyTrainer:
+    """The SFT loop, by the trainer it returns (its `parallel`: the ParallelModel the model
+    became under torchrun, None in one process). `vision`: a vision-language model's processor
+    (conversations with images and videos)."""
     train_rows, val_rows = _sft_rows(cfg, p)
     tokenize = _SftTokenize(cfg, p, tokenizer, vision)
     batches = SftBatches(
@@ -634,11 +657,11 @@ def _run_sft(
                     checkpointer.save(step, data={"epoch": epoch, "position": position})
                 if signalled:
                     log.warning("stopping after step %d: a checkpoint is saved", step)
-                    return trainer.parallel
+                    return trainer
     finally:
         profiler.close()
         stop_signal.release()
         checkpointer.close()
         if writer is not None:
             writer.close()
-    return trainer.parallel
+    return trainer

@@ -7,7 +7,9 @@ torch CPU, the current CUDA device, the rollout engine's sampling generator), th
 and the controller's ledger. `manifest.json` is written after DCP has finished (by rank 0), so a
 folder without it is a half-written checkpoint and is never picked as the latest. With
 `export_safetensors`, a Hugging Face export is written to `<run_dir>/safetensors/step_<N>/` next
-to each checkpoint and rotated with it.
+to each checkpoint and rotated with it (with `train.ema_enable`, the averages' export
+`step_<N>_ema` too). The weight averages (`policy/ema.py`) are saved as this rank's shards beside
+the model, with the count of optimiser steps they have seen.
 
 Non-tensor state (schedule, RNG, data position, ledger) is stored as one pickled leaf per key:
 DCP would flatten a dict into one entry per key, and loading would then need a template with
@@ -43,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from nebula_rl.config import CheckpointConfig, Config
+from nebula_rl.policy.ema import WeightEMA, ema_folder
 from nebula_rl.runs import (
     MANIFEST,
     checkpoint_path,
@@ -132,6 +135,7 @@ class Checkpointer:
         optimizer: its optimiser.
         scheduler: its LR schedule.
         engine: a rollout engine in this process whose sampling RNG is part of the state.
+        ema: the averages of `model`'s weights (`train.ema_enable`), saved and restored with it.
         export: writes a Hugging Face export of `model` to the folder it is given
             (`safetensors/step_<N>`); called before each checkpoint when
             `cfg.export_safetensors`, on the ranks it is given to.
@@ -146,11 +150,12 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         engine: SamplingRng | None = None,
+        ema: WeightEMA | None = None,
         export: Callable[[Path], None] | None = None,
     ) -> None:
         self.cfg, self.run_dir = cfg, run_dir
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.engine = engine
+        self.engine, self.ema = engine, ema
         self.export = export if cfg.export_safetensors else None
         self.rank = _rank()
         self._async_group = (
@@ -190,6 +195,9 @@ class Checkpointer:
             "train": pickle.dumps({"step": step, "data": data, "ledger": ledger or {}}),
             f"rng_rank{self.rank}": pickle.dumps(_rng_states(self.engine)),
         }
+        if self.ema is not None:
+            state["ema"] = self.ema.state()
+            state["ema_steps"] = pickle.dumps(self.ema.steps)
         if self.cfg.save_mode == "sync":
             dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
             self._finish(step)
@@ -238,8 +246,9 @@ class Checkpointer:
             (old / MANIFEST).unlink()  # first, so a half-deleted folder is never "complete"
             shutil.rmtree(old)
             export = self.run_dir / "safetensors" / f"step_{old_step}"
-            if export.exists():
-                shutil.rmtree(export)
+            for folder in (export, ema_folder(export)):
+                if folder.exists():
+                    shutil.rmtree(folder)
 
     def wait(self) -> None:
         """Block until the pending async save is written, its manifest included."""
@@ -270,6 +279,11 @@ class Checkpointer:
             "train": b"",
             rng_key: b"",
         }
+        ema = self.ema is not None and self._holds_ema(path)
+        if ema:
+            assert self.ema is not None
+            state["ema"] = self.ema.state()  # (loaded in place into the averages)
+            state["ema_steps"] = b""
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
         set_state_dict(
             self.model,
@@ -279,9 +293,25 @@ class Checkpointer:
         )
         self.scheduler.load_state_dict(pickle.loads(state["scheduler"]))
         _set_rng_states(pickle.loads(state[rng_key]), self.engine)
+        if self.ema is not None:
+            if ema:
+                self.ema.steps = pickle.loads(state["ema_steps"])
+            else:
+                log.warning(
+                    "train.ema_enable: %s holds no weight averages (saved without EMA); they "
+                    "start again from its weights",
+                    path,
+                )
+                self.ema.restart()
         train = pickle.loads(state["train"])
         log.info("resumed from %s (step %d)", path, train["step"])
         return Restored(path, train["step"], train["data"], train["ledger"])
+
+    @staticmethod
+    def _holds_ema(path: Path) -> bool:
+        """Whether the checkpoint at `path` was saved with weight averages."""
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        return "ema_steps" in metadata.state_dict_metadata
 
 
 def resume_checkpoint(cfg: Config, run_dir: Path, checkpointer: Checkpointer) -> Restored | None:

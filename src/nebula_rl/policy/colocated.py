@@ -44,7 +44,7 @@ from nebula_rl.models import load_model, resolve_dtype
 from nebula_rl.policy.worker import PolicyWorker
 from nebula_rl.protocol import Completion, Prompt
 from nebula_rl.ranks import cpu_threads
-from nebula_rl.rewards import Scored, filter_values, scorer
+from nebula_rl.rewards import RemoteScorer, Scored, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import GenerationRequest, RequestOutput
 from nebula_rl.rollout.worker import (
@@ -100,8 +100,11 @@ class ColocatedWorker(PolicyWorker):
         """Whether the engine's weights lag the policy's."""
         if self.lead:
             self.sampling = sampling_params(cfg, self.tokenizer.eos_token_id)
-            self.scorer = scorer(cfg)
-            self.val_scorer = scorer(cfg, validation=True) if cfg.validation.enable else None
+            groups = max(1, cfg.rollout.batch_size)  # (a round's groups score at once)
+            self.scorer = scorer(cfg, max_groups=groups)
+            self.val_scorer = (
+                scorer(cfg, validation=True, max_groups=groups) if cfg.validation.enable else None
+            )
             local = cfg.train.local_dataset  # (prompts come as indices: read the rows here)
             self.rows = rl_rows(cfg) if local else None
             self.val_rows = rl_validation_rows(cfg) if local and cfg.validation.enable else None
@@ -139,6 +142,9 @@ class ColocatedWorker(PolicyWorker):
         finally:
             if self.lead:
                 self.pool.shutdown(wait=False, cancel_futures=True)
+                for score in (self.scorer, self.val_scorer):
+                    if isinstance(score, RemoteScorer):
+                        score.close()
 
     def _regrouped_weights(self) -> None:
         self._stale = True  # (the state agreed with the group may be another replica's)
@@ -241,9 +247,12 @@ class ColocatedWorker(PolicyWorker):
             lengths = [len(c.token_ids) for c in output.completions]
             score = self.scorer if w.prompt.validation_step is None else self.val_scorer
             assert score is not None
-            scoring.append(
-                (texts, self.pool.submit(score.score_group, texts, lengths, w.reference))
+            pending = (
+                score.submit(texts, lengths, w.reference, group=w.prompt.prompt_id)
+                if isinstance(score, RemoteScorer)  # (its own threads wait for the service)
+                else self.pool.submit(score.score_group, texts, lengths, w.reference)
             )
+            scoring.append((texts, pending))
         p = self.cfg.grpo
         for w, output, (texts, pending) in zip(work, outputs, scoring, strict=True):
             scored: list[Scored] = pending.result()

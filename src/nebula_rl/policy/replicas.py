@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
+from nebula_rl.policy.ema import WeightEMA
 from nebula_rl.weights.group import WeightGroup
 
 __all__ = ["CollectiveError", "DataParallelSums", "GroupsLost", "ReplicaGroup"]
@@ -225,6 +226,7 @@ class ReplicaGroup:
         *,
         version: int,
         clean: bool,
+        ema: WeightEMA | None = None,
     ) -> int:
         """Make every replica's training state that of the newest clean one; returns its version.
 
@@ -232,7 +234,8 @@ class ReplicaGroup:
         failed half-way through its optimiser updates. When all replicas report the same version
         and are clean, nothing moves (they are identical by construction); otherwise the
         lowest-ranked clean replica of the highest version sends its weights, optimiser state
-        and schedule. Raises `CollectiveError` if no replica is clean.
+        and schedule (and the weight averages, `ema`). Raises `CollectiveError` if no replica is
+        clean.
         """
         reports = self.gather_ints([version, int(clean)])
         clean_versions = [(v, -r) for r, (v, ok) in enumerate(reports) if ok]
@@ -245,11 +248,13 @@ class ReplicaGroup:
         if all(ok and v == best for v, ok in reports):
             return best
         source = -neg_rank
-        self.broadcast_tensors([*model.parameters(), *model.buffers()], source)
+        averages = ema.averages if ema is not None else []
+        self.broadcast_tensors([*model.parameters(), *model.buffers(), *averages], source)
         state = self.broadcast_object(
             {
                 "optimizer": _to_local_state(optimizer.state_dict()),
                 "scheduler": scheduler.state_dict(),
+                "ema_steps": ema.steps if ema is not None else 0,
             },
             source,
         )
@@ -257,6 +262,8 @@ class ReplicaGroup:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             optimizer.load_state_dict(_from_local_state(state["optimizer"], params))
             scheduler.load_state_dict(state["scheduler"])
+            if ema is not None:
+                ema.steps = state["ema_steps"]
         optimizer.zero_grad(set_to_none=True)
         return best
 

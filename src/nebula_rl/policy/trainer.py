@@ -1,6 +1,7 @@
 """The policy's training step: the RL and SFT updates.
 
-One `PolicyTrainer` owns a model, its optimiser and LR schedule (`policy/optim.py`). `grpo_step`
+One `PolicyTrainer` owns a model, its optimiser and LR schedule (`policy/optim.py`), and with
+`train.ema_enable` the averages of its weights (`policy/ema.py`). `grpo_step`
 takes scored rollout groups and performs `mu_iterations` passes over them, one optimiser update
 per slice of `batch_size_per_optimize` sequences per pass (one slice when unset); `sft_step` takes
 tokenised conversations and performs one update. Both accumulate gradients over micro-batches
@@ -60,6 +61,7 @@ from nebula_rl.policy.batching import (
     pad_batch,
     token_budget_micro_batches,
 )
+from nebula_rl.policy.ema import WeightEMA
 from nebula_rl.policy.logprobs import logits_logprobs, token_logprobs
 from nebula_rl.policy.optim import build_optimizer, lr_lambda
 from nebula_rl.policy.parallelize import LossFn as ParallelLossFn
@@ -267,6 +269,13 @@ class PolicyTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(t, total_steps)
         )
+        self.ema = (
+            WeightEMA(self.model, decay=t.ema_decay, interval=t.ema_update_step_interval)
+            if t.ema_enable
+            else None
+        )
+        """`train.ema_enable`: the averages of this rank's share of the weights, moved after
+        each optimiser update (`policy/ema.py`)."""
         self.device = next(self.model.parameters()).device
         self.eos_token_ids = _eos_ids(self.model)
         self._policy = _Forward(self.model, self.parallel, self.compute_dtype)
@@ -343,6 +352,8 @@ class PolicyTrainer:
             norm = float(total)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.step()
         return norm
 
     def _micro_batches(self, batch: TokenBatch, rows: Sequence[int]) -> list[list[int]]:

@@ -17,7 +17,7 @@ The loop reads commands from the replica's `commands:<name>` stream:
   a superseded generation is skipped; one of a step this replica already trained is answered
   with the cached result (a restarted controller resends).
 - `stop`: wait for the last weight push and checkpoint, export the model as a Hugging Face
-  folder, confirm.
+  folder (with `train.ema_enable`, its weight averages too: `safetensors/final_ema`), confirm.
 
 When a collective with the other replicas fails (one died: gloo notices at once; or one hangs:
 the collective times out), the replica reports `train_failed`, leaves the group and waits for the
@@ -72,6 +72,7 @@ from nebula_rl.models import load_tokenizer, resolve_dtype
 from nebula_rl.models.export import export_hf
 from nebula_rl.policy.batching import rollout_media
 from nebula_rl.policy.checkpoint import Checkpointer
+from nebula_rl.policy.ema import with_ema_export
 from nebula_rl.policy.replicas import CollectiveError, GroupsLost, ReplicaGroup
 from nebula_rl.policy.setup import (
     load_policy_model,
@@ -151,6 +152,7 @@ class PolicyWorker:
             model=saved if cfg.policy.is_diffusers else self.model,
             optimizer=self.trainer.optimizer,
             scheduler=self.trainer.scheduler,
+            ema=self.trainer.ema if isinstance(self.trainer, PolicyTrainer) else None,
             export=self._export,
         )
         profile_name = session.name if self.num_ranks == 1 else f"{session.name}-r{ranks.rank}"
@@ -203,8 +205,15 @@ class PolicyWorker:
             ref_model=None if ref is None else parallelize_reference(ref, split, cfg),
             data_parallel=split.data_parallel,
         )
-        self._export = functools.partial(
-            export_hf, self.hf_model, self.vision or self.tokenizer, parallel=self.trainer.parallel
+        # (with train.ema_enable, the weight averages beside each export: `<folder>_ema`)
+        self._export = with_ema_export(
+            functools.partial(
+                export_hf,
+                self.hf_model,
+                self.vision or self.tokenizer,
+                parallel=self.trainer.parallel,
+            ),
+            self.trainer.ema,
         )
 
     def _count_step(self, *args: Any) -> None:
@@ -335,6 +344,7 @@ class PolicyWorker:
                     self.trainer.scheduler,
                     version=self.version,
                     clean=self.clean,
+                    ema=self.trainer.ema,  # (a language model's or a world model's averages)
                 )
                 self.trainer.replicas = replicas
             elif not self.clean:

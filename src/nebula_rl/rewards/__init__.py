@@ -6,7 +6,8 @@ Built in: ``boxed_math`` and ``direct_math`` (math-verify), ``gsm8k``, ``arithme
 ``"module.path:function"``; ``combine_rewards`` turns a config's ``reward_function`` (a name, a
 list of names, or a ``{name: weight}`` mapping) into one picklable callable.
 ``overlong_penalty`` is DAPO's length penalty; it takes a token count, so it is not registered.
-``scorer(cfg)`` builds what the training loops score with from the config's reward keys.
+``scorer(cfg)`` builds what the training loops score with from the config's reward keys (a
+``RemoteScorer`` that asks the reward service, with ``use_remote_reward``).
 
 math-verify is imported only when a math reward first runs, so importing this package is cheap.
 """
@@ -27,11 +28,19 @@ from nebula_rl.rewards.format import answer_format_reward, format_reward
 from nebula_rl.rewards.gsm8k import gsm8k_reward
 from nebula_rl.rewards.math_answer import boxed_math_reward, direct_math_reward
 from nebula_rl.rewards.overlong import overlong_penalty
-from nebula_rl.rewards.scoring import Scored, Scorer, filter_values, scorer
+from nebula_rl.rewards.scoring import (
+    RemoteScorer,
+    Scored,
+    Scorer,
+    filter_values,
+    remote_settings,
+    scorer,
+)
 
 __all__ = [
     "REWARDS",
     "CombinedReward",
+    "RemoteScorer",
     "RewardFn",
     "Scored",
     "Scorer",
@@ -46,6 +55,7 @@ __all__ = [
     "gsm8k_reward",
     "overlong_penalty",
     "register_reward",
+    "remote_settings",
     "scorer",
     "single_choice_reward",
     "takes_custom",

@@ -1,5 +1,6 @@
 """The trainer's side of a reward service (`nebula-rl reward-service`, or cosmos-rl's): send
-generated samples, get each reward's scores back, never stall the job.
+generated samples (images, videos, or a language model's completions: `enqueue_text`), get each
+reward's scores back, never stall the job.
 
     client = RemoteRewardClient.from_env()   # REMOTE_REWARD_* (or cosmos-rl's WFM_REWARD_*)
     rewards = client.score(samples, prompts, {"brightness": 1.0, "colour_match": 0.5})
@@ -39,6 +40,7 @@ __all__ = [
     "RemoteRewardClient",
     "RemoteRewardError",
     "encode_request",
+    "encode_text_request",
 ]
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,28 @@ def encode_request(
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
     return json.dumps(header).encode() + b"\n" + buffer.getvalue()
+
+
+def encode_text_request(
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    references: Sequence[str],
+    reward_fn: Mapping[str, float],
+) -> bytes:
+    """An enqueue body for text rewards, `<JSON>\\n` (`media_type = "text"`): one completion and
+    its prompt's reference answer per prompt."""
+    if not len(prompts) == len(completions) == len(references):
+        raise ValueError(
+            f"{len(prompts)} prompts, {len(completions)} completions, {len(references)} references"
+        )
+    header = {
+        "prompts": list(prompts),
+        "completions": list(completions),
+        "references": list(references),
+        "reward_fn": dict(reward_fn),
+        "media_type": "text",
+    }
+    return json.dumps(header).encode() + b"\n"
 
 
 class _Backoff:
@@ -221,6 +245,23 @@ class RemoteRewardClient:
         the service refuses (other 4xx) raises `ValueError` with its message, a refused token
         `PermissionError`."""
         body = encode_request(samples, prompts, reward_fn, media_type, video_infos)
+        return self._enqueue(body, deadline_s)
+
+    def enqueue_text(
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        references: Sequence[str],
+        reward_fn: Mapping[str, float],
+        *,
+        deadline_s: float | None = None,
+    ) -> str:
+        """Send completions (each with its prompt's reference answer) to score with text
+        rewards; its uuid. Retries and raises as :meth:`enqueue`."""
+        body = encode_text_request(prompts, completions, references, reward_fn)
+        return self._enqueue(body, deadline_s)
+
+    def _enqueue(self, body: bytes, deadline_s: float | None) -> str:
         deadline = time.monotonic() + (self.deadline_s if deadline_s is None else deadline_s)
         backoff = _Backoff(self.backoff_base_s, self.backoff_max_s)
         attempt = 0

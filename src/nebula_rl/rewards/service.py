@@ -1,17 +1,21 @@
-"""The world-model reward service (`nebula-rl reward-service`): scores generated images and videos
-over HTTP for a trainer, in cosmos-rl's reward-service protocol, with the rewards of
-:mod:`nebula_rl.rewards.visual` (or any `module.path:function` of the same signature).
+"""The reward service (`nebula-rl reward-service`): scores generated images and videos (world
+models) or completions' text (language models) over HTTP for a trainer, in cosmos-rl's
+reward-service protocol, with the rewards of :mod:`nebula_rl.rewards.visual`, the registered text
+rewards of :mod:`nebula_rl.rewards` (`gsm8k`, `arithmetic`, ...), or any `module.path:function`
+of either signature.
 
-A trainer enqueues a batch (`POST /api/reward/enqueue`, body `<JSON>\\n<npy bytes>`) and gets a
-uuid at once; worker processes score it; the trainer pulls each reward's scores by uuid and name
-(`POST /api/reward/pull`, form fields `uuid` and `type`; 400 until they are ready). Every endpoint
-but `/health` needs `Authorization: Bearer <token>`.
+A trainer enqueues a batch (`POST /api/reward/enqueue`, body `<JSON>\\n<npy bytes>`; for text,
+`media_type = "text"` with the completions and references in the JSON and nothing after the
+newline) and gets a uuid at once; worker processes score it; the trainer pulls each reward's
+scores by uuid and name (`POST /api/reward/pull`, form fields `uuid` and `type`; 400 until they
+are ready). Every endpoint but `/health` needs `Authorization: Bearer <token>`.
 
 Inside: a bounded queue (`max_pending` tasks waiting or running; 429 beyond it, never a silent
 drop), one shared pool of `num_workers` spawned processes that run any of the configured rewards,
-batching of queued requests of the same reward and sample shape into one call, and a supervisor
-thread that puts the tasks of a worker that died back at the front of the queue and starts a new
-worker. Results stay in this process's memory for `result_ttl_s`. See docs/reward-service.md.
+batching of queued requests of the same reward and sample shape (text: of the same reward) into
+one call, and a supervisor thread that puts the tasks of a worker that died back at the front of
+the queue and starts a new worker. Results stay in this process's memory for `result_ttl_s`.
+See docs/reward-service.md.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nebula_rl.config import ConfigError, _Section
 from nebula_rl.http_server import HttpServer, bearer_matches, serve
+from nebula_rl.rewards.base import REWARDS, RewardFn, get_reward
 from nebula_rl.rewards.visual import VISUAL_REWARDS, VisualReward, pixels_from_samples
 
 __all__ = [
@@ -66,6 +71,7 @@ __all__ = [
     "RewardService",
     "RewardServiceConfig",
     "RunningService",
+    "TextSamples",
     "bind_socket",
     "create_app",
     "load_service_config",
@@ -89,7 +95,7 @@ HEALTH_PATH = "/health"
 """Liveness probe without the token."""
 TOKEN_ENV = "NEBULA_REWARD_TOKEN"
 """Environment variable the service reads its bearer token from (over the config's `token`)."""
-MEDIA_TYPES = ("latent", "video", "image")
+MEDIA_TYPES = ("latent", "video", "image", "text")
 """What the array of an enqueue request holds (its JSON `media_type`)."""
 MAX_FORM_BYTES = 64 << 10
 """Largest pull or ping body (a few form fields)."""
@@ -101,14 +107,18 @@ MAX_START_FAILURES = 3
 # Configuration
 
 
-def resolve_reward(spec: str) -> VisualReward:
-    """The reward function `spec` names: a key of `VISUAL_REWARDS`, or `module.path:function`."""
+def resolve_reward(spec: str, *, text: bool = False) -> VisualReward | RewardFn:
+    """The reward function `spec` names: a key of `VISUAL_REWARDS`, a registered text reward
+    (`nebula_rl.rewards.REWARDS`), or a `module.path:function` (of a text reward with `text`)."""
     if spec in VISUAL_REWARDS:
         return VISUAL_REWARDS[spec]
+    if spec in REWARDS or (text and ":" in spec):
+        return get_reward(spec)
     if ":" not in spec:
         raise ValueError(
-            f"unknown reward {spec!r}: one of {', '.join(sorted(VISUAL_REWARDS))}, or a "
-            "'module.path:function' import path"
+            f"unknown reward {spec!r}: one of {', '.join(sorted(VISUAL_REWARDS))} (images and "
+            f"videos), {', '.join(sorted(REWARDS))} (text), or a 'module.path:function' import "
+            "path"
         )
     module_name, _, attr = spec.partition(":")
     try:
@@ -118,6 +128,12 @@ def resolve_reward(spec: str) -> VisualReward:
     if not callable(fn):
         raise ValueError(f"reward {spec!r} is not a function")
     return fn  # type: ignore[no-any-return]
+
+
+def is_text_reward(spec: str, *, text: bool = False) -> bool:
+    """Whether the reward `spec` scores text (a registered text reward, or an import path
+    declared `text`) rather than pixels."""
+    return spec in REWARDS or (text and spec not in VISUAL_REWARDS)
 
 
 # What each cosmos-rl key of a `[[reward_args]]` entry would ask for, and the values that ask for
@@ -152,9 +168,14 @@ class RewardArgs(_Section):
     """One reward the service runs (cosmos-rl's `[[reward_args]]` entry)."""
 
     reward_type: str
-    """The reward's name: a key of `nebula_rl.rewards.visual.VISUAL_REWARDS`, or a
-    `module.path:function` import path (nebula-rl) of a function of the same signature that
-    the worker processes can import. Requests name the reward by this string."""
+    """The reward's name: a key of `nebula_rl.rewards.visual.VISUAL_REWARDS` (images and
+    videos), a registered text reward of `nebula_rl.rewards` (`gsm8k`, `arithmetic`, ...: a
+    language model's completions), or a `module.path:function` import path (nebula-rl) of a
+    function of either signature that the worker processes can import. Requests name the reward
+    by this string."""
+    text: bool = False
+    """nebula-rl: `reward_type` is an import path of a text reward `fn(completion, reference) ->
+    float` (registered text rewards are known by name)."""
     enable: bool = True
     """Whether the service runs this reward."""
     venv_python: str = ""
@@ -182,6 +203,14 @@ class RewardArgs(_Section):
     @classmethod
     def _known_reward(cls, value: str) -> str:
         resolve_reward(value)  # imports a `module:function` now, so a typo fails at load
+        return value
+
+    @field_validator("text")
+    @classmethod
+    def _text_path(cls, value: bool, info: ValidationInfo) -> bool:
+        name = info.data.get("reward_type", "")
+        if value and ":" not in name:
+            raise ValueError(f"{name} is known by name: `text` is for import paths")
         return value
 
     @field_validator(*_REFUSED_ARGS)
@@ -257,6 +286,15 @@ class RewardServiceConfig(_Section):
         """The enabled rewards' names, in config order."""
         return [a.reward_type for a in self.reward_args if a.enable]
 
+    @property
+    def text_rewards(self) -> list[str]:
+        """The enabled rewards that score text."""
+        return [
+            a.reward_type
+            for a in self.reward_args
+            if a.enable and is_text_reward(a.reward_type, text=a.text)
+        ]
+
 
 def _key(loc: tuple[int | str, ...]) -> str:
     """A pydantic error location as the key a user wrote: `reward_args[1].reward_type`."""
@@ -331,16 +369,33 @@ class RequestError(Exception):
         self.headers = headers or {}
 
 
+@dataclass(frozen=True, slots=True)
+class TextSamples:
+    """A language model's completions to score, each with its prompt's reference answer."""
+
+    completions: list[str]
+    """The generated texts."""
+    references: list[str]
+    """The dataset's answer of each completion's prompt (what rule rewards compare with)."""
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+
+Samples = np.ndarray | TextSamples
+"""What a task scores: uint8 pixels [B, 3, T, H, W], or text."""
+
+
 @dataclass
 class EnqueueRequest:
-    """A parsed enqueue body: pixels to score, for which prompts, by which rewards."""
+    """A parsed enqueue body: samples to score, for which prompts, by which rewards."""
 
     prompts: list[str]
     """One prompt per sample."""
     rewards: list[str]
     """Reward names with a weight > 0, in request order."""
-    pixels: np.ndarray
-    """uint8 [B, 3, T, H, W]."""
+    pixels: Samples
+    """uint8 [B, 3, T, H, W], or the text of `media_type = "text"`."""
     input_info: dict[str, Any]
     """What was received (shape, dtype, min, max, video_infos), echoed by every pull."""
 
@@ -382,9 +437,12 @@ def _read_npy(data: bytes) -> np.ndarray:
         ) from None
 
 
-def parse_enqueue(body: bytes, known: Sequence[str]) -> EnqueueRequest:
-    """Parse and check an enqueue body `<UTF-8 JSON>\\n<npy bytes>` against the rewards `known`;
-    raises :class:`RequestError` (400: unreadable, 422: readable but wrong) naming the problem."""
+def parse_enqueue(
+    body: bytes, known: Sequence[str], text_rewards: Sequence[str] = ()
+) -> EnqueueRequest:
+    """Parse and check an enqueue body `<UTF-8 JSON>\\n<npy bytes>` (text: `<UTF-8 JSON>\\n`)
+    against the rewards `known`, of which `text_rewards` score text; raises
+    :class:`RequestError` (400: unreadable, 422: readable but wrong) naming the problem."""
     sep = body.find(b"\n")
     if sep < 0:
         raise RequestError(400, "the body must be `<JSON>\\n<npy bytes>`: no newline found")
@@ -394,7 +452,10 @@ def parse_enqueue(body: bytes, known: Sequence[str]) -> EnqueueRequest:
         raise RequestError(400, f"the JSON before the first newline is invalid: {err}") from None
     if not isinstance(header, dict):
         raise RequestError(400, "the JSON before the first newline must be an object")
-    array = _read_npy(body[sep + 1 :])
+    text = header.get("media_type") == "text"
+    if text and body[sep + 1 :].strip():
+        raise RequestError(400, 'media_type "text" sends its samples in the JSON: nothing follows')
+    array = None if text else _read_npy(body[sep + 1 :])
 
     prompts = header.get("prompts")
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
@@ -417,6 +478,16 @@ def parse_enqueue(body: bytes, known: Sequence[str]) -> EnqueueRequest:
     media_type = header.get("media_type", "latent")
     if not isinstance(media_type, str) or media_type.lower() not in MEDIA_TYPES:
         raise _bad(f"unknown `media_type` {media_type!r}: one of {', '.join(MEDIA_TYPES)}")
+    wrong = [name for name in rewards if (name in text_rewards) != text]
+    if wrong:
+        kind = "text" if text else "images and videos"
+        raise _bad(
+            f"`reward_fn` asks {', '.join(map(repr, wrong))} for {kind}: "
+            + ('text rewards take media_type "text"' if not text else "they score pixels")
+        )
+    if text:
+        return _parse_text(header, prompts, rewards)
+    assert array is not None
     video_infos = header.get("video_infos", [])
     if not isinstance(video_infos, list) or not all(isinstance(v, dict) for v in video_infos):
         raise _bad('`video_infos` must be a list of objects (e.g. {"video_fps": 16.0})')
@@ -436,6 +507,23 @@ def parse_enqueue(body: bytes, known: Sequence[str]) -> EnqueueRequest:
         "video_infos": video_infos,
     }
     return EnqueueRequest(prompts, rewards, pixels.numpy(), input_info)
+
+
+def _parse_text(header: dict[str, Any], prompts: list[str], rewards: list[str]) -> EnqueueRequest:
+    """The text samples of a `media_type = "text"` request: `completions` and `references`,
+    one string each per prompt."""
+    fields = {}
+    for key in ("completions", "references"):
+        value = header.get(key)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise _bad(f'`{key}` must be a list of strings (media_type "text")')
+        if len(value) != len(prompts):
+            raise _bad(f"{len(value)} {key} but {len(prompts)} prompts")
+        fields[key] = value
+    if not prompts:
+        raise _bad("no completions to score")
+    input_info = {"media_type": "text", "count": len(prompts)}
+    return EnqueueRequest(prompts, rewards, TextSamples(**fields), input_info)
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
@@ -497,9 +585,14 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"[:2000]
 
 
-def _call(fn: VisualReward, name: str, pixels: torch.Tensor, prompts: list[str]) -> list[float]:
-    """`fn` on one batch, its answer checked: one finite number per sample."""
-    scores = fn(pixels, prompts)
+def _call(fn: Any, name: str, samples: Samples, prompts: list[str]) -> list[float]:
+    """`fn` on one batch (pixels in one call, texts one by one), its answer checked: one finite
+    number per sample."""
+    if isinstance(samples, TextSamples):
+        pairs = zip(samples.completions, samples.references, strict=True)
+        scores = [fn(completion, reference) for completion, reference in pairs]
+    else:
+        scores = fn(torch.from_numpy(samples), prompts)
     if len(scores) != len(prompts):
         raise ValueError(f"reward {name} returned {len(scores)} scores for {len(prompts)} samples")
     out = [float(s) for s in scores]
@@ -513,16 +606,24 @@ _Outcome = tuple[list[float] | None, str | None, float]
 """(scores, error, seconds) of one task in a batch."""
 
 
-def _score_batch(
-    fn: VisualReward, name: str, items: list[tuple[np.ndarray, list[str]]]
-) -> list[_Outcome]:
-    """Score the tasks `items` (pixels, prompts) with one call of `fn`; split the scores back."""
+def _joined(parts: list[Samples]) -> Samples:
+    """Several tasks' samples as one batch."""
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], TextSamples):
+        texts = [p for p in parts if isinstance(p, TextSamples)]
+        return TextSamples(
+            [c for p in texts for c in p.completions], [r for p in texts for r in p.references]
+        )
+    return np.concatenate([p for p in parts if isinstance(p, np.ndarray)])
+
+
+def _score_batch(fn: Any, name: str, items: list[tuple[Samples, list[str]]]) -> list[_Outcome]:
+    """Score the tasks `items` (samples, prompts) with one call of `fn`; split the scores back."""
     start = time.perf_counter()
     prompts = [p for _, ps in items for p in ps]
     try:
-        arrays = [pixels for pixels, _ in items]
-        pixels = torch.from_numpy(arrays[0] if len(arrays) == 1 else np.concatenate(arrays))
-        scores = _call(fn, name, pixels, prompts)
+        scores = _call(fn, name, _joined([samples for samples, _ in items]), prompts)
     except Exception as err:
         if len(items) > 1:  # one task's input must not fail the tasks batched with it
             return [_score_batch(fn, name, [item])[0] for item in items]
@@ -536,12 +637,15 @@ def _score_batch(
     return out
 
 
-def _worker_main(rewards: list[str], inbox: Any, results: Connection, parent_pid: int) -> None:
-    """A scoring process: import the rewards, then score the batches of `inbox` until None."""
+def _worker_main(
+    rewards: dict[str, bool], inbox: Any, results: Connection, parent_pid: int
+) -> None:
+    """A scoring process: import the rewards (name -> declared `text`), then score the batches
+    of `inbox` until None."""
     # Ctrl-C reaches the whole process group; the service stops its workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # several processes on few cores slow each other down otherwise
-    fns = {name: resolve_reward(name) for name in rewards}
+    fns = {name: resolve_reward(name, text=text) for name, text in rewards.items()}
     results.send(("ready", os.getpid()))
     while True:
         try:
@@ -566,7 +670,7 @@ class _Task:
 
     uuid: str
     prompts: list[str]
-    pixels: np.ndarray | None
+    pixels: Samples | None
     input_info: dict[str, Any]
     jobs: dict[str, _Job] = field(default_factory=dict)
     remaining: int = 0
@@ -592,9 +696,13 @@ class _Job:
 
     @property
     def key(self) -> tuple[Any, ...]:
-        """What jobs must share to be scored in one call: the reward and [C, T, H, W]."""
-        assert self.task.pixels is not None
-        return (self.reward, *self.task.pixels.shape[1:])
+        """What jobs must share to be scored in one call: the reward and [C, T, H, W] (text:
+        the reward)."""
+        pixels = self.task.pixels
+        assert pixels is not None
+        return (
+            (self.reward,) if isinstance(pixels, TextSamples) else (self.reward, *pixels.shape[1:])
+        )
 
 
 @dataclass(eq=False)
@@ -620,6 +728,7 @@ class RewardService:
     def __init__(self, cfg: RewardServiceConfig) -> None:
         self.cfg = cfg
         self.rewards = cfg.rewards
+        self.text_rewards = cfg.text_rewards
         self._ctx = mp.get_context("spawn")
         self._lock = threading.Lock()
         self._queue: deque[_Job] = deque()
@@ -762,7 +871,12 @@ class RewardService:
         slot.inbox = self._ctx.Queue()
         slot.process = self._ctx.Process(
             target=_worker_main,
-            args=(list(self.rewards), slot.inbox, writer, os.getpid()),
+            args=(
+                {a.reward_type: a.text for a in self.cfg.reward_args if a.enable},
+                slot.inbox,
+                writer,
+                os.getpid(),
+            ),
             name=f"reward-worker-{slot.index}",
             daemon=True,
         )
@@ -1011,7 +1125,7 @@ def create_app(service: RewardService, *, token: str) -> FastAPI:
     async def enqueue(request: Request) -> dict[str, str]:
         """Queue a batch (`<JSON>\\n<npy bytes>`) for scoring; its uuid."""
         body = await _read_body(request, max_body)
-        parsed = await run_in_threadpool(parse_enqueue, body, service.rewards)
+        parsed = await run_in_threadpool(parse_enqueue, body, service.rewards, service.text_rewards)
         return {"uuid": service.submit(parsed)}
 
     @app.post(PULL_PATH)

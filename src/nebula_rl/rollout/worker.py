@@ -11,7 +11,10 @@ Three things run at once in a rollout process:
 - this module's loop (:meth:`RolloutWorker.step`): claim prompts from the job's streams (the
   validation prompts first), submit each as one request of `n_generation` samples (once the
   engine holds the prompt's `min_version`), decode each finished completion once, score the
-  group in a process pool, and push each group before acknowledging its prompt.
+  group in a process pool (with `use_remote_reward`, in a thread that waits for the reward
+  service: :class:`~nebula_rl.rewards.RemoteScorer`), and push each group before acknowledging
+  its prompt. Scoring never holds up the engine: the loop goes on claiming, submitting and
+  collecting generations while scores are pending.
 
 A group is pushed before its prompt is acknowledged, so a crash in between can only duplicate a
 group (the controller keeps the first), never lose a prompt. Dynamic sampling (DAPO) marks groups
@@ -63,7 +66,7 @@ from nebula_rl.data.vision import VisionInputs, VisionProcessor, vision_processo
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.ranks import Ranks, broadcast_object, rank_env
-from nebula_rl.rewards import Scored, Scorer, filter_values, scorer
+from nebula_rl.rewards import RemoteScorer, Scored, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
 from nebula_rl.rollout.lockstep import LockstepEngine
@@ -214,12 +217,10 @@ class RolloutWorker:
         config: Any = self._model.config
         self.vision = vision_processor(cfg, config)
         self.sampling = sampling_params(cfg, self.tokenizer.eos_token_id)
-        self.scorer = scorer(cfg)
         self.multi_turn = multi_turn(cfg, self.tokenizer, self.vision)
         self.conversations: dict[str, list[Conversation]] = {}
         """Multi-turn: each request's conversations, until its group is pushed."""
         validating = cfg.validation.enable
-        self.val_scorer = scorer(cfg, validation=True) if validating else None
         # With local_dataset prompts arrive as indices: this replica reads its own rows.
         local = cfg.train.local_dataset
         self.rows = rl_rows(cfg) if local else None
@@ -247,6 +248,10 @@ class RolloutWorker:
             + p.dataloader_num_workers * (p.dataloader_prefetch_factor or 2)
         )
         """Prompts held at most (in the engine or waiting for it)."""
+        self.scorer = scorer(cfg, max_groups=self.claim_limit)
+        self.val_scorer = (
+            scorer(cfg, validation=True, max_groups=self.claim_limit) if validating else None
+        )
         self.waiting: deque[_Claimed] = deque()
         self.val_waiting: deque[_Claimed] = deque()
         self.generating: dict[Future[RequestOutput], _Claimed] = {}
@@ -450,9 +455,13 @@ class RolloutWorker:
         )
         lengths = [len(c.token_ids) for c in output.completions]
         validating = claimed.prompt.validation_step is not None
-        score: Scorer | None = self.val_scorer if validating else self.scorer
+        score = self.val_scorer if validating else self.scorer
         assert score is not None
-        future = self.pool.submit(score.score_group, texts, lengths, claimed.reference)
+        future: Future[list[Scored]]
+        if isinstance(score, RemoteScorer):  # (a thread waits for the service)
+            future = score.submit(texts, lengths, claimed.reference, group=claimed.prompt.prompt_id)
+        else:
+            future = self.pool.submit(score.score_group, texts, lengths, claimed.reference)
         self.scoring[future] = (claimed, output, texts)
 
     def _scored(
@@ -505,6 +514,9 @@ class RolloutWorker:
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self.multi_turn is not None:
             self.multi_turn.executor.shutdown(wait=False, cancel_futures=True)
+        for score in (self.scorer, self.val_scorer):
+            if isinstance(score, RemoteScorer):
+                score.close()
 
 
 def multi_turn(cfg: Config, tokenizer: Any, vision: VisionProcessor | None) -> MultiTurn | None:
