@@ -45,7 +45,8 @@ a step or a regroup the ranks agree on its outcome (any rank's collective failur
 replica's); only rank 0 reports and acknowledges.
 
 Parameters that do not train are pushed to a rollout replica once, on its first push, unless
-`rollout.broadcast_all_params`.
+`rollout.broadcast_all_params`. A LoRA policy (`policy.lora`) pushes its weights merged, under
+the plain names (`nebula_rl.models.lora.merged_parameters`), so the rollouts never see peft.
 """
 
 from __future__ import annotations
