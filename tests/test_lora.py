@@ -24,7 +24,12 @@ from nebula_rl.models import build_char_tokenizer, load_model, load_tokenizer
 from nebula_rl.models.export import export_hf
 from nebula_rl.models.lora import merged_parameters, plain_copy
 from nebula_rl.policy.logprobs import token_logprobs
-from nebula_rl.policy.setup import load_policy_model, parallelize_policy, rollout_weights
+from nebula_rl.policy.setup import (
+    load_policy_model,
+    parallelize_policy,
+    rollout_copy,
+    rollout_weights,
+)
 from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.rollout.torch_engine import TorchEngine
@@ -175,6 +180,9 @@ def test_export_loads_as_a_model_and_as_a_peft_adapter_that_lora_path_starts_fro
     with torch.no_grad():
         got = load_policy_model(started, device="cpu", seed=0)(x).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    other = {**started.policy.lora.model_dump(), "target_modules": ["q_proj"]}
+    with pytest.raises(ValueError, match=r"policy\.lora\.lora_path: the adapter's modules"):
+        load_policy_model(_cfg(other), device="cpu", seed=0)
     with pytest.raises(ValueError, match=r"policy\.lora\.lora_path.*use_rslora"):
         load_policy_model(_cfg({**LORA, "lora_path": str(adapter)}), device="cpu", seed=0)
 
@@ -204,6 +212,29 @@ def test_local_run_checkpoints_the_adapter_and_resumes_like_an_uninterrupted_run
     final = again / "safetensors" / "final"
     assert (final / "model.safetensors").is_file()
     assert (final / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_local_engine_takes_the_merged_weights_and_samples_as_the_adapted_policy():
+    """The `--local` path: the engine's copy (`rollout_copy`) and the weights it loads after a
+    step (`rollout_weights`) are the merged policy, without peft; a second load replaces the
+    first (no adapter delta accumulates)."""
+    tok = build_char_tokenizer()
+    cfg = _cfg()
+    model = _adapted(cfg)
+    engine = TorchEngine(rollout_copy(model, cfg), max_num_seqs=4, max_model_len=32)
+    assert not any("lora" in n for n, _ in engine.model.named_parameters())
+    trainer = PolicyTrainer(model, cfg, total_steps=10, pad_id=tok.pad_token_id)
+    for version in (1, 2):
+        trainer.grpo_step(_groups(tok, plain_copy(model)))
+        engine.update_weights(rollout_weights(model), policy_version=version)
+    expected = dict(plain_copy(model).named_parameters())
+    for name, tensor in engine.model.named_parameters():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)
+    x = torch.tensor([tok.encode("7+1=8")])
+    with torch.no_grad():
+        got, _ = token_logprobs(engine.model, x, torch.ones_like(x))
+        want, _ = token_logprobs(model, x, torch.ones_like(x))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,6 +296,7 @@ def _fsdp_push_body(member, policy_port, weights_port):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # (three spawned processes: about 25 s of CPU)
 def test_fsdp2_lora_policy_pushes_the_merged_weights_to_the_rollout(members):
     results = members.run_on(range(3), _fsdp_push_body, free_port(), free_port())
     (pushed, sharded), (pushed_1, _) = results[0], results[1]

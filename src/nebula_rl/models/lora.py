@@ -154,11 +154,12 @@ def _load_adapter(model: nn.Module, folder: Path, lora: LoraConfig, name: str) -
         result = peft.set_peft_model_state_dict(model, weights, adapter_name=name)
     except RuntimeError as err:  # (shapes: another rank or other layers)
         raise ValueError(f"{key}: the adapter does not fit {KEY}: {err}") from err
-    unexpected = [k for k in result.unexpected_keys if f".{name}." in k or "lora_" in k]
-    if unexpected:
+    unexpected = [k for k in result.unexpected_keys if "lora_" in k or "modules_to_save" in k]
+    missing = [k for k in result.missing_keys if f".{name}." in k]
+    if unexpected or missing:
         raise ValueError(
-            f"{key}: the adapter holds tensors for modules {KEY}.target_modules does not adapt: "
-            f"{unexpected[:3]}"
+            f"{key}: the adapter's modules differ from those {KEY}.target_modules and "
+            f"modules_to_save name (it has {unexpected[:2]} too, lacks {missing[:2]})"
         )
 
 
