@@ -2,16 +2,13 @@
 through the adapters is the step of the merged model, with gradients on the adapters alone; the
 rollout receives the merged weights (from FSDP2 shards, through the real weight group); exports
 load as a Hugging Face model and as a peft adapter, which `lora_path` starts from; checkpoints
-hold the adapter and resume; the demo learns (slow)."""
+hold the adapter and resume. The demo's learning test is in test_recipes.py (its warm start)."""
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from member_pool import MemberPool
-from nebula_rl.config import ConfigError, config_from_dict, load_config
+from nebula_rl.config import ConfigError, config_from_dict
 from nebula_rl.models import build_char_tokenizer, load_model, load_tokenizer
 from nebula_rl.models.export import export_hf
 from nebula_rl.models.lora import merged_parameters, plain_copy
@@ -36,7 +33,6 @@ from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.weights import Rendezvous, build_group, free_port
 from nebula_rl.weights.reshard import ShardedReceiver, ShardedSender
 
-ROOT = Path(__file__).parents[1]
 LORA = {"r": 4, "lora_alpha": 12.0, "target_modules": "all-linear"}
 
 
@@ -310,46 +306,3 @@ def test_fsdp2_lora_policy_pushes_the_merged_weights_to_the_rollout(members):
     # The second step changed the merged weights, and the push replaced the first's
     name = "model.layers.0.self_attn.q_proj.weight"
     assert (received[1][name] - received[0][name]).abs().max() > 0
-
-
-# ---------------------------------------------------------------------------------------------
-# The demo
-
-
-def _train(config: Path, *extra: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "nebula_rl.cli", "train", "--config", str(config), *extra],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-
-
-DEMO_STEPS = 20
-DEMO_MARGIN = 0.05
-
-
-@pytest.mark.slow
-def test_demo_lora_learns(tmp_path):
-    """`configs/demo_lora.toml` (`--local`) from the demo's SFT warm start: the mean reward of
-    steps 11-20 is at least DEMO_MARGIN above that of steps 1-10 (measured over three seeds:
-    see docs/lora.md); the run exports the merged model and the adapter."""
-    _train(ROOT / "configs" / "demo_sft.toml", "--output-dir", str(tmp_path))
-    cfg = load_config(ROOT / "configs" / "demo_lora.toml")
-    assert cfg.policy.lora is not None
-    cfg.policy.model_name_or_path = str(tmp_path / "warmstart" / "safetensors" / "final")
-    cfg.policy.warmstart_config = None
-    cfg.train.output_dir, cfg.train.timestamp = str(tmp_path), "lora"
-    cfg.train.max_num_steps = DEMO_STEPS
-    (tmp_path / "lora.json").write_text(cfg.model_dump_json())
-    _train(tmp_path / "lora.json", "--local")
-    lines = (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()
-    rewards = [r["reward_mean"] for r in map(json.loads, lines) if "policy_version" in r]
-    assert len(rewards) == DEMO_STEPS
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last - first >= DEMO_MARGIN, (first, last)
-    assert (
-        tmp_path / "lora" / "safetensors" / "final" / "adapter" / "adapter_config.json"
-    ).is_file()
