@@ -1,7 +1,7 @@
 """cosmos-rl's shipped configs (tests/data/cosmos-rl, copied unchanged) with `nebula-rl check`.
 
 Every LLM config loads, or is refused only for a feature named in the issue that builds it
-(LoRA, FP8, the TensorRT-LLM backend) or in
+(FP8, the TensorRT-LLM backend) or in
 the recorded exceptions below; the world-model, diffusion and robot-policy (VLA) configs are
 refused naming their feature. docs/cosmos-rl-migration.md lists every config with the status this
 test computes, so the page cannot drift.
@@ -50,7 +50,6 @@ FEATURES = [
 
 ALLOWED_FOR_LLM = {
     # The features the issue names as built later.
-    "LoRA",
     "FP8",
     "TensorRT-LLM backend",
     # Recorded exceptions (see docs/cosmos-rl-migration.md): MoE expert parallelism for

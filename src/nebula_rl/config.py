@@ -23,6 +23,7 @@ import copy
 import difflib
 import json
 import logging
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -85,7 +86,7 @@ class _Section(BaseModel):
 
 # Reasons shared by several keys.
 _NEEDS_CUDA = "needs CUDA and is not supported yet"
-_LORA = "LoRA (policy.lora) is built for world models (policy.is_diffusers) only so far"
+_LORA = "a world model's LoRA is read from policy.lora (cosmos-rl's policy.diffusers.lora is not)"
 _WORLD = "world-model (diffusers) training is not supported yet"
 _VLA = "vision-language-action (robot policy) training is not supported yet"
 _LOAD_BALANCE = "load-balanced SFT batching is not supported yet"
@@ -1005,8 +1006,8 @@ class PolicyConfig(_Section):
     unset: `OMP_NUM_THREADS` (the launcher's default 1 per process)."""
     model_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
-    lora: LoraConfig | None = Field(default=None, json_schema_extra=refused(_LORA))
-    """LoRA adapters."""
+    lora: LoraConfig | None = None
+    """LoRA adapters (peft): only they (and `modules_to_save`) train; see docs/lora.md."""
     trainable_map: dict[str, bool] | None = None
     """Parameter or module names -> whether they train (exact names, applied after the
     patterns)."""
@@ -2212,9 +2213,55 @@ def _colocated_refusals(cfg: Config) -> list[str]:
     return out
 
 
+_LORA_INITS = ("gaussian", "olora", "pissa")
+"""`policy.lora.init_lora_weights` strings a language model's LoRA takes (and `pissa_niter_N`)."""
+
+
+def _lora_refusals(cfg: Config) -> list[str]:
+    """What a language model's LoRA (`policy.lora`, see `nebula_rl.policy.lora`) cannot do."""
+    lora, par, out = cfg.policy.lora, cfg.policy.parallelism, []
+    assert lora is not None
+    if len(lora.lora_names) != 1:
+        out.append(
+            f"policy.lora.lora_names = {_format_value(lora.lora_names)}: a policy trains one "
+            "adapter; several adapters in one model are not supported"
+        )
+    if lora.primary_adapter is not None and lora.primary_adapter != lora.lora_names[0]:
+        out.append(
+            f"policy.lora.primary_adapter = {json.dumps(lora.primary_adapter)}: must name the one "
+            f"adapter of policy.lora.lora_names ({json.dumps(lora.lora_names[0])})"
+        )
+    init = lora.init_lora_weights
+    if isinstance(init, str) and not (
+        init in _LORA_INITS or re.fullmatch(r"pissa_niter_\d+", init)
+    ):
+        why = (
+            "EVA initialises from activations on data, which is not built"
+            if init == "eva"
+            else "not a LoRA initialisation (true, false, gaussian, olora, pissa, pissa_niter_N)"
+        )
+        out.append(f"policy.lora.init_lora_weights = {json.dumps(init)}: {why}")
+    if par.tp_size > 1 or par.pp_size > 1:
+        out.append(
+            "policy.lora with policy.parallelism.tp_size or pp_size > 1: LoRA trains under "
+            "FSDP2/HSDP/DDP only (cosmos-rl also needs tp_size = 1)"
+        )
+    if cfg.train.compile:
+        out.append("policy.lora with train.compile = true: LoRA needs train.compile = false")
+    if cfg.train.fp8.enable_fp8:
+        out.append("policy.lora with train.fp8.enable_fp8: FP8 LoRA layers are not built")
+    p = cfg.policy
+    if p.trainable_map or p.freeze_pattern or p.trainable_pattern:
+        out.append(
+            "policy.lora with policy.trainable_map / freeze_pattern / trainable_pattern: with "
+            "LoRA the adapter (and policy.lora.modules_to_save) is what trains"
+        )
+    return out
+
+
 def _rule_refusals(cfg: Config) -> list[str]:
     """Refusals that depend on values, or on several keys."""
-    out = []
+    out = _lora_refusals(cfg) if cfg.policy.lora is not None else []
     policy_type = cfg.train.train_policy.type
     trainer = cfg.train.train_policy.trainer_type
     aliased = TRAINER_ALIASES.get(trainer) == policy_type

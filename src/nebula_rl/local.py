@@ -59,6 +59,7 @@ from nebula_rl.policy.setup import (
     parallelize_policy,
     prepare_single_process,
     rollout_copy,
+    rollout_weights,
     use_deterministic,
 )
 from nebula_rl.policy.trainer import PolicyTrainer, SftExample
@@ -333,6 +334,7 @@ def _checkpointer(
         engine=engine if isinstance(engine, TorchEngine) else None,
         ema=trainer.ema,
         export=_export(model, tokenizer, trainer),
+        trainable_only=cfg.policy.lora is not None,
     )
 
 
@@ -421,7 +423,7 @@ def _run_grpo(
     if restored is not None:
         done, trained = restored.step, restored.data["trained_prompts"]
         prompts.epoch, prompts.position = restored.data["epoch"], restored.data["position"]
-        engine.update_weights(model.named_parameters(), policy_version=done)
+        engine.update_weights(rollout_weights(model), policy_version=done)
     writer = _MetricsWriter(cfg, run_dir, after_step=done, total_steps=total)
 
     def validate(step: int) -> dict[str, float]:
@@ -457,7 +459,7 @@ def _run_grpo(
                 metrics = trainer.grpo_step(batch, media)
             profiler.step()
             t_update = time.perf_counter()
-            engine.update_weights(model.named_parameters(), policy_version=step)
+            engine.update_weights(rollout_weights(model), policy_version=step)
             update_time = time.perf_counter() - t_update
             trained = trained + [g.prompt.prompt_id for g in batch]
             num_gen_tokens = sum(len(c.token_ids) for g in batch for c in g.completions)

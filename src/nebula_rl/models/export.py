@@ -1,4 +1,5 @@
-"""Hugging Face exports of a trained model (safetensors, config, tokenizer)."""
+"""Hugging Face exports of a trained model (safetensors, config, tokenizer); of a LoRA policy,
+the merged model and, under `adapter/`, the adapter as peft saves it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from nebula_rl.models.lora import full_merged_state, has_lora, save_adapter
 
 if TYPE_CHECKING:
     from nebula_rl.policy.parallelize import ParallelModel
@@ -21,7 +24,11 @@ def export_hf(
 
     Under torch.distributed every rank must call it (sharded parameters are gathered); rank 0
     writes. Under pipeline parallelism `model` (the HF model the stages were split from) gives
-    the config and `parallel` the weights, gathered from every stage."""
+    the config and `parallel` the weights, gathered from every stage.
+
+    A model with a LoRA adapter (`nebula_rl.models.lora`) is written merged, under the plain
+    names (a folder `AutoModelForCausalLM` loads), with the adapter alone in `path/adapter`
+    (`PeftModel.from_pretrained` loads it on the base model)."""
     state: dict[str, Any] | None = None
     if parallel is not None and parallel.dims.pp > 1:
         lead = dist.get_rank() == 0
@@ -47,6 +54,13 @@ def export_hf(
             dist.barrier()
             return
     path.mkdir(parents=True, exist_ok=True)
+    if has_lora(model):
+        if state is None:  # (one process: each tied tensor once, as save_pretrained keeps it)
+            unique = {n for n, _ in model.named_parameters()}
+            unique |= {n for n, _ in model.named_buffers()}
+            state = {k: v for k, v in model.state_dict().items() if k in unique}
+        save_adapter(model, state, path / "adapter")
+        state = full_merged_state(model, state)
     model.save_pretrained(path, state_dict=state, safe_serialization=True)  # type: ignore[operator]
     tokenizer.save_pretrained(path)
     if dist.is_initialized():

@@ -42,7 +42,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from nebula_rl.config import CheckpointConfig, Config
 from nebula_rl.policy.ema import WeightEMA, ema_folder
@@ -139,6 +143,8 @@ class Checkpointer:
         export: writes a Hugging Face export of `model` to the folder it is given
             (`safetensors/step_<N>`); called before each checkpoint when
             `cfg.export_safetensors`, on the ranks it is given to.
+        trainable_only: save and load only the parameters that train (and their optimiser
+            state): a LoRA policy's adapter; the frozen rest is loaded from the model again.
     """
 
     def __init__(
@@ -152,8 +158,14 @@ class Checkpointer:
         engine: SamplingRng | None = None,
         ema: WeightEMA | None = None,
         export: Callable[[Path], None] | None = None,
+        trainable_only: bool = False,
     ) -> None:
         self.cfg, self.run_dir = cfg, run_dir
+        # (loading fills the template get_state_dict made: without the frozen names, which a
+        # strict load would call missing)
+        self._options = StateDictOptions(
+            ignore_frozen_params=trainable_only, strict=not trainable_only
+        )
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.engine, self.ema = engine, ema
         self.export = export if cfg.export_safetensors else None
@@ -165,6 +177,14 @@ class Checkpointer:
         )
         self._pending: tuple[Future, threading.Event] | None = None
         self._error: BaseException | None = None
+
+    def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model's and the optimiser's state dicts as DCP saves and loads them."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options)
+        if self._options.ignore_frozen_params:  # (torch keeps the second name of a tied weight)
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            model_sd = {k: v for k, v in model_sd.items() if k in trainable}
+        return model_sd, optim_sd
 
     def due(self, step: int, *, last: bool) -> bool:
         """Whether to save after `step`: every `save_freq` steps, and after the last one."""
@@ -187,7 +207,7 @@ class Checkpointer:
             dist.barrier()
         if self.export is not None:
             self.export(self.run_dir / "safetensors" / f"step_{step}")
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = self._state_dicts()
         state = {
             "model": model_sd,
             "optimizer": optim_sd,
@@ -270,7 +290,7 @@ class Checkpointer:
         """Restore model, optimiser, schedule and RNGs from the checkpoint at `path` in place."""
         if not is_checkpoint(path):
             raise ValueError(f"{path} is not a complete checkpoint (no {MANIFEST})")
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = self._state_dicts()
         rng_key = f"rng_rank{self.rank}"
         state: dict[str, Any] = {
             "model": model_sd,
@@ -290,6 +310,7 @@ class Checkpointer:
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
+            options=self._options,
         )
         self.scheduler.load_state_dict(pickle.loads(state["scheduler"]))
         _set_rng_states(pickle.loads(state[rng_key]), self.engine)

@@ -32,6 +32,7 @@ synchronous `engine.generate` on each rank, so the ranks need no lock step, and 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -181,7 +182,9 @@ class ColocatedWorker(PolicyWorker):
             return gather() if gather is not None else tensor
 
         with torch.no_grad():
-            weights = ((name, full(p.detach())) for name, p in self.model.named_parameters())
+            named = self.rollout_weights()  # (a LoRA policy's: merged, under the plain names)
+            pairs = named.items() if isinstance(named, Mapping) else named
+            weights = ((name, full(p.detach())) for name, p in pairs)
             self.engine.update_weights(weights, policy_version=self.version)
         self._stale = False
 

@@ -2,10 +2,12 @@
 policy replicas (`policy/worker.py`) both do before they build a `PolicyTrainer`.
 
 1. `load_policy_model`: the weights in `train.master_dtype` (the copy the optimiser updates;
-   forward and backward run in `train.param_dtype`, see `compute_dtype`), then `[policy]`'s
-   trainable flags (`apply_trainable`).
+   forward and backward run in `train.param_dtype`, see `compute_dtype`), with `policy.lora`'s
+   adapter injected (`nebula_rl.models.lora`), then `[policy]`'s trainable flags
+   (`apply_trainable`).
 2. The caller takes the copies that must stay plain now: the reference policy, and the local
-   rollout engine's copy in `param_dtype` (`rollout_copy`).
+   rollout engine's copy in `param_dtype` (`rollout_copy`: a LoRA policy's merged, under the
+   plain names; `rollout_weights` gives the weights to load into it after each step).
 3. `parallelize_policy`: FP8 linear layers first (`train.fp8`, `apply_fp8`); then, under
    torch.distributed with several ranks, the split of `[policy.parallelism]` (`parallelize.parallelize_model`, with every `[train]` and `[policy]`
    key it honours) and this rank's data-parallel place; in one process,
@@ -30,10 +32,12 @@ from torch import nn
 
 from nebula_rl.config import Config, PolicyConfig, TrainingConfig
 from nebula_rl.models import check_fp8_gpu, load_model, resolve_dtype
+from nebula_rl.models.lora import apply_lora, has_lora, merged_parameters, plain_copy
 
 if TYPE_CHECKING:
     from nebula_rl.policy.parallelize import ParallelDims, ParallelModel
     from nebula_rl.policy.replicas import DataParallelSums
+    from nebula_rl.weights.transport import NamedTensors
 
 __all__ = [
     "PolicyParallel",
@@ -47,6 +51,7 @@ __all__ = [
     "parallelize_reference",
     "prepare_single_process",
     "rollout_copy",
+    "rollout_weights",
     "use_deterministic",
 ]
 
@@ -65,7 +70,8 @@ def compute_dtype(train: TrainingConfig, *, sharded: bool) -> torch.dtype | None
 
 
 def load_policy_model(cfg: Config, *, device: torch.device | str, seed: int) -> nn.Module:
-    """The policy in `train.master_dtype` on `device`, with `[policy]`'s trainable flags."""
+    """The policy in `train.master_dtype` on `device`, with `policy.lora`'s adapter and
+    `[policy]`'s trainable flags."""
     compute_dtype(cfg.train, sharded=False)  # refuse a bad pair before loading
     model = load_model(
         cfg.policy.model_name_or_path,
@@ -74,14 +80,23 @@ def load_policy_model(cfg: Config, *, device: torch.device | str, seed: int) -> 
         seed=seed,
         revision=cfg.policy.model_revision,
     )
+    if cfg.policy.lora is not None:
+        apply_lora(model, cfg)
     apply_trainable(model, cfg.policy)
     return model
 
 
 def rollout_copy(model: nn.Module, cfg: Config) -> nn.Module:
     """A copy of `model` in `train.param_dtype`, for a rollout engine in this process (rollout
-    engines generate in the compute dtype)."""
-    return copy.deepcopy(model).to(resolve_dtype(cfg.train.param_dtype))
+    engines generate in the compute dtype); of a LoRA policy, the merged model, without peft."""
+    plain = plain_copy(model) if has_lora(model) else copy.deepcopy(model)
+    return plain.to(resolve_dtype(cfg.train.param_dtype))
+
+
+def rollout_weights(model: nn.Module) -> NamedTensors:
+    """The weights of the policy `model` (this rank's shards) as a rollout engine holds them:
+    its parameters, or a LoRA policy's merged weights under the plain names."""
+    return merged_parameters(model) if has_lora(model) else model.named_parameters()
 
 
 def _compile_patterns(key: str, patterns: list[str]) -> list[re.Pattern[str]]:

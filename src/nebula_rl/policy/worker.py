@@ -45,7 +45,8 @@ a step or a regroup the ranks agree on its outcome (any rank's collective failur
 replica's); only rank 0 reports and acknowledges.
 
 Parameters that do not train are pushed to a rollout replica once, on its first push, unless
-`rollout.broadcast_all_params`.
+`rollout.broadcast_all_params`. A LoRA policy (`policy.lora`) pushes its weights merged, under
+the plain names (`nebula_rl.models.lora.merged_parameters`), so the rollouts never see peft.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ from nebula_rl.policy.setup import (
     load_policy_model,
     parallelize_policy,
     parallelize_reference,
+    rollout_weights,
     use_deterministic,
 )
 from nebula_rl.policy.trainer import PolicyTrainer
@@ -88,6 +90,7 @@ from nebula_rl.weights import build_group, weight_backend
 from nebula_rl.weights.elastic import KIND, ElasticSender, current_generation
 from nebula_rl.weights.group import Generation, GroupCancelled, WeightGroup, leave_group
 from nebula_rl.weights.reshard import ShardedSender
+from nebula_rl.weights.transport import NamedTensors
 
 if TYPE_CHECKING:
     from nebula_rl.flow.runtime import FlowTrainer
@@ -142,10 +145,18 @@ class PolicyWorker:
         else:
             self._language_model(cfg, path, device)
         self.model = self.trainer.model
-        self.siblings = dist.new_group(backend="gloo") if self.num_ranks > 1 else None
-        """This replica's ranks, to agree on the outcome of each collective across replicas."""
         """This rank's modules (under PP its stages'); parameters keep their names and are
         DTensor shards where the layout shards them."""
+        llm_lora = cfg.policy.lora is not None and not cfg.policy.is_diffusers
+        self.rollout_weights: Callable[[], NamedTensors] = (
+            functools.partial(rollout_weights, self.hf_model)
+            if llm_lora
+            else self.model.named_parameters
+        )
+        """This rank's weights as the rollouts hold them (a LoRA policy's merged, see
+        `nebula_rl.models.lora`), for the weight pushes."""
+        self.siblings = dist.new_group(backend="gloo") if self.num_ranks > 1 else None
+        """This replica's ranks, to agree on the outcome of each collective across replicas."""
         self.checkpointer = Checkpointer(
             cfg.train.ckpt,
             Path(meta["run_dir"]),
@@ -154,6 +165,7 @@ class PolicyWorker:
             scheduler=self.trainer.scheduler,
             ema=self.trainer.ema if isinstance(self.trainer, PolicyTrainer) else None,
             export=self._export,
+            trainable_only=llm_lora,
         )
         profile_name = session.name if self.num_ranks == 1 else f"{session.name}-r{ranks.rank}"
         self.profiler = StepProfiler(cfg.profiler, Path(meta["run_dir"]), name=profile_name)
@@ -225,7 +237,7 @@ class PolicyWorker:
         transfer = self.cfg.train.transfer_dtype
         return ShardedSender(
             group,
-            self.model.named_parameters(),
+            self.rollout_weights(),
             num_senders=num_senders,
             transfer_dtype=resolve_dtype(transfer) if transfer else None,
         )
@@ -274,9 +286,7 @@ class PolicyWorker:
             if tick.finished is not None:
                 return
             if self.in_sync and self.clean:
-                self.weights.refresh(
-                    self.model.named_parameters, self.version, generation=tick.weights
-                )
+                self.weights.refresh(self.rollout_weights, self.version, generation=tick.weights)
             for msg_id, command in tick.commands:
                 stopped = self.handle(command)
                 if self.lead:
@@ -387,13 +397,13 @@ class PolicyWorker:
         """After a regroup: the state may have moved on (a sync, or a step whose push failed),
         so the rollouts get it."""
         weights = self._share(current_generation(self.session.state, KIND) if self.lead else None)
-        self.weights.refresh(self.model.named_parameters, self.version, generation=weights)
-        self.weights.push(self.model.named_parameters(), self.version)
+        self.weights.refresh(self.rollout_weights, self.version, generation=weights)
+        self.weights.push(self.rollout_weights(), self.version)
 
     def _stepped_weights(self, *, push: bool) -> None:
         """After a step: push the new weights to the rollouts when the command says so."""
         if push:
-            self.weights.push(self.model.named_parameters(), self.version)
+            self.weights.push(self.rollout_weights(), self.version)
 
     def _report(self, result: dict[str, Any]) -> None:
         """Hand `result` to the controller, signed with this replica's name (rank 0 only)."""
