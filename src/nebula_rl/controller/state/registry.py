@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from redis.asyncio import Redis as AsyncRedis
 from redis.client import Pipeline
 
 from nebula_rl.controller.state._base import StateBase
@@ -26,6 +27,14 @@ redis.call('HSET', KEYS[1], 'last_heartbeat', ARGV[1], 'policy_version', ARGV[2]
 redis.call('ZADD', KEYS[2], ARGV[1], ARGV[4])
 return {redis.call('GET', KEYS[3]), redis.call('GET', KEYS[4]), redis.call('GET', KEYS[5])}
 """
+
+
+def _job_position(reply: Any) -> dict[str, Any] | None:
+    """The heartbeat script's reply as {policy_version, step, finished}; None: unregistered."""
+    if reply is None:
+        return None
+    version, step, finished = reply
+    return {"policy_version": int(version or 0), "step": int(step or 0), "finished": finished}
 
 
 class Registry(StateBase):
@@ -66,16 +75,23 @@ class Registry(StateBase):
     ) -> dict[str, Any] | None:
         """Replica `name` is alive, holding weights `policy_version`; returns where the job
         stands ({policy_version, step, finished}), or None if `name` is not registered."""
-        now = self.clock()
+        keys, args = self._heartbeat_call(name, policy_version, stats)
+        return _job_position(self.redis.eval(_HEARTBEAT, len(keys), *keys, *args))
+
+    async def heartbeat_async(
+        self, client: AsyncRedis, name: str, *, policy_version: int, stats: dict[str, float]
+    ) -> dict[str, Any] | None:
+        """:meth:`heartbeat` through `client`, an asyncio client of the same Redis (what the
+        HTTP API's event loop answers a heartbeat with, no thread in between)."""
+        keys, args = self._heartbeat_call(name, policy_version, stats)
+        return _job_position(await client.eval(_HEARTBEAT, len(keys), *keys, *args))
+
+    def _heartbeat_call(
+        self, name: str, policy_version: int, stats: dict[str, float]
+    ) -> tuple[list[str], list[Any]]:
         keys = [self.key("replica", name), self.key("replicas")]
         keys += [self.key("policy_version"), self.key("step"), self.key("finished")]
-        reply = self.redis.eval(
-            _HEARTBEAT, len(keys), *keys, now, policy_version, json.dumps(stats), name
-        )
-        if reply is None:
-            return None
-        version, step, finished = reply
-        return {"policy_version": int(version or 0), "step": int(step or 0), "finished": finished}
+        return keys, [self.clock(), policy_version, json.dumps(stats), name]
 
     def set_ready(self, name: str) -> bool:
         """Replica `name` has loaded its model and can join groups now; False if unregistered."""
