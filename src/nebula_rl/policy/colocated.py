@@ -130,12 +130,8 @@ class ColocatedWorker(PolicyWorker):
                 tick = self._tick(block_ms=0 if busy else 100)
                 if tick.finished is not None:
                     return
-                for msg_id, command in tick.commands:
-                    stopped = self.handle(command)
-                    if self.lead:
-                        session.state.ack_command(session.name, msg_id)
-                    if stopped:
-                        return
+                if self.run_commands(tick.commands):
+                    return
                 if tick.commands:  # (look for more before generating)
                     busy = True
                     continue

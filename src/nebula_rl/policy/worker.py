@@ -287,12 +287,19 @@ class PolicyWorker:
                 return
             if self.in_sync and self.clean:
                 self.weights.refresh(self.rollout_weights, self.version, generation=tick.weights)
-            for msg_id, command in tick.commands:
-                stopped = self.handle(command)
-                if self.lead:
-                    session.state.ack_command(session.name, msg_id)
-                if stopped:
-                    return
+            if self.run_commands(tick.commands):
+                return
+
+    def run_commands(self, commands: list[tuple[str, dict[str, Any]]]) -> bool:
+        """Handle `commands` in order, rank 0 acknowledging each; True once one ended the
+        replica's work."""
+        for msg_id, command in commands:
+            stopped = self.handle(command)
+            if self.lead:
+                self.session.state.ack_command(self.session.name, msg_id)
+            if stopped:
+                return True
+        return False
 
     def handle(self, command: dict[str, Any]) -> bool:
         """Carry out one command; True once stopped."""

@@ -58,6 +58,15 @@ class Overlong:
     buffer_length: int
     penalty_factor: float
 
+    def penalty(self, num_tokens: int) -> float:
+        """The penalty of a completion of `num_tokens` tokens (0 or negative)."""
+        return overlong_penalty(
+            num_tokens,
+            max_response_length=self.max_response_length,
+            buffer_length=self.buffer_length,
+            penalty_factor=self.penalty_factor,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Scored:
@@ -91,12 +100,7 @@ class Scorer:
         if self.filter_only is not None:
             terms |= self.filter_only.values(text, reference)
         if self.overlong is not None:
-            total += overlong_penalty(
-                num_tokens,
-                max_response_length=self.overlong.max_response_length,
-                buffer_length=self.overlong.buffer_length,
-                penalty_factor=self.overlong.penalty_factor,
-            )
+            total += self.overlong.penalty(num_tokens)
         return Scored(total, terms)
 
     def score_group(
@@ -193,12 +197,7 @@ class RemoteScorer:
         )
         total = min(max(r.scale * value, r.reward_clip_min), r.reward_clip_max)
         if self.overlong is not None:
-            total += overlong_penalty(
-                num_tokens,
-                max_response_length=self.overlong.max_response_length,
-                buffer_length=self.overlong.buffer_length,
-                penalty_factor=self.overlong.penalty_factor,
-            )
+            total += self.overlong.penalty(num_tokens)
         return Scored(total, terms)
 
     def close(self) -> None:
