@@ -31,15 +31,23 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _api_process(pid: int) -> int:
-    """The controller's API process (its spawned child, not multiprocessing's tracker)."""
+def _api_processes(pid: int) -> list[int]:
+    """The controller's API processes (its spawned children, not multiprocessing's tracker)."""
+    found = []
     for child in _children(pid):
         try:
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return child
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes() and _alive(child):
+                found.append(child)
         except OSError:
             continue
-    raise AssertionError(f"no API process under {pid}")
+    return sorted(found)
+
+
+def _api_process(pid: int) -> int:
+    """The controller's one API process."""
+    found = _api_processes(pid)
+    assert len(found) == 1, f"API processes under {pid}: {found}"
+    return found[0]
 
 
 def _nice(pid: int) -> int:
@@ -109,6 +117,27 @@ def test_the_scheduler_loop_yields_to_the_api_and_restarts_keep_the_api_priority
     os.kill(api, signal.SIGKILL)
     _wait(lambda: _healthy(address) and _api_process(process.pid) != api)
     assert _nice(_api_process(process.pid)) == base  # started by the watcher, not the loop
+
+
+def test_several_api_processes_share_the_port_and_each_comes_back(tmp_path: Path) -> None:
+    config = CONFIG + "\n[controller]\napi_processes = 2\n"
+    with running_controller(tmp_path, config, rollout=1) as (process, run_dir):
+        address = (run_dir / "controller").read_text().strip()
+        token = (run_dir / "token").read_text()
+        _wait(lambda: len(_api_processes(process.pid)) == 2)
+        first, second = _api_processes(process.pid)
+        # Fresh connections, so that the kernel hands them to both processes over time.
+        for i in range(20):
+            client = ControllerClient(address, token, timeout=10.0)
+            client.register(f"rollout-{i}", role="rollout")
+            assert client.heartbeat(f"rollout-{i}", policy_version=0, stats={})["step"] == 0
+        os.kill(first, signal.SIGKILL)  # the other one serves while the watcher restarts it
+        client = ControllerClient(address, token, timeout=10.0)
+        assert client.heartbeat("rollout-19", policy_version=0, stats={})["step"] == 0
+        _wait(lambda: len(_api_processes(process.pid)) == 2)
+        assert second in _api_processes(process.pid) and first not in _api_processes(process.pid)
+        assert _healthy(address) and process.poll() is None
+    _wait(lambda: not _alive(second), 10)  # (stopped with the controller)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])

@@ -218,9 +218,10 @@ def _process_tree(root: int) -> list[int]:
 
 
 def _listening_addresses(pids: list[int]) -> list[str]:
-    """The local addresses (as /proc/net/tcp writes them) of the listening sockets of `pids`."""
+    """The local addresses (as /proc/net/tcp writes them) of the listening sockets of `pids`
+    (a socket several of them hold, as the controller and its API processes do, once)."""
     listening = _listening_inodes()
-    addresses = []
+    addresses = {}
     for pid in pids:
         for fd in Path(f"/proc/{pid}/fd").iterdir():
             try:
@@ -230,8 +231,8 @@ def _listening_addresses(pids: list[int]) -> list[str]:
             if target.startswith("socket:["):
                 inode = int(target[len("socket:[") : -1])
                 if inode in listening:
-                    addresses.append(listening[inode])
-    return addresses
+                    addresses[inode] = listening[inode]
+    return list(addresses.values())
 
 
 def test_everything_listens_on_loopback_and_secrets_stay_secret(controller: Controller) -> None:

@@ -1467,6 +1467,10 @@ class ControllerConfig(_Section):
     collective_timeout: float = Field(default=300.0, gt=0.0)
     """Seconds a collective between replicas (joining a group, a gradient sum, a weight push) may
     take before it counts as failed and the group is rebuilt."""
+    api_processes: int = Field(default=1, ge=1, le=64)
+    """Processes serving the HTTP API, on one listening socket the controller holds (the API
+    keeps no state, so any of them answers any request); more spread the heartbeats of
+    thousands of replicas over more cores."""
     scheduler_niceness: int = Field(default=10, ge=0, le=19)
     """Nice value added to the scheduler loop's thread (Linux), so that on a busy host the HTTP
     API's process, at the normal priority, answers heartbeats first; 0 keeps the loop at the

@@ -1,20 +1,22 @@
-"""The controller's HTTP API, served from a process of its own.
+"""The controller's HTTP API, served from processes of its own.
 
 The scheduler loop (judging groups, batching, scheduling steps) is busy Python; sharing one
 interpreter lock with it, the API answered a heartbeat in ~10x the bare HTTP round trip under
 load (BENCHMARKS.md, "Controller scale"). The API needs nothing of the loop: every endpoint reads
 and writes the job's state in Redis (the dashboard also reads `metrics.jsonl`). So
-`nebula-rl controller` runs the loop in its main process and the API in a child that it starts
+`nebula-rl controller` runs the loop in its main process and the API in children that it starts
 (spawn), watches and stops:
 
-- the child binds `host:port` and reports the bound port, or why it could not bind, before the
-  loop starts; one that cannot start is an error;
-- an API process that dies while serving is logged and started again on the same port by a
-  watcher thread of the controller (:class:`ApiProcess` starts it); replicas retry their
-  heartbeats meanwhile, as they do while a whole controller restarts;
-- the child holds the only read end of a pipe that only the parent writes to: the parent's death,
-  even by SIGKILL, reads as end-of-file there and the child exits at once, so no orphan keeps the
-  port; a normal stop is a message on the same pipe.
+- the controller binds `host:port` itself and hands the listening socket to each API process
+  (`controller.api_processes` of them, uvicorn each; the kernel gives each new connection to one
+  of them); a port it cannot bind, or an API process that cannot start, is an error before the
+  loop starts;
+- an API process that dies while serving is logged and started again on the same socket by a
+  watcher thread of the controller; the port stays bound meanwhile (the controller holds it), so
+  new connections wait in its queue, and replicas retry the heartbeats that failed;
+- each child holds the only read end of a pipe that only the parent writes to: the parent's
+  death, even by SIGKILL, reads as end-of-file there and the child exits at once, so no orphan
+  keeps the port; a normal stop is a message on the same pipe.
 
 Priority. On a host whose cores are all busy, a heartbeat waits for a core behind the scheduler
 loop's judging: on 2 cores it took ~20x the bare HTTP round trip at p99. Heartbeats are the
@@ -25,9 +27,8 @@ normal one. Linux keeps a nice value per thread and a process inherits the one o
 that starts it, which is why the restarts come from the watcher thread, started before the loop
 lowers its priority, and never from the loop.
 
-Simplification: one API process (uvicorn, one event loop, a thread pool for the handlers). It
-holds no state, so several could serve one port; one serves the heartbeats of 1,024 replicas
-(512 a second) while it gets a core (`bench/controller_scale.py`).
+Several API processes hold no state between them: every request reads and writes Redis, so any
+of them answers any request (the dashboard's session cookie is derived from the job's token).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from types import TracebackType
@@ -63,7 +65,7 @@ class ApiSpec:
     host: str
     """Interface to serve on."""
     port: int
-    """Port to serve on (0: any free one; a restarted API process keeps the first one)."""
+    """Port to serve on (0: any free one)."""
     config_json: dict[str, Any]
     """The job's config, as `/api/meta` returns it."""
     meta_extra: dict[str, Any]
@@ -76,20 +78,32 @@ class ApiSpec:
     """The API process's logging level."""
 
 
-class ApiProcess:
-    """The API process of :class:`ApiSpec` `spec`: :meth:`start` it (or use `with`) and
-    :meth:`stop` it; in between, a watcher thread starts it again whenever it dies."""
+@dataclass
+class _Child:
+    """One API process and the parent's end of its pipe."""
 
-    def __init__(self, spec: ApiSpec, *, start_timeout_s: float = 60.0) -> None:
+    process: Any
+    conn: Connection
+
+
+class ApiProcess:
+    """The API processes of :class:`ApiSpec` `spec` (`processes` of them on one listening
+    socket): :meth:`start` them (or use `with`) and :meth:`stop` them; in between, a watcher
+    thread starts each again whenever it dies."""
+
+    def __init__(self, spec: ApiSpec, *, processes: int = 1, start_timeout_s: float = 60.0) -> None:
+        if processes < 1:
+            raise ValueError(f"an API needs at least one process, not {processes}")
         self.spec = spec
+        self.processes = processes
         self.start_timeout_s = start_timeout_s
         self.port = spec.port
         """The bound port, once started."""
         self.restarts = 0
         """API processes started again after one died."""
         self._ctx = mp.get_context("spawn")
-        self._process: Any = None
-        self._conn: Connection | None = None
+        self._sock: socket.socket | None = None
+        self._children: list[_Child | None] = [None] * processes
         self._lock = threading.Lock()  # (the watcher's restarts against stop)
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -100,30 +114,37 @@ class ApiProcess:
         return f"http://{self.spec.host}:{self.port}"
 
     @property
-    def pid(self) -> int | None:
-        """The API process's id (None before it started)."""
-        return None if self._process is None else self._process.pid
+    def pids(self) -> list[int]:
+        """The running API processes' ids."""
+        return [c.process.pid for c in self._children if c is not None]
 
     def start(self) -> None:
-        """Start the API process and its watcher; returns once it listens, raises
-        `RuntimeError` if it cannot."""
+        """Bind the port, start the API processes and their watcher; returns once all listen,
+        raises `RuntimeError` if they cannot."""
         assert self._watcher is None, "already started"
-        self._spawn()
+        self._sock = _listen(self.spec.host, self.spec.port)
+        self.port = self._sock.getsockname()[1]
+        try:
+            for i in range(self.processes):
+                self._spawn(i)
+        except RuntimeError:
+            self.stop()
+            raise
         self._watcher = threading.Thread(
             target=self._watch, name="controller-api-watch", daemon=True
         )
         self._watcher.start()
 
-    def _spawn(self) -> None:
-        """Start an API process on `self.port`; raises `RuntimeError` if it cannot serve."""
-        spec = replace(self.spec, port=self.port)
+    def _spawn(self, i: int) -> None:
+        """Start API process `i` on the listening socket; `RuntimeError` if it cannot serve."""
         conn, child_conn = self._ctx.Pipe()
         process = self._ctx.Process(
-            target=_serve, args=(spec, child_conn), name="controller-api", daemon=True
-        )
+            target=_serve, args=(self.spec, self._sock, child_conn), name=f"controller-api-{i}",
+            daemon=True,
+        )  # fmt: skip
         process.start()
         child_conn.close()  # the child's end lives in the child only: our death is its EOF
-        self._process, self._conn = process, conn
+        self._children[i] = _Child(process, conn)
         try:
             if not conn.poll(self.start_timeout_s):
                 raise RuntimeError(
@@ -132,75 +153,84 @@ class ApiProcess:
                 )
             status, detail = conn.recv()
         except (EOFError, RuntimeError) as err:
-            self._end()
+            self._end(i)
             if isinstance(err, RuntimeError):
                 raise
             raise RuntimeError(
                 f"the controller's API process exited while starting (code {process.exitcode})"
             ) from None
         if status != "listening":
-            self._end()
-            raise RuntimeError(
-                f"the controller's API could not serve on {spec.host}:{spec.port}: {detail}"
-            )
-        self.port = detail
+            self._end(i)
+            raise RuntimeError(f"the controller's API could not start: {detail}")
 
     def _watch(self) -> None:
-        """Watcher thread: start the API process again each time it dies, until :meth:`stop`
-        (a restart that fails is tried again a second later: the API must not stay down)."""
+        """Watcher thread: start each API process again when it dies, until :meth:`stop` (a
+        restart that fails is tried again a second later: the API must not stay down)."""
         while not self._stopping.is_set():
-            process = self._process
-            if process is not None:
-                wait([process.sentinel])
+            live = [c.process.sentinel for c in self._children if c is not None]
+            if len(live) == self.processes:
+                wait(live)
             with self._lock:
                 if self._stopping.is_set():
                     return
-                if self._process is not None:
-                    self._process.join()  # (reaps it: dead, its sentinel said)
-                    code = self._process.exitcode
-                    self._close()
-                    self.restarts += 1
-                    log.error(
-                        "the controller's API process died (exit code %s): starting it again "
-                        "on port %d",
-                        code,
-                        self.port,
-                    )
-                try:
-                    self._spawn()
-                except RuntimeError as err:
-                    log.error("%s; trying again in 1 s", err)
-            if self._process is None:
+                for i, child in enumerate(self._children):
+                    if child is not None:
+                        if child.process.is_alive():
+                            continue
+                        code = child.process.exitcode
+                        self._close(i)
+                        self.restarts += 1
+                        log.error(
+                            "the controller's API process died (exit code %s): starting it "
+                            "again on port %d",
+                            code,
+                            self.port,
+                        )
+                    try:
+                        self._spawn(i)
+                    except RuntimeError as err:
+                        log.error("%s; trying again in 1 s", err)
+            if None in self._children:
                 self._stopping.wait(1.0)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop the watcher, then ask the API process to finish its requests and exit; kill it
-        after `timeout_s`."""
+        """Stop the watcher, then ask the API processes to finish their requests and exit
+        (killed after `timeout_s`), and close the port."""
         with self._lock:
             self._stopping.set()
-            self._end(timeout_s)
+            for i in range(self.processes):
+                with contextlib.suppress(OSError):  # (it may be gone already)
+                    child = self._children[i]
+                    if child is not None:
+                        child.conn.send("stop")
+            for i in range(self.processes):
+                self._end(i, timeout_s)
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout_s)
 
-    def _end(self, timeout_s: float = 10.0) -> None:
-        if self._process is None:
+    def _end(self, i: int, timeout_s: float = 10.0) -> None:
+        child = self._children[i]
+        if child is None:
             return
-        assert self._conn is not None
-        with contextlib.suppress(OSError):  # (it may be gone already)
-            self._conn.send("stop")
-        self._process.join(timeout_s)
-        if self._process.is_alive():
+        with contextlib.suppress(OSError):
+            child.conn.send("stop")
+        child.process.join(timeout_s)
+        if child.process.is_alive():
             log.warning("the controller's API process did not stop: killing it")
-            self._process.kill()
-            self._process.join()
-        self._close()
+            child.process.kill()
+            child.process.join()
+        self._close(i)
 
-    def _close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-        if self._process is not None:
-            self._process.close()
-        self._process, self._conn = None, None
+    def _close(self, i: int) -> None:
+        child = self._children[i]
+        if child is not None:
+            child.conn.close()
+            child.process.join()  # (reaps it)
+            child.process.close()
+        self._children[i] = None
 
     def __enter__(self) -> ApiProcess:
         self.start()
@@ -215,6 +245,28 @@ class ApiProcess:
         self.stop()
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host:port` (0: any free port) for the API processes to share;
+    `RuntimeError` naming the address if it cannot be bound."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn does)
+            sock.bind(address)
+            sock.listen(2048)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as err:
+        raise RuntimeError(
+            f"the controller's API could not serve on {host}:{port}: {err}"
+        ) from None
+    return sock
+
+
 def lower_thread_priority(niceness: int) -> None:
     """Add `niceness` to the calling thread's nice value (Linux: a per-thread value; the
     process's other threads and the processes it already started keep theirs). Raising it needs
@@ -226,8 +278,9 @@ def lower_thread_priority(niceness: int) -> None:
     os.setpriority(os.PRIO_PROCESS, tid, min(19, current + niceness))
 
 
-def _serve(spec: ApiSpec, conn: Connection) -> None:
-    """The API process: serve until the parent says stop or dies."""
+def _serve(spec: ApiSpec, sock: socket.socket, conn: Connection) -> None:
+    """An API process: serve on the parent's listening socket `sock` until the parent says stop
+    or dies."""
     import redis
 
     from nebula_rl.controller.app import create_app, serve
@@ -248,7 +301,7 @@ def _serve(spec: ApiSpec, conn: Connection) -> None:
             metrics_path=spec.metrics_path,
             heartbeat_timeout=spec.heartbeat_timeout,
         )
-        server = serve(app, host=spec.host, port=spec.port)
+        server = serve(app, host=spec.host, sock=sock)
     except (OSError, RuntimeError, redis.RedisError) as err:
         conn.send(("failed", f"{type(err).__name__}: {err}"))
         return

@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import json
 import logging
+import socket
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -421,7 +422,15 @@ def _replica_view(name: str, info: dict[str, Any], *, now: float) -> dict[str, A
 
 
 def serve(
-    app: FastAPI, *, host: str = "127.0.0.1", port: int = 0, timeout: float = 10.0
+    app: FastAPI,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    sock: socket.socket | None = None,
+    timeout: float = 10.0,
 ) -> HttpServer:
-    """Start `app` under uvicorn in a daemon thread; returns once it listens (port 0: any free)."""
-    return http_server.serve(app, host=host, port=port, timeout=timeout, name="controller-http")
+    """Start `app` under uvicorn in a daemon thread; returns once it listens (port 0: any free;
+    `sock`: an already listening socket, whose address wins)."""
+    return http_server.serve(
+        app, host=host, port=port, sock=sock, timeout=timeout, name="controller-http"
+    )

@@ -868,7 +868,7 @@ def run_controller(
         heartbeat_timeout=cfg.controller.heartbeat_timeout,
         log_level=logging.getLogger().getEffectiveLevel(),
     )
-    with ApiProcess(api) as server:
+    with ApiProcess(api, processes=cfg.controller.api_processes) as server:
         log.info("controller of job %s at %s: %d steps", job, server.url, total_steps)
         scheduler.resume_in_flight()
         # (after the API process and its watcher started: they keep the normal priority)
