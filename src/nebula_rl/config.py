@@ -1699,20 +1699,21 @@ def _grpo_side_effects(policy: dict[str, Any], train: dict[str, Any], data: dict
 
 def _distillation_side_effects(data: dict[str, Any], policy: dict[str, Any]) -> None:
     """cosmos-rl's `[distillation]` rules: distillation trains on the teacher's signal alone
-    (`bypass_reward` forced on; nebula-rl always sends token ids, cosmos-rl's other forced key);
-    without it `top_k` is 0; `top_k` <= 0 takes no top-k ids from the teacher."""
+    (`bypass_reward` forced on; nebula-rl always sends token ids, cosmos-rl's other forced key),
+    and `top_k` <= 0 takes no top-k ids from the teacher; without it `top_k` is 0 (and the other
+    keys, which nothing reads then, keep their values)."""
     distill = data.get("distillation")
     if not isinstance(distill, dict):
         return
-    if distill.get("enable") and policy.get("type") == "grpo":  # (SFT is refused by name)
-        if policy.get("bypass_reward") is False:
-            log.warning(
-                "distillation.enable forces train.train_policy.bypass_reward = true (as "
-                "cosmos-rl does): the task reward is not trained on"
-            )
-        policy["bypass_reward"] = True
-    else:
+    if not (distill.get("enable") and policy.get("type") == "grpo"):  # (SFT: refused by name)
         distill["top_k"] = 0
+        return
+    if policy.get("bypass_reward") is False:
+        log.warning(
+            "distillation.enable forces train.train_policy.bypass_reward = true (as cosmos-rl "
+            "does): the task reward is not trained on"
+        )
+    policy["bypass_reward"] = True
     top_k = distill.get("top_k", 0)
     if isinstance(top_k, int) and top_k <= 0:
         distill["trainer_token_ids_from_teacher"] = False
