@@ -348,7 +348,10 @@ def controller_config(args: argparse.Namespace) -> dict[str, Any]:
             "n_generation": args.n_generation,
             "max_response_length": args.response_tokens,
         },
-        "controller": {"scheduler_niceness": args.scheduler_niceness},
+        "controller": {
+            "scheduler_niceness": args.scheduler_niceness,
+            "api_processes": args.api_processes,
+        },
     }
 
 
@@ -472,7 +475,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None
         f"{args.response_tokens} tokens ({payload / 1024:.0f} KiB as JSON), heartbeat every "
         f"{args.heartbeat_s:g} s, {args.batch} groups per step, {args.seconds:g} s window, "
         f"{os.cpu_count()} cores shared by Redis, the server and the clients, "
-        f"scheduler niceness {args.scheduler_niceness}"
+        f"scheduler niceness {args.scheduler_niceness}, {args.api_processes} API process(es)"
     )
     print(
         f"{'path':44} {'compl/s':>8} {'beats/s':>8} {'failed':>7} {'beat p50 ms':>12} "
@@ -521,6 +524,12 @@ def main() -> None:
         type=int,
         default=ControllerConfig().scheduler_niceness,
         help="the controller's controller.scheduler_niceness (0: the loop at the API's priority)",
+    )
+    parser.add_argument(
+        "--api-processes",
+        type=int,
+        default=ControllerConfig().api_processes,
+        help="the controller's controller.api_processes",
     )
     args = parser.parse_args()
     heartbeat_timeout = config_from_dict(controller_config(args)).controller.heartbeat_timeout

@@ -31,7 +31,7 @@ from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
-from redis.asyncio import ConnectionPool as AsyncConnectionPool
+from redis.asyncio import BlockingConnectionPool as AsyncBlockingConnectionPool
 from redis.asyncio import Redis as AsyncRedis
 from redis.asyncio import UnixDomainSocketConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -103,8 +103,13 @@ class UnregisterRequest(_Body):
 
 class _LoopClients:
     """asyncio Redis clients of the server `sync` talks to, one per event loop (a client's
-    connections belong to the loop that opened them; tests serve one app from several)."""
+    connections belong to the loop that opened them; tests serve one app from several).
 
+    Each holds at most :attr:`MAX_CONNECTIONS` connections and a request waits for a free one:
+    a burst of heartbeats from a thousand replicas would otherwise open a connection each (or,
+    past redis-py's default pool size, fail)."""
+
+    MAX_CONNECTIONS = 32
     _KEYS = ("host", "port", "path", "db", "username", "password", "socket_timeout",
              "socket_connect_timeout", "decode_responses")  # fmt: skip
     """The connection settings an asyncio client takes as they are."""
@@ -112,7 +117,8 @@ class _LoopClients:
     def __init__(self, sync: redis.Redis) -> None:
         given = sync.connection_pool.connection_kwargs
         self.kwargs = {k: given[k] for k in self._KEYS if k in given}
-        self.unix = "path" in given
+        if "path" in given:
+            self.kwargs["connection_class"] = UnixDomainSocketConnection
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncRedis] = (
             weakref.WeakKeyDictionary()
         )
@@ -122,14 +128,10 @@ class _LoopClients:
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None:
-            if self.unix:
-                pool = AsyncConnectionPool(
-                    connection_class=UnixDomainSocketConnection, **self.kwargs
-                )
-                client = AsyncRedis(connection_pool=pool)
-            else:
-                client = AsyncRedis(**self.kwargs)
-            self._clients[loop] = client
+            pool = AsyncBlockingConnectionPool(
+                max_connections=self.MAX_CONNECTIONS, timeout=20, **self.kwargs
+            )
+            client = self._clients[loop] = AsyncRedis(connection_pool=pool)
         return client
 
 
