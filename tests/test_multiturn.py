@@ -55,6 +55,10 @@ def hog() -> str:
 def net() -> str:
     socket.create_connection(("127.0.0.1", 9), timeout=1)
     return "connected"
+
+def secrets() -> str:
+    import os
+    return " ".join(sorted(k for k in os.environ if "TOKEN" in k or "REDIS" in k))
 '''
 
 
@@ -112,6 +116,13 @@ def test_sandbox_contains_failures(bad_tools):
     assert not network.ok and "network" in network.text, network.text
     unknown = run_tool(f"{bad_tools}:missing", {}, limits)
     assert not unknown.ok and "no function" in unknown.text
+
+
+def test_a_tool_does_not_see_the_jobs_secrets(bad_tools, monkeypatch):
+    monkeypatch.setenv("NEBULA_TOKEN", "job-secret")
+    monkeypatch.setenv("NEBULA_REDIS_URL", "redis://:pw@127.0.0.1:1/0")
+    seen = run_tool(f"{bad_tools}:secrets", {}, ToolLimits(timeout_s=10.0))
+    assert seen.ok and seen.text == "", seen.text
 
 
 def test_sandbox_cpu_limit_kills_a_busy_loop(bad_tools):

@@ -190,12 +190,18 @@ class ToolResult:
     text: str
 
 
+_PASSED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")
+"""Environment variables a tool's process gets (besides its PYTHONPATH)."""
+
+
 def run_tool(spec: str, arguments: dict[str, Any], limits: ToolLimits) -> ToolResult:
     """Call tool `spec` with `arguments` in a sandboxed child process (see the module
     docstring); never raises for what the tool does."""
     request = json.dumps({"spec": spec, "arguments": arguments, "limits": _limits_json(limits)})
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    env["OMP_NUM_THREADS"] = "1"
+    # Only what Python needs: the job's token, Redis URL and any other secret of the
+    # environment stay out of reach of a tool (and of the text it returns to the model).
+    env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
+    env |= {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
         [sys.executable, "-m", "nebula_rl.tools"],
         stdin=subprocess.PIPE,
