@@ -106,17 +106,18 @@ def test_the_api_answers_while_the_scheduler_is_stopped_and_comes_back_after_dyi
 
 
 def test_the_scheduler_loop_yields_to_the_api_and_restarts_keep_the_api_priority(
-    controller: tuple[subprocess.Popen[bytes], Path],
+    tmp_path: Path,
 ) -> None:
-    process, run_dir = controller
-    address = (run_dir / "controller").read_text().strip()
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    _wait(lambda: _nice(process.pid) == min(19, base + 10))  # (the loop's thread: the main one)
-    api = _api_process(process.pid)
-    assert _nice(api) == base
-    os.kill(api, signal.SIGKILL)
-    _wait(lambda: _healthy(address) and _api_process(process.pid) != api)
-    assert _nice(_api_process(process.pid)) == base  # started by the watcher, not the loop
+    config = CONFIG + "\n[controller]\nscheduler_niceness = 10\n"
+    with running_controller(tmp_path, config, rollout=1) as (process, run_dir):
+        address = (run_dir / "controller").read_text().strip()
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        _wait(lambda: _nice(process.pid) == min(19, base + 10))  # (the loop's thread: the main one)
+        api = _api_process(process.pid)
+        assert _nice(api) == base
+        os.kill(api, signal.SIGKILL)
+        _wait(lambda: _healthy(address) and _api_process(process.pid) != api)
+        assert _nice(_api_process(process.pid)) == base  # started by the watcher, not the loop
 
 
 def test_several_api_processes_share_the_port_and_each_comes_back(tmp_path: Path) -> None:

@@ -1471,10 +1471,11 @@ class ControllerConfig(_Section):
     """Processes serving the HTTP API, on one listening socket the controller holds (the API
     keeps no state, so any of them answers any request); more spread the heartbeats of
     thousands of replicas over more cores."""
-    scheduler_niceness: int = Field(default=10, ge=0, le=19)
-    """Nice value added to the scheduler loop's thread (Linux), so that on a busy host the HTTP
-    API's process, at the normal priority, answers heartbeats first; 0 keeps the loop at the
-    API's priority."""
+    scheduler_niceness: int = Field(default=0, ge=0, le=19)
+    """Nice value added to the scheduler loop's thread (Linux), so that on a host whose cores are
+    all busy the HTTP API's processes, at the normal priority, answer heartbeats first; 0 keeps
+    the loop at the API's priority (measured on 2 cores, 10 changed neither the heartbeat tail
+    nor the demo's speed beyond the noise: BENCHMARKS.md)."""
 
 
 STALE_KEYS: dict[str, str] = {

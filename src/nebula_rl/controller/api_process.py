@@ -18,14 +18,12 @@ and writes the job's state in Redis (the dashboard also reads `metrics.jsonl`). 
   death, even by SIGKILL, reads as end-of-file there and the child exits at once, so no orphan
   keeps the port; a normal stop is a message on the same pipe.
 
-Priority. On a host whose cores are all busy, a heartbeat waits for a core behind the scheduler
-loop's judging: on 2 cores it took ~20x the bare HTTP round trip at p99. Heartbeats are the
-latency-bound work (a late one makes a live replica look dead); judging is throughput work that
-a short wait does not hurt. So the loop's thread lowers its own priority
-(:func:`lower_thread_priority`, `controller.scheduler_niceness`) and the API process keeps the
-normal one. Linux keeps a nice value per thread and a process inherits the one of the thread
-that starts it, which is why the restarts come from the watcher thread, started before the loop
-lowers its priority, and never from the loop.
+Priority. On a host whose cores are all busy, a heartbeat can wait for a core behind the
+scheduler loop's judging. With `controller.scheduler_niceness` the loop's thread lowers its own
+priority (:func:`lower_thread_priority`) and the API processes keep the normal one. Linux keeps a
+nice value per thread and a process inherits the one of the thread that starts it, which is why
+the restarts come from the watcher thread, started before the loop lowers its priority, and
+never from the loop. (On 2 cores it changed nothing measurable, hence off by default.)
 
 Several API processes hold no state between them: every request reads and writes Redis, so any
 of them answers any request (the dashboard's session cookie is derived from the job's token).
