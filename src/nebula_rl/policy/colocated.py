@@ -45,16 +45,18 @@ from nebula_rl.models import load_model, resolve_dtype
 from nebula_rl.policy.worker import PolicyWorker
 from nebula_rl.protocol import Completion, Prompt
 from nebula_rl.ranks import cpu_threads
-from nebula_rl.rewards import RemoteScorer, Scored, filter_values, scorer
+from nebula_rl.rewards import Scored, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import GenerationRequest, RequestOutput
 from nebula_rl.rollout.worker import (
     InlineExecutor,
+    close_scorers,
     completion_text,
     hand_in,
     make_completions,
     prompt_inputs,
     sampling_params,
+    submit_scoring,
     validation_sampling_params,
 )
 from nebula_rl.validation import validation_seed
@@ -139,9 +141,7 @@ class ColocatedWorker(PolicyWorker):
         finally:
             if self.lead:
                 self.pool.shutdown(wait=False, cancel_futures=True)
-                for score in (self.scorer, self.val_scorer):
-                    if isinstance(score, RemoteScorer):
-                        score.close()
+                close_scorers(self.scorer, self.val_scorer)
 
     def _regrouped_weights(self) -> None:
         self._stale = True  # (the state agreed with the group may be another replica's)
@@ -246,10 +246,8 @@ class ColocatedWorker(PolicyWorker):
             lengths = [len(c.token_ids) for c in output.completions]
             score = self.scorer if w.prompt.validation_step is None else self.val_scorer
             assert score is not None
-            pending = (
-                score.submit(texts, lengths, w.reference, group=w.prompt.prompt_id)
-                if isinstance(score, RemoteScorer)  # (its own threads wait for the service)
-                else self.pool.submit(score.score_group, texts, lengths, w.reference)
+            pending = submit_scoring(
+                score, self.pool, texts, lengths, w.reference, group=w.prompt.prompt_id
             )
             scoring.append((texts, pending))
         p = self.cfg.grpo

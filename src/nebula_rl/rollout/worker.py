@@ -66,7 +66,7 @@ from nebula_rl.data.vision import VisionInputs, VisionProcessor, vision_processo
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.ranks import Ranks, broadcast_object, rank_env
-from nebula_rl.rewards import RemoteScorer, Scored, filter_values, scorer
+from nebula_rl.rewards import RemoteScorer, Scored, Scorer, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
 from nebula_rl.rollout.lockstep import LockstepEngine
@@ -81,6 +81,7 @@ from nebula_rl.weights.reshard import ShardedReceiver
 __all__ = [
     "InlineExecutor",
     "RolloutWorker",
+    "close_scorers",
     "completion_text",
     "completion_texts",
     "hand_in",
@@ -89,6 +90,7 @@ __all__ = [
     "prompt_inputs",
     "run_rollout",
     "sampling_params",
+    "submit_scoring",
     "validation_sampling_params",
 ]
 
@@ -457,11 +459,9 @@ class RolloutWorker:
         validating = claimed.prompt.validation_step is not None
         score = self.val_scorer if validating else self.scorer
         assert score is not None
-        future: Future[list[Scored]]
-        if isinstance(score, RemoteScorer):  # (a thread waits for the service)
-            future = score.submit(texts, lengths, claimed.reference, group=claimed.prompt.prompt_id)
-        else:
-            future = self.pool.submit(score.score_group, texts, lengths, claimed.reference)
+        future = submit_scoring(
+            score, self.pool, texts, lengths, claimed.reference, group=claimed.prompt.prompt_id
+        )
         self.scoring[future] = (claimed, output, texts)
 
     def _scored(
@@ -514,9 +514,7 @@ class RolloutWorker:
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self.multi_turn is not None:
             self.multi_turn.executor.shutdown(wait=False, cancel_futures=True)
-        for score in (self.scorer, self.val_scorer):
-            if isinstance(score, RemoteScorer):
-                score.close()
+        close_scorers(self.scorer, self.val_scorer)
 
 
 def multi_turn(cfg: Config, tokenizer: Any, vision: VisionProcessor | None) -> MultiTurn | None:
@@ -617,6 +615,30 @@ def _receiver(
         backend=weight_backend(cfg.mode, next(engine.model.parameters()).device),
         timeout=timedelta(seconds=cfg.controller.collective_timeout),
     )
+
+
+def submit_scoring(
+    score: Scorer | RemoteScorer,
+    pool: Executor,
+    texts: list[str],
+    lengths: list[int],
+    reference: str,
+    *,
+    group: str,
+) -> Future[list[Scored]]:
+    """Score one group (`group` names it in log lines) without waiting: rule rewards in `pool`
+    (reward processes, or inline), remote rewards in the scorer's own threads (a
+    :class:`~nebula_rl.rewards.RemoteScorer` waits for the service and cannot go to a process)."""
+    if isinstance(score, RemoteScorer):
+        return score.submit(texts, lengths, reference, group=group)
+    return pool.submit(score.score_group, texts, lengths, reference)
+
+
+def close_scorers(*scorers: Scorer | RemoteScorer | None) -> None:
+    """Stop the remote scorers among `scorers` (their threads and HTTP connections)."""
+    for score in scorers:
+        if isinstance(score, RemoteScorer):
+            score.close()
 
 
 def hand_in(
