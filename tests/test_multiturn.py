@@ -154,13 +154,19 @@ def _tiny_model() -> torch.nn.Module:
 def test_engine_turns_reuse_the_kv_cache(forward):
     """Two samples, each answered twice with an observation: the engine's log-probs of every
     sampled token equal the model's over the whole sequence recomputed at once, observation
-    tokens are appended as given (log-prob 0), and the only prefill is the prompt's: every
-    later token, observations included, went through one decode step each."""
+    tokens are appended as given (log-prob 0), the only prefill is the prompt's, each
+    observation runs through one forward (`extend`) and every sampled token after the first
+    through one decode row."""
     model = _tiny_model()
     engine = TorchEngine(model, max_num_seqs=4, max_model_len=128, block_size=4, forward=forward)
     prefilled: list[int] = []
     decoded: list[int] = []
-    prefill, decode = engine._forward.prefill, engine._forward.decode
+    extended: list[int] = []
+    prefill, decode, extend = (
+        engine._forward.prefill,
+        engine._forward.decode,
+        engine._forward.extend,
+    )
 
     def counting_prefill(tokens, *args, **kwargs):
         prefilled.append(int(tokens.shape[0] * tokens.shape[1]))
@@ -170,7 +176,12 @@ def test_engine_turns_reuse_the_kv_cache(forward):
         decoded.append(int(tokens.shape[0]))
         return decode(tokens, *args, **kwargs)
 
+    def counting_extend(tokens, *args, **kwargs):
+        extended.append(int(tokens.shape[0]))
+        return extend(tokens, *args, **kwargs)
+
     engine._forward.prefill = counting_prefill  # type: ignore[method-assign]
+    engine._forward.extend = counting_extend  # type: ignore[method-assign]
     engine._forward.decode = counting_decode  # type: ignore[method-assign]
     observation = [7, 8, 9, 10, 11, 12]
     calls: list[tuple[int, int]] = []
@@ -206,8 +217,50 @@ def test_engine_turns_reuse_the_kv_cache(forward):
         torch.testing.assert_close(got[sampled], expected[sampled], atol=2e-4, rtol=0)
         total += len(c.token_ids)
     assert sum(prefilled) == len(prompt)  # the prompt once, never the conversation again
-    assert sum(decoded) == total - 2  # every token after each sample's first: one decode row
+    assert extended == [len(observation)] * 4  # each observation in one forward
+    # every sampled token after each sample's first: one decode row; observations none
+    assert sum(decoded) == total - 2 - 4 * len(observation)
     assert engine.kv_cache_usage[0] == 0  # blocks all given back
+
+
+def test_engine_turn_versions_follow_the_update_that_landed_while_it_waited():
+    """An update lands while a sample waits for its observation: the tokens before keep the old
+    version, the observation and everything after it record the new one; a second update one
+    step after the observation lands between two sampled tokens."""
+    engine = TorchEngine(_tiny_model(), max_num_seqs=2, max_model_len=96, block_size=4)
+    answer: Future[list[int] | None] = Future()
+    turns: list[int] = []
+
+    def continuation(index: int, tokens: list[int]) -> Future[list[int] | None]:
+        turns.append(len(tokens))
+        done: Future[list[int] | None] = Future()
+        done.set_result(None)
+        return answer if len(turns) == 1 else done
+
+    stops = tuple(range(0, 128, 8))
+    sampling = SamplingParams(temperature=1.0, max_tokens=80, stop_token_ids=stops, seed=7)
+    request = GenerationRequest([5, 6, 7], n=1, sampling=sampling, continuation=continuation)
+    engine.add_request(request)
+    for _ in range(80):
+        if turns:
+            break
+        assert not engine.step(), "the first turn ended without a stop token"
+    first_turn = turns[0]
+    weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    engine.update_weights(weights, policy_version=1)
+    observation = [9, 11, 13]
+    answer.set_result(observation)
+    engine.step()  # the observation in, and one token sampled after it
+    engine.update_weights(weights, policy_version=2)
+    outputs = []
+    while not outputs:
+        outputs = engine.step()
+    (completion,) = outputs[0].completions
+    assert completion.observations == ((first_turn, first_turn + 3),)
+    versions = completion.policy_versions
+    assert versions[:first_turn] == [0] * first_turn
+    assert versions[first_turn : first_turn + 4] == [1] * 4  # observation + its next token
+    assert len(versions) > first_turn + 4 and set(versions[first_turn + 4 :]) == {2}
 
 
 def test_engine_abort_while_a_turn_waits():

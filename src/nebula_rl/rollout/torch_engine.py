@@ -37,11 +37,10 @@ Design, and the simplifications it makes:
   sync per step.
 - Multi-turn (`GenerationRequest.continuation`): a sample that stops hands its tokens to the
   continuation and waits, out of the decode batch, its blocks kept. The observation that comes
-  back is fed through the decode step one token per step, batched with the other sequences, its
-  sampled token replaced by the observation's (log-prob 0): only the new tokens run through the
-  model, the prefix's keys and values are read from the cache. (A one-forward prefill of the
-  observation would take fewer steps; tool outputs are short, and this keeps one decode path for
-  both forwards.)
+  back runs through the model in one forward (`extend`): its keys and values go into the
+  sample's own blocks, attending to the prompt's and its own cached tokens, and it is recorded
+  with log-prob 0; the sample then decodes on from the observation's last token in the same
+  step. The prefix is never run again.
 - Weight updates land between steps (see `Engine`). Running sequences keep their KV cache: tokens
   after an update are sampled by the new weights attending to keys/values the old ones computed,
   as in PipelineRL's in-flight updates; the per-token versions record exactly that. The engine
@@ -593,6 +592,39 @@ class _Layer:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _Past:
+    """The cached tokens of one running sequence, as `extend` reads them: its prompt's first
+    `prompt_len` tokens (blocks `prefix_table` [1, m]), then its own first `own_len` tokens
+    (blocks `own_table` [1, n], those being written included)."""
+
+    prefix_table: torch.Tensor
+    prompt_len: int
+    own_table: torch.Tensor
+    own_len: int
+
+    @property
+    def length(self) -> int:
+        """Tokens of the sequence, the ones being written included."""
+        return self.prompt_len + self.own_len
+
+    def keys_values(self, cache: _BlockPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [1, kv, prompt_len + own_len, head_dim] of the whole sequence."""
+        parts = []
+        for table, length, name in (
+            (self.prefix_table, self.prompt_len, "past"),
+            (self.own_table, self.own_len, "past_own"),
+        ):
+            k, v, _ = cache.gather(layer, table, name)
+            parts.append(
+                (_token_major(k, 1)[:, :, :length], _token_major(v, 1, keys=False)[:, :, :length])
+            )
+        return (
+            torch.cat([parts[0][0], parts[1][0]], dim=2),
+            torch.cat([parts[0][1], parts[1][1]], dim=2),
+        )
+
+
 class _Forward(Protocol):
     """A forward pass over the paged cache (compact, or through the HF modules)."""
 
@@ -621,6 +653,20 @@ class _Forward(Protocol):
         `table` [U, count]; returns fp32 logits at `last` [U, V]. With start > 0 (a chunk of
         one prompt, U = 1) they also attend to the tokens before, in the blocks `past` [1, c].
         `prompt`: their embeddings and M-RoPE positions when some hold images or videos."""
+        ...
+
+    def extend(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        write: tuple[torch.Tensor, torch.Tensor],
+        past: _Past,
+        rope_positions: torch.Tensor | None = None,
+    ) -> None:
+        """Tokens [L] appended to one running sequence (a multi-turn observation): writes their
+        keys and values at `write` (`_BlockPool.write_index` of their L places in the
+        sequence's own blocks), each attending to `past` and the tokens before it. Positions
+        [L] as in `decode`."""
         ...
 
 
@@ -783,6 +829,33 @@ class _FusedForward:
                 assert prompt.visual_mask is not None
                 x[prompt.visual_mask] = x[prompt.visual_mask] + prompt.deepstack[i]
         return self._logits(x[torch.arange(num_prompts, device=x.device), last])
+
+    def extend(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        write: tuple[torch.Tensor, torch.Tensor],
+        past: _Past,
+        rope_positions: torch.Tensor | None = None,
+    ) -> None:
+        length, num_heads, num_kv = tokens.shape[0], self.num_heads, self.num_kv_heads
+        x = self.embed[tokens][None]
+        rotary = positions if rope_positions is None else rope_positions
+        cos, sin = self.cos[rotary], self.sin_signed[rotary]
+        mask = _chunk_mask(length, past.length - length, x.device)
+        for i, layer in enumerate(self.layers):
+            qkv = _apply(_rms_norm(x, layer.ln1), layer.qkv)
+            qkv = qkv.view(1, length, -1, self.head_dim).transpose(1, 2)
+            qk = self._rotate(self._qk_norm(qkv[:, : num_heads + num_kv], layer), cos, sin)
+            q, k, v = qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_heads + num_kv :]
+            self.cache.write_token(i, write, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            k, v = past.keys_values(self.cache, i)
+            attn = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=num_heads != num_kv
+            )
+            x = self._mlp(
+                x + self._row_parallel(attn.transpose(1, 2).reshape(1, length, -1), layer.o), layer
+            )
 
 
 def _chunk_mask(length: int, start: int, device: torch.device) -> torch.Tensor:
@@ -956,6 +1029,37 @@ class _HFForward:
             **deepstack,
         )
 
+    def extend(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        write: tuple[torch.Tensor, torch.Tensor],
+        past: _Past,
+        rope_positions: torch.Tensor | None = None,
+    ) -> None:
+        cache, length = self.cache, tokens.shape[0]
+
+        def write_and_read(
+            layer: int, k: torch.Tensor, v: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            cache.write_token(layer, write, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            return past.keys_values(cache, layer)
+
+        dtype = cache.k[0].dtype
+        causal = _chunk_mask(length, past.length - length, tokens.device)
+        mask = torch.zeros(causal.shape, dtype=dtype, device=tokens.device)
+        mask = mask.masked_fill_(~causal, torch.finfo(dtype).min)[None, None]
+        position_ids = positions[None]
+        if rope_positions is not None:  # M-RoPE: the cache position, then time/height/width
+            position_ids = torch.stack([positions, *[rope_positions] * 3])[:, None]
+        self._run(
+            None,
+            _SlotCache(write_and_read),
+            input_ids=tokens[None],
+            position_ids=position_ids,
+            attention_mask=mask,
+        )
+
 
 def _token_major(blocks: torch.Tensor, num: int, *, keys: bool = True) -> torch.Tensor:
     """Gathered blocks [S, count, kv, hd, size] (keys) or [S, count, kv, size, hd] (values) as
@@ -979,9 +1083,10 @@ class _Sequence:
     index: int
     first_step: int
     stop: tuple[str, ...]
-    segments: list[tuple[int, int]] = field(default_factory=list)
-    """Multi-turn: (first token index, its step) of each run of tokens after the first, one per
-    step (a sample waiting for its continuation makes no tokens)."""
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    """Multi-turn: (first token index, its step, held) of each run of tokens after the first:
+    its first `held` + 1 tokens (an observation and the token sampled after it) come at that
+    step, the rest one per step (a sample waiting for its continuation makes no tokens)."""
     observations: list[tuple[int, int]] = field(default_factory=list)
     """Multi-turn: the [start, end) token ranges appended by the continuation."""
 
@@ -1201,8 +1306,6 @@ class TorchEngine(Engine):
         self._version_log: list[tuple[int, int]] = [(0, policy_version)]
         self._parked: dict[int, Future[list[int] | None]] = {}
         """Multi-turn: slots waiting for their continuation, out of the decode batch."""
-        self._forcing: dict[int, deque[int]] = {}
-        """Multi-turn: slots feeding an observation, its tokens still to come."""
 
     @classmethod
     def from_pretrained(
@@ -1475,7 +1578,6 @@ class TorchEngine(Engine):
                 params, repetition_penalty=self._penalty[slots], seen=self._seen[slots]
             )
         tokens, logprobs = sample(logits, params)
-        forced = self._force(slots, tokens, logprobs) if self._forcing else None
         if counts["penalty"]:
             assert self._seen is not None
             self._seen[slots, tokens] = True
@@ -1486,8 +1588,6 @@ class TorchEngine(Engine):
         generated = columns + active
         self._num_generated[slots] = generated
         hit_stop = (self._stop_ids[slots] == tokens[:, None]).any(dim=-1)
-        if forced is not None:  # (an observation's tokens stop nothing)
-            hit_stop &= ~forced
         done = (hit_stop | (generated >= self._max_new[slots])) & active
         # The one device->host sync of the step.
         done_rows = done.nonzero().view(-1)
@@ -1496,7 +1596,7 @@ class TorchEngine(Engine):
             "stop" if s else "length" for s in hit_stop[done_rows].tolist()
         ]
         if counts["stop"]:
-            self._check_stop_strings(slots.tolist(), finished, reasons, forced)
+            self._check_stop_strings(slots.tolist(), finished, reasons)
         if any(self._continues(slot) for slot in finished):
             finished, reasons = self._park(finished, reasons)
         return self._complete(finished, reasons)
@@ -1509,26 +1609,6 @@ class TorchEngine(Engine):
     def _num_tokens(self, slot: int) -> int:
         """Tokens slot `slot` holds (sampled or appended): its cached ones and the last one."""
         return int(self._pos_host[slot] - self._prompt_len_host[slot]) + 1
-
-    def _force(
-        self, slots: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor
-    ) -> torch.Tensor:
-        """Replace the sampled tokens of slots feeding an observation by its next tokens (log-prob
-        0); the rows replaced, bool [len(slots)]."""
-        rows, values = [], []
-        for row, slot in enumerate(slots.tolist()):
-            queue = self._forcing.get(slot)
-            if queue:
-                rows.append(row)
-                values.append(queue.popleft())
-                if not queue:
-                    del self._forcing[slot]
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        tokens[index] = torch.tensor(values, dtype=tokens.dtype, device=self.device)
-        logprobs[index] = 0.0
-        forced = torch.zeros(len(slots), dtype=torch.bool, device=self.device)
-        forced[index] = True
-        return forced
 
     def _park(
         self, finished: list[int], reasons: list[FinishReason]
@@ -1574,25 +1654,62 @@ class TorchEngine(Engine):
             bad = [t for t in observation if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"an observation's token id {bad[0]} is outside the vocabulary")
-            self._forcing[slot] = deque(observation)
-            seq.segments.append((num, self._step_count))
+            self._extend(slot, num, observation)
+            seq.segments.append((num, self._step_count, len(observation)))
             seq.observations.append((num, num + len(observation)))
             self._active_host[slot] = True
             self._active[slot] = True
             self._groups = None
         return self._complete(finished, reasons)
 
+    def _extend(self, slot: int, num: int, observation: list[int]) -> None:
+        """Append `observation` to slot `slot`'s `num` tokens: one forward writes the keys and
+        values of its last token and all but the observation's last (the one decode reads
+        next, in this same step) into its own blocks; the observation is recorded with
+        log-prob 0."""
+        size, length, device = self.block_size, len(observation), self.device
+        written = int(self._pos_host[slot] - self._prompt_len_host[slot])  # (own tokens cached)
+        held, needed = len(self._own_blocks[slot]), -(-(written + length) // size)
+        if needed > held:
+            blocks = self.cache.take(needed - held)
+            self._promised[slot] -= needed - held
+            self._own_blocks[slot] += blocks
+            self._own_table[slot, held:needed] = torch.tensor(blocks, device=device)
+        appended = torch.tensor(observation, device=device)
+        tokens = torch.cat([self._last_token[slot : slot + 1], appended[:-1]])
+        index = torch.arange(written, written + length, device=device)
+        write = self.cache.write_index(self._own_table[slot, index // size], index % size)
+        positions = self._pos[slot] + torch.arange(length, device=device)
+        prefix = self._prefixes[int(self._prefix_of[slot])]
+        past = _Past(
+            torch.tensor([prefix.blocks], device=device),
+            prefix.length,
+            self._own_table[slot : slot + 1, :needed],
+            written + length,
+        )
+        rope = positions + self._rope_delta[slot] if self.multimodal else None
+        self._forward.extend(tokens, positions, write, past, rope)
+        self._out_tokens[slot, num : num + length] = appended
+        self._out_logprobs[slot, num : num + length] = 0.0
+        if self._seen is not None and self._flag_counts["penalty"]:
+            self._seen[slot, appended] = True
+        self._num_generated[slot] = num + length
+        self._last_token[slot] = appended[-1]
+        self._pos[slot] += length
+        self._pos_host[slot] += length
+
     def _version_changes(self, seq: _Sequence, num: int) -> tuple[tuple[int, int], ...]:
         """The (token index, version) change points of `seq`'s `num` tokens."""
         if not seq.segments:
             return version_changes_for(self._version_log, seq.first_step, num)
-        starts = [(0, seq.first_step), *seq.segments]
-        ends = [start for start, _ in seq.segments] + [num]
+        starts = [(0, seq.first_step, 0), *seq.segments]
+        ends = [start for start, _, _ in seq.segments] + [num]
         changes: list[tuple[int, int]] = []
-        for (start, step), end in zip(starts, ends, strict=True):
-            for offset, version in version_changes_for(self._version_log, step, end - start):
+        for (start, step, held), end in zip(starts, ends, strict=True):
+            count = max(1, end - start - held)
+            for offset, version in version_changes_for(self._version_log, step, count):
                 if not changes or changes[-1][1] != version:
-                    changes.append((start + offset, version))
+                    changes.append((start + offset + (held if offset else 0), version))
         return tuple(changes)
 
     def _check_stop_strings(
@@ -1600,7 +1717,6 @@ class TorchEngine(Engine):
         slots: list[int],
         finished: list[int],
         reasons: list[FinishReason],
-        forced: torch.Tensor | None = None,
     ) -> None:
         """Host-side stop-string check, only for sequences whose request has stop strings.
 
@@ -1608,12 +1724,10 @@ class TorchEngine(Engine):
         stop token does.
         """
         position = {slot: row for row, slot in enumerate(finished)}
-        skip = set() if forced is None else {slots[r] for r in forced.nonzero().view(-1).tolist()}
         candidates = [
             (slot, seq)
             for slot in slots
-            if slot not in skip
-            and (seq := self._seqs[slot]) is not None
+            if (seq := self._seqs[slot]) is not None
             and seq.stop
             and (slot not in position or reasons[position[slot]] != "stop")
         ]
@@ -1642,7 +1756,6 @@ class TorchEngine(Engine):
         lengths = [self._num_tokens(s) for s in slots]
         for slot in slots:
             self._parked.pop(slot, None)  # (aborted while waiting for its continuation)
-            self._forcing.pop(slot, None)
         index = torch.as_tensor(slots, device=self.device)
         width = max(lengths)
         tokens = self._out_tokens[index, :width].tolist()
