@@ -243,19 +243,24 @@ def test_local_engine_takes_the_merged_weights_and_samples_as_the_adapted_policy
 def test_the_rollout_adapts_the_modules_the_policy_adapts_and_merges_what_it_pushes():
     """`LoraMerge` finds the policy's adapted modules with their ranks (list targets, patterns,
     "all-linear"), expects exactly the names the policy pushes, and merged from them holds the
-    policy's merged weights; B carries the scale, the base and A are the policy's own."""
+    policy's merged weights; B carries the scale, the base and A are the policy's own. A bf16
+    engine receives A and B in float32 and rounds the merged weight once."""
     lora = {**LORA, "target_modules": ["q_proj", "o_proj", "up_proj", "down_proj"],
             "r_pattern": {"down_proj": 2}, "alpha_pattern": {"o_proj": 3.0},
             "modules_to_save": ["post_attention_layernorm"]}  # fmt: skip
-    for case in (LORA, lora):
+    for case, dtype in ((LORA, torch.float32), (lora, torch.float32), (LORA, torch.bfloat16)):
         cfg = _cfg(case)
         model = _adapted(cfg)
         with torch.no_grad():  # (the saved norm trained too)
             for name, p in model.named_parameters():
                 if ".modules_to_save." in name:
                     p.add_(0.1)
-        engine = TorchEngine(load_model("tiny:qwen2", seed=99), max_num_seqs=4, max_model_len=32)
+        engine = TorchEngine(
+            load_model("tiny:qwen2", seed=99, dtype=dtype), max_num_seqs=4, max_model_len=32
+        )
         merge = LoraMerge(engine.model, engine.tp_boxes(), cfg.policy.lora)
+        for name, tensor in merge.tensors.items():
+            assert tensor.dtype == (torch.float32 if ".lora_" in name else dtype), name
         adapted = {n: m.r["default"] for n, m in model.named_modules() if hasattr(m, "lora_A")}
         assert merge.num_adapted == len(adapted)
         pushed = adapter_parameters(model)
@@ -284,8 +289,10 @@ def test_the_rollout_adapts_the_modules_the_policy_adapts_and_merges_what_it_pus
 
         engine.update_weights_with(lambda merge=merge, write=write: merge.after(write()))
         expected = dict(plain_copy(model).named_parameters())
+        # (bf16: an adapted weight is rounded twice, as the base and merged; its |W| < 0.2 here)
+        atol = 1e-6 if dtype == torch.float32 else 2 * 2**-9 * 0.2
         for name, tensor in engine.model.named_parameters():
-            torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)
+            torch.testing.assert_close(tensor.float(), expected[name], rtol=0, atol=atol, msg=name)
         engine.shutdown()
 
 

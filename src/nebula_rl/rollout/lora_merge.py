@@ -12,7 +12,9 @@ frozen base weight `<m>.base_layer.weight`, and every other parameter under its 
 - after each receive, inside the same `engine.update_weights_with` write (under the step lock,
   between two token steps), `merge` writes every adapted weight in place: W = W0 + B @ A,
   computed in float32 where the engine's dtype is narrower and rounded once. In place, because
-  the engine's fused forward holds views of its parameters.
+  the engine's fused forward holds views of its parameters. (The base is held in the engine's
+  dtype, so a bf16 engine's adapted weight is within a bf16 unit of the policy's float32 merge
+  rounded once, not always equal to it.)
 
 Under tensor parallelism each rank merges its own part from its own parts of A and B, derived
 from the weight's box (`TorchEngine.tp_boxes`): a weight split by rows (column parallel: q, k,
