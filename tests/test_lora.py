@@ -1,6 +1,8 @@
 """LoRA on a language-model policy (`policy.lora`, `nebula_rl.models.lora`): a GRPO step
 through the adapters is the step of the merged model, with gradients on the adapters alone; the
-rollout receives the merged weights (from FSDP2 shards, through the real weight group); exports
+policy pushes its adapter and the rollout merges it into the policy's merged weights (through
+the real weight group, from one rank or FSDP2 shards, into one rank or two tensor-parallel
+ones; `nebula_rl.rollout.lora_merge`); the `--local` engine loads the merged weights; exports
 load as a Hugging Face model and as a peft adapter, which `lora_path` starts from; checkpoints
 hold the adapter and resume. The demo's learning test is in test_recipes.py (its warm start)."""
 
@@ -14,21 +16,26 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
 from member_pool import MemberPool
 from nebula_rl.config import ConfigError, config_from_dict
 from nebula_rl.models import build_char_tokenizer, load_model, load_tokenizer
 from nebula_rl.models.export import export_hf
-from nebula_rl.models.lora import merged_parameters, plain_copy
+from nebula_rl.models.lora import adapter_parameters, merged_parameters, plain_copy
 from nebula_rl.policy.logprobs import token_logprobs
 from nebula_rl.policy.setup import (
     load_policy_model,
     parallelize_policy,
+    pushed_weights,
     rollout_copy,
     rollout_weights,
 )
 from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
+from nebula_rl.rollout.engine import GenerationRequest, SamplingParams
+from nebula_rl.rollout.lora_merge import LoraMerge
+from nebula_rl.rollout.tensor_parallel import TensorParallel
 from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.weights import Rendezvous, build_group, free_port
 from nebula_rl.weights.reshard import ShardedReceiver, ShardedSender
@@ -233,10 +240,71 @@ def test_local_engine_takes_the_merged_weights_and_samples_as_the_adapted_policy
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_the_rollout_adapts_the_modules_the_policy_adapts_and_merges_what_it_pushes():
+    """`LoraMerge` finds the policy's adapted modules with their ranks (list targets, patterns,
+    "all-linear"), expects exactly the names the policy pushes, and merged from them holds the
+    policy's merged weights; B carries the scale, the base and A are the policy's own. A bf16
+    engine receives A and B in float32 and rounds the merged weight once."""
+    lora = {**LORA, "target_modules": ["q_proj", "o_proj", "up_proj", "down_proj"],
+            "r_pattern": {"down_proj": 2}, "alpha_pattern": {"o_proj": 3.0},
+            "modules_to_save": ["post_attention_layernorm"]}  # fmt: skip
+    for case, dtype in ((LORA, torch.float32), (lora, torch.float32), (LORA, torch.bfloat16)):
+        cfg = _cfg(case)
+        model = _adapted(cfg)
+        with torch.no_grad():  # (the saved norm trained too)
+            for name, p in model.named_parameters():
+                if ".modules_to_save." in name:
+                    p.add_(0.1)
+        engine = TorchEngine(
+            load_model("tiny:qwen2", seed=99, dtype=dtype), max_num_seqs=4, max_model_len=32
+        )
+        merge = LoraMerge(engine.model, engine.tp_boxes(), cfg.policy.lora)
+        for name, tensor in merge.tensors.items():
+            assert tensor.dtype == (torch.float32 if ".lora_" in name else dtype), name
+        adapted = {n: m.r["default"] for n, m in model.named_modules() if hasattr(m, "lora_A")}
+        assert merge.num_adapted == len(adapted)
+        pushed = adapter_parameters(model)
+        assert pushed.keys() == merge.tensors.keys()
+        for name, tensor in pushed.items():
+            assert tuple(tensor.shape) == merge.boxes[name][0], name
+            if name.endswith(".lora_A.weight"):
+                assert tensor.shape[0] == adapted[name.removesuffix(".lora_A.weight")]
+        trainable = {n for n, t in pushed.items() if t.requires_grad}
+        assert trainable == {n for n in pushed if ".lora_" in n} | {
+            n for n in pushed if "post_attention_layernorm" in n and case is lora
+        }
+        module = "model.layers.1.self_attn.o_proj"
+        scale = model.get_submodule(module).scaling["default"]
+        assert scale == (3.0 / 4 if case is lora else 12.0 / 4)
+        b = model.get_parameter(f"{module}.lora_B.default.weight")
+        torch.testing.assert_close(pushed[f"{module}.lora_B.weight"], scale * b, rtol=0, atol=0)
+        assert pushed[f"{module}.base_layer.weight"] is model.get_parameter(
+            f"{module}.base_layer.weight"
+        )
+
+        def write(merge=merge, pushed=pushed):
+            for name, tensor in merge.tensors.items():
+                tensor.copy_(pushed[name])
+            return 1
+
+        engine.update_weights_with(lambda merge=merge, write=write: merge.after(write()))
+        expected = dict(plain_copy(model).named_parameters())
+        # (bf16: an adapted weight is rounded twice, as the base and merged; its |W| < 0.2 here)
+        atol = 1e-6 if dtype == torch.float32 else 2 * 2**-9 * 0.2
+        for name, tensor in engine.model.named_parameters():
+            torch.testing.assert_close(tensor.float(), expected[name], rtol=0, atol=atol, msg=name)
+        engine.shutdown()
+
+
 # ---------------------------------------------------------------------------------------------
-# FSDP2 policy -> rollout, through the weight group
+# Policy -> rollout through the weight group: the policy pushes its adapter, the rollout merges
 
 TIMEOUT = timedelta(seconds=60)
+PUSHES = 3  # (zero-copy receivers: pushes 1 and 2 fill the two sets, push 3 is adapter-only)
+PROMPTS = [[5, 17, 23, 9], [40, 41, 42]]
+PARTIAL = {**LORA, "target_modules": ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"],
+           "r_pattern": {"down_proj": 2}, "alpha_pattern": {"o_proj": 3.0}}  # fmt: skip
+"""Some of the fused q/k/v and gate/up adapted, some not; column- and row-parallel layers."""
 
 
 @pytest.fixture(scope="module")
@@ -246,63 +314,177 @@ def members():
     pool.close()
 
 
-def _fsdp_push_body(member, policy_port, weights_port):
-    """Members 0-1: a LoRA policy on FSDP2 (dp_shard 2), one GRPO step, then a push; another
-    step and a trainable-only push. Member 2: a rollout engine from other weights."""
-    rdzv = Rendezvous("127.0.0.1", weights_port, "lora-fsdp", 3)
-    if member == 2:
-        engine = TorchEngine(load_model("tiny:qwen2", seed=99), max_num_seqs=4, max_model_len=32)
-        group = build_group(rdzv, rank=member, timeout=TIMEOUT)
-        local = dict(engine.model.named_parameters())
-        receiver = ShardedReceiver(group, local, engine.tp_boxes(), num_senders=2)
-        received = []
-        for _ in range(2):
-            engine.update_weights_with(receiver.receive)
-            received.append({n: t.clone() for n, t in engine.model.named_parameters()})
-        receiver.close()
-        group.close()
-        return received
+def _world(rank, size, port):
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{policy_port}", rank=member, world_size=2,
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
         timeout=TIMEOUT,
     )  # fmt: skip
-    try:
-        cfg = _cfg(parallelism={"dp_shard_size": 2})
-        model = _adapted(cfg)
-        tok = build_char_tokenizer()
-        groups = _groups(tok, plain_copy(model))
-        split = parallelize_policy(model, cfg)
-        trainer = PolicyTrainer(
-            split.model, cfg, total_steps=10, pad_id=tok.pad_token_id,
-            data_parallel=split.data_parallel,
-        )  # fmt: skip
-        sharded = [n for n, p in model.named_parameters() if p.requires_grad]
-        group = build_group(rdzv, rank=member, timeout=TIMEOUT)
-        sender = ShardedSender(group, rollout_weights(model), num_senders=2)
-        pushed = []
-        for version in (1, 2):
-            trainer.grpo_step(groups)
-            weights = merged_parameters(model)
-            pushed.append({n: t.full_tensor().detach().clone() for n, t in weights.items()})
-            sender.push(weights, version, trainable_only=version > 1).wait()
-        sender.close()
-        group.close()
-        return pushed, sharded
-    finally:
+
+
+def _full(tensor):
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def _generate(engine):
+    """Greedy completions of PROMPTS: request id -> (tokens, log-probs)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    requests = [GenerationRequest(p, sampling=greedy, request_id=f"r{i}")
+                for i, p in enumerate(PROMPTS)]  # fmt: skip
+    return {
+        o.request_id: (list(o.completions[0].token_ids), list(o.completions[0].logprobs))
+        for o in engine.generate(requests)
+    }
+
+
+def _nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _push_body(member, lora, num_policy, tp, ports):
+    """Members 0..num_policy-1: a LoRA policy (FSDP2 over them when several), a GRPO step
+    before each of PUSHES pushes of `pushed_weights`, all but the first trainable-only (as a
+    policy replica pushes). The other `tp` members: a rollout replica of `tp` tensor-parallel
+    ranks from other weights, taking each push as a rollout replica's weight thread does
+    (zero-copy receiver, `LoraMerge` merging in the same write)."""
+    policy_port, rollout_port, weights_port = ports
+    parallelism = {"dp_shard_size": num_policy} if num_policy > 1 else None
+    cfg = _cfg(lora, parallelism=parallelism)
+    rdzv = Rendezvous("127.0.0.1", weights_port, f"lora-{num_policy}-{tp}", num_policy + tp)
+    if member >= num_policy:
+        return _rollout_member(member - num_policy, cfg, rdzv, num_policy, tp, rollout_port)
+    if num_policy > 1:
+        _world(member, num_policy, policy_port)
+    model = _adapted(cfg)
+    tok = build_char_tokenizer()
+    groups = _groups(tok, plain_copy(model))
+    split = parallelize_policy(model, cfg)
+    trainer = PolicyTrainer(
+        split.model, cfg, total_steps=10, pad_id=tok.pad_token_id,
+        data_parallel=split.data_parallel,
+    )  # fmt: skip
+    group = build_group(rdzv, rank=member, timeout=TIMEOUT)
+    sender = ShardedSender(group, pushed_weights(model), num_senders=num_policy)
+    merged, num_bytes = [], []
+    for version in range(1, PUSHES + 1):
+        trainer.grpo_step(groups)
+        weights = merged_parameters(model)
+        merged.append({n: _full(t) for n, t in weights.items()})
+        pushed = pushed_weights(model)
+        handle = sender.push(pushed, version, trainable_only=version > 1)
+        num_bytes.append(handle.wait().num_bytes)
+    # What the merged weights were, pushed after a step: the adapted weights (and saved modules)
+    adapter_bytes = _nbytes(t for t in pushed.values() if t.requires_grad)
+    merged_bytes = _nbytes(t for t in weights.values() if t.requires_grad)
+    sender.close()
+    group.close()
+    if num_policy > 1:
         dist.destroy_process_group()
+    return merged, num_bytes, adapter_bytes, merged_bytes
+
+
+def _rollout_member(rank, cfg, rdzv, num_policy, tp, port):
+    if tp > 1:
+        _world(rank, tp, port)
+    engine = TorchEngine(
+        load_model("tiny:qwen2", seed=99), max_num_seqs=4, max_model_len=32,
+        tensor_parallel=TensorParallel.of() if tp > 1 else None,
+    )  # fmt: skip
+    merge = LoraMerge(engine.model, engine.tp_boxes(), cfg.policy.lora)
+    group = build_group(rdzv, rank=num_policy + rank, timeout=TIMEOUT)
+    receiver = ShardedReceiver(
+        group, merge.tensors, merge.boxes, num_senders=num_policy, zero_copy=True
+    )
+    received = []
+    for _ in range(PUSHES):
+        engine.update_weights_with(lambda: merge.after(receiver.receive()))
+        received.append({n: t.detach().clone() for n, t in engine.model.named_parameters()})
+    generated = _generate(engine)
+    zero_copy = receiver.zero_copy
+    receiver.close()
+    group.close()
+    if tp > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return engine.tp_boxes(), received, generated, zero_copy
+
+
+def _check_merged(results, num_policy, tp):
+    """Every rollout rank holds its slices of the policy's merged weights after every push and
+    generates what one engine with the whole merged weights generates; the adapter-only push
+    moved the adapter's bytes only."""
+    merged = results[0][0]
+    for rank in range(tp):
+        boxes, received, generated, zero_copy = results[num_policy + rank]
+        assert zero_copy
+        for version in range(PUSHES):
+            assert received[version].keys() == merged[version].keys()
+            for name, tensor in received[version].items():
+                index = tuple(slice(lo, hi) for lo, hi in boxes[name][1])
+                want = merged[version][name][index]
+                torch.testing.assert_close(tensor, want, rtol=0, atol=1e-6, msg=name)
+        # The steps changed the adapted weights, and each push replaced the previous one's
+        name = "model.layers.0.self_attn.q_proj.weight"
+        assert (received[2][name] - received[0][name]).abs().max() > 0
+        model = load_model("tiny:qwen2", seed=99)
+        model.load_state_dict(merged[-1], strict=False)
+        reference = _generate(TorchEngine(model, max_num_seqs=4, max_model_len=32))
+        for rid, (tokens, logprobs) in reference.items():
+            assert generated[rid][0] == tokens
+            torch.testing.assert_close(
+                torch.tensor(generated[rid][1]), torch.tensor(logprobs), rtol=0, atol=1e-5
+            )
+    num_bytes = [sum(results[r][1][i] for r in range(num_policy)) for i in range(PUSHES)]
+    _, _, adapter_bytes, merged_bytes = results[0]
+    assert num_bytes[-1] == adapter_bytes  # (each slice is written once, for every TP rank)
+    assert adapter_bytes * 10 < merged_bytes < num_bytes[0]
+    return num_bytes
+
+
+def test_rollout_merges_the_pushed_adapter_into_the_policys_merged_weights(members):
+    """One policy rank -> one rollout rank: three pushes with a GRPO step before each; the
+    rollout's weights are the policy's merged weights after each, and a trainable-only push
+    carries the adapter's A/B and the saved modules alone."""
+    lora = {**LORA, "modules_to_save": ["post_attention_layernorm"]}
+    results = members.run_on(range(2), _push_body, lora, 1, 1, [free_port() for _ in range(3)])
+    num_bytes = _check_merged(results, 1, 1)
+    assert num_bytes[1] == num_bytes[0]  # (the second zero-copy set's first push: everything)
+
+
+def test_tp2_rollout_merges_its_slices_of_the_adapter(members):
+    """One policy rank -> a rollout of two tensor-parallel ranks, some of the fused q/k/v and
+    gate/up adapted and others not: each rank receives B's rows and all of A for a weight split
+    by rows, A's columns and all of B for one split by columns, and merges its own slice."""
+    results = members.run_on(range(3), _push_body, PARTIAL, 1, 2, [free_port() for _ in range(3)])
+    _check_merged(results, 1, 2)
 
 
 @pytest.mark.slow  # (three spawned processes: about 25 s of CPU)
-def test_fsdp2_lora_policy_pushes_the_merged_weights_to_the_rollout(members):
-    results = members.run_on(range(3), _fsdp_push_body, free_port(), free_port())
-    (pushed, sharded), (pushed_1, _) = results[0], results[1]
-    received = results[2]
-    assert sharded and all("lora_" in n for n in sharded)
-    for version in range(2):
-        assert pushed[version].keys() == received[version].keys()
-        for name, tensor in received[version].items():
-            torch.testing.assert_close(tensor, pushed[version][name], rtol=0, atol=0, msg=name)
-            torch.testing.assert_close(pushed_1[version][name], pushed[version][name])
-    # The second step changed the merged weights, and the push replaced the first's
-    name = "model.layers.0.self_attn.q_proj.weight"
-    assert (received[1][name] - received[0][name]).abs().max() > 0
+def test_fsdp2_lora_policy_pushes_its_adapter_shards_to_the_rollout(members):
+    """A policy FSDP2-sharded over two ranks: each pushes its rows of A, B (scaled) and the
+    base; the rollout merges them into the policy's merged weights."""
+    results = members.run_on(range(3), _push_body, LORA, 2, 1, [free_port() for _ in range(3)])
+    _check_merged(results, 2, 1)
+    for version in range(PUSHES):  # (both policy ranks computed the same merged weights)
+        for name, tensor in results[1][0][version].items():
+            torch.testing.assert_close(tensor, results[0][0][version][name], rtol=0, atol=0)
+
+
+@pytest.mark.slow  # (a job: Redis, controller, a policy and a two-rank rollout replica, ~30 s)
+def test_lora_job_samples_with_the_weights_the_policy_trains(tmp_path, grpo_job_config):
+    """A synchronous LoRA job whose rollout replica has two tensor-parallel ranks (the weight
+    thread of rank 0 and the lock-step ranks both merge each push): every step's samples come
+    from exactly the policy's current weights, so the PPO ratio against the rollout's log-probs
+    is 1 before the step's only update and nothing is clipped."""
+    from test_runtime import _check_job, _records, _run_job
+
+    changes = {
+        "train": {"optm_lr": 1e-2},
+        "policy": {"lora": LORA},
+        "rollout": {"parallelism": {"tp_size": 2}},
+    }
+    run_dir = _run_job(tmp_path, grpo_job_config(changes, allowed=0))
+    steps = _check_job(run_dir, allowed=0)
+    for m in steps:
+        assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5), m["step"]
+        assert m["clip_frac"] == 0.0, m["step"]
+    assert len(_records(run_dir)) == len(steps)

@@ -8,18 +8,28 @@ adapter when one is given. The optimiser then holds the adapter alone (`build_op
 trainable parameters only), and checkpoints save only what trains (`Checkpointer`'s
 `trainable_only`).
 
-The rollout engine never sees peft. `merged_parameters` gives the policy's weights under the
-plain Hugging Face names, each adapted linear weight merged as W + scale * B @ A (the rest as
-held, frozen). That is what the weight sync pushes (cosmos-rl's choice: the rollout receives
-dense merged weights; the policy is not modified, the merge is computed into new tensors, so
-nothing has to be unmerged). The merged weights are marked as changing every step, so a push
-carries them and the `modules_to_save` copies every time and the frozen rest on a group's first
-push only. Pushing the small A/B tensors instead and merging on the rollout would move less;
-it would need the rollout to keep a base copy per adapted tensor and the planner to carry
-non-parameter tensors, and is left for later.
+The rollout engine never sees peft. A weight push carries the adapter, not merged weights
+(`adapter_parameters`): per adapted linear module `<m>` (its plain name), `<m>.lora_A.weight`
+[r, in] and `<m>.lora_B.weight` [out, r] with the scale folded into B (trainable: every push
+carries them), the frozen base weight as `<m>.base_layer.weight` (on a group's first push only,
+like every frozen tensor), and every other parameter under its plain Hugging Face name
+(`modules_to_save` copies trainable). The rollout keeps the base it received (one extra copy
+of the adapted weights) and, at the token boundary after each push, writes W = W0 + B @ A into
+its engine's weights in place (`nebula_rl.rollout.lora_merge`). So a push after a step moves
+r (in + out) numbers per adapted layer instead of in x out (the demo's model: 0.59 MB instead
+of 11.6 MB, see docs/lora.md). The base goes over the wire once rather than being read
+from the rollout's own checkpoint because it need not be that checkpoint: `pissa` and `olora`
+initialisation replace it with the residual of their decomposition.
 
-Under FSDP2 the base weight and B are sharded by rows alike and A is gathered by the DTensor
-matmul (it is r x in_features), so each rank computes its own rows of the merged weight.
+`merged_parameters` gives the merged weights under the plain names (W + scale * B @ A, computed
+into new tensors: the policy is not modified, so nothing has to be unmerged), for an engine in
+the policy's own process, which copies them in place and pushes nothing: `--local` runs and
+colocated replicas (`policy.setup.rollout_weights`).
+
+Under FSDP2 the pushed tensors stay DTensors with their placements (each rank pushes its own
+rows of A, B and the base). For the merged weights the base weight and B are sharded by rows
+alike and A is gathered by the DTensor matmul (it is r x in_features), so each rank computes
+its own rows.
 
 `full_merged_state` and `adapter_state` give the export's two forms: the merged model (a plain
 Hugging Face folder) and the adapter as peft saves it (`adapter_config.json`,
@@ -43,7 +53,9 @@ from nebula_rl.config import Config, LoraConfig
 
 __all__ = [
     "KEY",
+    "adapted_modules",
     "adapter_name",
+    "adapter_parameters",
     "adapter_state",
     "apply_lora",
     "full_merged_state",
@@ -238,6 +250,53 @@ def merged_parameters(model: nn.Module) -> dict[str, Tensor]:
         assert name is not None
         merged[name].requires_grad_(True)
     return merged
+
+
+def adapter_parameters(model: nn.Module) -> dict[str, Tensor]:
+    """This rank's tensors of the adapted `model` as a weight push sends them (see the module
+    docstring): per adapted module `<m>`, `<m>.lora_A.weight`, `<m>.lora_B.weight` with the
+    scale folded in (a new tensor each call, marked `requires_grad`: it changes with every
+    step) and the frozen `<m>.base_layer.weight`; every other parameter under its plain name, as
+    it is. DTensors stay DTensors with their placements; no collective."""
+    scalings, adapter = _scalings(model), adapter_name(model)
+    out: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            module, _, rest = name.partition(".lora_")
+            if rest:  # (`A.<adapter>.weight` or `B.<adapter>.weight`)
+                matrix = rest.split(".")[0]
+                assert rest == f"{matrix}.{adapter}.weight", name
+                key = f"{module}.lora_{matrix}.weight"
+                if matrix == "B":
+                    out[key] = (param * scalings[module]).requires_grad_(True)
+                else:
+                    out[key] = param
+            elif name.removesuffix(".base_layer.weight") in scalings:
+                out[name] = param
+            elif (plain := plain_name(name)) is not None:
+                out[plain] = param
+    return out
+
+
+def adapted_modules(model: nn.Module, lora: LoraConfig) -> dict[str, int]:
+    """Module name -> rank of every linear layer that `lora` adapts in a model of `model`'s
+    class and config (a plain one: a rollout engine's), found as `apply_lora` finds them: peft
+    injects the adapter into a meta-device copy of the architecture (no weights, no
+    initialisation), so target_modules, "all-linear" and the patterns mean exactly what they
+    mean on the policy."""
+    from peft.tuners.lora import LoraLayer
+
+    config = _peft_config(lora, "")
+    config.init_lora_weights = False  # (pissa/olora would decompose weights a skeleton lacks)
+    name = lora.lora_names[0]
+    with torch.device("meta"):
+        skeleton = type(model)(copy.deepcopy(model.config))
+    _peft().inject_adapter_in_model(config, skeleton, adapter_name=name)
+    return {
+        module_name: int(module.r[name])
+        for module_name, module in skeleton.named_modules()
+        if isinstance(module, LoraLayer)
+    }
 
 
 def plain_copy(model: nn.Module) -> nn.Module:

@@ -7,7 +7,9 @@ policy replicas (`policy/worker.py`) both do before they build a `PolicyTrainer`
    (`apply_trainable`).
 2. The caller takes the copies that must stay plain now: the reference policy, and the local
    rollout engine's copy in `param_dtype` (`rollout_copy`: a LoRA policy's merged, under the
-   plain names; `rollout_weights` gives the weights to load into it after each step).
+   plain names; `rollout_weights` gives the weights to load into it after each step). Weight
+   pushes to rollout replicas send `pushed_weights` (a LoRA policy's adapter, which the
+   rollouts merge).
 3. `parallelize_policy`: FP8 linear layers first (`train.fp8`, `apply_fp8`); then, under
    torch.distributed with several ranks, the split of `[policy.parallelism]` (`parallelize.parallelize_model`, with every `[train]` and `[policy]`
    key it honours) and this rank's data-parallel place; in one process,
@@ -32,7 +34,13 @@ from torch import nn
 
 from nebula_rl.config import Config, PolicyConfig, TrainingConfig
 from nebula_rl.models import check_fp8_gpu, load_model, resolve_dtype
-from nebula_rl.models.lora import apply_lora, has_lora, merged_parameters, plain_copy
+from nebula_rl.models.lora import (
+    adapter_parameters,
+    apply_lora,
+    has_lora,
+    merged_parameters,
+    plain_copy,
+)
 
 if TYPE_CHECKING:
     from nebula_rl.policy.parallelize import ParallelDims, ParallelModel
@@ -50,6 +58,7 @@ __all__ = [
     "parallelize_policy",
     "parallelize_reference",
     "prepare_single_process",
+    "pushed_weights",
     "rollout_copy",
     "rollout_weights",
     "use_deterministic",
@@ -95,8 +104,18 @@ def rollout_copy(model: nn.Module, cfg: Config) -> nn.Module:
 
 def rollout_weights(model: nn.Module) -> NamedTensors:
     """The weights of the policy `model` (this rank's shards) as a rollout engine holds them:
-    its parameters, or a LoRA policy's merged weights under the plain names."""
+    its parameters, or a LoRA policy's merged weights under the plain names. For an engine in
+    this process, which copies them in place (`--local`, colocated replicas); pushes to rollout
+    replicas send `pushed_weights`."""
     return merged_parameters(model) if has_lora(model) else model.named_parameters()
+
+
+def pushed_weights(model: nn.Module) -> NamedTensors:
+    """What a weight push sends from the policy `model` (this rank's shards) to the rollout
+    replicas: its parameters, or a LoRA policy's adapter and the rest under the plain names
+    (`adapter_parameters`), which each rollout rank merges into its weights
+    (`nebula_rl.rollout.lora_merge`)."""
+    return adapter_parameters(model) if has_lora(model) else model.named_parameters()
 
 
 def _compile_patterns(key: str, patterns: list[str]) -> list[re.Pattern[str]]:

@@ -45,8 +45,10 @@ a step or a regroup the ranks agree on its outcome (any rank's collective failur
 replica's); only rank 0 reports and acknowledges.
 
 Parameters that do not train are pushed to a rollout replica once, on its first push, unless
-`rollout.broadcast_all_params`. A LoRA policy (`policy.lora`) pushes its weights merged, under
-the plain names (`nebula_rl.models.lora.merged_parameters`), so the rollouts never see peft.
+`rollout.broadcast_all_params`. A LoRA policy (`policy.lora`) pushes its adapter's A/B
+matrices (and `modules_to_save`) after each step, the rest under the plain names on a group's
+first push (`nebula_rl.models.lora.adapter_parameters`); each rollout rank merges them into its
+weights (`nebula_rl.rollout.lora_merge`), so the rollouts never see peft.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ from nebula_rl.policy.setup import (
     load_policy_model,
     parallelize_policy,
     parallelize_reference,
+    pushed_weights,
     rollout_weights,
     use_deterministic,
 )
@@ -148,13 +151,20 @@ class PolicyWorker:
         """This rank's modules (under PP its stages'); parameters keep their names and are
         DTensor shards where the layout shards them."""
         llm_lora = cfg.policy.lora is not None and not cfg.policy.is_diffusers
+        self.pushed_weights: Callable[[], NamedTensors] = (
+            functools.partial(pushed_weights, self.hf_model)
+            if llm_lora
+            else self.model.named_parameters
+        )
+        """This rank's tensors as the weight pushes send them (a LoRA policy's adapter, see
+        `nebula_rl.models.lora`)."""
         self.rollout_weights: Callable[[], NamedTensors] = (
             functools.partial(rollout_weights, self.hf_model)
             if llm_lora
             else self.model.named_parameters
         )
-        """This rank's weights as the rollouts hold them (a LoRA policy's merged, see
-        `nebula_rl.models.lora`), for the weight pushes."""
+        """This rank's weights as an engine holds them (a LoRA policy's merged), for an engine
+        in this process (a colocated replica's)."""
         self.siblings = dist.new_group(backend="gloo") if self.num_ranks > 1 else None
         """This replica's ranks, to agree on the outcome of each collective across replicas."""
         self.checkpointer = Checkpointer(
@@ -237,7 +247,7 @@ class PolicyWorker:
         transfer = self.cfg.train.transfer_dtype
         return ShardedSender(
             group,
-            self.rollout_weights(),
+            self.pushed_weights(),
             num_senders=num_senders,
             transfer_dtype=resolve_dtype(transfer) if transfer else None,
         )
@@ -286,7 +296,7 @@ class PolicyWorker:
             if tick.finished is not None:
                 return
             if self.in_sync and self.clean:
-                self.weights.refresh(self.rollout_weights, self.version, generation=tick.weights)
+                self.weights.refresh(self.pushed_weights, self.version, generation=tick.weights)
             if self.run_commands(tick.commands):
                 return
 
@@ -404,13 +414,13 @@ class PolicyWorker:
         """After a regroup: the state may have moved on (a sync, or a step whose push failed),
         so the rollouts get it."""
         weights = self._share(current_generation(self.session.state, KIND) if self.lead else None)
-        self.weights.refresh(self.rollout_weights, self.version, generation=weights)
-        self.weights.push(self.rollout_weights(), self.version)
+        self.weights.refresh(self.pushed_weights, self.version, generation=weights)
+        self.weights.push(self.pushed_weights(), self.version)
 
     def _stepped_weights(self, *, push: bool) -> None:
         """After a step: push the new weights to the rollouts when the command says so."""
         if push:
-            self.weights.push(self.rollout_weights(), self.version)
+            self.weights.push(self.pushed_weights(), self.version)
 
     def _report(self, result: dict[str, Any]) -> None:
         """Hand `result` to the controller, signed with this replica's name (rank 0 only)."""

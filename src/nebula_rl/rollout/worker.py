@@ -7,7 +7,8 @@ Three things run at once in a rollout process:
 - a weight thread that follows the weight group's generations (it joins the group again when
   replicas come or go) and hands each push of the policy to `engine.update_weights`, which
   applies it at the next token boundary (requests in flight continue with the new weights and
-  record where their version changed);
+  record where their version changed); a LoRA policy's adapter is merged into the weights
+  there, in the same pause (:class:`~nebula_rl.rollout.lora_merge.LoraMerge`);
 - this module's loop (:meth:`RolloutWorker.step`): claim prompts from the job's streams (the
   validation prompts first), submit each as one request of `n_generation` samples (once the
   engine holds the prompt's `min_version`), decode each finished completion once, score the
@@ -70,6 +71,7 @@ from nebula_rl.rewards import RemoteScorer, Scored, Scorer, filter_values, score
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
 from nebula_rl.rollout.lockstep import LockstepEngine
+from nebula_rl.rollout.lora_merge import LoraMerge
 from nebula_rl.rollout.multiturn import Conversation, MultiTurn, loss_mask, with_turn_rewards
 from nebula_rl.rollout.tensor_parallel import TensorParallel
 from nebula_rl.rollout.torch_engine import TorchEngine
@@ -286,6 +288,7 @@ class RolloutWorker:
 
         size = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         device = next(engine.model.parameters()).device
+        lora = _lora_merge(self.cfg, engine)
 
         def apply(receive: Callable[[], int | None]) -> None:
             took: list[float] = []
@@ -293,7 +296,7 @@ class RolloutWorker:
             def timed() -> int | None:
                 start = time.perf_counter()
                 try:
-                    return receive()
+                    return receive() if lora is None else lora.after(receive())
                 finally:
                     took.append(time.perf_counter() - start)
 
@@ -321,7 +324,7 @@ class RolloutWorker:
                     peak,
                 )
 
-        receiver = _receiver(self.session, engine, apply=apply)
+        receiver = _receiver(self.session, engine, lora, apply=apply)
         self._weight_errors = receiver.run_in_background(
             stopped=lambda: self._closing or self.session.finished() is not None
         )
@@ -577,9 +580,17 @@ def _engine(
     return tokenizer, engine
 
 
+def _lora_merge(cfg: Config, engine: TorchEngine) -> LoraMerge | None:
+    """The adapter buffers and merge of a LoRA policy's pushes (None without `policy.lora`)."""
+    if cfg.policy.lora is None:
+        return None
+    return LoraMerge(engine.model, engine.tp_boxes(), cfg.policy.lora)
+
+
 def _receiver(
     session: ReplicaSession,
     engine: TorchEngine,
+    lora: LoraMerge | None,
     *,
     apply: Callable[[Callable[[], int | None]], None] | None = None,
     local_rank: int = 0,
@@ -587,11 +598,13 @@ def _receiver(
     """This rank's member of the weight group: the policy's slices go straight into the
     engine's parameters (its TP shards; on one host, CPU parameters become views of the
     shared-memory set the policy wrote: no copy on this side; GPU parameters sharing the
-    policy's GPU, `mode = "colocated_separated"`, take copies from it). Without `apply` (ranks
-    > 0 of a TP replica) it only joins and leaves generations; the pushes are taken with
-    `receive_for`."""
+    policy's GPU, `mode = "colocated_separated"`, take copies from it), or with `lora` into its
+    adapter buffers and the parameters it does not adapt (the caller merges after each
+    receive). Without `apply` (ranks > 0 of a TP replica) it only joins and leaves
+    generations; the pushes are taken with `receive_for`."""
     cfg = session.cfg
-    params = dict(engine.model.named_parameters())
+    params = dict(engine.model.named_parameters()) if lora is None else lora.tensors
+    boxes = engine.tp_boxes() if lora is None else lora.boxes
     transfer = cfg.train.transfer_dtype
     transfer_dtype = resolve_dtype(transfer) if transfer else None
 
@@ -599,7 +612,7 @@ def _receiver(
         return ShardedReceiver(
             group,
             params,
-            engine.tp_boxes(),
+            boxes,
             num_senders=num_senders,
             transfer_dtype=transfer_dtype,
             zero_copy=True,
@@ -701,7 +714,8 @@ def _follow(
     """Ranks > 0 of a TP replica: replay rank 0's engine, taking the same weight pushes."""
     _, engine = _engine(session, device, tensor_parallel)
     assert isinstance(engine, LockstepEngine)
-    receiver = _receiver(session, engine, local_rank=ranks.local_rank)
+    lora = _lora_merge(session.cfg, engine)
+    receiver = _receiver(session, engine, lora, local_rank=ranks.local_rank)
     done = threading.Event()
     errors: list[BaseException] = []
 
@@ -715,8 +729,13 @@ def _follow(
     thread.start()
     broadcast_object(None)  # loaded
     timeout_s = session.cfg.controller.collective_timeout
+
+    def receive(generation: int) -> int | None:
+        version = receiver.receive_for(generation, timeout_s=timeout_s)
+        return version if lora is None else lora.after(version)
+
     try:
-        engine.follow(lambda generation: receiver.receive_for(generation, timeout_s=timeout_s))
+        engine.follow(receive)
     finally:
         done.set()
     thread.join(timeout=timeout_s)
