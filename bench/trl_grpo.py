@@ -7,7 +7,11 @@ system prompt, its rewards (`nebula_rl.rewards`, on the decoded text), `train_ba
 completions (prompts x `n_generation`) per step with gradients accumulated over `mini_batch`
 sequences, `max_response_length` new tokens, the learning rate, AdamW settings, gradient
 clipping, clip range (epsilon low/high), token-mean loss, group-std-normalised advantages, no KL
-term, float32, no activation checkpointing. Each runs `--steps` optimiser steps, so both see the
+term, no activation checkpointing, and the precision: float32, or with `train.param_dtype =
+"bfloat16"` (`--param-dtype bfloat16` sets it) bf16 mixed precision on both sides (nebula-rl:
+float32 master weights, the policy's forward under bf16 autocast, the rollout engine's weights in
+bf16; TRL: `bf16=True`, accelerate's autocast over float32 weights, for training and
+`generate` alike). Each runs `--steps` optimiser steps, so both see the
 same number of samples. A setting TRL's side does not map is refused by its key. Configs:
 `configs/demo.toml` (the default: arithmetic, at most 4 new tokens, a ~3M-parameter model) and
 `configs/bench_gsm8k.toml` (the GSM8K-shaped job: 256 new tokens, a ~14M-parameter model).
@@ -33,7 +37,7 @@ shared machine hits them unequally: rerun when the table looks disturbed.
 
     python bench/trl_grpo.py [--config configs/demo.toml] [--steps 100] [--window 20]
         [--modes runtime local] [--runtime-threads 1] [--local-threads N] [--trl-threads N]
-        [--name NAME]
+        [--param-dtype float32|bfloat16] [--name NAME]
 
 `bench/trl_grpo_gsm8k.py` runs it on `configs/bench_gsm8k.toml` (6 steps: ~25 min on 2 cores).
 
@@ -171,7 +175,7 @@ def run_trl(cfg: Config, *, steps: int, threads: int, out: Path) -> dict[str, An
         scale_rewards="none" if p.unbiased_advantage else "group",
         num_iterations=1,
         gradient_checkpointing=False,
-        bf16=False,
+        bf16=t.param_dtype == "bfloat16",
         use_cpu=True,
         seed=t.seed or 0,
         logging_steps=1,
@@ -227,7 +231,8 @@ def refuse_unmapped(cfg: Config) -> None:
         ),
         # (TRL accumulates whole micro-batches of completions per optimiser step)
         "train.train_policy.mini_batch": (p.mini_batch, completions % micro == 0),
-        "train.param_dtype": (t.param_dtype, t.param_dtype == "float32"),
+        "train.param_dtype": (t.param_dtype, t.param_dtype in ("float32", "bfloat16")),
+        "train.master_dtype": (t.master_dtype, t.master_dtype == "float32"),
         "train.optm_decay_type": (t.optm_decay_type, t.optm_decay_type != "sqrt"),
         "policy.model_gradient_checkpointing": (
             cfg.policy.model_gradient_checkpointing,
@@ -241,7 +246,7 @@ def refuse_unmapped(cfg: Config) -> None:
             + "; ".join(unmapped)
             + " (it maps variant grpo, token-mean loss, no KL, one iteration, no dynamic sampling "
             "or overlong penalty, one optimiser step per batch, mini_batch dividing the batch, "
-            "float32, no activation checkpointing)"
+            "float32 master weights computing in float32 or bfloat16, no activation checkpointing)"
         )
 
 
@@ -262,6 +267,11 @@ def main() -> None:
     parser.add_argument("--runtime-threads", type=int, default=1, help="per process")
     parser.add_argument("--local-threads", type=int, default=cores)
     parser.add_argument("--trl-threads", type=int, default=cores)
+    parser.add_argument(
+        "--param-dtype",
+        choices=["float32", "bfloat16"],
+        help="override train.param_dtype on both sides (default: the config's)",
+    )
     parser.add_argument("--name", default="", help="suffix of the SUMMARY names (per config)")
     args = parser.parse_args()
     if args.steps < 2 or args.window < 1:
@@ -278,6 +288,8 @@ def main() -> None:
     from nebula_rl.launch import ensure_model
 
     cfg = load_config(args.config)
+    if args.param_dtype is not None:
+        cfg.train.param_dtype = args.param_dtype
     ensure_model(cfg)  # the SFT warm start, built once outside the timing
     threads = {"runtime": args.runtime_threads, "local": args.local_threads}
     rows: dict[str, tuple[dict[str, Any], str]] = {}
@@ -299,7 +311,8 @@ def main() -> None:
     print(
         f"{args.config}: {cfg.policy.model_name_or_path}, {cfg.groups_per_replica} "
         f"prompts x {g.n_generation} completions per step, <= {g.max_response_length} new tokens, "
-        f"lr {cfg.train.optm_lr:g}, {args.steps} steps each, {cores} cores"
+        f"lr {cfg.train.optm_lr:g}, {cfg.train.param_dtype}, {args.steps} steps each, "
+        f"{cores} cores"
     )
     w = min(args.window, args.steps)
     print(

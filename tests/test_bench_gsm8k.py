@@ -139,5 +139,9 @@ def test_trl_bench_maps_the_job_and_refuses_what_it_cannot_map_by_key():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     bench.refuse_unmapped(load_config(RL_CONFIG))
-    with pytest.raises(SystemExit, match=r"train\.train_policy\.variant = 'dapo'.*param_dtype"):
+    with pytest.raises(SystemExit, match=r"train\.train_policy\.variant = 'dapo'.*overlong"):
         bench.refuse_unmapped(load_config(ROOT / "configs" / "gsm8k_grpo.toml"))
+    fp16 = load_config(RL_CONFIG)
+    fp16.train.param_dtype = "float16"  # (TRL's side maps float32 and bf16 mixed precision)
+    with pytest.raises(SystemExit, match=r"train\.param_dtype = 'float16'"):
+        bench.refuse_unmapped(fp16)

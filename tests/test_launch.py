@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from nebula_rl.config import config_from_dict
-from nebula_rl.launch import plan_placement
+from nebula_rl.launch import plan_placement, thread_env
 
 
 def _cfg(policy: dict, rollout: dict):
@@ -37,6 +37,23 @@ def test_cpu_ranks_are_processes_without_devices() -> None:
         ("policy-1", 2, ()),
         ("rollout-0", 2, ()),
     ]
+
+
+def test_oversubscribed_threads_wait_passively() -> None:
+    """Replicas whose torch threads outnumber the cores get OMP_WAIT_POLICY=PASSIVE; not when
+    they fit, nor when the user chose a wait policy."""
+    cfg = _cfg({}, {})
+    plan = plan_placement(cfg, num_policy=1, num_rollout=1, num_gpus=0)
+    env = {"OMP_NUM_THREADS": "1"}
+    assert thread_env(cfg, plan, env, cores=2) == {}  # 1 + 1 threads on 2 cores
+    cfg.policy.cpu_threads = 2
+    assert thread_env(cfg, plan, env, cores=2) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert thread_env(cfg, plan, env, cores=3) == {}
+    assert thread_env(cfg, plan, {**env, "OMP_WAIT_POLICY": "ACTIVE"}, cores=2) == {}
+    wide = _cfg({"dp_shard_size": 2}, {"tp_size": 2})  # 2 + 2 processes of one thread
+    plan = plan_placement(wide, num_policy=1, num_rollout=1, num_gpus=0)
+    assert thread_env(wide, plan, env, cores=2) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert thread_env(wide, plan, env, cores=4) == {}
 
 
 def test_dp_shard_minus_one_fills_what_the_rollouts_leave() -> None:

@@ -749,6 +749,17 @@ class _FusedForward:
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return torch.cat([_rms_norm(q, layer.q_norm), _rms_norm(k, layer.k_norm)], dim=1)
 
+    def _project(
+        self, x: torch.Tensor, layer: _Layer, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys (rotated) and values [B, heads, L, head_dim] of `x` [B, L, hidden]."""
+        batch, length = x.shape[:2]
+        qkv = _apply(_rms_norm(x, layer.ln1), layer.qkv)
+        qkv = qkv.view(batch, length, -1, self.head_dim).transpose(1, 2)
+        heads = self.num_heads + self.num_kv_heads
+        qk = self._rotate(self._qk_norm(qkv[:, :heads], layer), cos, sin)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, heads:]
+
     def _row_parallel(self, x: torch.Tensor, linear: _Linear) -> torch.Tensor:
         """`F.linear` of a layer whose input features are split over the TP ranks: the partial
         products are summed over the group, then the (whole) bias is added once."""
@@ -806,10 +817,7 @@ class _FusedForward:
             cos, sin = (t[:, None] for t in self._rope(prompt.positions))
         mask = None if past is None else _chunk_mask(length, start, x.device)
         for i, layer in enumerate(self.layers):
-            qkv = _apply(_rms_norm(x, layer.ln1), layer.qkv)
-            qkv = qkv.view(num_prompts, length, -1, self.head_dim).transpose(1, 2)
-            qk = self._rotate(self._qk_norm(qkv[:, : num_heads + num_kv], layer), cos, sin)
-            q, k, v = qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_heads + num_kv :]
+            q, k, v = self._project(x, layer, cos, sin)
             self.cache.write_blocks(i, table, k, v)
             if past is not None:  # (a later chunk: the prompt's earlier tokens too)
                 k_past, v_past = _past_tokens(self.cache, i, past, start)
@@ -844,10 +852,7 @@ class _FusedForward:
         cos, sin = self.cos[rotary], self.sin_signed[rotary]
         mask = _chunk_mask(length, past.length - length, x.device)
         for i, layer in enumerate(self.layers):
-            qkv = _apply(_rms_norm(x, layer.ln1), layer.qkv)
-            qkv = qkv.view(1, length, -1, self.head_dim).transpose(1, 2)
-            qk = self._rotate(self._qk_norm(qkv[:, : num_heads + num_kv], layer), cos, sin)
-            q, k, v = qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_heads + num_kv :]
+            q, k, v = self._project(x, layer, cos, sin)
             self.cache.write_token(i, write, k[0].transpose(0, 1), v[0].transpose(0, 1))
             k, v = past.keys_values(self.cache, i)
             attn = F.scaled_dot_product_attention(
