@@ -39,7 +39,8 @@ shared machine hits them unequally: rerun when the table looks disturbed.
         [--modes runtime local] [--runtime-threads 1] [--local-threads N] [--trl-threads N]
         [--param-dtype float32|bfloat16] [--name NAME]
 
-`bench/trl_grpo_gsm8k.py` runs it on `configs/bench_gsm8k.toml` (6 steps: ~25 min on 2 cores).
+`bench/trl_grpo_gsm8k.py` runs it on `configs/bench_gsm8k.toml` (20 steps in bf16: ~25 min on 2
+cores).
 
 Needs TRL, a benchmark-only dependency: `pip install -e ".[bench]"` (or `pip install trl`).
 Goals (issue 8): nebula-rl at least 2x faster per step; a reward curve no worse (the last

@@ -1003,7 +1003,8 @@ class PolicyConfig(_Section):
     """Longest sequence (prompt + response) in tokens; longer samples are truncated."""
     cpu_threads: int | None = Field(default=None, ge=1)
     """nebula-rl: torch's CPU threads in each policy process (`--local`: while training);
-    unset: `OMP_NUM_THREADS` (the launcher's default 1 per process)."""
+    unset: `OMP_NUM_THREADS` (the launcher's default 1 per process). When the replicas' threads
+    outnumber the cores, the launcher sets `OMP_WAIT_POLICY=PASSIVE` unless it is set."""
     model_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     lora: LoraConfig | None = None
@@ -1141,7 +1142,8 @@ class RolloutConfig(_Section):
     nebula-rl's built-in `torch` engine (CPU and CUDA)."""
     cpu_threads: int | None = Field(default=None, ge=1)
     """nebula-rl: torch's CPU threads in each rollout process (`--local`: while generating);
-    unset: `OMP_NUM_THREADS` (the launcher's default 1 per process)."""
+    unset: `OMP_NUM_THREADS` (the launcher's default 1 per process). See `policy.cpu_threads`
+    for the wait policy."""
     n_generation: int = Field(default=16, ge=1)
     """Completions per prompt (the GRPO group size)."""
     n_generation_to_batch: bool = Field(
