@@ -31,8 +31,9 @@ synchronous `engine.generate` on each rank, so the ranks need no lock step, and 
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ import torch
 from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.data import rl_rows, rl_validation_rows
 from nebula_rl.models import load_model, resolve_dtype
+from nebula_rl.policy.setup import rollout_weights
 from nebula_rl.policy.worker import PolicyWorker
 from nebula_rl.protocol import Completion, Prompt
 from nebula_rl.ranks import cpu_threads
@@ -60,6 +62,7 @@ from nebula_rl.rollout.worker import (
     validation_sampling_params,
 )
 from nebula_rl.validation import validation_seed
+from nebula_rl.weights.transport import NamedTensors
 
 __all__ = ["ColocatedWorker", "run_colocated"]
 
@@ -101,6 +104,13 @@ class ColocatedWorker(PolicyWorker):
         )
         self._stale = True
         """Whether the engine's weights lag the policy's."""
+        self.rollout_weights: Callable[[], NamedTensors] = (
+            functools.partial(rollout_weights, self.hf_model)
+            if cfg.policy.lora is not None
+            else self.model.named_parameters
+        )
+        """This rank's weights as the engine holds them (a LoRA policy's merged, under the plain
+        names; `policy.setup.rollout_weights`)."""
         if self.lead:
             self.sampling = sampling_params(cfg, self.tokenizer.eos_token_id)
             groups = max(1, cfg.rollout.batch_size)  # (a round's groups score at once)

@@ -82,7 +82,6 @@ from nebula_rl.policy.setup import (
     parallelize_policy,
     parallelize_reference,
     pushed_weights,
-    rollout_weights,
     use_deterministic,
 )
 from nebula_rl.policy.trainer import PolicyTrainer
@@ -158,13 +157,6 @@ class PolicyWorker:
         )
         """This rank's tensors as the weight pushes send them (a LoRA policy's adapter, see
         `nebula_rl.models.lora`)."""
-        self.rollout_weights: Callable[[], NamedTensors] = (
-            functools.partial(rollout_weights, self.hf_model)
-            if llm_lora
-            else self.model.named_parameters
-        )
-        """This rank's weights as an engine holds them (a LoRA policy's merged), for an engine
-        in this process (a colocated replica's)."""
         self.siblings = dist.new_group(backend="gloo") if self.num_ranks > 1 else None
         """This replica's ranks, to agree on the outcome of each collective across replicas."""
         self.checkpointer = Checkpointer(

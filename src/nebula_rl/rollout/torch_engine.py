@@ -610,19 +610,9 @@ class _Past:
 
     def keys_values(self, cache: _BlockPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [1, kv, prompt_len + own_len, head_dim] of the whole sequence."""
-        parts = []
-        for table, length, name in (
-            (self.prefix_table, self.prompt_len, "past"),
-            (self.own_table, self.own_len, "past_own"),
-        ):
-            k, v, _ = cache.gather(layer, table, name)
-            parts.append(
-                (_token_major(k, 1)[:, :, :length], _token_major(v, 1, keys=False)[:, :, :length])
-            )
-        return (
-            torch.cat([parts[0][0], parts[1][0]], dim=2),
-            torch.cat([parts[0][1], parts[1][1]], dim=2),
-        )
+        k_prompt, v_prompt = _past_tokens(cache, layer, self.prefix_table, self.prompt_len)
+        k_own, v_own = _past_tokens(cache, layer, self.own_table, self.own_len, "past_own")
+        return torch.cat([k_prompt, k_own], dim=2), torch.cat([v_prompt, v_own], dim=2)
 
 
 class _Forward(Protocol):
@@ -869,16 +859,24 @@ def _chunk_mask(length: int, start: int, device: torch.device) -> torch.Tensor:
     return columns <= start + torch.arange(length, device=device)[:, None]
 
 
+def _additive_chunk_mask(
+    length: int, start: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """`_chunk_mask` as HF attention layers take it: [1, 1, L, start + L] of `dtype`, 0 where a
+    token sees, the dtype's most negative value where it does not."""
+    mask = torch.zeros(length, start + length, dtype=dtype, device=device)
+    return mask.masked_fill_(~_chunk_mask(length, start, device), torch.finfo(dtype).min)[
+        None, None
+    ]
+
+
 def _past_tokens(
-    cache: _BlockPool, layer: int, past: torch.Tensor, start: int
+    cache: _BlockPool, layer: int, past: torch.Tensor, start: int, name: str = "past"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [1, kv, start, head_dim] of a prompt's first `start` tokens (the blocks
-    `past` [1, c])."""
-    k, v, _ = cache.gather(layer, past, "past")
-    _, count, kv, hd, size = k.shape
-    keys = k.permute(0, 2, 1, 4, 3).reshape(1, kv, count * size, hd)[:, :, :start]
-    values = v.transpose(1, 2).reshape(1, kv, count * size, hd)[:, :, :start]
-    return keys, values
+    """Keys and values [1, kv, start, head_dim] of a sequence's first `start` tokens in the
+    blocks `past` [1, c] (gathered into the warm buffer `name`)."""
+    k, v, _ = cache.gather(layer, past, name)
+    return _token_major(k, 1)[:, :, :start], _token_major(v, 1, keys=False)[:, :, :start]
 
 
 # (layer, keys, values) -> the keys and values to attend over, as HF attention layers expect them.
@@ -1006,10 +1004,7 @@ class _HFForward:
             k_past, v_past = _past_tokens(cache, layer, past, start)
             return torch.cat([k_past, k], dim=2), torch.cat([v_past, v], dim=2)
 
-        dtype = cache.k[0].dtype
-        causal = _chunk_mask(length, start, tokens.device)
-        mask = torch.zeros(causal.shape, dtype=dtype, device=tokens.device)
-        mask = mask.masked_fill_(~causal, torch.finfo(dtype).min)[None, None]
+        mask = _additive_chunk_mask(length, start, cache.k[0].dtype, tokens.device)
         positions = torch.arange(start, start + length, device=tokens.device)
         positions = positions.expand(num_prompts, length)
         slot_cache = _SlotCache(write)
@@ -1050,10 +1045,7 @@ class _HFForward:
             cache.write_token(layer, write, k[0].transpose(0, 1), v[0].transpose(0, 1))
             return past.keys_values(cache, layer)
 
-        dtype = cache.k[0].dtype
-        causal = _chunk_mask(length, past.length - length, tokens.device)
-        mask = torch.zeros(causal.shape, dtype=dtype, device=tokens.device)
-        mask = mask.masked_fill_(~causal, torch.finfo(dtype).min)[None, None]
+        mask = _additive_chunk_mask(length, past.length - length, cache.k[0].dtype, tokens.device)
         position_ids = positions[None]
         if rope_positions is not None:  # M-RoPE: the cache position, then time/height/width
             position_ids = torch.stack([positions, *[rope_positions] * 3])[:, None]
