@@ -24,6 +24,7 @@ from flow_configs import tiny_flow_policy
 from member_pool import MemberPool
 from nebula_rl.config import ConfigError, config_from_dict
 from nebula_rl.flow.data import make_toy_dataset, read_local_dataset
+from nebula_rl.flow.dit import TinyDiT
 from nebula_rl.flow.local import data_distance, roll_out
 from nebula_rl.flow.models import load_flow_model
 from nebula_rl.flow.parallel import shard_flow_model
@@ -44,6 +45,7 @@ def _cfg(root: Path, *, ranks: int, replicate: int = 1, cp: int = 1, **policy: o
 
 def _raw(root: Path, *, ranks: int, replicate: int = 1, cp: int = 1, **policy: object) -> dict:
     diffusers = dict(policy.pop("diffusers", {}))  # type: ignore[call-overload]
+    model = str(policy.pop("model", "tiny:dit"))
     return dict(
         {
             "train": {
@@ -66,7 +68,7 @@ def _raw(root: Path, *, ranks: int, replicate: int = 1, cp: int = 1, **policy: o
             },
             "rollout": {"n_generation": N},
             "policy": {
-                **tiny_flow_policy(weight_copy_decay_type=1, **diffusers),
+                **tiny_flow_policy(model, weight_copy_decay_type=1, **diffusers),
                 "parallelism": {
                     "dp_shard_size": ranks // (replicate * cp),
                     "dp_replicate_size": replicate,
@@ -107,8 +109,9 @@ def _batches(root: Path, policy: dict) -> list[list[RolloutGroup]]:
 
 def _model(cfg: object) -> torch.nn.Module:
     model = load_flow_model(cfg, seed=1)  # type: ignore[arg-type]
-    with torch.no_grad():
-        model.out.weight.normal_(std=0.05, generator=torch.Generator().manual_seed(2))
+    if isinstance(model, TinyDiT):
+        with torch.no_grad():
+            model.out.weight.normal_(std=0.05, generator=torch.Generator().manual_seed(2))
     return model
 
 
@@ -130,7 +133,9 @@ def _train(
     if replicate > 1:  # (HSDP: each weight replicated over the copies, sharded within one)
         assert next(model.parameters()).placements == (Replicate(), Shard(0))
     if cp > 1:  # (the tokens split; the weights over every rank, the cp ranks sharding too)
-        assert model.cp_group is not None and model.blocks[0].cp_group is model.cp_group
+        assert model.cp_group is not None
+        if isinstance(model, TinyDiT):
+            assert model.blocks[0].cp_group is model.cp_group
         weight = next(model.parameters())
         assert weight.device_mesh.size() == ranks
         assert weight.device_mesh.size(weight.device_mesh.ndim - 1) == ranks // replicate
@@ -225,18 +230,91 @@ def test_an_hsdp_policy_replica_steps_like_one_process(members, tmp_path, policy
         (2, 1, {}),
         (4, 1, {"trainer_type": "ddrl", "data_beta": 0.5}),
         (4, 2, {"trainer_type": "diffusion_nft"}),
+        (2, 1, {"model": "tiny:cosmos_transformer3d"}),
+        (4, 1, {"model": "tiny:wan_transformer3d", "trainer_type": "ddrl", "data_beta": 0.5}),
     ],
-    ids=["cp2-flow_grpo", "fsdp2-cp2-ddrl", "hsdp-cp2-nft"],
+    ids=["cp2-flow_grpo", "fsdp2-cp2-ddrl", "hsdp-cp2-nft", "cp2-cosmos", "fsdp2-cp2-wan-ddrl"],
 )
 def test_a_context_parallel_policy_replica_steps_like_one_process(
     cp_members, tmp_path, world, replicate, policy
 ):
     """`cp_size = 2`: pairs of ranks share their groups and split each clip's 2 frames, one
     each (keys and values gathered in every block); alone, beside 2 FSDP2 shards, and within
-    HSDP copies (with DiffusionNFT's old weights split alike)."""
+    HSDP copies (with DiffusionNFT's old weights split alike); the built-in DiT, and diffusers'
+    Cosmos-Predict2.5 and Wan transformers (split by `flow.context_parallel`'s hooks)."""
     _assert_split_steps_like_one_process(
         cp_members, tmp_path, policy, world=world, replicate=replicate, cp=2
     )
+
+
+CP_PRESETS = [
+    ("tiny:cosmos_transformer3d", False),
+    ("tiny:wan_transformer3d", True),
+    ("tiny:cosmos_transformer3d_latent", False),  # (conditioning frames: the mask channel)
+    ("tiny:wan_transformer3d_latent", False),
+]
+
+
+@pytest.mark.parametrize(("preset", "checkpointed"), CP_PRESETS, ids=[p for p, _ in CP_PRESETS])
+def test_a_context_parallel_diffusers_transformer_computes_what_the_whole_one_does(
+    members, preset, checkpointed
+):
+    """Two ranks split a diffusers transformer's 4 frames (2 for the latent presets), 2 each:
+    each returns the whole velocity of one process, and the sum of their parameter gradients
+    is the group size times one process's (FSDP2's average over the CP ranks takes it back),
+    to float32's rounding of sums whose terms are large (Cosmos' learned positions: gradients
+    of 1e4); with the blocks' activations recomputed in the backward too."""
+    want, want_grads = _velocity_and_grads(preset, checkpointed)
+    reports = members.run_on(range(2), _split_member, free_port(), preset, checkpointed)
+    for rank, (velocity, grads) in sorted(reports.items()):
+        torch.testing.assert_close(torch.from_numpy(velocity), want, rtol=0, atol=1e-6)
+        assert grads.keys() == want_grads.keys()
+        for name, grad in grads.items():
+            scale = float(want_grads[name].abs().max())
+            torch.testing.assert_close(
+                torch.from_numpy(grad) / 2, want_grads[name], rtol=0, atol=1e-4 * scale + 1e-7,
+                msg=lambda m, name=name, rank=rank: f"rank {rank}, {name}: {m}",
+            )  # fmt: skip
+
+
+def _velocity_and_grads(
+    preset: str, checkpointed: bool, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    from nebula_rl.flow.diffusers_models import tiny_diffusers_flow_model
+    from nebula_rl.flow.parallel import checkpoint_blocks
+
+    latent = preset.endswith("_latent")
+    model = tiny_diffusers_flow_model(
+        preset, frames=5 if latent else 4, size=16 if latent else 8, text_dim=32, seed=3
+    )
+    if checkpointed:
+        checkpoint_blocks(model)
+    if group is not None:
+        model.context_parallel(group)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn((2, 4, 2, 8, 8) if latent else (2, 3, 4, 8, 8), generator=generator)
+    sigma = torch.rand(2, generator=generator)
+    text = torch.randn(2, 5, 32, generator=generator)
+    text_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    condition = torch.tensor([[1.0, 0.0], [0.0, 0.0]]) if model.condition_channel else None
+    velocity = model(x, sigma, text, text_mask, condition)
+    (velocity.square() * torch.linspace(0, 1, velocity.numel()).view_as(velocity)).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return velocity.detach(), grads
+
+
+def _split_member(
+    rank: int, port: int, preset: str, checkpointed: bool
+) -> tuple[object, dict[str, object]]:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        velocity, grads = _velocity_and_grads(preset, checkpointed, dist.group.WORLD)
+        for grad in grads.values():
+            dist.all_reduce(grad)
+        return velocity.numpy(), {n: g.numpy() for n, g in grads.items()}
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _assert_split_steps_like_one_process(
@@ -303,19 +381,29 @@ def _train_cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(
-    ("trainer", "cp"),
-    [("flow_grpo", 1), ("diffusion_nft", 1), ("diffusers_sft", 1), ("flow_grpo", 2)],
-    ids=["flow_grpo", "diffusion_nft", "diffusers_sft", "flow_grpo-cp2"],
+    ("trainer", "cp", "model"),
+    [
+        ("flow_grpo", 1, "tiny:dit"),
+        ("diffusion_nft", 1, "tiny:dit"),
+        ("diffusers_sft", 1, "tiny:dit"),
+        ("flow_grpo", 2, "tiny:dit"),
+        ("flow_grpo", 2, "tiny:cosmos_transformer3d"),
+    ],
+    ids=["flow_grpo", "diffusion_nft", "diffusers_sft", "flow_grpo-cp2", "flow_grpo-cp2-cosmos"],
 )
-def test_colocated_runs_sample_and_train_on_the_policy_ranks(tmp_path, trainer, cp):
+def test_colocated_runs_sample_and_train_on_the_policy_ranks(tmp_path, trainer, cp, model):
     """`mode = "colocated"` with `dp_shard_size = 2`: `nebula-rl train` starts two ranks that
     sample (RL), score and train the FSDP2-sharded model in turns; the run records every step
     once, draws its sample grid on both ranks, and exports the whole model (SFT splits its
     batches over the same ranks). With `cp_size = 2` instead, the two ranks sample the same
-    groups, each running one of a clip's two frames."""
+    groups, each running one of a clip's two frames (the built-in DiT and a diffusers
+    Cosmos-Predict2.5 transformer)."""
     import json
 
-    changes: dict[str, object] = {"train.train_policy.trainer_type": trainer}
+    changes: dict[str, object] = {
+        "train.train_policy.trainer_type": trainer,
+        "policy.model_name_or_path": model,
+    }
     if cp > 1:
         changes["policy.parallelism"] = {"dp_shard_size": 1, "cp_size": cp}
     if trainer == "diffusers_sft":

@@ -152,9 +152,20 @@ def test_what_the_runtime_cannot_run_is_refused_before_it_starts(tmp_path):
         )
     with pytest.raises(ValueError, match="mini_batch"):
         check_flow_job(config_from_dict(_job(tmp_path, **{"train.train_policy.mini_batch": 6})))
-    split = {"policy.parallelism.cp_size": 2, "policy.model_name_or_path": "tiny:wan_transformer3d"}
-    with pytest.raises(ValueError, match="cp_size = 2: context parallelism runs the built-in DiT"):
-        check_flow_job(config_from_dict(_job(tmp_path, **split)))
+    images = {
+        "policy.parallelism.cp_size": 2,
+        "policy.model_name_or_path": "tiny:sd3_transformer2d",
+    }
+    with pytest.raises(ValueError, match="cp_size = 2: context parallelism splits clips by frames"):
+        check_flow_job(config_from_dict(_job(tmp_path, **images)))
+    latent = {  # (5 frames: 3 latent ones)
+        "policy": tiny_flow_policy("tiny:wan_transformer3d_latent", frames=5, size=16),
+        "policy.parallelism.cp_size": 2,
+    }
+    with pytest.raises(ValueError, match=r"cp_size \(2\) must divide the frames of a sample \(3 "):
+        check_flow_job(config_from_dict(_job(tmp_path, **latent)))
+    latent["policy.parallelism.cp_size"] = 3
+    check_flow_job(config_from_dict(_job(tmp_path, **latent)))
     with pytest.raises(ValueError, match=r"cp_size \(4\) must divide the frames of a sample \(2"):
         check_flow_job(config_from_dict(_job(tmp_path, **{"policy.parallelism.cp_size": 4})))
 

@@ -29,8 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from nebula_rl.flow.context_parallel import split_diffusers_transformer
 from nebula_rl.flow.dit import autocast
 from nebula_rl.flow.vae import FlowVAE, vae_factors
 
@@ -119,6 +121,15 @@ class DiffusersFlowModel(nn.Module):
 
     compute_dtype: torch.dtype = torch.float32
     """The dtype the forward computes in (`train.param_dtype`; autocast below float32)."""
+
+    cp_group: dist.ProcessGroup | None = None
+    """The context-parallel group the frames are split over (None: not split)."""
+
+    def context_parallel(self, group: dist.ProcessGroup) -> None:
+        """Split every sample's frames over `group`'s ranks (`flow.context_parallel`: Cosmos and
+        Wan transformers); each rank of the group must be given the same inputs."""
+        split_diffusers_transformer(self.transformer, group)
+        self.cp_group = group
 
     def forward(
         self,

@@ -30,6 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nebula_rl.flow.context_parallel import gather_shares, token_share
+
 __all__ = ["TinyDiT", "TinyDiTConfig"]
 
 
@@ -60,31 +62,6 @@ class TinyDiTConfig:
     def to_dict(self) -> dict[str, int | bool]:
         """The fields, for a saved model's config."""
         return asdict(self)
-
-
-class _GatherTokens(torch.autograd.Function):
-    """All-gather the token shares [B, N / size, D] of a group along dim 1; the backward sums
-    the gradient over the group and returns this rank's share."""
-
-    @staticmethod
-    def forward(ctx: object, share: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
-        size = dist.get_world_size(group)
-        ctx.group, ctx.rank, ctx.size = group, dist.get_rank(group), size  # type: ignore[attr-defined]
-        parts = [torch.empty_like(share) for _ in range(size)]
-        dist.all_gather(parts, share.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
-
-    @staticmethod
-    def backward(ctx: object, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # type: ignore[attr-defined]
-        share = grad.shape[1] // ctx.size  # type: ignore[attr-defined]
-        start = ctx.rank * share  # type: ignore[attr-defined]
-        return grad[:, start : start + share], None
-
-
-def _gather(share: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    return share if group is None else _GatherTokens.apply(share, group)
 
 
 def _modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
@@ -131,7 +108,8 @@ class _Block(nn.Module):
     def forward(self, x: Tensor, cond: Tensor, text: Tensor, text_mask: Tensor) -> Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(F.silu(cond)).chunk(6, dim=-1)
         q, k, v = self.qkv(_modulate(self.norm1(x), shift1, scale1)).chunk(3, dim=-1)
-        k, v = _gather(k, self.cp_group), _gather(v, self.cp_group)  # (every share's keys)
+        # (every share's keys and values)
+        k, v = gather_shares(k, self.cp_group), gather_shares(v, self.cp_group)
         attn = F.scaled_dot_product_attention(self._heads(q), self._heads(k), self._heads(v))
         x = x + gate1[:, None] * self.proj(self._merge(attn))
         kc, vc = self.kv_cross(text).chunk(2, dim=-1)
@@ -243,10 +221,9 @@ class TinyDiT(nn.Module):
                 )
             given = condition.to(x.dtype).repeat_interleave(side * side, dim=1)[..., None]
         if self.cp_group is not None:  # (this rank's share: whole frames)
-            share = tokens.shape[1] // dist.get_world_size(self.cp_group)
-            start = dist.get_rank(self.cp_group) * share
-            tokens, pos = tokens[:, start : start + share], pos[:, start : start + share]
-            given = None if given is None else given[:, start : start + share]
+            share = token_share(tokens.shape[1], self.cp_group)
+            tokens, pos = tokens[:, share], pos[:, share]
+            given = None if given is None else given[:, share]
         h = self.patch_embed(tokens) + pos
         if given is not None:
             h = h + given * self.cond_embed
@@ -261,7 +238,7 @@ class TinyDiT(nn.Module):
         for block in self.blocks:
             h = block(h, cond, words, keep)
         shift, scale = self.ada_out(F.silu(cond)).chunk(2, dim=-1)
-        out = _gather(self.out(_modulate(self.norm_out(h), shift, scale)), self.cp_group)
+        out = gather_shares(self.out(_modulate(self.norm_out(h), shift, scale)), self.cp_group)
         return (
             out.reshape(b, frames, side, side, channels, p, p)
             .permute(0, 4, 1, 2, 5, 3, 6)

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from nebula_rl.config import Config
+from nebula_rl.flow.context_parallel import CP_CLASSES
 from nebula_rl.flow.diffusers_models import (
     DIFFUSERS_PRESETS,
     PRESET_VAES,
@@ -157,7 +158,7 @@ def check_flow_model(cfg: Config) -> None:
         vae = PRESET_VAES.get(name)
         vae_config = tiny_vae_config(vae) if vae is not None else None
         _check_latent(cfg, vae, vae_config)
-        _refuse_cp(cp, DIFFUSERS_PRESETS[name])
+        _check_diffusers_cp(cfg, DIFFUSERS_PRESETS[name], vae, vae_config, patch=1)
         channels = 3 if vae is None or vae_config is None else vae_factors(vae, vae_config)[0]
         in_channels = channels + (DIFFUSERS_PRESETS[name] == "CosmosTransformer3DModel")
         _check_diffusers_conditioning(cfg, DIFFUSERS_PRESETS[name], in_channels, channels)
@@ -166,8 +167,15 @@ def check_flow_model(cfg: Config) -> None:
     if name not in FLOW_PRESETS and (kind := diffusers_class_of(folder)) is not None:
         found = check_diffusers_folder(name, folder)
         _check_latent(cfg, found.vae_class, found.vae_config() if found.vae else None)
-        _refuse_cp(cp, kind[0])
         config = json.loads((kind[1] / "config.json").read_text())
+        patch = config.get("patch_size") or 1
+        _check_diffusers_cp(
+            cfg,
+            kind[0],
+            found.vae_class,
+            found.vae_config() if found.vae else None,
+            patch=patch[0] if isinstance(patch, list) else 1,
+        )
         _check_diffusers_conditioning(
             cfg, kind[0], config.get("in_channels"), config.get("out_channels")
         )
@@ -200,12 +208,36 @@ def _check_diffusers_conditioning(
         )
 
 
-def _refuse_cp(cp: int, class_name: str) -> None:
-    if cp > 1:
+def _check_diffusers_cp(
+    cfg: Config,
+    class_name: str,
+    vae: str | None,
+    vae_config: dict[str, Any] | None,
+    *,
+    patch: int,
+) -> None:
+    """Refuse a `cp_size` that cannot split the clips of a diffusers transformer by whole
+    frames: an image model, or frames (after the VAE and the patch embedding) it does not
+    divide."""
+    cp = cfg.policy.parallelism.cp_size
+    if cp == 1:
+        return
+    if class_name not in CP_CLASSES:
         raise ValueError(
-            f"policy.parallelism.cp_size = {cp}: context parallelism runs the built-in DiT "
-            f"only so far, not a diffusers {class_name} (diffusers' own context parallelism "
-            "is not wired in)"
+            f"policy.parallelism.cp_size = {cp}: context parallelism splits clips by frames; a "
+            f"{class_name} makes images (it splits {', '.join(CP_CLASSES)} and the built-in DiT)"
+        )
+    d = cfg.policy.diffusers
+    frames = d.inference_frames if d.is_video else 1
+    if vae is not None and vae_config is not None:
+        frames = 1 + (frames - 1) // vae_factors(vae, vae_config)[2]
+    frames //= patch
+    if frames % cp:
+        raise ValueError(
+            f"policy.parallelism.cp_size ({cp}) must divide the frames of a sample ({frames} "
+            f"after the VAE and the {class_name}'s patch embedding, of "
+            f"policy.diffusers.inference_frames = {d.inference_frames}): context parallelism "
+            "splits a clip by whole frames"
         )
 
 

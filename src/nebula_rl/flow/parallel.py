@@ -51,7 +51,8 @@ def shard_flow_model(
       each sharded over world / `replicate` ranks (gradients reduce-scattered within a copy,
       then all-reduced between copies);
     - with `cp` > 1 (`policy.parallelism.cp_size`), context parallelism: groups of `cp` ranks
-      share their samples and split each one's tokens (`TinyDiT.context_parallel`); they join
+      share their samples and split each one's tokens (`TinyDiT.context_parallel`,
+      `DiffusersFlowModel.context_parallel`); they join
       the FSDP2 shard axis, whose average turns their gradients into one process's.
     """
     if mesh is None:
@@ -64,8 +65,8 @@ def shard_flow_model(
         split = getattr(model, "context_parallel", None)
         if split is None:
             raise ValueError(
-                f"policy.parallelism.cp_size = {mesh['cp'].size()}: context parallelism runs the "
-                f"built-in DiT only so far, not {type(model).__name__}"
+                f"policy.parallelism.cp_size = {mesh['cp'].size()}: context parallelism splits "
+                f"the built-in DiT and diffusers flow models, not {type(model).__name__}"
             )
         split(mesh["cp"].get_group())
     shards = _fsdp_mesh(mesh)

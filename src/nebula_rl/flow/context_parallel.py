@@ -1,0 +1,215 @@
+"""Context parallelism of flow models along the frame axis (`policy.parallelism.cp_size`).
+
+The ranks of a context-parallel group hold the same samples; each runs a contiguous share of
+every sample's tokens, whole frames, through the transformer blocks. Everything a block does per
+token (norms, MLPs, cross-attention to the text) needs nothing else; self-attention all-gathers
+the keys and values of every share, so a share's queries attend to all tokens (Llama 3's
+context parallelism), and the output's shares are gathered back: every rank returns the whole
+velocity and computes the same loss.
+
+Gathers are differentiable (:func:`gather_shares`): the backward sums the gradient over the
+group and keeps the rank's share. A rank's parameter gradients then come from its own tokens,
+scaled by the group size; FSDP2, whose shard axis the group's ranks join, averages them into the
+gradient of one process.
+
+The built-in DiT splits itself (`TinyDiT.context_parallel`). A diffusers transformer is split
+from outside by :func:`split_diffusers_transformer`, with forward hooks on its own modules: the
+patch embedding's output keeps this rank's frames, the positional embeddings (rotary, learned)
+this rank's tokens, the output projection gathers every rank's, and each block's
+self-attention module runs under :class:`_GatherKeysValues`, a torch-function mode that hands
+its one `scaled_dot_product_attention` call every share's keys and values. The rotary tables
+stay whole per position, so a split model computes what the whole one does. (diffusers' own
+`enable_parallelism` is not used: Cosmos-Predict2.5's attention processors do not take its
+parallel config, and its native backend runs Ulysses only, which needs the heads to divide.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["CP_CLASSES", "gather_shares", "split_diffusers_transformer", "token_share"]
+
+KEY = "policy.parallelism.cp_size"
+
+
+class _GatherShares(torch.autograd.Function):
+    """All-gather the shares of a group along `dim`; the backward sums the gradient over the
+    group and returns this rank's share."""
+
+    @staticmethod
+    def forward(ctx: Any, share: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:  # type: ignore[override]
+        size = dist.get_world_size(group)
+        ctx.group, ctx.rank, ctx.size, ctx.dim = group, dist.get_rank(group), size, dim
+        parts = [torch.empty_like(share) for _ in range(size)]
+        dist.all_gather(parts, share.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(ctx.size, dim=ctx.dim)[ctx.rank], None, None
+
+
+def gather_shares(share: Tensor, group: dist.ProcessGroup | None, dim: int = 1) -> Tensor:
+    """The shares of every rank of `group` side by side along `dim` (`share` itself without a
+    group); differentiable (see the module docstring)."""
+    return share if group is None else _GatherShares.apply(share, group, dim)
+
+
+def token_share(tokens: int, group: dist.ProcessGroup) -> slice:
+    """The contiguous slice of `tokens` this rank of `group` runs."""
+    size = dist.get_world_size(group)
+    share = tokens // size
+    start = dist.get_rank(group) * share
+    return slice(start, start + share)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Where a diffusers transformer class is split: the patch embedding (its output's frame
+    axis), the positional embeddings (module name -> token axis of each output), the output
+    projection (gathered on axis 1) and the self-attention module of each block."""
+
+    embed: str
+    frame_dim: int
+    positions: dict[str, int]
+    out: str
+    blocks: str
+    attention: str
+
+
+_PLANS = {
+    "CosmosTransformer3DModel": _Plan(
+        embed="patch_embed",  # [B, T, H, W, C], flattened to [B, THW, C]
+        frame_dim=1,
+        positions={"rope": 0, "learnable_pos_embed": 1},  # ([THW, D] x 2), [B, THW, C]
+        out="proj_out",
+        blocks="transformer_blocks",
+        attention="attn1",
+    ),
+    "WanTransformer3DModel": _Plan(
+        embed="patch_embedding",  # [B, C, T, H, W], flattened to [B, THW, C]
+        frame_dim=2,
+        positions={"rope": 1},  # [1, THW, 1, D] x 2
+        out="proj_out",
+        blocks="blocks",
+        attention="attn1",
+    ),
+}
+
+CP_CLASSES = tuple(_PLANS)
+"""The diffusers transformer classes context parallelism splits (SD3 makes images: one frame)."""
+
+
+class _GatherKeysValues(TorchFunctionMode):
+    """Inside a self-attention module: its `scaled_dot_product_attention` call gets the keys
+    and values of every share of the group (queries stay this rank's)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.group = group
+        self.calls = 0
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value")
+        given = dict(zip(names, args[:3], strict=False)) | {
+            n: kwargs.pop(n) for n in names if n in kwargs
+        }
+        if kwargs.get("attn_mask") is not None or kwargs.get("is_causal") or len(args) > 3:
+            raise ValueError(
+                f"{KEY}: a self-attention with a mask or causal order cannot be split by frames"
+            )
+        self.calls += 1
+        key = gather_shares(given["key"], self.group, dim=-2)  # [B, H, N, D]
+        value = gather_shares(given["value"], self.group, dim=-2)
+        return func(given["query"], key, value, **kwargs)
+
+
+def split_diffusers_transformer(transformer: nn.Module, group: dist.ProcessGroup) -> None:
+    """Split `transformer` (one of :data:`CP_CLASSES`) over `group`'s ranks along the frame
+    axis with forward hooks (see the module docstring); its frames after patching must be a
+    multiple of the group's size."""
+    kind = type(transformer).__name__
+    plan = _PLANS.get(kind)
+    if plan is None:
+        raise ValueError(
+            f"{KEY} = {dist.get_world_size(group)}: context parallelism splits clips by frames; "
+            f"a {kind} is not split (it runs the built-in DiT, "
+            f"{', '.join(CP_CLASSES)})"
+        )
+    size = dist.get_world_size(group)
+
+    def keep_frames(module: nn.Module, args: Any, out: Tensor) -> Tensor:
+        frames = out.shape[plan.frame_dim]
+        if frames % size:
+            raise ValueError(
+                f"{KEY} ({size}) must divide the frames the {kind} patches a sample into "
+                f"({frames}): context parallelism splits a clip by whole frames"
+            )
+        return _narrow(out, plan.frame_dim, group)
+
+    def keep_tokens(dim: int) -> Any:
+        def hook(module: nn.Module, args: Any, out: Any) -> Any:
+            if isinstance(out, tuple):
+                return tuple(_narrow(o, dim, group) for o in out)
+            return _narrow(out, dim, group)
+
+        return hook
+
+    getattr(transformer, plan.embed).register_forward_hook(keep_frames)
+    for name, dim in plan.positions.items():
+        module = getattr(transformer, name, None)
+        if module is not None:
+            module.register_forward_hook(keep_tokens(dim))
+    getattr(transformer, plan.out).register_forward_hook(
+        lambda module, args, out: gather_shares(out, group, dim=1)
+    )
+    for block in getattr(transformer, plan.blocks):
+        _gather_keys_values(getattr(block, plan.attention), group)
+
+
+def _narrow(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    share = token_share(x.shape[dim], group)
+    return x.narrow(dim, share.start, share.stop - share.start)
+
+
+def _gather_keys_values(attention: nn.Module, group: dist.ProcessGroup) -> None:
+    """Run `attention` (a self-attention module) under :class:`_GatherKeysValues`, checking
+    that its one attention call went through it (an attention backend other than diffusers'
+    native one would skip `scaled_dot_product_attention` and attend to this share alone)."""
+    modes: list[_GatherKeysValues] = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        mode = _GatherKeysValues(group)
+        mode.__enter__()
+        modes.append(mode)
+
+    def leave(module: nn.Module, args: Any, out: Any) -> None:
+        mode = modes.pop()
+        mode.__exit__(None, None, None)
+        if out is not None and mode.calls != 1:  # (None: the forward raised)
+            raise RuntimeError(
+                f"{KEY}: {type(module).__name__}'s self-attention made {mode.calls} "
+                "scaled_dot_product_attention calls, not 1: context parallelism needs diffusers' "
+                "native attention backend (unset DIFFUSERS_ATTN_BACKEND)"
+            )
+
+    attention.register_forward_pre_hook(enter)
+    attention.register_forward_hook(leave, always_call=True)
