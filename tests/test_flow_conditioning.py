@@ -134,6 +134,8 @@ def test_models_without_a_condition_channel_are_refused_by_name(tmp_path):
 
     with pytest.raises(ValueError, match="WanTransformer3DModel with 3 input channels"):
         check_flow_model(config_from_dict(raw("tiny:wan_transformer3d")))
+    with pytest.raises(ValueError, match="CosmosTransformer3DModel with 3 input channels"):
+        check_flow_model(config_from_dict(raw("tiny:cosmos_transformer3d")))  # (pixels: no mask)
     with pytest.raises(ValueError, match=r"must be below the frames of a sample \(2\)"):
         check_flow_model(config_from_dict(raw("tiny:dit", frames=2)))
     with pytest.raises(ConfigError, match="must not exceed max_num_conditional_frames"):
@@ -149,6 +151,56 @@ def test_models_without_a_condition_channel_are_refused_by_name(tmp_path):
         none = model(x, sigma, text, mask)
         first = model(x, sigma, text, mask, (torch.arange(x.shape[2]) < 1).float()[None])
     assert not torch.allclose(none, first)  # (the mask channel reaches the transformer)
+
+
+def test_a_wan_ti2v_transformer_takes_given_frames_as_tokens_at_timestep_zero(tmp_path):
+    """Wan 2.2 TI2V (its pipeline's `expand_timesteps`; the latent Wan preset): with given
+    frames the transformer gets a timestep per token, 0 on the given frames' tokens and
+    1000 sigma on the others, here built as diffusers' WanPipeline builds it (a mask at latent
+    resolution, subsampled by the 2 x 2 patch); without any, one per sample. The flag goes into
+    an export's model_index.json and comes back; a pipeline without it is refused conditioning
+    frames, and a two-expert Wan 2.2 A14B pipeline is refused by name."""
+    import json
+
+    model = tiny_diffusers_flow_model(
+        "tiny:wan_transformer3d_latent", frames=5, size=16, text_dim=32
+    )
+    assert model.expand_timesteps and model.takes_conditioning
+    x = torch.randn(2, *model.vae.latent_shape((3, 5, 16, 16)))  # type: ignore[union-attr]
+    frames, height, width = x.shape[2:]
+    text, mask, sigma = torch.randn(2, 4, 32), torch.ones(2, 4), torch.rand(2)
+    condition = torch.zeros(2, frames)
+    condition[0, 0] = condition[1, :2] = 1
+    with torch.no_grad():
+        got = model(x, sigma, text, mask, condition)
+        keep = (1 - condition)[:, :, None, None].expand(-1, -1, height, width)
+        timestep = (keep[:, :, ::2, ::2] * (1000 * sigma)[:, None, None, None]).flatten(1)
+        want = model.transformer(x, timestep, text, return_dict=False)[0]
+        plain = model(x, sigma, text, mask)
+        none_given = model(x, sigma, text, mask, torch.zeros(2, frames))
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(got, plain)
+    torch.testing.assert_close(none_given, plain)
+
+    def raw(name: str) -> dict:
+        policy = tiny_flow_policy(name, frames=5, size=16, max_num_conditional_frames=1)
+        return tiny_flow_config(tmp_path, policy)
+
+    check_flow_model(config_from_dict(raw("tiny:wan_transformer3d_latent")))
+    folder = save_flow_model(
+        load_flow_model(config_from_dict(raw("tiny:wan_transformer3d_latent"))), tmp_path / "export"
+    )
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["expand_timesteps"] is True
+    back = load_flow_model(config_from_dict(raw(str(folder))))
+    assert back.expand_timesteps  # type: ignore[union-attr]
+    (folder / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": False}))
+    with pytest.raises(ValueError, match=r"WanTransformer3DModel with 4 input channels .* nor"):
+        check_flow_model(config_from_dict(raw(str(folder))))
+    two = {**index, "transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.9}
+    (folder / "model_index.json").write_text(json.dumps(two))
+    with pytest.raises(ValueError, match=r"two-expert pipeline \(transformer_2, .* 0\.9: Wan 2\.2"):
+        check_flow_model(config_from_dict(raw(str(folder))))
 
 
 @pytest.mark.parametrize("algorithm", ["flow_grpo", "ddrl", "nft"])

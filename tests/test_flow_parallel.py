@@ -251,7 +251,7 @@ CP_PRESETS = [
     ("tiny:cosmos_transformer3d", False),
     ("tiny:wan_transformer3d", True),
     ("tiny:cosmos_transformer3d_latent", False),  # (conditioning frames: the mask channel)
-    ("tiny:wan_transformer3d_latent", False),
+    ("tiny:wan_transformer3d_latent", False),  # (conditioning frames: per-token timesteps)
 ]
 
 
@@ -263,7 +263,9 @@ def test_a_context_parallel_diffusers_transformer_computes_what_the_whole_one_do
     each returns the whole velocity of one process, and the sum of their parameter gradients
     is the group size times one process's (FSDP2's average over the CP ranks takes it back),
     to float32's rounding of sums whose terms are large (Cosmos' learned positions: gradients
-    of 1e4); with the blocks' activations recomputed in the backward too."""
+    of 1e4); the latent presets with a given frame (Cosmos' mask channel, Wan 2.2 TI2V's
+    per-token timesteps, split with the tokens); with the blocks' activations recomputed in
+    the backward too."""
     want, want_grads = _velocity_and_grads(preset, checkpointed)
     reports = members.run_on(range(2), _split_member, free_port(), preset, checkpointed)
     for rank, (velocity, grads) in sorted(reports.items()):
@@ -296,7 +298,7 @@ def _velocity_and_grads(
     sigma = torch.rand(2, generator=generator)
     text = torch.randn(2, 5, 32, generator=generator)
     text_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
-    condition = torch.tensor([[1.0, 0.0], [0.0, 0.0]]) if model.condition_channel else None
+    condition = torch.tensor([[1.0, 0.0], [0.0, 0.0]]) if model.takes_conditioning else None
     velocity = model(x, sigma, text, text_mask, condition)
     (velocity.square() * torch.linspace(0, 1, velocity.numel()).view_as(velocity)).sum().backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

@@ -233,15 +233,18 @@ def test_ddrl_and_sft_train_on_latents_and_rewards_see_pixels(tmp_path):
     assert all(torch.equal(v, frozen[k]) for k, v in vae.module.state_dict().items())
 
 
-def test_flow_grpo_runs_a_latent_model_from_its_config(tmp_path):
-    """`nebula-rl train --local` with the latent Wan preset: three iterations with finite losses
-    and rewards of decoded pixels, a sample grid of pixel frames, and an export that loads as
-    the starting model of another run."""
+@pytest.mark.parametrize("given", [0, 1], ids=["t2v", "ti2v"])
+def test_flow_grpo_runs_a_latent_model_from_its_config(tmp_path, given):
+    """`nebula-rl train --local` with the latent Wan preset, also with a given first frame (as
+    Wan 2.2 TI2V takes it: per-token timesteps): three iterations with finite losses and
+    rewards of decoded pixels, a sample grid of pixel frames, and an export that loads as the
+    starting model of another run."""
     from PIL import Image
 
     from nebula_rl.flow import job
 
     raw = _cfg(tmp_path, "tiny:wan_transformer3d_latent")
+    raw["policy"]["diffusers"]["max_num_conditional_frames"] = given
     raw["logging"] = {"multi_modal_log_interval": 3}
     run_dir = job.run(config_from_dict(raw))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

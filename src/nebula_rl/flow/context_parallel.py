@@ -15,7 +15,8 @@ gradient of one process.
 The built-in DiT splits itself (`TinyDiT.context_parallel`). A diffusers transformer is split
 from outside by :func:`split_diffusers_transformer`, with forward hooks on its own modules: the
 patch embedding's output keeps this rank's frames, the positional embeddings (rotary, learned)
-this rank's tokens, the output projection gathers every rank's, and each block's
+and a per-token timestep (Wan 2.2 TI2V's) this rank's tokens, the output projection gathers
+every rank's, and each block's
 self-attention module runs under :class:`_GatherKeysValues`, a torch-function mode that hands
 its one `scaled_dot_product_attention` call every share's keys and values. The rotary tables
 stay whole per position, so a split model computes what the whole one does. (diffusers' own
@@ -76,7 +77,9 @@ def token_share(tokens: int, group: dist.ProcessGroup) -> slice:
 class _Plan:
     """Where a diffusers transformer class is split: the patch embedding (its output's frame
     axis), the positional embeddings (module name -> token axis of each output), the output
-    projection (gathered on axis 1) and the self-attention module of each block."""
+    projection (gathered on axis 1), the self-attention module of each block, and the
+    position of a per-token timestep [B, tokens] among the forward's arguments (None: it
+    takes one per sample)."""
 
     embed: str
     frame_dim: int
@@ -84,6 +87,7 @@ class _Plan:
     out: str
     blocks: str
     attention: str
+    timestep: int | None = None
 
 
 _PLANS = {
@@ -102,6 +106,7 @@ _PLANS = {
         out="proj_out",
         blocks="blocks",
         attention="attn1",
+        timestep=1,  # (Wan 2.2 TI2V's per-token timesteps)
     ),
 }
 
@@ -174,6 +179,10 @@ def split_diffusers_transformer(transformer: nn.Module, group: dist.ProcessGroup
         return hook
 
     getattr(transformer, plan.embed).register_forward_hook(keep_frames)
+    if plan.timestep is not None:
+        transformer.register_forward_pre_hook(
+            _keep_timestep_tokens(plan.timestep, group), with_kwargs=True
+        )
     for name, dim in plan.positions.items():
         module = getattr(transformer, name, None)
         if module is not None:
@@ -183,6 +192,22 @@ def split_diffusers_transformer(transformer: nn.Module, group: dist.ProcessGroup
     )
     for block in getattr(transformer, plan.blocks):
         _gather_keys_values(getattr(block, plan.attention), group)
+
+
+def _keep_timestep_tokens(index: int, group: dist.ProcessGroup) -> Any:
+    """A forward pre-hook that keeps this rank's tokens of a per-token timestep [B, tokens],
+    the forward's argument `index` (or keyword `timestep`)."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        given = args[index] if len(args) > index else kwargs.get("timestep")
+        if not isinstance(given, Tensor) or given.ndim != 2:
+            return None
+        share = _narrow(given, 1, group)
+        if len(args) > index:
+            return (*args[:index], share, *args[index + 1 :]), kwargs
+        return args, {**kwargs, "timestep": share}
+
+    return hook
 
 
 def _narrow(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:

@@ -40,6 +40,7 @@ __all__ = [
     "DIFFUSERS_CLASSES",
     "DIFFUSERS_PRESETS",
     "PRESET_VAES",
+    "TI2V_PRESETS",
     "DiffusersFlowModel",
     "DiffusersFolder",
     "check_diffusers_folder",
@@ -79,6 +80,10 @@ PIPELINES = {
 }
 """The pipeline class an export's `model_index.json` names, by transformer class."""
 
+TI2V_PRESETS = {"tiny:wan_transformer3d_latent"}
+"""Presets that take conditioning frames by per-token timesteps, as Wan 2.2 TI2V does (its
+pipeline's `expand_timesteps`)."""
+
 _THOUSAND = {"WanTransformer3DModel", "SD3Transformer2DModel"}
 """Classes whose timestep is 1000 sigma."""
 
@@ -99,7 +104,9 @@ class DiffusersFlowModel(nn.Module):
     """A diffusers transformer behind `forward(x [B, C, T, H, W], sigma [B], text [B, L, D],
     text_mask [B, L]) -> velocity [B, C, T, H, W]`; `x` is pixels, or the latents of `vae`."""
 
-    def __init__(self, transformer: nn.Module, *, vae: FlowVAE | None = None) -> None:
+    def __init__(
+        self, transformer: nn.Module, *, vae: FlowVAE | None = None, expand_timesteps: bool = False
+    ) -> None:
         super().__init__()
         self.transformer = transformer
         self.kind = type(transformer).__name__
@@ -113,6 +120,15 @@ class DiffusersFlowModel(nn.Module):
             and config.in_channels == config.out_channels + 1
         )
         """Cosmos-Predict2.5's condition-mask channel, given as zeros (no conditioning frame)."""
+        self.expand_timesteps = expand_timesteps and self.kind == "WanTransformer3DModel"
+        """Wan 2.2 TI2V's per-token timesteps (its pipeline's `expand_timesteps`): a given
+        frame's tokens go in at timestep 0, the others at the sample's."""
+
+    @property
+    def takes_conditioning(self) -> bool:
+        """Whether the transformer can be told which frames are given (a condition-mask channel
+        or per-token timesteps)."""
+        return self.condition_channel or self.expand_timesteps
 
     @property
     def config(self) -> Any:
@@ -140,18 +156,19 @@ class DiffusersFlowModel(nn.Module):
         condition: Tensor | None = None,
     ) -> Tensor:
         """Velocity of `x`; `condition` [B, T] (1: a given conditioning frame) goes to
-        Cosmos-Predict2.5's condition-mask channel, the only one of these classes that takes
-        it."""
+        Cosmos-Predict2.5's condition-mask channel, or sets a Wan 2.2 TI2V transformer's
+        timestep to 0 on the given frames' tokens (as its pipeline does)."""
         with autocast(self.compute_dtype, x):
             return self._velocity(x, sigma, text, text_mask, condition)
 
     def _velocity(
         self, x: Tensor, sigma: Tensor, text: Tensor, text_mask: Tensor, condition: Tensor | None
     ) -> Tensor:
-        if condition is not None and not self.condition_channel:
+        if condition is not None and not self.takes_conditioning:
             raise ValueError(
-                f"{self.kind} without a condition-mask input channel takes no conditioning "
-                "frames (Cosmos-Predict2.5's latent-space transformer does)"
+                f"{self.kind} without a condition-mask input channel or per-token timesteps "
+                "takes no conditioning frames (Cosmos-Predict2.5's latent-space transformer and "
+                "Wan 2.2 TI2V's do)"
             )
         dtype = next(self.transformer.parameters()).dtype
         text = (text * text_mask.unsqueeze(-1).to(text.dtype)).to(dtype)
@@ -180,6 +197,11 @@ class DiffusersFlowModel(nn.Module):
                 return_dict=False,
             )[0]  # fmt: skip
         else:
+            if condition is not None:  # (Wan 2.2 TI2V: [B, tokens], 0 on the given frames)
+                p_t, p_h, p_w = self.config.patch_size
+                tokens = (x.shape[-2] // p_h) * (x.shape[-1] // p_w)
+                keep = (1 - condition.to(dtype))[:, ::p_t]
+                t = (t[:, None] * keep).repeat_interleave(tokens, dim=1)
             out = self.transformer(hidden, t, text, return_dict=False)[0]
         return out.to(x.dtype)
 
@@ -210,6 +232,8 @@ class DiffusersFolder:
     vae_class: str | None = None
     vae: Path | None = None
     """`vae/` of the pipeline folder (None: a pixel-space model)."""
+    expand_timesteps: bool = False
+    """The pipeline's `expand_timesteps` (Wan 2.2 TI2V: per-token timesteps)."""
 
     def vae_config(self) -> dict[str, Any]:
         """The VAE's diffusers config."""
@@ -243,10 +267,18 @@ def check_diffusers_folder(name: str, folder: Path) -> DiffusersFolder:
             f"{KEY}: {name} holds a {class_name}; nebula-rl trains {', '.join(DIFFUSERS_CLASSES)}"
         )
     config = json.loads((where / "config.json").read_text())
+    index_file = folder / "model_index.json"
+    index = json.loads(index_file.read_text()) if index_file.is_file() else {}
+    second = index.get("transformer_2")
+    if isinstance(second, list) and second[0] is not None:
+        raise ValueError(
+            f"{KEY}: {name} is a two-expert pipeline (transformer_2, switched at boundary_ratio "
+            f"{index.get('boundary_ratio')}: Wan 2.2 A14B); nebula-rl trains one transformer"
+        )
+    expand = bool(index.get("expand_timesteps", False))
     if config.get("in_channels") == 3:
-        return DiffusersFolder(class_name, where)
-    index = folder / "model_index.json"
-    entry = json.loads(index.read_text()).get("vae") if index.is_file() else None
+        return DiffusersFolder(class_name, where, expand_timesteps=expand)
+    entry = index.get("vae")
     vae = folder / "vae"
     if not (isinstance(entry, list) and len(entry) == 2 and (vae / "config.json").is_file()):
         raise ValueError(
@@ -254,7 +286,7 @@ def check_diffusers_folder(name: str, folder: Path) -> DiffusersFolder:
             f"{config.get('in_channels')}) without its VAE: name the pipeline folder whose "
             "model_index.json names a vae and holds vae/ (a transformer folder alone has none)"
         )
-    found_vae = DiffusersFolder(class_name, where, str(entry[1]), vae)
+    found_vae = DiffusersFolder(class_name, where, str(entry[1]), vae, expand)
     latent, _, _ = vae_factors(str(entry[1]), found_vae.vae_config())
     _check_channels(name, class_name, config, latent)
     return found_vae
@@ -276,7 +308,7 @@ def load_diffusers_flow_model(
             str(found.vae), torch_dtype=torch.float32
         )
         vae = FlowVAE(module, compile_encode=compile_encode)
-    return DiffusersFlowModel(transformer, vae=vae)
+    return DiffusersFlowModel(transformer, vae=vae, expand_timesteps=found.expand_timesteps)
 
 
 def save_diffusers_flow_model(model: DiffusersFlowModel, folder: Path) -> None:
@@ -288,12 +320,14 @@ def save_diffusers_flow_model(model: DiffusersFlowModel, folder: Path) -> None:
         return
     model.transformer.save_pretrained(str(folder / "transformer"))  # type: ignore[operator]
     model.vae.module.save_pretrained(str(folder / "vae"))  # type: ignore[operator]
-    index = {
+    index: dict[str, Any] = {
         "_class_name": PIPELINES[model.kind],
         "_diffusers_version": _diffusers().__version__,
         "transformer": ["diffusers", model.kind],
         "vae": ["diffusers", model.vae.kind],
     }
+    if model.expand_timesteps:
+        index["expand_timesteps"] = True
     (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
@@ -352,7 +386,7 @@ def tiny_diffusers_flow_model(
     transformer = _tiny_transformer(
         class_name, channels_in, channels, frames=frames, size=size, text_dim=text_dim
     )
-    return DiffusersFlowModel(transformer, vae=vae)
+    return DiffusersFlowModel(transformer, vae=vae, expand_timesteps=preset in TI2V_PRESETS)
 
 
 def _tiny_transformer(

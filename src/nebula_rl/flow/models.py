@@ -31,6 +31,7 @@ from nebula_rl.flow.context_parallel import CP_CLASSES
 from nebula_rl.flow.diffusers_models import (
     DIFFUSERS_PRESETS,
     PRESET_VAES,
+    TI2V_PRESETS,
     DiffusersFlowModel,
     check_diffusers_folder,
     diffusers_class_of,
@@ -160,8 +161,10 @@ def check_flow_model(cfg: Config) -> None:
         _check_latent(cfg, vae, vae_config)
         _check_diffusers_cp(cfg, DIFFUSERS_PRESETS[name], vae, vae_config, patch=1)
         channels = 3 if vae is None or vae_config is None else vae_factors(vae, vae_config)[0]
-        in_channels = channels + (DIFFUSERS_PRESETS[name] == "CosmosTransformer3DModel")
-        _check_diffusers_conditioning(cfg, DIFFUSERS_PRESETS[name], in_channels, channels)
+        cosmos_mask = DIFFUSERS_PRESETS[name] == "CosmosTransformer3DModel" and vae is not None
+        _check_diffusers_conditioning(
+            cfg, DIFFUSERS_PRESETS[name], channels + cosmos_mask, channels, name in TI2V_PRESETS
+        )
         return
     folder = Path(name) if name in FLOW_PRESETS else _folder(cfg)
     if name not in FLOW_PRESETS and (kind := diffusers_class_of(folder)) is not None:
@@ -177,7 +180,11 @@ def check_flow_model(cfg: Config) -> None:
             patch=patch[0] if isinstance(patch, list) else 1,
         )
         _check_diffusers_conditioning(
-            cfg, kind[0], config.get("in_channels"), config.get("out_channels")
+            cfg,
+            kind[0],
+            config.get("in_channels"),
+            config.get("out_channels"),
+            found.expand_timesteps,
         )
         return
     _check_latent(cfg, None, None)
@@ -191,20 +198,24 @@ def check_flow_model(cfg: Config) -> None:
 
 
 def _check_diffusers_conditioning(
-    cfg: Config, class_name: str, channels_in: Any, channels_out: Any
+    cfg: Config, class_name: str, channels_in: Any, channels_out: Any, expand_timesteps: bool
 ) -> None:
-    """Refuse conditioning frames for a diffusers transformer without a condition-mask input
-    channel (only Cosmos-Predict2.5's latent-space transformer has one)."""
+    """Refuse conditioning frames for a diffusers transformer that cannot be told which frames
+    are given: Cosmos-Predict2.5's latent-space transformer has a condition-mask input
+    channel, a Wan transformer whose pipeline sets `expand_timesteps` (Wan 2.2 TI2V) takes
+    per-token timesteps; others have neither."""
     most = cfg.policy.diffusers.max_num_conditional_frames
-    if most and not (
+    mask = (
         class_name == "CosmosTransformer3DModel"
         and channels_out is not None
         and channels_in == channels_out + 1
-    ):
+    )
+    if most and not (mask or (class_name == "WanTransformer3DModel" and expand_timesteps)):
         raise ValueError(
             f"policy.diffusers.max_num_conditional_frames = {most}: a {class_name} with "
-            f"{channels_in} input channels has no condition-mask channel to mark given frames "
-            "(Cosmos-Predict2.5's latent-space transformer and the built-in DiT take them)"
+            f"{channels_in} input channels has no condition-mask channel to mark given frames, "
+            "nor per-token timesteps (Cosmos-Predict2.5's latent-space transformer, Wan 2.2 "
+            "TI2V's with its pipeline's expand_timesteps, and the built-in DiT take them)"
         )
 
 
