@@ -6,6 +6,7 @@ the runtime's replicas) carries which frames were given."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -21,6 +22,7 @@ from nebula_rl.flow.local import (
     FlowBatch,
     FlowRLSettings,
     flow_advantages,
+    pretrain,
     roll_out,
     train_on_batch,
 )
@@ -160,8 +162,6 @@ def test_a_wan_ti2v_transformer_takes_given_frames_as_tokens_at_timestep_zero(tm
     resolution, subsampled by the 2 x 2 patch); without any, one per sample. The flag goes into
     an export's model_index.json and comes back; a pipeline without it is refused conditioning
     frames, and a two-expert Wan 2.2 A14B pipeline is refused by name."""
-    import json
-
     model = tiny_diffusers_flow_model(
         "tiny:wan_transformer3d_latent", frames=5, size=16, text_dim=32
     )
@@ -201,6 +201,68 @@ def test_a_wan_ti2v_transformer_takes_given_frames_as_tokens_at_timestep_zero(tm
     (folder / "model_index.json").write_text(json.dumps(two))
     with pytest.raises(ValueError, match=r"two-expert pipeline \(transformer_2, .* 0\.9: Wan 2\.2"):
         check_flow_model(config_from_dict(raw(str(folder))))
+
+
+def test_sft_gives_conditioning_frames_clean_and_trains_on_the_others(tmp_path):
+    """Flow-matching SFT with `conditional_frames = (0, 1)`: each clip draws its given frames;
+    the model gets them clean and is told which they are (the mask passed even when a batch
+    has none given); the loss is the flow-matching loss over the other frames, computed here
+    by hand from what the model was given."""
+    clips = read_local_dataset(make_toy_dataset(tmp_path, clips_per_prompt=1, size=8), num_frames=2)
+    config = TinyDiTConfig(frames=2, size=8, patch=4, width=32, depth=1, heads=2, conditioning=True)
+    torch.manual_seed(0)
+    model = TinyDiT(config)
+    with torch.no_grad():
+        model.out.weight.normal_(std=0.05)
+    calls: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
+    model.register_forward_hook(lambda module, args, out: calls.append((args, out.detach())))
+    batch = clips[:8]
+    x0 = torch.stack([c.samples() for c in batch])
+    losses = pretrain(
+        model, clips, steps=3, batches=lambda step: batch, conditional_frames=(0, 1), seed=1,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+    )  # fmt: skip
+    counts = set()
+    for (args, velocity), loss in zip(calls, losses, strict=True):
+        noised, sigma, _, _, given = args
+        given = given.bool()
+        assert given.shape == (8, 2) and not given[:, 1].any()
+        counts |= set(given.sum(dim=1).tolist())
+        clean = given[:, None, :, None, None].expand_as(x0)
+        assert torch.equal(noised[clean], x0[clean])  # (given frames clean)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        noise = (noised - (1 - s) * x0) / s  # (the noise of the generated frames)
+        free = ~clean
+        error = (velocity - (noise - x0)) ** 2
+        per_clip = (error * free).sum(dim=(1, 2, 3, 4)) / free.sum(dim=(1, 2, 3, 4))
+        assert loss == pytest.approx(float(per_clip.mean()), rel=1e-4)
+    assert counts == {0, 1}
+
+
+def test_a_video2world_sft_run_trains_from_its_config(tmp_path):
+    """`diffusers_sft` with `max_num_conditional_frames = 1` (cosmos-rl's Video2World
+    post-training) runs from its config: its loss falls, and its export has the built-in DiT's
+    conditioning embedding, so an RL run with conditioning frames starts from it."""
+    from nebula_rl.flow import job
+
+    policy = tiny_flow_policy("tiny:dit", max_num_conditional_frames=1)
+    raw = tiny_flow_config(tmp_path, policy, timestamp="sft", max_num_steps=20)
+    raw["train"]["train_policy"] = {
+        "type": "sft",
+        "trainer_type": "diffusers_sft",
+        "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": 2}},
+    }
+    raw["train"].update(epoch=20, optm_lr=2e-3)
+    run = job.run(config_from_dict(raw))
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["loss"] for line in lines]
+    assert len(losses) == 20 and sum(losses[-5:]) < sum(losses[:5])
+    rl = tiny_flow_config(
+        tmp_path, {**policy, "model_name_or_path": str(run / "safetensors" / "final")}
+    )
+    model = load_flow_model(config_from_dict(rl))
+    assert isinstance(model, TinyDiT) and model.config.conditioning
+    assert float(model.cond_embed.detach().abs().sum()) > 0  # (trained: it starts at zero)
 
 
 @pytest.mark.parametrize("algorithm", ["flow_grpo", "ddrl", "nft"])

@@ -975,11 +975,13 @@ class DiffusersConfig(_Section):
     """Weight copy decay."""
     min_num_conditional_frames: int = Field(default=0, ge=0)
     """Fewest leading frames (of the model's samples: latent frames in latent space) given as
-    conditioning, clean, to each rollout (cosmos-rl's `model.rl.min_num_conditional_frames`;
+    conditioning, clean, to each rollout or SFT clip (cosmos-rl's
+    `model.rl.min_num_conditional_frames`;
     nebula-rl's key)."""
     max_num_conditional_frames: int = Field(default=0, ge=0)
-    """Most conditioning frames; each group draws its count uniformly between the two (0:
-    text-to-video only; 1: a run mixes text- and image-to-video, as cosmos-rl's DDRL recipes)."""
+    """Most conditioning frames; each group (each clip in SFT) draws its count uniformly between
+    the two (0: text-to-video only; 1: a run mixes text- and image-to-video, as cosmos-rl's
+    DDRL recipes)."""
     lora: LoraConfig | None = Field(default=None, json_schema_extra=refused(_LORA))
     """LoRA of the diffusion model."""
     sample: SampleConfig = Field(default_factory=SampleConfig)
@@ -2105,12 +2107,6 @@ def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
         out.append(
             f"policy.diffusers.min_num_conditional_frames ({d.min_num_conditional_frames}) "
             f"must not exceed max_num_conditional_frames ({d.max_num_conditional_frames})"
-        )
-    if d.max_num_conditional_frames and (sft or p.trainer_type not in FLOW_RL_TRAINERS):
-        out.append(
-            f"policy.diffusers.max_num_conditional_frames = {d.max_num_conditional_frames}: "
-            "conditioning frames are built for world-model RL (flow_grpo, ddrl, "
-            "diffusion_nft) only so far"
         )
     if d.weighting_scheme not in ("uniform", "logit_normal"):
         out.append(

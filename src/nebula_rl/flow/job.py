@@ -491,6 +491,7 @@ def run(cfg: Config) -> Path:
             sigma_mean=d.logit_mean, sigma_std=d.logit_std,
             grad_clip=cfg.train.optm_grad_norm_clip, on_step=on_step, start=start,
             generator=generator,
+            conditional_frames=(d.min_num_conditional_frames, d.max_num_conditional_frames),
         )  # fmt: skip
     checkpointer.close()
     if metrics is not None:

@@ -160,10 +160,13 @@ def pretrain(
     on_step: Callable[[dict[str, float]], None] | None = None,
     start: int = 1,
     generator: torch.Generator | None = None,
+    conditional_frames: tuple[int, int] = (0, 0),
 ) -> list[float]:
     """Flow-matching SFT: steps `start`..`steps` (optimiser steps) on `batches(step)` (default:
     `batch_size` random clips, encoded by a latent-space model's VAE), noise levels from
-    :func:`sft_sigmas`, noise from `generator` (default: seeded by `seed`); the losses."""
+    :func:`sft_sigmas`, noise from `generator` (default: seeded by `seed`); the losses. With
+    `conditional_frames` (fewest, most), each clip's first frames, their count drawn per clip,
+    are given clean and the model told so; the loss runs over the other frames."""
     generator = generator or torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     if optimizer is None:
@@ -183,8 +186,14 @@ def pretrain(
             len(chosen), generator, scheme=sigma_scheme, mean=sigma_mean, std=sigma_std
         ).to(device)
         s = sigma.view(-1, *[1] * (x0.dim() - 1))
+        noised = (1 - s) * x0 + s * noise
+        given, free = _sft_given(x0, conditional_frames, generator)
+        extra: tuple[Tensor, ...] = ()
+        if given is not None:  # (passed even when none is: every FSDP2 rank runs the same)
+            noised = keep_given(noised, x0, free)
+            extra = (given.float(),)
         loss = flow_matching_loss(
-            model((1 - s) * x0 + s * noise, sigma, text, mask), x0, noise, sigma
+            model(noised, sigma, text, mask, *extra), x0, noise, sigma, free=free
         )
         optimizer.zero_grad()
         loss.backward()
@@ -263,6 +272,26 @@ def _nft_noise(batch: FlowBatch, part: Tensor, step: int, generator: torch.Gener
             for seed in (batch.noise_seeds[int(i)] * 1009 + step for i in part)
         ]
     )
+
+
+def _sft_given(
+    x0: Tensor, conditional_frames: tuple[int, int], generator: torch.Generator
+) -> tuple[Tensor | None, Tensor | None]:
+    """The given frames [B, T] (bool) of SFT samples `x0` [B, C, T, H, W], their count drawn per
+    sample between `conditional_frames`, and their `free` weights; (None, None) without
+    conditioning."""
+    lowest, most = conditional_frames
+    if most <= 0:
+        return None, None
+    frames = x0.shape[2]
+    if most >= frames:
+        raise ValueError(
+            f"policy.diffusers.max_num_conditional_frames ({most}) must be below the frames of "
+            f"the model's samples ({frames}): at least one frame is trained"
+        )
+    counts = torch.randint(lowest, most + 1, (x0.shape[0],), generator=generator)
+    given = (torch.arange(frames)[None] < counts[:, None]).to(x0.device)
+    return given, context_frames(given)
 
 
 def roll_out(
