@@ -976,8 +976,7 @@ class DiffusersConfig(_Section):
     min_num_conditional_frames: int = Field(default=0, ge=0)
     """Fewest leading frames (of the model's samples: latent frames in latent space) given as
     conditioning, clean, to each rollout or SFT clip (cosmos-rl's
-    `model.rl.min_num_conditional_frames`;
-    nebula-rl's key)."""
+    `model.rl.min_num_conditional_frames`; nebula-rl's key)."""
     max_num_conditional_frames: int = Field(default=0, ge=0)
     """Most conditioning frames; each group (each clip in SFT) draws its count uniformly between
     the two (0: text-to-video only; 1: a run mixes text- and image-to-video, as cosmos-rl's
