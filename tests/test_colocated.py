@@ -47,8 +47,6 @@ def test_colocated_config_rules_name_the_key_and_why() -> None:
     assert "rollout.parallelism.n_init_replicas = 1: in mode" in said
     said = _refusals({"train": {"sync_weight_interval": 2}})
     assert "train.sync_weight_interval = 2: in mode" in said
-    said = _refusals({"rollout": {"multi_turn_config": {"enable": True}}})
-    assert 'rollout.multi_turn_config.enable = true with mode = "colocated"' in said
     said = _refusals({"train": {"train_policy": {"type": "grpo", "uncentralized_training": True}}})
     assert "uncentralized_training = true" in said and "controller's ledger" in said
     said = _refusals({"train": {"train_policy": {"type": "sft"}}})
@@ -183,6 +181,53 @@ def test_colocated_job_trains_on_the_samples_and_losses_of_the_local_run(
     assert ledger["trained"] == {str(i): 1 for i in range(12)}  # every prompt once, via the ledger
     trained = json.loads((tmp_path / "out" / "local" / "trained_prompts.json").read_text())
     assert len(trained) == 12
+
+
+@pytest.mark.slow  # (~75 s on 2 cores: two jobs of processes and a --local run)
+def test_a_colocated_multi_turn_job_trains_on_the_samples_of_the_local_run(
+    tmp_path, grpo_job_config
+) -> None:
+    """Multi-turn conversations (the arithmetic environment's opening as the prompt, a turn
+    that ends getting the dataset's question as an observation) in a colocated replica and in
+    `--local`, synchronous, on the same config and seed: bit for bit the same rewards (the
+    scored texts are the conversations' last turns), losses and gradient norms, step by step.
+    Then a colocated replica of 2 ranks, each running the environments of the samples it
+    generates: every prompt trained once."""
+    change = {
+        "mode": "colocated",
+        "train": {
+            "train_policy": {
+                "reward_function": "reward_helpers:text_length",
+                "dataset": {"test_size": 4},
+            }
+        },
+        "policy": {"model_max_length": 192},
+        "rollout": {
+            "max_response_length": 96,  # (room for a question after a first turn that ends)
+            "multi_turn_config": {
+                "enable": True,
+                "environment": "arithmetic",
+                "max_assistant_turns": 2,
+            },
+        },
+    }
+    cfg = grpo_job_config(change, num_rows=16, groups=4, allowed=0, timestamp="colocated")
+    _train(cfg, tmp_path)
+    cfg.train.timestamp = "local"
+    _train(cfg, tmp_path, "--local")
+    colocated, local = _steps(tmp_path / "out" / "colocated"), _steps(tmp_path / "out" / "local")
+    assert [r["step"] for r in colocated] == [r["step"] for r in local] == [1, 2, 3]
+    for ours, theirs in zip(colocated, local, strict=True):
+        for key in ("reward_mean", "reward_std", "loss", "grad_norm", "num_tokens"):
+            assert ours[key] == theirs[key], (ours["step"], key, ours[key], theirs[key])
+        assert ours["grad_norm"] > 0
+
+    cfg.train.timestamp = "two_ranks"
+    cfg.policy.parallelism.dp_shard_size = cfg.rollout.parallelism.dp_shard_size = 2
+    _train(cfg, tmp_path)
+    assert [r["step"] for r in _steps(tmp_path / "out" / "two_ranks")] == [1, 2, 3]
+    ledger = json.loads((tmp_path / "out" / "two_ranks" / "ledger.json").read_text())["0"]
+    assert ledger["trained"] == {str(i): 1 for i in range(12)}
 
 
 @pytest.mark.slow  # (~65 s on 2 busy cores; the recipe's two replicas took ~95 s)

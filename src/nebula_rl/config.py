@@ -2208,12 +2208,6 @@ def _colocated_refusals(cfg: Config) -> list[str]:
             f"train.sync_weight_interval = {cfg.train.sync_weight_interval}: in mode = "
             '"colocated" the engine takes the new weights after every step (no push to skip)'
         )
-    if cfg.rollout.multi_turn_config.enable:
-        out.append(
-            'rollout.multi_turn_config.enable = true with mode = "colocated": a colocated '
-            "replica generates single-turn completions only so far; multi-turn rollouts run "
-            'with rollout replicas (mode = "disaggregated" or "colocated_separated")'
-        )
     return out
 
 

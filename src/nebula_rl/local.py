@@ -245,7 +245,13 @@ def _generate(
     if isinstance(score, RemoteScorer):
         out = [(*rest, scored.result()) for *rest, scored in out]
     return [
-        (prompt, prompt_ids, output, texts, with_turn_rewards(scored, chats) if chats else scored)
+        (
+            prompt,
+            prompt_ids,
+            output,
+            texts,
+            with_turn_rewards(scored, [c.rewards for c in chats]) if chats else scored,
+        )
         for (prompt, prompt_ids, output, texts, scored), chats in zip(
             out, conversations, strict=True
         )

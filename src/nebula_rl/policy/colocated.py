@@ -31,6 +31,7 @@ synchronous `engine.generate` on each rank, so the ranks need no lock step, and 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Mapping
@@ -50,12 +51,14 @@ from nebula_rl.ranks import cpu_threads
 from nebula_rl.rewards import Scored, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import GenerationRequest, RequestOutput
+from nebula_rl.rollout.multiturn import with_turn_rewards
 from nebula_rl.rollout.worker import (
     InlineExecutor,
     close_scorers,
-    completion_text,
+    completion_texts,
     hand_in,
     make_completions,
+    multi_turn,
     prompt_inputs,
     sampling_params,
     submit_scoring,
@@ -71,13 +74,25 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class _Work:
-    """A claimed prompt, ready to generate: its stream id, the prompt, its reference answer and
-    the request every rank can run."""
+    """A claimed prompt, ready to generate: its stream id, the prompt, its text and reference
+    answer, and the request every rank can run (multi-turn: without its continuation, which
+    the generating rank makes for itself)."""
 
     msg_id: str
     prompt: Prompt
+    text: str | list[dict[str, Any]]
     reference: str
     request: GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class _Generated:
+    """What a rank generated for one request: the output, the texts the reward functions
+    score, and each sample's per-turn rewards (multi-turn; None for single-turn)."""
+
+    output: RequestOutput
+    texts: list[str]
+    turn_rewards: list[list[float]] | None
 
 
 class ColocatedWorker(PolicyWorker):
@@ -111,6 +126,9 @@ class ColocatedWorker(PolicyWorker):
         )
         """This rank's weights as the engine holds them (a LoRA policy's merged, under the plain
         names; `policy.setup.rollout_weights`)."""
+        self.multi_turn = multi_turn(cfg, self.tokenizer, self.vision)
+        """Multi-turn conversations (`rollout.multi_turn_config`): every rank runs the
+        environments of the samples it generates."""
         if self.lead:
             self.sampling = sampling_params(cfg, self.tokenizer.eos_token_id)
             groups = max(1, cfg.rollout.batch_size)  # (a round's groups score at once)
@@ -149,6 +167,8 @@ class ColocatedWorker(PolicyWorker):
                     continue
                 busy = self.in_sync and self.clean and self.generate_round()
         finally:
+            if self.multi_turn is not None:
+                self.multi_turn.executor.shutdown(wait=False, cancel_futures=True)
             if self.lead:
                 self.pool.shutdown(wait=False, cancel_futures=True)
                 close_scorers(self.scorer, self.val_scorer)
@@ -171,13 +191,36 @@ class ColocatedWorker(PolicyWorker):
             self._load_policy_weights()
         rank, ranks = self.local_rank, self.num_ranks
         mine = work[rank::ranks]
-        with cpu_threads(self.cfg.rollout.cpu_threads):
-            outputs = self.engine.generate([w.request for w in mine]) if mine else []
-        shares = self._gather(outputs)
+        shares = self._gather(self._generate(mine) if mine else [])
         if self.lead:
             ordered = [shares[i % ranks][i // ranks] for i in range(len(work))]
             self._push(work, ordered)
         return True
+
+    def _generate(self, work: list[_Work]) -> list[_Generated]:
+        """Generate `work` on this rank's engine (multi-turn: with conversations of its own)
+        and decode what the reward functions score."""
+        requests, chats = [], []
+        for w in work:
+            conversations = None
+            request = w.request
+            if self.multi_turn is not None:
+                r = w.request
+                request, conversations = self.multi_turn.request(
+                    w.text, w.reference, n=r.n, sampling=r.sampling
+                )
+            requests.append(request)
+            chats.append(conversations)
+        with cpu_threads(self.cfg.rollout.cpu_threads):
+            outputs = self.engine.generate(requests)
+        return [
+            _Generated(
+                output,
+                completion_texts(self.cfg, self.tokenizer, output, conversations),
+                None if conversations is None else [c.rewards for c in conversations],
+            )
+            for output, conversations in zip(outputs, chats, strict=True)
+        ]
 
     def _load_policy_weights(self) -> None:
         """Copy the policy's weights into the engine (a collective of the replica's ranks when
@@ -220,16 +263,23 @@ class ColocatedWorker(PolicyWorker):
                     self.cfg, self.tokenizer.eos_token_id, seed=seed
                 )
             try:
-                ids, media = prompt_inputs(
-                    self.tokenizer, self.vision, text, system_prompt=self.cfg.grpo.system_prompt
-                )
-                request = GenerationRequest(ids, n=n, sampling=sampling, media=media)
+                if self.multi_turn is not None:  # (checked as the ranks will make it)
+                    request, _ = self.multi_turn.request(text, reference, n=n, sampling=sampling)
+                    request = dataclasses.replace(request, continuation=None)
+                else:
+                    ids, media = prompt_inputs(
+                        self.tokenizer,
+                        self.vision,
+                        text,
+                        system_prompt=self.cfg.grpo.system_prompt,
+                    )
+                    request = GenerationRequest(ids, n=n, sampling=sampling, media=media)
                 self.engine.validate(request)
             except ValueError as err:
                 log.error("prompt %s cannot be generated: %s", prompt.prompt_id, err)
                 self._send(msg_id, prompt, [], [], filtered=True, error=str(err))
                 continue
-            work.append(_Work(msg_id, prompt, reference, request))
+            work.append(_Work(msg_id, prompt, text, reference, request))
         return work
 
     def _text(self, prompt: Prompt) -> tuple[str | list[dict[str, Any]], str]:
@@ -242,17 +292,11 @@ class ColocatedWorker(PolicyWorker):
         p = self.cfg.grpo
         return row[p.prompt_column_name], str(row[p.response_column_name])
 
-    def _push(self, work: list[_Work], outputs: list[RequestOutput]) -> None:
-        """Rank 0: decode, score and push each group, then acknowledge its prompt."""
-        include_stop = self.cfg.rollout.include_stop_str_in_output
+    def _push(self, work: list[_Work], generated: list[_Generated]) -> None:
+        """Rank 0: score and push each group, then acknowledge its prompt."""
         scoring = []
-        for w, output in zip(work, outputs, strict=True):
-            texts = [
-                completion_text(
-                    self.tokenizer, c.token_ids, c.finish_reason, include_stop=include_stop
-                )
-                for c in output.completions
-            ]
+        for w, g in zip(work, generated, strict=True):
+            texts, output = g.texts, g.output
             lengths = [len(c.token_ids) for c in output.completions]
             score = self.scorer if w.prompt.validation_step is None else self.val_scorer
             assert score is not None
@@ -261,8 +305,11 @@ class ColocatedWorker(PolicyWorker):
             )
             scoring.append((texts, pending))
         p = self.cfg.grpo
-        for w, output, (texts, pending) in zip(work, outputs, scoring, strict=True):
+        for w, g, (texts, pending) in zip(work, generated, scoring, strict=True):
+            output = g.output
             scored: list[Scored] = pending.result()
+            if g.turn_rewards is not None:
+                scored = with_turn_rewards(scored, g.turn_rewards)
             validating = w.prompt.validation_step is not None
             logprobs = p.collect_rollout_logprobs and not validating
             completions = make_completions(output, texts, scored, logprobs=logprobs)

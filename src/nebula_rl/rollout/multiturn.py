@@ -340,12 +340,12 @@ def loss_mask(completion: Completion) -> list[int]:
 
 
 def with_turn_rewards(
-    scored: Sequence[Scored], conversations: Sequence[Conversation]
+    scored: Sequence[Scored], turn_rewards: Sequence[Sequence[float]]
 ) -> list[Scored]:
-    """The reward functions' scores plus each conversation's per-turn rewards (their sum, also
-    recorded as the term `turns`)."""
+    """The reward functions' scores plus each conversation's per-turn rewards
+    (`Conversation.rewards`; their sum, also recorded as the term `turns`)."""
     out = []
-    for s, conversation in zip(scored, conversations, strict=True):
-        turns = sum(conversation.rewards)
+    for s, rewards in zip(scored, turn_rewards, strict=True):
+        turns = sum(rewards)
         out.append(Scored(s.reward + turns, {**s.terms, "turns": turns}))
     return out

@@ -474,7 +474,7 @@ class RolloutWorker:
         logprobs = self.cfg.grpo.collect_rollout_logprobs and not validating
         conversations = self.conversations.pop(output.request_id, None)
         if conversations is not None:
-            scored = with_turn_rewards(scored, conversations)
+            scored = with_turn_rewards(scored, [c.rewards for c in conversations])
         completions = make_completions(output, texts, scored, logprobs=logprobs)
         p = self.cfg.grpo
         filtered = False
