@@ -377,15 +377,6 @@ def test_multi_turn_config_keys():
     assert m.enable and m.enable_tools and m.enable_thinking and m.max_assistant_turns == 5
     with pytest.raises(ConfigError, match="enable = true"):
         config_from_dict({"rollout": {"multi_turn_config": {"max_assistant_turns": 3}}})
-    with pytest.raises(ConfigError, match="tp_size"):
-        config_from_dict(
-            {
-                "rollout": {
-                    "multi_turn_config": {"enable": True},
-                    "parallelism": {"tp_size": 2},
-                }
-            }
-        )
     with pytest.raises(ConfigError, match="add_generation_prompt"):
         _cfg(continue_final_message=True)
 

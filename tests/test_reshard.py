@@ -679,6 +679,84 @@ def test_lockstep_tp_ranks_sample_alike_and_update_at_the_same_token(members):
     assert changed > 0  # some completion spans the update (started on version 0, ended on 7)
 
 
+def _observation(index: int, tokens: list[int]) -> list[int] | None:
+    """A multi-turn continuation: after a short wait that differs by sample (so answers come
+    back in different steps), the first two turns get a 3-token observation made from the turn's
+    last token; the third turn ends the conversation."""
+    time.sleep(0.002 * (index % 3))
+    turns = sum(1 for t in tokens if t in STOPS)
+    return None if turns >= 3 else [tokens[-1] % 50 + 10, 11, 12]
+
+
+STOPS = tuple(range(3, 200, 9))
+"""The turn-ending tokens of the lock-step multi-turn test (about one token in nine)."""
+
+
+def _lockstep_multiturn_body(member, port):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nebula_rl.rollout.lockstep import LockstepEngine
+
+    _world(member, 2, port)
+    engine = LockstepEngine(load_model("tiny:qwen2", seed=99), max_num_seqs=6, max_model_len=64,
+                            tensor_parallel=TensorParallel.of(), seed=3)  # fmt: skip
+    if member == 0:
+        pool = ThreadPoolExecutor(2)
+        sampled = SamplingParams(temperature=1.0, max_tokens=40, stop_token_ids=STOPS)
+        engine.start()
+
+        def continuation(index: int, tokens: list[int]):
+            return pool.submit(_observation, index, tokens)
+
+        futures = [
+            engine.submit(
+                GenerationRequest(
+                    p, n=2, sampling=sampled, request_id=f"r{i}", continuation=continuation
+                )
+            )
+            for i, p in enumerate(PROMPTS)
+        ]
+        while engine._step_count < 6:  # the update lands mid-conversation
+            time.sleep(0.005)
+        engine.update_weights_with(_nudge(engine))
+        outputs = [f.result(timeout=60) for f in futures]
+        engine.stop_followers()
+        engine.shutdown()
+        pool.shutdown()
+    else:
+        outputs = engine.follow(lambda note: _nudge(engine)())
+    dist.barrier()
+    dist.destroy_process_group()
+    return {
+        o.request_id: [
+            (c.token_ids, c.logprobs, c.version_changes, c.observations) for c in o.completions
+        ]
+        for o in outputs
+    }
+
+
+def test_lockstep_tp_ranks_append_rank_0s_observations_in_the_same_step(members):
+    """Multi-turn conversations on a TP-2 engine: only rank 0 runs the continuations (answers
+    coming back at different times); rank 1 appends the same observations in the same steps,
+    so both produce the same tokens, log-probs, observations and versions, with a weight update
+    landing mid-conversation."""
+    reports = members.run(_lockstep_multiturn_body, 2, free_port())
+    leader, follower = reports[0], reports[1]
+    assert sorted(leader) == sorted(follower) == ["r0", "r1", "r2"]
+    observed = 0
+    for rid, completions in leader.items():
+        for (tokens, logprobs, versions, observations), theirs in zip(
+            completions, follower[rid], strict=True
+        ):
+            assert (tokens, versions, observations) == (theirs[0], theirs[2], theirs[3])
+            torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(theirs[1]))
+            for start, end in observations:
+                assert tokens[start + 1 : end] == [11, 12]
+                assert all(p == 0.0 for p in logprobs[start:end])
+            observed += len(observations)
+    assert observed >= 2
+
+
 def _nccl_body(member, port):
     """Member 0 (cuda:0) pushes a bf16 model-like state to member 1 (cuda:1) over NCCL, sliced
     for a TP-2 receiver's first rank (rows 0..half of the weight); member 1 checks the slice."""

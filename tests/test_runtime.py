@@ -406,11 +406,28 @@ def test_a_preemption_signal_checkpoints_the_job_which_goes_on(tmp_path, grpo_jo
     assert (run_dir / "checkpoints" / "controller" / f"step_{step}.json").exists()
 
 
-@pytest.mark.slow  # (~23 s on 2 cores: the default run stays near 15 min)
-def test_tensor_parallel_rollout_replica_runs_the_job(tmp_path, grpo_job_config):
+MULTI_TURN = {
+    "policy": {"model_max_length": 160},
+    "rollout": {
+        "max_response_length": 64,
+        "multi_turn_config": {"enable": True, "environment": "arithmetic"},
+    },
+}
+"""Multi-turn conversations (the arithmetic environment) with room for a second turn."""
+
+
+@pytest.mark.slow  # (~23 s on 2 cores, ~35 s multi-turn: the default run stays near 15 min)
+@pytest.mark.parametrize("turns", [False, True], ids=["single-turn", "multi-turn"])
+def test_tensor_parallel_rollout_replica_runs_the_job(tmp_path, grpo_job_config, turns):
     """A rollout replica of 2 ranks (`rollout.parallelism.tp_size = 2`, the lock-step engine):
-    both ranks take every weight push; the job trains every prompt once."""
+    both ranks take every weight push; the job trains every prompt once; also with multi-turn
+    conversations, whose observations rank 0 sends the other rank with each step."""
     tp2 = {"rollout": {"parallelism": {"tp_size": 2}}}
+    if turns:
+        tp2 = {
+            "policy": MULTI_TURN["policy"],
+            "rollout": {**MULTI_TURN["rollout"], **tp2["rollout"]},
+        }
     run_dir = _run_job(tmp_path, _cfg(grpo_job_config, allowed=1, changes=tp2))
     _check_job(run_dir, allowed=1)
     log = (run_dir / "logs" / "rollout-0.log").read_text()

@@ -1624,12 +1624,6 @@ class Config(_Section):
                     "rollout.multi_turn_config.enable needs an RL config "
                     '(train.train_policy.type = "grpo")'
                 )
-            if self.rollout.parallelism.tp_size > 1:
-                raise ValueError(
-                    "rollout.multi_turn_config.enable is not supported yet with "
-                    "rollout.parallelism.tp_size > 1 (the ranks of a tensor-parallel rollout "
-                    "replay one engine's steps, and a conversation's turns are not replayed)"
-                )
         pp = self.policy.parallelism
         if pp.pp_size > 1:
             batch, micro = self.train.train_batch_per_replica, pp.pp_micro_batch_size

@@ -12,6 +12,11 @@ Sampling needs no broadcast: the logits are identical on every rank (whole LM he
 all-reduced residual stream) and the generators start from the same seed and draw the same
 numbers, so every rank samples the same tokens; only rank 0's outputs are reported.
 
+Multi-turn requests (`GenerationRequest.continuation`): only rank 0 runs the continuations. The
+other ranks get each request with a stand-in continuation that never answers, so their samples
+park where rank 0's do; before a step, rank 0 sends the observations that came back since the
+last one (which slots, which tokens), and every rank appends them in that step.
+
 Cost: one small object broadcast per token step (requests are pickled once, when they join).
 While rank 0 has nothing to generate it sends an "idle" record every `IDLE_S` seconds, so the
 other ranks, blocked in their broadcast, never reach the group's timeout in a long wait for
@@ -20,8 +25,10 @@ prompts or weights.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed as dist
@@ -51,6 +58,8 @@ class LockstepEngine(TorchEngine):
         super().__init__(model, tensor_parallel=tensor_parallel, **kwargs)
         self.tp = tensor_parallel
         self._records: list[_Op] = []
+        self._answers: list[tuple[int, list[int] | None]] = []
+        """The observations the next step appends (rank 0's, taken before it records them)."""
 
     @property
     def leader(self) -> bool:
@@ -65,7 +74,10 @@ class LockstepEngine(TorchEngine):
     # ------------------------------------------------------------------ rank 0: record and send
     def _add_request(self, request: GenerationRequest) -> None:
         if self.leader:
-            self._records.append(("add", request))
+            followed = request
+            if request.continuation is not None:  # (it runs here only)
+                followed = dataclasses.replace(request, continuation=_never_answers)
+            self._records.append(("add", followed))
         super()._add_request(request)
 
     def _abort(self, request_id: str) -> list[RequestOutput]:
@@ -83,8 +95,18 @@ class LockstepEngine(TorchEngine):
 
     def _step(self) -> list[RequestOutput]:
         if self.leader:
+            self._answers = super()._answered()
+            if self._answers:
+                self._records.append(("answers", self._answers))
             self._flush("step")
         return super()._step()
+
+    def _answered(self) -> list[tuple[int, list[int] | None]]:
+        """The observations rank 0 took before this step (every rank appends the same)."""
+        answers, self._answers = self._answers, []
+        for slot, _ in answers:
+            self._parked.pop(slot, None)  # (a stand-in on the other ranks)
+        return answers
 
     def update_weights_with(self, write: Callable[[], int | None], *, note: Any = None) -> None:
         """Rank 0: tell the other ranks to run their receive at this same boundary (handing it
@@ -117,6 +139,8 @@ class LockstepEngine(TorchEngine):
             for op, arg in records:
                 if op == "add":
                     super()._add_request(arg)
+                elif op == "answers":
+                    self._answers = arg
                 else:
                     outputs.extend(super()._abort(arg))
             if kind == "stop":
@@ -125,3 +149,9 @@ class LockstepEngine(TorchEngine):
                 super().update_weights_with(functools.partial(receive, note))
             elif kind == "step":
                 outputs.extend(super()._step())
+
+
+def _never_answers(index: int, tokens: list[int]) -> Future[list[int] | None]:
+    """The continuation of a multi-turn request on the ranks that follow rank 0: its answer
+    comes from rank 0's step records."""
+    return Future()

@@ -1454,8 +1454,9 @@ class TorchEngine(Engine):
     def _step(self) -> list[RequestOutput]:
         with torch.inference_mode():
             outputs = []
-            if self._parked:
-                outputs += self._resume()
+            answered = self._answered()
+            if answered:
+                outputs += self._resume(answered)
             if self._active_host.any():
                 outputs += self._decode()
             if self._chunking:  # (one chunk per step; admissions wait for the last)
@@ -1628,17 +1629,23 @@ class TorchEngine(Engine):
             self._groups = None
         return keep_slots, keep_reasons
 
-    def _resume(self) -> list[RequestOutput]:
-        """Samples whose continuation answered: append the observation and decode on, or finish
-        ("length" when the observation and one more token do not fit)."""
+    def _answered(self) -> list[tuple[int, list[int] | None]]:
+        """The parked samples whose continuation has answered, taken out of the parked ones,
+        with their answers (waiting a moment for one when nothing else can run)."""
+        if not self._parked:
+            return []
         ready = [slot for slot, future in self._parked.items() if future.done()]
         if not ready and not self._active_host.any() and not (self._waiting and self._free):
             wait(list(self._parked.values()), timeout=0.005, return_when=FIRST_COMPLETED)
             ready = [slot for slot, future in self._parked.items() if future.done()]
+        return [(slot, self._parked.pop(slot).result()) for slot in ready]
+
+    def _resume(self, answered: list[tuple[int, list[int] | None]]) -> list[RequestOutput]:
+        """Samples whose continuation answered (slot, observation): append the observation and
+        decode on, or finish ("length" when the observation and one more token do not fit)."""
         finished: list[int] = []
         reasons: list[FinishReason] = []
-        for slot in ready:
-            observation = self._parked.pop(slot).result()
+        for slot, observation in answered:
             seq = self._seqs[slot]
             assert seq is not None
             num = self._num_tokens(slot)
