@@ -1618,12 +1618,11 @@ class Config(_Section):
                 raise ValueError(
                     'train.train_policy.collect_rollout_logprobs must be true for variant = "aipo"'
                 )
-        if self.rollout.multi_turn_config.enable:
-            if not isinstance(policy, GrpoConfig):
-                raise ValueError(
-                    "rollout.multi_turn_config.enable needs an RL config "
-                    '(train.train_policy.type = "grpo")'
-                )
+        if self.rollout.multi_turn_config.enable and not isinstance(policy, GrpoConfig):
+            raise ValueError(
+                "rollout.multi_turn_config.enable needs an RL config "
+                '(train.train_policy.type = "grpo")'
+            )
         pp = self.policy.parallelism
         if pp.pp_size > 1:
             batch, micro = self.train.train_batch_per_replica, pp.pp_micro_batch_size
