@@ -142,6 +142,9 @@ CASES = {  # case: (world size, [policy.parallelism], [train.train_policy], data
     "pp_interleaved": (2, {**PP, **INTERLEAVED}, {}, 1),
     # the data-parallel ranks of a stage pad their passes to one shape
     "pp_x_fsdp": (4, {"pp_size": 2, "dp_shard_size": 2, "pp_schedule": "1F1B"}, {}, 2),
+    # each sequence's tokens split over 2 ranks (keys and values all-gathered on CPU)
+    "cp": (2, {"cp_size": 2, "dp_shard_size": 1}, {}, 1),
+    "fsdp_x_cp": (4, {"cp_size": 2, "dp_shard_size": 2}, {"mini_batch": 1}, 2),
 }
 
 

@@ -192,6 +192,9 @@ CASES = {
     "pp_x_tp": (4, dict(pp_size=2, tp_size=2, dp_shard_size=1)),
     "pp_interleaved_x_fsdp": (4, dict(pp_size=2, **INTERLEAVED)),
     "tp_qwen3": (2, dict(tp_size=2, dp_shard_size=1, arch="qwen3")),
+    # CPU: every attention call all-gathers the keys and values (sequence_split)
+    "cp": (2, dict(cp_size=2, dp_shard_size=1)),
+    "fsdp_x_cp": (4, dict(cp_size=2)),
 }
 
 
@@ -224,10 +227,9 @@ def test_layout_steps_like_one_process(case):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
 def test_context_parallel_steps_like_one_process():
-    """CP only runs on CUDA: its ring attention replaces the flash / memory-efficient / cuDNN
-    SDPA kernels, and CPU's SDPA kernel has no DTensor sharding rule ("Operator
-    aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
-    registered", torch 2.13)."""
+    """CP on CUDA: torch's ring attention replaces the flash / memory-efficient / cuDNN SDPA
+    kernels (on CPU, whose SDPA kernel has no DTensor sharding rule, keys and values are
+    all-gathered instead: the `cp` cases above)."""
     _check_against_reference(2, dict(cp_size=2, dp_shard_size=1, device="cuda"))
 
 
@@ -274,8 +276,13 @@ def test_sizes_must_fit_the_model(world_size, sizes, overrides, message):
         _dims(world_size, **sizes).check_model(config)
 
 
-def test_context_parallel_needs_sdpa():
+def test_context_parallel_needs_sdpa_and_full_attention():
     config = load_model("tiny:qwen2").config
+    _dims(2, cp_size=2).check_model(config)
     config._attn_implementation = "eager"
     with pytest.raises(ValueError, match=r"policy\.parallelism\.cp_size > 1 needs SDPA"):
         _dims(2, cp_size=2).check_model(config)
+    windowed = AutoConfig.for_model("mistral", sliding_window=64)
+    windowed._attn_implementation = "sdpa"
+    with pytest.raises(ValueError, match=r"cp_size > 1 .* sliding-window attention layers"):
+        _dims(2, cp_size=2).check_model(windowed)

@@ -467,6 +467,16 @@ def test_policy_replicas_of_two_ranks_run_the_job(tmp_path, grpo_job_config):
     assert sum("exported" in log for log in logs) == 1
 
 
+@pytest.mark.slow  # (~30 s on 2 cores)
+def test_a_context_parallel_policy_replica_runs_the_job(tmp_path, grpo_job_config):
+    """A policy replica of two context-parallel ranks (`cp_size = 2`: each sequence's tokens
+    split between them, keys and values all-gathered on CPU): the job trains every prompt once
+    on the global batch."""
+    layout = {"policy": {"parallelism": {"cp_size": 2, "dp_shard_size": 1}}}
+    run_dir = _run_job(tmp_path, _cfg(grpo_job_config, allowed=1, changes=layout))
+    _check_job(run_dir, allowed=1)
+
+
 @pytest.mark.slow  # (~17 s; the placement rules are fast tests in test_launch.py)
 def test_colocated_separated_job_runs_end_to_end(tmp_path, grpo_job_config):
     """`mode = "colocated_separated"` (on GPUs the rollout replica shares the policy replica's;

@@ -787,9 +787,9 @@ class ParallelismConfig(_Section):
     tp_size: int = Field(default=1, ge=1)
     """Tensor parallel (with sequence parallel)."""
     cp_size: int = Field(default=1, ge=1)
-    """Context parallel: ranks that split each sample (a language model: CUDA only, torch's; a
-    flow model, the built-in DiT or a diffusers Cosmos / Wan transformer: by whole frames, its
-    own, any device)."""
+    """Context parallel: ranks that split each sample (a language model: torch's ring attention
+    on CUDA, all-gathered keys and values elsewhere; a flow model, the built-in DiT or a
+    diffusers Cosmos / Wan transformer: by whole frames, any device)."""
     ep_size: int = Field(
         default=1,
         json_schema_extra=refused("expert parallelism (MoE) is not supported yet"),

@@ -514,7 +514,6 @@ def check_job(cfg: Config) -> None:
     preset, a rollout backend that cannot run here, and policy parallel sizes that cannot run
     (pipeline micro-batches, CP without CUDA). A Hub model is fetched into the Hugging Face
     cache here, once, so that the replicas find it there."""
-    import torch
 
     from nebula_rl.models import load_model_config, load_tokenizer
     from nebula_rl.policy.parallelize import ParallelDims
@@ -548,11 +547,6 @@ def check_job(cfg: Config) -> None:
     # (tp_size must divide the heads, pp_size not exceed the layers; models load with SDPA)
     config._attn_implementation = config._attn_implementation or "sdpa"
     dims.check_model(config)
-    if dims.cp > 1 and not torch.cuda.is_available():
-        raise ValueError(
-            "policy.parallelism.cp_size > 1 needs CUDA devices (torch's context parallel has no "
-            "CPU attention kernel) and this machine has none"
-        )
 
 
 def _request_checkpoint(address: str, token: str) -> None:

@@ -7,7 +7,7 @@ the keys and values of every share, so a share's queries attend to all tokens (L
 context parallelism), and the output's shares are gathered back: every rank returns the whole
 velocity and computes the same loss.
 
-Gathers are differentiable (:func:`gather_shares`): the backward sums the gradient over the
+Gathers are differentiable (`sequence_split.gather_shares`): the backward sums the gradient over the
 group and keeps the rank's share. A rank's parameter gradients then come from its own tokens,
 scaled by the group size; FSDP2, whose shard axis the group's ranks join, averages them into the
 gradient of one process.
@@ -17,7 +17,7 @@ from outside by :func:`split_diffusers_transformer`, with forward hooks on its o
 patch embedding's output keeps this rank's frames, the positional embeddings (rotary, learned)
 and a per-token timestep (Wan 2.2 TI2V's) this rank's tokens, the output projection gathers
 every rank's, and each block's
-self-attention module runs under :class:`_GatherKeysValues`, a torch-function mode that hands
+self-attention module runs under `sequence_split.GatheredAttention`, a torch-function mode that hands
 its one `scaled_dot_product_attention` call every share's keys and values. The rotary tables
 stay whole per position, so a split model computes what the whole one does. (diffusers' own
 `enable_parallelism` is not used: Cosmos-Predict2.5's attention processors do not take its
@@ -29,48 +29,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
-__all__ = ["CP_CLASSES", "gather_shares", "split_diffusers_transformer", "token_share"]
+from nebula_rl.sequence_split import GatheredAttention, gather_shares, token_share
+
+__all__ = ["CP_CLASSES", "split_diffusers_transformer"]
 
 KEY = "policy.parallelism.cp_size"
-
-
-class _GatherShares(torch.autograd.Function):
-    """All-gather the shares of a group along `dim`; the backward sums the gradient over the
-    group and returns this rank's share."""
-
-    @staticmethod
-    def forward(ctx: Any, share: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:  # type: ignore[override]
-        size = dist.get_world_size(group)
-        ctx.group, ctx.rank, ctx.size, ctx.dim = group, dist.get_rank(group), size, dim
-        parts = [torch.empty_like(share) for _ in range(size)]
-        dist.all_gather(parts, share.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(ctx.size, dim=ctx.dim)[ctx.rank], None, None
-
-
-def gather_shares(share: Tensor, group: dist.ProcessGroup | None, dim: int = 1) -> Tensor:
-    """The shares of every rank of `group` side by side along `dim` (`share` itself without a
-    group); differentiable (see the module docstring)."""
-    return share if group is None else _GatherShares.apply(share, group, dim)
-
-
-def token_share(tokens: int, group: dist.ProcessGroup) -> slice:
-    """The contiguous slice of `tokens` this rank of `group` runs."""
-    size = dist.get_world_size(group)
-    share = tokens // size
-    start = dist.get_rank(group) * share
-    return slice(start, start + share)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,39 +78,6 @@ _PLANS = {
 
 CP_CLASSES = tuple(_PLANS)
 """The diffusers transformer classes context parallelism splits (SD3 makes images: one frame)."""
-
-
-class _GatherKeysValues(TorchFunctionMode):
-    """Inside a self-attention module: its `scaled_dot_product_attention` call gets the keys
-    and values of every share of the group (queries stay this rank's)."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.group = group
-        self.calls = 0
-
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = dict(kwargs or {})
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        names = ("query", "key", "value")
-        given = dict(zip(names, args[:3], strict=False)) | {
-            n: kwargs.pop(n) for n in names if n in kwargs
-        }
-        if kwargs.get("attn_mask") is not None or kwargs.get("is_causal") or len(args) > 3:
-            raise ValueError(
-                f"{KEY}: a self-attention with a mask or causal order cannot be split by frames"
-            )
-        self.calls += 1
-        key = gather_shares(given["key"], self.group, dim=-2)  # [B, H, N, D]
-        value = gather_shares(given["value"], self.group, dim=-2)
-        return func(given["query"], key, value, **kwargs)
 
 
 def split_diffusers_transformer(transformer: nn.Module, group: dist.ProcessGroup) -> None:
@@ -216,13 +149,13 @@ def _narrow(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
 
 
 def _gather_keys_values(attention: nn.Module, group: dist.ProcessGroup) -> None:
-    """Run `attention` (a self-attention module) under :class:`_GatherKeysValues`, checking
+    """Run `attention` (a self-attention module) under `GatheredAttention`, checking
     that its one attention call went through it (an attention backend other than diffusers'
     native one would skip `scaled_dot_product_attention` and attend to this share alone)."""
-    modes: list[_GatherKeysValues] = []
+    modes: list[GatheredAttention] = []
 
     def enter(module: nn.Module, args: Any) -> None:
-        mode = _GatherKeysValues(group)
+        mode = GatheredAttention(group)
         mode.__enter__()
         modes.append(mode)
 

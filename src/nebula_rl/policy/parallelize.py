@@ -6,7 +6,8 @@ the model and is the one place that builds the DeviceMesh, with axes
 parallelism in torchtitan's order (see its comments) and returns a :class:`ParallelModel`, whose
 `run` / `forward_backward` runs one batch the way the parallelism needs: a plain forward (and
 backward), a pipeline schedule (PP: GPipe, 1F1B, or Interleaved1F1B with several stages per
-rank), or inside `context_parallel` (CP).
+rank), or with each sequence split over the CP ranks (torch's `context_parallel` on CUDA,
+`sequence_split.GatheredAttention` elsewhere).
 
 Loss convention (STYLE rule 3): `loss_fn` returns its tokens' *share of the global loss*: a sum
 over the tokens it sees divided by a global count that the caller passes in. Shares then add up
@@ -15,7 +16,7 @@ and over pipeline micro-batches, and the result does not depend on how the batch
 
 Simplifications: pipeline stages hold whole decoder layers, in equal numbers; under PP and CP
 batches are unpadded or right-padded (the causal mask alone is exact there, so no attention mask
-is taken); CP needs SDPA attention and CUDA, and cannot be combined with PP; the TP plan covers
+is taken); CP needs SDPA attention and cannot be combined with PP; the TP plan covers
 the Llama, Qwen2 and Qwen3 families and the language models of Qwen2.5-VL and Qwen3-VL (whose vision
 tower FSDP2 shards over the TP ranks instead: `shard_vision_over_tp`); PP and CP of a
 vision-language model are refused.
@@ -47,6 +48,7 @@ from transformers import PretrainedConfig
 
 from nebula_rl.config import ParallelismConfig
 from nebula_rl.models import media_token_ids
+from nebula_rl.sequence_split import GatheredAttention
 
 __all__ = [
     "MESH_AXES",
@@ -164,8 +166,13 @@ class ParallelDims:
             raise ValueError(f"{KEY}: cp_size > 1 together with pp_size > 1 is not supported")
         if self.cp > 1 and config._attn_implementation != "sdpa":
             raise ValueError(
-                f"{KEY}.cp_size > 1 needs SDPA attention (ring attention replaces it); "
-                f"the model uses {config._attn_implementation!r}"
+                f"{KEY}.cp_size > 1 needs SDPA attention (context parallelism replaces its "
+                f"calls); the model uses {config._attn_implementation!r}"
+            )
+        if self.cp > 1 and _windowed_attention(config):
+            raise ValueError(
+                f"{KEY}.cp_size > 1 splits sequences under a plain causal mask; this model's "
+                "sliding-window attention layers are not supported with it"
             )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
@@ -799,6 +806,17 @@ def _with_blank_media(
     return ids, {**given, "mm_token_type_ids": types}
 
 
+def _windowed_attention(config: PretrainedConfig) -> bool:
+    """Whether some attention layer of `config`'s model attends over a sliding window."""
+    text = config.get_text_config()
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        return any(kind != "full_attention" for kind in layer_types)
+    if hasattr(text, "use_sliding_window"):
+        return bool(text.use_sliding_window)
+    return getattr(text, "sliding_window", None) is not None
+
+
 def _pad_rows_columns(tensor: Tensor, rows: int, columns: int) -> Tensor:
     """`tensor` [b, l, ...] right-padded with zeros to [rows, columns, ...]."""
     if tensor.shape[0] == rows and tensor.shape[1] == columns:
@@ -1028,8 +1046,6 @@ class ParallelModel:
     def _context_parallel_run(
         self, input_ids: Tensor, labels: Tensor, loss_fn: LossFn, *, backward: bool
     ) -> Tensor:
-        from torch.distributed.tensor.experimental import context_parallel
-
         # Each rank takes one chunk of the sequence from each end (for balance): pad the
         # columns (right padding is exact under the causal mask) to a multiple of 2 * cp_size.
         multiple = 2 * self.dims.cp
@@ -1038,6 +1054,12 @@ class ParallelModel:
         input_ids = _pad_rows_columns(input_ids, input_ids.shape[0], length).clone()
         labels = _pad_rows_columns(labels, labels.shape[0], length).clone()
         position_ids = torch.arange(length, device=input_ids.device).repeat(input_ids.shape[0], 1)
+        if self.mesh.device_type != "cuda":
+            return self._gathered_context_parallel_run(
+                input_ids, labels, position_ids, loss_fn, backward=backward
+            )
+        from torch.distributed.tensor.experimental import context_parallel
+
         buffers = [input_ids, labels, position_ids]
         with context_parallel(
             self.mesh["cp"],
@@ -1052,6 +1074,40 @@ class ParallelModel:
             loss = loss_fn(logits, labels)
             if backward:
                 loss.backward()
+        return loss
+
+    def _gathered_context_parallel_run(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        position_ids: Tensor,
+        loss_fn: LossFn,
+        *,
+        backward: bool,
+    ) -> Tensor:
+        """CP without CUDA's ring attention (torch's CPU SDPA kernel has no sharding rule): this
+        rank takes the same columns torch's load balancer gives it (chunk r and chunk
+        2 cp - 1 - r of 2 cp), and every attention call all-gathers the keys and values of the
+        group's ranks and masks them by the tokens' positions (`sequence_split`)."""
+        cp_mesh = self.mesh["cp"]
+        cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+        chunk = input_ids.shape[1] // (2 * cp)
+        device = input_ids.device
+
+        def columns(r: int) -> Tensor:
+            head = torch.arange(r * chunk, (r + 1) * chunk, device=device)
+            return torch.cat([head, head + (2 * cp - 1 - 2 * r) * chunk])
+
+        mine = columns(rank)
+        gathered = torch.cat([columns(r) for r in range(cp)])  # (the keys' order)
+        mask = gathered[None, :] <= mine[:, None]
+        with GatheredAttention(cp_mesh.get_group(), mask), self._autocast(device.type):
+            logits = self.module(
+                input_ids=input_ids[:, mine], position_ids=position_ids[:, mine], use_cache=False
+            ).logits
+        loss = loss_fn(logits, labels[:, mine])
+        if backward:
+            loss.backward()
         return loss
 
     def gather_loss_metrics(self, values: dict[str, float]) -> dict[str, float]:
@@ -1169,12 +1225,6 @@ def parallelize_model(
     if offload and not dims.fsdp_enabled:
         raise ValueError(
             "train.fsdp_offload needs sharded parameters (policy.parallelism.dp_shard_size > 1)"
-        )
-    if dims.cp > 1 and mesh.device_type != "cuda":
-        raise ValueError(
-            f"{KEY}.cp_size > 1 needs CUDA devices: context parallel replaces the flash / "
-            "memory-efficient SDPA kernels by ring attention, and torch's CPU SDPA kernel has "
-            f"no sharding rule (this mesh is on {mesh.device_type!r})"
         )
     dims.check_model(_config(model))
     config = _config(model).get_text_config()  # (a vision-language model's language model)
