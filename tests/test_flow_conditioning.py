@@ -203,17 +203,24 @@ def test_a_wan_ti2v_transformer_takes_given_frames_as_tokens_at_timestep_zero(tm
         check_flow_model(config_from_dict(raw(str(folder))))
 
 
-def test_sft_gives_conditioning_frames_clean_and_trains_on_the_others(tmp_path):
-    """Flow-matching SFT with `conditional_frames = (0, 1)`: each clip draws its given frames;
-    the model gets them clean and is told which they are (the mask passed even when a batch
-    has none given); the loss is the flow-matching loss over the other frames, computed here
-    by hand from what the model was given."""
+def _conditioned_dit(tmp_path) -> tuple[list, TinyDiTConfig, TinyDiT]:
+    """The toy clips (2 frames of 8 x 8) and a small DiT taking conditioning frames, its output
+    layer randomised (a fresh DiT predicts zero)."""
     clips = read_local_dataset(make_toy_dataset(tmp_path, clips_per_prompt=1, size=8), num_frames=2)
     config = TinyDiTConfig(frames=2, size=8, patch=4, width=32, depth=1, heads=2, conditioning=True)
     torch.manual_seed(0)
     model = TinyDiT(config)
     with torch.no_grad():
         model.out.weight.normal_(std=0.05)
+    return clips, config, model
+
+
+def test_sft_gives_conditioning_frames_clean_and_trains_on_the_others(tmp_path):
+    """Flow-matching SFT with `conditional_frames = (0, 1)`: each clip draws its given frames;
+    the model gets them clean and is told which they are (the mask passed even when a batch
+    has none given); the loss is the flow-matching loss over the other frames, computed here
+    by hand from what the model was given."""
+    clips, _, model = _conditioned_dit(tmp_path)
     calls: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
     model.register_forward_hook(lambda module, args, out: calls.append((args, out.detach())))
     batch = clips[:8]
@@ -270,12 +277,7 @@ def test_a_conditioned_rollout_trains_and_its_file_keeps_the_given_frames(tmp_pa
     """Groups draw their given frames (0 or 1 of 2 here, the same within a group); a sampled
     trajectory's given frames are the clip's own, the trajectory file keeps which were given,
     and each algorithm trains on it with finite losses and moved weights."""
-    clips = read_local_dataset(make_toy_dataset(tmp_path, clips_per_prompt=1, size=8), num_frames=2)
-    config = TinyDiTConfig(frames=2, size=8, patch=4, width=32, depth=1, heads=2, conditioning=True)
-    torch.manual_seed(0)
-    model = TinyDiT(config)
-    with torch.no_grad():
-        model.out.weight.normal_(std=0.05)
+    clips, config, model = _conditioned_dit(tmp_path)
     s = FlowRLSettings(
         algorithm=algorithm, group_size=4, sample_steps=4, num_minibatches=2,
         data_beta=0.5 if algorithm == "ddrl" else 0.0, conditional_frames=(0, 1),
