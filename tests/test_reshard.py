@@ -633,20 +633,30 @@ def _nudge(engine: TorchEngine):
     return write
 
 
-def _lockstep_body(member, port):
+def _lockstep_outputs(
+    member, port, *, sampling, update_after, max_num_seqs=4, max_model_len=40, continuation=None
+):
+    """Rank 0 of a TP-2 lock-step engine generates PROMPTS (2 samples each, with
+    `continuation` for multi-turn) under its background loop and takes a weight update after
+    `update_after` steps; rank 1 only follows. Each rank's completions by request: (tokens,
+    log-probs, version changes, observations)."""
     from nebula_rl.rollout.lockstep import LockstepEngine
 
     _world(member, 2, port)
-    engine = LockstepEngine(load_model("tiny:qwen2", seed=99), max_num_seqs=4, max_model_len=40,
-                            tensor_parallel=TensorParallel.of(), seed=3)  # fmt: skip
+    engine = LockstepEngine(load_model("tiny:qwen2", seed=99), max_num_seqs=max_num_seqs,
+                            max_model_len=max_model_len, tensor_parallel=TensorParallel.of(),
+                            seed=3)  # fmt: skip
     if member == 0:
-        sampled = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
         engine.start()
         futures = [
-            engine.submit(GenerationRequest(p, n=2, sampling=sampled, request_id=f"r{i}"))
+            engine.submit(
+                GenerationRequest(
+                    p, n=2, sampling=sampling, request_id=f"r{i}", continuation=continuation
+                )
+            )
             for i, p in enumerate(PROMPTS)
         ]
-        while engine._step_count < 5:  # the update lands mid-generation
+        while engine._step_count < update_after:  # the update lands mid-generation
             time.sleep(0.005)
         engine.update_weights_with(_nudge(engine))
         outputs = [f.result(timeout=60) for f in futures]
@@ -657,9 +667,16 @@ def _lockstep_body(member, port):
     dist.barrier()
     dist.destroy_process_group()
     return {
-        o.request_id: [(c.token_ids, c.logprobs, c.version_changes) for c in o.completions]
+        o.request_id: [
+            (c.token_ids, c.logprobs, c.version_changes, c.observations) for c in o.completions
+        ]
         for o in outputs
     }
+
+
+def _lockstep_body(member, port):
+    sampling = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    return _lockstep_outputs(member, port, sampling=sampling, update_after=5)
 
 
 def test_lockstep_tp_ranks_sample_alike_and_update_at_the_same_token(members):
@@ -670,7 +687,7 @@ def test_lockstep_tp_ranks_sample_alike_and_update_at_the_same_token(members):
     assert sorted(leader) == sorted(follower) == ["r0", "r1", "r2"]
     changed = 0
     for rid, completions in leader.items():
-        for (tokens, logprobs, versions), (f_tokens, f_logprobs, f_versions) in zip(
+        for (tokens, logprobs, versions, _), (f_tokens, f_logprobs, f_versions, _) in zip(
             completions, follower[rid], strict=True
         ):
             assert tokens == f_tokens and versions == f_versions
@@ -695,44 +712,16 @@ STOPS = tuple(range(3, 200, 9))
 def _lockstep_multiturn_body(member, port):
     from concurrent.futures import ThreadPoolExecutor
 
-    from nebula_rl.rollout.lockstep import LockstepEngine
-
-    _world(member, 2, port)
-    engine = LockstepEngine(load_model("tiny:qwen2", seed=99), max_num_seqs=6, max_model_len=64,
-                            tensor_parallel=TensorParallel.of(), seed=3)  # fmt: skip
-    if member == 0:
-        pool = ThreadPoolExecutor(2)
-        sampled = SamplingParams(temperature=1.0, max_tokens=40, stop_token_ids=STOPS)
-        engine.start()
+    with ThreadPoolExecutor(2) as pool:
 
         def continuation(index: int, tokens: list[int]):
             return pool.submit(_observation, index, tokens)
 
-        futures = [
-            engine.submit(
-                GenerationRequest(
-                    p, n=2, sampling=sampled, request_id=f"r{i}", continuation=continuation
-                )
-            )
-            for i, p in enumerate(PROMPTS)
-        ]
-        while engine._step_count < 6:  # the update lands mid-conversation
-            time.sleep(0.005)
-        engine.update_weights_with(_nudge(engine))
-        outputs = [f.result(timeout=60) for f in futures]
-        engine.stop_followers()
-        engine.shutdown()
-        pool.shutdown()
-    else:
-        outputs = engine.follow(lambda note: _nudge(engine)())
-    dist.barrier()
-    dist.destroy_process_group()
-    return {
-        o.request_id: [
-            (c.token_ids, c.logprobs, c.version_changes, c.observations) for c in o.completions
-        ]
-        for o in outputs
-    }
+        sampling = SamplingParams(temperature=1.0, max_tokens=40, stop_token_ids=STOPS)
+        return _lockstep_outputs(
+            member, port, sampling=sampling, update_after=6,  # (mid-conversation)
+            max_num_seqs=6, max_model_len=64, continuation=continuation,
+        )  # fmt: skip
 
 
 def test_lockstep_tp_ranks_append_rank_0s_observations_in_the_same_step(members):
