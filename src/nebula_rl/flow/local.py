@@ -187,7 +187,8 @@ def pretrain(
         ).to(device)
         s = sigma.view(-1, *[1] * (x0.dim() - 1))
         noised = (1 - s) * x0 + s * noise
-        given, free = _sft_given(x0, conditional_frames, generator)
+        given = _given_frames(x0.shape[2], len(chosen), conditional_frames, generator, device)
+        free = context_frames(given)
         extra: tuple[Tensor, ...] = ()
         if given is not None:  # (passed even when none is: every FSDP2 rank runs the same)
             noised = keep_given(noised, x0, free)
@@ -274,24 +275,30 @@ def _nft_noise(batch: FlowBatch, part: Tensor, step: int, generator: torch.Gener
     )
 
 
-def _sft_given(
-    x0: Tensor, conditional_frames: tuple[int, int], generator: torch.Generator
-) -> tuple[Tensor | None, Tensor | None]:
-    """The given frames [B, T] (bool) of SFT samples `x0` [B, C, T, H, W], their count drawn per
-    sample between `conditional_frames`, and their `free` weights; (None, None) without
-    conditioning."""
+def _given_frames(
+    frames: int,
+    draws: int,
+    conditional_frames: tuple[int, int],
+    generator: torch.Generator,
+    device: torch.device,
+    *,
+    repeat: int = 1,
+) -> Tensor | None:
+    """Which of `frames` frames are given, [draws x repeat, frames] (bool): the first k, k drawn
+    `draws` times uniformly between `conditional_frames` (fewest, most), each draw for `repeat`
+    samples in a row (a group's); None without conditioning."""
     lowest, most = conditional_frames
-    if most <= 0:
-        return None, None
-    frames = x0.shape[2]
     if most >= frames:
         raise ValueError(
             f"policy.diffusers.max_num_conditional_frames ({most}) must be below the frames of "
-            f"the model's samples ({frames}): at least one frame is trained"
+            f"the model's samples ({frames}): at least one frame is generated"
         )
-    counts = torch.randint(lowest, most + 1, (x0.shape[0],), generator=generator)
-    given = (torch.arange(frames)[None] < counts[:, None]).to(x0.device)
-    return given, context_frames(given)
+    if most <= 0:
+        return None
+    counts = torch.randint(
+        lowest, most + 1, (draws,), generator=generator, device=generator.device
+    ).cpu().repeat_interleave(repeat)  # fmt: skip
+    return (torch.arange(frames)[None] < counts[:, None]).to(device)
 
 
 def roll_out(
@@ -305,20 +312,11 @@ def roll_out(
     x0, text, mask = (t.to(device) for t in clip_batch(real))
     shape = (len(real), *sample_shape(model, x0.shape[1:]))
     noise = torch.randn(shape, generator=generator, device=generator.device).to(device)
-    lowest, most = s.conditional_frames
-    given, clean = None, None
-    if most >= shape[2]:
-        raise ValueError(
-            f"policy.diffusers.max_num_conditional_frames ({most}) must be below the frames of "
-            f"the model's samples ({shape[2]}): at least one frame is generated"
-        )
-    if most > 0:
-        counts = torch.randint(
-            lowest, most + 1, (len(real) // s.group_size,), generator=generator,
-            device=generator.device,
-        ).cpu().repeat_interleave(s.group_size)  # fmt: skip
-        given = (torch.arange(shape[2])[None] < counts[:, None]).to(device)
-        clean = pixels_to_samples(model, x0)
+    groups = len(real) // s.group_size
+    given = _given_frames(
+        shape[2], groups, s.conditional_frames, generator, device, repeat=s.group_size
+    )
+    clean = None if given is None else pixels_to_samples(model, x0)
     training = model.training
     model.eval()
     with torch.no_grad():
