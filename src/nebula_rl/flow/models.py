@@ -169,14 +169,15 @@ def check_flow_model(cfg: Config) -> None:
     folder = Path(name) if name in FLOW_PRESETS else _folder(cfg)
     if name not in FLOW_PRESETS and (kind := diffusers_class_of(folder)) is not None:
         found = check_diffusers_folder(name, folder)
-        _check_latent(cfg, found.vae_class, found.vae_config() if found.vae else None)
+        found_vae_config = found.vae_config() if found.vae else None
+        _check_latent(cfg, found.vae_class, found_vae_config)
         config = json.loads((kind[1] / "config.json").read_text())
         patch = config.get("patch_size") or 1
         _check_diffusers_cp(
             cfg,
             kind[0],
             found.vae_class,
-            found.vae_config() if found.vae else None,
+            found_vae_config,
             patch=patch[0] if isinstance(patch, list) else 1,
         )
         _check_diffusers_conditioning(
