@@ -27,11 +27,12 @@ import traceback
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from nebula_rl.config import ParallelismConfig
 from nebula_rl.models import TINY_PRESETS, load_model
-from nebula_rl.policy.parallelize import ParallelDims
+from nebula_rl.policy.parallelize import ParallelDims, shard_logits
 from nebula_rl.weights import free_port
 
 SEED = 3
@@ -231,6 +232,39 @@ def test_context_parallel_steps_like_one_process():
     kernels (on CPU, whose SDPA kernel has no DTensor sharding rule, keys and values are
     all-gathered instead: the `cp` cases above)."""
     _check_against_reference(2, dict(cp_size=2, dp_shard_size=1, device="cuda"))
+
+
+class _SdpaCalls(TorchFunctionMode):
+    """Records the mask arguments of every `scaled_dot_product_attention` call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[object, object]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.calls.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_a_cp_share_attends_causally_without_a_mask(arch):
+    """A CP rank's share of a sequence (head and tail chunks: positions that jump) reaches
+    attention as SDPA's `is_causal` with no mask, the only form torch's ring attention shards
+    (it refuses a mask), and still gives the logits of those positions."""
+    model = _model(arch).eval()
+    ids = _tokens(0)[:, :LENGTH]
+    positions = torch.arange(LENGTH).repeat(BATCH, 1)
+    share = torch.cat([torch.arange(4), torch.arange(12, 16)])  # (rank 0 of CP 2)
+    spy = _SdpaCalls()
+    with spy, torch.no_grad():
+        logits = shard_logits(model, ids[:, share], positions[:, share])
+    assert spy.calls and all(mask is None and causal for mask, causal in spy.calls)
+    with torch.no_grad():
+        whole = shard_logits(model, ids, positions)
+    # The head chunk sees only itself under causality: its logits are the whole sequence's.
+    torch.testing.assert_close(logits[:, :4], whole[:, :4])
 
 
 def _dims(world_size: int = 8, **sizes) -> ParallelDims:

@@ -817,6 +817,20 @@ def _windowed_attention(config: PretrainedConfig) -> bool:
     return getattr(text, "sliding_window", None) is not None
 
 
+def shard_logits(module: nn.Module, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+    """The logits of a CP rank's share of each sequence, under the causal mask of the tokens'
+    positions. A share's positions jump (its head chunk, then its tail chunk), which
+    transformers reads as packed sequences, masking each chunk on its own (and, on CUDA,
+    handing torch's ring attention a mask it refuses). An explicit all-ones padding mask turns
+    that detection off: attention then runs as SDPA's `is_causal` without a mask, the form the
+    ring attention shards and `sequence_split.GatheredAttention` re-masks by position."""
+    padding = torch.ones_like(input_ids)
+    out = module(
+        input_ids=input_ids, position_ids=position_ids, attention_mask=padding, use_cache=False
+    )
+    return out.logits
+
+
 def _pad_rows_columns(tensor: Tensor, rows: int, columns: int) -> Tensor:
     """`tensor` [b, l, ...] right-padded with zeros to [rows, columns, ...]."""
     if tensor.shape[0] == rows and tensor.shape[1] == columns:
@@ -1068,9 +1082,7 @@ class ParallelModel:
             no_restore_buffers=set(buffers),
         ):
             with self._autocast(input_ids.device.type):
-                logits = self.module(
-                    input_ids=input_ids, position_ids=position_ids, use_cache=False
-                ).logits
+                logits = shard_logits(self.module, input_ids, position_ids)
             loss = loss_fn(logits, labels)
             if backward:
                 loss.backward()
@@ -1102,9 +1114,7 @@ class ParallelModel:
         gathered = torch.cat([columns(r) for r in range(cp)])  # (the keys' order)
         mask = gathered[None, :] <= mine[:, None]
         with GatheredAttention(cp_mesh.get_group(), mask), self._autocast(device.type):
-            logits = self.module(
-                input_ids=input_ids[:, mine], position_ids=position_ids[:, mine], use_cache=False
-            ).logits
+            logits = shard_logits(self.module, input_ids[:, mine], position_ids[:, mine])
         loss = loss_fn(logits, labels[:, mine])
         if backward:
             loss.backward()
