@@ -2023,8 +2023,10 @@ FLOW_KEYS = (
     "train.train_policy.allowed_outdated_steps", "controller", "redis",
     # (colocated mode: the policy's ranks sample and train)
     "mode", "train.train_policy.uncentralized_training", "rollout.parallelism.dp_shard_size",
-    # (read by nothing while validation.enable is false, which a rule below requires)
-    "validation.enable", "validation.dataset", "validation.freq",
+    # (`nebula_rl.flow.validation`)
+    "validation.enable", "validation.val_before_train", "validation.freq",
+    "validation.dataset.name", "validation.dataset.kwargs", "validation.n_generation",
+    "validation.batch_size", "validation.max_num_prompts", "validation.reward_function",
     # (a world model's completions are tensors, sampled by its own sampler)
     "train.non_text", "rollout.backend",
     "train.ema_enable", "train.ema_decay", "train.ema_update_step_interval",
@@ -2034,6 +2036,18 @@ FLOW_KEYS = (
 )  # fmt: skip
 """The keys a world-model run (`policy.is_diffusers`) reads (a dotted prefix covers its
 subkeys); any other key it is given is refused, naming it."""
+
+
+_PROMPT_FILES = (
+    "cosmos-rl's prompt files (JSON, beside the clips) carry no text embeddings, and "
+    "nebula-rl runs no text encoder: name a folder in the local layout, whose t5_xxl/ holds "
+    "them, or builtin:toy_video, as dataset.name"
+)
+_FLOW_REASONS = {
+    "train.train_policy.dataset.local_dir": _PROMPT_FILES,
+    "validation.dataset.local_dir": _PROMPT_FILES,
+}
+"""Why a world-model run refuses a key it does not read, where more can be said than that."""
 
 
 def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
@@ -2052,7 +2066,7 @@ def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
         partly_read = _value(cfg, parent)[3] is not None and any(
             k.startswith(parent + ".") for k in FLOW_KEYS
         )
-        why = (
+        why = _FLOW_REASONS.get(key) or (
             refusal["refused"]
             if refusal and not partly_read
             else "does not apply to world-model runs yet"
@@ -2115,11 +2129,6 @@ def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
         out.append(
             'policy.diffusers.sample.solver = "dpm2" solves the ODE: it needs '
             "policy.diffusers.sample.deterministic_sampling = true (DiffusionNFT)"
-        )
-    if cfg.validation.enable:
-        out.append(
-            "validation.enable = true: world-model validation is not built yet (its "
-            "other [validation] keys are accepted while it is off)"
         )
     if "rollout.backend" in user_keys and cfg.rollout.backend not in (
         "vllm",  # (the default: not a choice)

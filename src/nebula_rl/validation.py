@@ -28,7 +28,8 @@ VALIDATION_KEYS = (
     "val/response_length_mean",
     "val/policy_version",
 )
-"""The metrics a validation adds to its step's record."""
+"""The metrics a language model's validation adds to its step's record (a world model's:
+`nebula_rl.flow.validation.FLOW_VALIDATION_KEYS`)."""
 
 
 def validation_due(cfg: Config, step: int, *, total_steps: int) -> bool:
@@ -42,25 +43,35 @@ def validation_due(cfg: Config, step: int, *, total_steps: int) -> bool:
 
 
 def validation_metrics(
-    rewards: Sequence[float], lengths: Sequence[int], versions: Sequence[int]
+    rewards: Sequence[float],
+    lengths: Sequence[int] | None,
+    versions: Sequence[int],
+    *,
+    distances: Sequence[float] = (),
 ) -> dict[str, float]:
     """The `val/*` metrics of a validation's completions: their rewards (mean, population std,
-    max, min), how many there were, their mean length in tokens, and the oldest policy version
-    that generated them (the validated step's, as a check). Only the count when there were none
-    (every prompt failed to generate)."""
+    max, min), how many there were, their mean length in tokens (a language model's; None for a
+    world model's samples), and the oldest policy version that generated them (the validated
+    step's, as a check); with `distances` (a world model's, one per sample), their mean as
+    `val/data_distance`. Only the count when there were no rewards (every prompt failed to
+    generate, or its rewards were lost)."""
+    out: dict[str, float] = {}
+    if distances:
+        out["val/data_distance"] = sum(distances) / len(distances)
     if not rewards:
-        return {"val/rollout_count": 0}
+        return {**out, "val/rollout_count": 0}
     count = len(rewards)
     mean = sum(rewards) / count
-    return {
+    out |= {
         "val/reward_mean": mean,
         "val/reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / count),
         "val/reward_max": max(rewards),
         "val/reward_min": min(rewards),
         "val/rollout_count": count,
-        "val/response_length_mean": sum(lengths) / count,
-        "val/policy_version": min(versions),
     }
+    if lengths is not None:
+        out["val/response_length_mean"] = sum(lengths) / count
+    return {**out, "val/policy_version": min(versions)}
 
 
 def validation_seed(cfg: Config, step: int, index: int) -> int:

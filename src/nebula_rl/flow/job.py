@@ -70,12 +70,14 @@ from nebula_rl.flow.parallel import (
 )
 from nebula_rl.flow.sampler import guided_velocity, sample
 from nebula_rl.flow.vae import sample_shape, samples_to_pixels
+from nebula_rl.flow.validation import validate_generation, validate_loss
 from nebula_rl.metrics_log import log_image_file, open_loggers
 from nebula_rl.policy.checkpoint import Checkpointer, resume_checkpoint
 from nebula_rl.policy.optim import build_optimizer, lr_lambda
 from nebula_rl.ranks import close_ranks, init_ranks, rank_env
 from nebula_rl.rewards.visual import VISUAL_REWARDS, pixels_from_samples
 from nebula_rl.runs import resolve_run_dir
+from nebula_rl.validation import validation_due
 
 __all__ = [
     "TOY_DATASET",
@@ -85,6 +87,7 @@ __all__ = [
     "flow_rows",
     "flow_scorer",
     "flow_settings",
+    "flow_validation_scorer",
     "run",
     "sample_grid",
     "save_samples",
@@ -97,24 +100,33 @@ log = logging.getLogger(__name__)
 TOY_DATASET = "builtin:toy_video"
 
 
-def flow_clips(cfg: Config, run_dir: Path, *, create: bool = True) -> list[Clip]:
-    """The clips of `cfg`'s dataset; the toy dataset is written into the run folder when
-    `create` (once per job: the job's other processes read what the first wrote)."""
-    d, ds = cfg.policy.diffusers, cfg.train.train_policy.dataset
+def flow_clips(
+    cfg: Config, run_dir: Path, *, create: bool = True, validation: bool = False
+) -> list[Clip]:
+    """The clips of `cfg`'s dataset (with `validation`, of `validation.dataset`, its first
+    `validation.max_num_prompts`); a toy dataset is written into the run folder when `create`
+    (once per job: the job's other processes read what the first wrote), the validation one
+    with another seed than the training one's (other clips of the same captions)."""
+    d = cfg.policy.diffusers
+    ds = cfg.validation.dataset if validation else cfg.train.train_policy.dataset
+    key = "validation.dataset.name" if validation else "train.train_policy.dataset.name"
     frames = d.inference_frames if d.is_video else 1
     if ds.name == TOY_DATASET:
-        kwargs = {"size": d.inference_size[0], "frames": frames, "seed": cfg.train.seed or 0}
-        root = run_dir / "dataset"
+        seed = (cfg.train.seed or 0) + (1 if validation else 0)
+        kwargs = {"size": d.inference_size[0], "frames": frames, "seed": seed}
+        root = run_dir / ("val_dataset" if validation else "dataset")
         if create:
             make_toy_dataset(root, **{**kwargs, **ds.kwargs})
     elif ds.name and Path(ds.name).is_dir():
         root = Path(ds.name)
     else:
         raise ValueError(
-            f"train.train_policy.dataset.name: {ds.name!r}: a world-model run reads a local "
-            f"folder in cosmos-rl's layout (metas/, videos/, t5_xxl/) or {TOY_DATASET}"
+            f"{key}: {ds.name!r}: a world-model run reads a local folder in cosmos-rl's layout "
+            f"(metas/, videos/, t5_xxl/) or {TOY_DATASET}"
         )
-    clips = read_local_dataset(root, num_frames=frames, key="train.train_policy.dataset.name")
+    clips = read_local_dataset(root, num_frames=frames, key=key)
+    if validation:
+        clips = clips[: cfg.validation.max_num_prompts]
     keep = d.max_prompt_length
     return [dataclasses.replace(c, text=c.text[:keep]) for c in clips]
 
@@ -139,13 +151,12 @@ def _ordered(cfg: Config, clips: list[Clip], per_step: int) -> Any:
     return batch
 
 
-def _local_rewards(p: GrpoConfig) -> RewardFn:
-    weights = _reward_dict(p.reward_function)
+def _local_rewards(weights: dict[str, float], key: str) -> RewardFn:
     unknown = sorted(set(weights) - set(VISUAL_REWARDS))
     if unknown:
         raise ValueError(
-            f"train.train_policy.reward_function: {unknown} are not rewards of images or "
-            f"videos; choose from {sorted(VISUAL_REWARDS)} (or use_remote_reward)"
+            f"{key}: {unknown} are not rewards of images or videos; choose from "
+            f"{sorted(VISUAL_REWARDS)} (or use_remote_reward)"
         )
     return visual_scorer(weights)
 
@@ -213,7 +224,16 @@ def weight_ema(
 
 def flow_scorer(p: GrpoConfig) -> RewardFn:
     """The rewards of `p`: the reward service with `use_remote_reward`, else computed here."""
-    return _remote_rewards(p) if p.use_remote_reward else _local_rewards(p)
+    if p.use_remote_reward:
+        return _remote_rewards(p)
+    return _local_rewards(_reward_dict(p.reward_function), "train.train_policy.reward_function")
+
+
+def flow_validation_scorer(cfg: Config, training: RewardFn) -> RewardFn:
+    """The rewards of validation: `validation.reward_function`'s, computed here, else the
+    training ones (`training`)."""
+    weights = _reward_dict(cfg.validation.reward_function)
+    return _local_rewards(weights, "validation.reward_function") if weights else training
 
 
 def flow_settings(cfg: Config, *, num_iterations: int, prompts: int) -> FlowRLSettings:
@@ -347,12 +367,15 @@ def run(cfg: Config) -> Path:
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     seed = cfg.train.seed or 0
     torch.manual_seed(seed)
+    validating = cfg.validation.enable
     if lead:
         clips = flow_clips(cfg, run_dir, create=True)
+        val_clips = flow_clips(cfg, run_dir, validation=True) if validating else []
     if ranks.world_size > 1:
-        dist.barrier()  # (the toy dataset is written)
+        dist.barrier()  # (the toy datasets are written)
     if not lead:
         clips = flow_clips(cfg, run_dir, create=False)
+        val_clips = flow_clips(cfg, run_dir, create=False, validation=True) if validating else []
     model = load_flow_model(cfg, seed=seed).to(device)
     if cfg.policy.model_gradient_checkpointing:
         checkpoint_blocks(model)
@@ -404,6 +427,17 @@ def run(cfg: Config) -> Path:
         steps = updates = num_train_steps(cfg, len(clips), items_per_step=batch)
     optimizer, scheduler = flow_optimizer(cfg, model, updates)
     ema = weight_ema(cfg, model, optimizer)
+    score = flow_scorer(p) if isinstance(p, GrpoConfig) else None
+    val_score = flow_validation_scorer(cfg, score) if score is not None and validating else None
+
+    def validate(step: int) -> dict[str, float]:  # (every rank: a sharded model's forwards)
+        if not validation_due(cfg, step, total_steps=steps):
+            return {}
+        with ema.applied() if ema is not None else contextlib.nullcontext():
+            if settings is None:
+                return validate_loss(model, val_clips, cfg, dp=dp)
+            assert val_score is not None
+            return validate_generation(model, val_clips, settings, cfg, val_score, step=step, dp=dp)
 
     def export(folder: Path) -> None:  # (every rank; the weights' averages with ema_enable)
         with ema.applied() if ema is not None else contextlib.nullcontext():
@@ -435,16 +469,21 @@ def run(cfg: Config) -> Path:
     metrics = metrics_path.open("a") if lead else None
     sinks = open_loggers(cfg, run_dir, total_steps=steps) if lead else None
 
+    def write(values: dict[str, float]) -> None:  # (the lead rank)
+        assert metrics is not None and sinks is not None
+        metrics.write(json.dumps(values) + "\n")
+        metrics.flush()
+        sinks.log(values)
+
     def record(values: dict[str, float]) -> None:
         step = int(values.get("iteration", values.get("step", 0)))
         values = {"step": step, **{k: v for k, v in values.items() if k != "step"}}
+        values |= validate(step)
         image = grid() if every and step % every == 0 else None
         if lead:
-            assert metrics is not None and sinks is not None
-            metrics.write(json.dumps(values) + "\n")
-            metrics.flush()
-            sinks.log(values)
+            write(values)
             if image is not None:
+                assert sinks is not None
                 log_image_file(sinks, "samples", step, save_samples(image, run_dir, step))
         if checkpointer.due(step, last=step == steps):
             states: list[Any] = [generator.get_state()]
@@ -453,10 +492,11 @@ def run(cfg: Config) -> Path:
                 dist.all_gather_object(states, generator.get_state(), group=dp.get_group())
             checkpointer.save(step, data={"generators": states})
 
+    if start == 1 and (initial := validate(0)) and lead:  # (the weights before training)
+        write({"step": 0, **initial})
     ordered = _ordered(cfg, clips, per_step)
     if settings is not None:
-        assert isinstance(p, GrpoConfig)
-        score = flow_scorer(p)
+        assert isinstance(p, GrpoConfig) and score is not None
         log.info(
             "world-model %s: %d iterations of %d prompts x %d samples, %d clips%s%s",
             p.trainer_type, steps, per_step, settings.group_size, len(clips),

@@ -69,6 +69,8 @@ __all__ = [
     "run_flow_rl",
     "sft_sigmas",
     "train_on_batch",
+    "validation_loss",
+    "validation_samples",
 ]
 
 log = logging.getLogger(__name__)
@@ -207,6 +209,79 @@ def pretrain(
         if on_step is not None:
             on_step({"step": float(step), "loss": loss.item()})
     return losses
+
+
+def _drawn(
+    model: nn.Module, real: list[Clip], seeds: Sequence[int], conditional_frames: tuple[int, int]
+) -> tuple[Tensor, Tensor, Tensor, Tensor, list[torch.Generator], Tensor | None]:
+    """`real`'s pixels, text and mask, with noise and given frames drawn per sample from its
+    own seed, so that a sample's draws do not depend on its batch: (pixels, text, mask, noise,
+    a generator per sample, given)."""
+    device = next(model.parameters()).device
+    pixels, text, mask = (t.to(device) for t in clip_batch(real))
+    shape = sample_shape(model, pixels.shape[1:])
+    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+    noise = torch.stack([torch.randn(shape, generator=g) for g in generators]).to(device)
+    drawn = [_given_frames(shape[1], 1, conditional_frames, g, device) for g in generators]
+    given = None if drawn[0] is None else torch.cat(drawn)  # type: ignore[arg-type]
+    return pixels, text, mask, noise, generators, given
+
+
+def validation_samples(
+    model: nn.Module, real: list[Clip], seeds: Sequence[int], s: FlowRLSettings, *, num_steps: int
+) -> Tensor:
+    """Deterministic samples of `real`'s captions (one per entry) as pixels [B, 3, T, H, W] in
+    [-1, 1]: the ODE in `num_steps` steps with the rollouts' guidance, shift and solver, from
+    noise (and given frames, with `conditional_frames`) drawn from each sample's seed."""
+    pixels, text, mask, noise, _, given = _drawn(model, real, seeds, s.conditional_frames)
+    training = model.training
+    model.eval()
+    with torch.no_grad():
+        clean = None if given is None else pixels_to_samples(model, pixels)
+        final = sample(
+            _velocity(model, text, mask, s, given=given), noise, num_steps=num_steps,
+            noise_level=0.0, shift=s.shift, solver=s.solver, given=given, clean=clean,
+        ).final  # fmt: skip
+        pixels = samples_to_pixels(model, final)
+    model.train(training)
+    return pixels
+
+
+def validation_loss(
+    model: nn.Module,
+    clips: list[Clip],
+    seeds: Sequence[int],
+    *,
+    sigma_scheme: str = "uniform",
+    sigma_mean: float = 0.0,
+    sigma_std: float = 1.0,
+    conditional_frames: tuple[int, int] = (0, 0),
+) -> list[float]:
+    """The flow-matching loss of :func:`pretrain` of each of `clips`, without gradients: each
+    clip's noise level, noise and given frames drawn from its seed in `seeds`."""
+    pixels, text, mask, noise, generators, given = _drawn(model, clips, seeds, conditional_frames)
+    with torch.no_grad():
+        x0 = pixels_to_samples(model, pixels)
+    sigma = torch.cat(
+        [sft_sigmas(1, g, scheme=sigma_scheme, mean=sigma_mean, std=sigma_std) for g in generators]
+    ).to(x0.device)
+    s = sigma.view(-1, *[1] * (x0.dim() - 1))
+    free = context_frames(given)
+    noised = (1 - s) * x0 + s * noise
+    extra: tuple[Tensor, ...] = ()
+    if given is not None:
+        noised = keep_given(noised, x0, free)
+        extra = (given.float(),)
+    training = model.training
+    model.eval()
+    with torch.no_grad():
+        velocity = model(noised, sigma, text, mask, *extra)
+    model.train(training)
+    return [
+        float(flow_matching_loss(velocity[k : k + 1], x0[k : k + 1], noise[k : k + 1],
+            sigma[k : k + 1], free=None if free is None else free[k : k + 1]))
+        for k in range(len(clips))
+    ]  # fmt: skip
 
 
 def data_distance(pixels: Tensor, prompts: Sequence[str], clips: list[Clip]) -> float:

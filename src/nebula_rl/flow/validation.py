@@ -1,0 +1,164 @@
+"""World-model validation (`[validation]` of a `policy.is_diffusers` run): held-out clips,
+sampled or noised with draws fixed per sample, reported in the record of the validated step.
+
+When: as for language models (`nebula_rl.validation.validation_due`): the initial weights with
+`val_before_train`, every `validation.freq` steps, and after the last step. With
+`train.ema_enable` the weights' averages are validated (cosmos-rl's rule).
+
+On what: the clips of `validation.dataset` (a folder in cosmos-rl's local layout, or
+`builtin:toy_video` with `validation.dataset.kwargs`, written beside the training one from
+another seed: other clips of the same captions), the first `validation.max_num_prompts`
+(`flow.job.flow_clips`).
+
+- RL: `validation.n_generation` deterministic samples of each clip's caption (the ODE in
+  `policy.diffusers.sample.eval_num_steps` steps, with the rollouts' guidance, shift, solver and
+  conditioning frames), `validation.batch_size` clips per sampler call (default
+  `rollout.batch_size`), scored by `validation.reward_function` (empty: the training rewards).
+  The record gets :data:`FLOW_VALIDATION_KEYS`: the rewards' mean, std, max and min, their
+  count, the validated policy version, and `val/data_distance`, the samples' mean distance to
+  the validation clips of their caption (`flow.local.data_distance`).
+- SFT: `val_loss` (a language model's SFT key), the mean over the clips of the flow-matching
+  loss, `validation.batch_size` clips per forward (default `train.train_policy.mini_batch`).
+
+Each sample's draws (noise, SFT's noise level, the count of conditioning frames) come from a
+seed of its own that is the same at every validation, so a validation curve moves with the
+weights only. On a sharded model (SFT on several ranks, colocated RL) the clips are split over
+the data-parallel ranks, each running as many forwards (a short share repeats its last clip and
+drops the repeat), and the results are gathered; in the runtime the controller hands the clips
+out as validation prompts, which rollout replicas sample (`flow.runtime`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from nebula_rl.config import Config
+from nebula_rl.flow.data import Clip
+from nebula_rl.flow.local import (
+    FlowRLSettings,
+    RewardFn,
+    data_distance,
+    validation_loss,
+    validation_samples,
+)
+from nebula_rl.flow.parallel import sum_over
+from nebula_rl.validation import validation_metrics, validation_seed
+
+__all__ = [
+    "FLOW_VALIDATION_KEYS",
+    "sample_seeds",
+    "scored_clips",
+    "validate_generation",
+    "validate_loss",
+]
+
+FLOW_VALIDATION_KEYS = (
+    "val/reward_mean",
+    "val/reward_std",
+    "val/reward_max",
+    "val/reward_min",
+    "val/rollout_count",
+    "val/policy_version",
+    "val/data_distance",
+)
+"""The metrics a world model's RL validation adds to its step's record."""
+
+
+def sample_seeds(cfg: Config, index: int, n: int) -> list[int]:
+    """The seeds of the `n` samples of validation clip `index`: the same at every validation."""
+    base = validation_seed(cfg, 0, index)
+    return [base + j for j in range(n)]
+
+
+def _share(count: int, dp: DeviceMesh | None) -> tuple[list[int], int]:
+    """This rank's part of `count` clips split over `dp`'s ranks: (its indices, as many on every
+    rank, a short share padded with its last clip; how many of them are its own)."""
+    if dp is None:
+        return list(range(count)), count
+    rank, world = dp.get_local_rank(), dp.size()
+    per = -(-count // world)
+    mine = list(range(rank * per, min((rank + 1) * per, count)))
+    return mine + (mine[-1:] or [0]) * (per - len(mine)), len(mine)
+
+
+def _gathered(results: list[Any], dp: DeviceMesh | None) -> list[Any]:
+    """Every data-parallel rank's `results`, in rank order."""
+    if dp is None:
+        return results
+    parts: list[Any] = [None] * dp.size()
+    dist.all_gather_object(parts, results, group=dp.get_group())
+    return [r for part in parts for r in part]
+
+
+def scored_clips(
+    model: nn.Module,
+    clips: list[Clip],
+    indices: list[int],
+    s: FlowRLSettings,
+    cfg: Config,
+    score: RewardFn,
+) -> list[tuple[list[float] | None, list[float]]]:
+    """Sample and score the validation clips `indices` of `clips` (see the module docstring):
+    per clip, its samples' rewards (None when they were lost) and distances to the data."""
+    v = cfg.validation
+    n, size = v.n_generation, v.batch_size or cfg.rollout.batch_size
+    out: list[tuple[list[float] | None, list[float]]] = []
+    for start in range(0, len(indices), size):
+        chunk = indices[start : start + size]
+        real = [clips[i] for i in chunk for _ in range(n)]
+        seeds = [seed for i in chunk for seed in sample_seeds(cfg, i, n)]
+        steps = cfg.policy.diffusers.sample.eval_num_steps
+        pixels = validation_samples(model, real, seeds, s, num_steps=steps).float().cpu()
+        captions = [c.caption for c in real]
+        scored = score(pixels, captions)
+        for k in range(len(chunk)):
+            rows = range(k * n, (k + 1) * n)
+            distances = [data_distance(pixels[j : j + 1], captions[j : j + 1], clips) for j in rows]
+            out.append((None if scored is None else list(scored[k * n : (k + 1) * n]), distances))
+    return out
+
+
+def validate_generation(
+    model: nn.Module,
+    clips: list[Clip],
+    s: FlowRLSettings,
+    cfg: Config,
+    score: RewardFn,
+    *,
+    step: int,
+    dp: DeviceMesh | None = None,
+) -> dict[str, float]:
+    """RL validation of `model`'s weights after step `step` on `clips`: the `val/*` metrics
+    (every data-parallel rank of a sharded `model` calls it, and gets them)."""
+    indices, own = _share(len(clips), dp)
+    results = _gathered(scored_clips(model, clips, indices, s, cfg, score)[:own], dp)
+    rewards = [r for scored, _ in results if scored is not None for r in scored]
+    distances = [d for _, ds in results for d in ds]
+    return validation_metrics(rewards, None, [step] * len(rewards), distances=distances)
+
+
+def validate_loss(
+    model: nn.Module, clips: list[Clip], cfg: Config, *, dp: DeviceMesh | None = None
+) -> dict[str, float]:
+    """SFT validation of `model`'s weights on `clips`: `val_loss` (every data-parallel rank of
+    a sharded `model` calls it, and gets it)."""
+    d = cfg.policy.diffusers
+    size = cfg.validation.batch_size or cfg.train.train_policy.mini_batch
+    indices, own = _share(len(clips), dp)
+    losses: list[float] = []
+    for start in range(0, len(indices), size):
+        chunk = indices[start : start + size]
+        losses += validation_loss(
+            model, [clips[i] for i in chunk], [sample_seeds(cfg, i, 1)[0] for i in chunk],
+            sigma_scheme=d.weighting_scheme, sigma_mean=d.logit_mean, sigma_std=d.logit_std,
+            conditional_frames=(d.min_num_conditional_frames, d.max_num_conditional_frames),
+        )  # fmt: skip
+    total = torch.tensor([sum(losses[:own])], dtype=torch.float64)
+    if dp is not None:
+        sum_over(total, dp)
+    return {"val_loss": float(total) / len(clips)}
