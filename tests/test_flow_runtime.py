@@ -168,6 +168,9 @@ def test_what_the_runtime_cannot_run_is_refused_before_it_starts(tmp_path):
     check_flow_job(config_from_dict(_job(tmp_path, **latent)))
     with pytest.raises(ValueError, match=r"cp_size \(4\) must divide the frames of a sample \(2"):
         check_flow_job(config_from_dict(_job(tmp_path, **{"policy.parallelism.cp_size": 4})))
+    averaged = {"validation.enable": True, "train.ema_enable": True}
+    with pytest.raises(ValueError, match=r"validation\.enable with train\.ema_enable: in the run"):
+        check_flow_job(config_from_dict(_job(tmp_path, **averaged)))
 
 
 @pytest.mark.parametrize(
@@ -341,3 +344,46 @@ def test_a_latent_world_model_job_runs_with_rollout_replicas(tmp_path):
         {**cfg, "policy": {**cfg["policy"], "model_name_or_path": str(final)}}
     )
     assert flow_vae(load_flow_model(exported)) is not None
+
+
+def test_a_world_model_job_validates_on_its_rollout_replicas(tmp_path):
+    """With `validation.enable`, the controller hands the validation clips out as prompts at
+    steps 0, 4 and the last; two rollout replicas sample and score them with the weights of
+    that step (the policy waits), and each validation's record equals one process's
+    validation of those weights: the last one, of the exported model."""
+    from nebula_rl.flow.job import flow_clips, flow_scorer, flow_settings
+    from nebula_rl.flow.models import load_flow_model
+    from nebula_rl.flow.validation import FLOW_VALIDATION_KEYS, validate_generation
+
+    validation = {
+        "enable": True,
+        "val_before_train": True,
+        "freq": 4,
+        "n_generation": 2,
+        "max_num_prompts": 5,
+        "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": 1}},
+    }
+    cfg = _job(tmp_path, validation=validation)
+    run_dir = _finish(_start(tmp_path, cfg, "--rollout", "2"), tmp_path)
+    _assert_every_row_trained_once(run_dir)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    checked = [r for r in map(json.loads, lines) if "val/reward_mean" in r]
+    last = NUM_ROWS // PROMPTS_PER_STEP
+    assert [r["step"] for r in checked] == [0, 4, last]
+    for r in checked:
+        assert set(FLOW_VALIDATION_KEYS) <= set(r) and "val/response_length_mean" not in r
+        assert r["val/policy_version"] == r["step"] and r["val/rollout_count"] == 5 * 2
+    exported = {
+        **cfg,
+        "policy": {**cfg["policy"], "model_name_or_path": str(run_dir / "safetensors" / "final")},
+    }
+    config = config_from_dict(exported)
+    clips = flow_clips(config, run_dir, create=False, validation=True)
+    s = flow_settings(config, num_iterations=1, prompts=PROMPTS_PER_STEP)
+    score = flow_scorer(config.train.train_policy)  # type: ignore[arg-type]
+    want = validate_generation(load_flow_model(config), clips, s, config, score, step=last)
+    assert {k: checked[-1][k] for k in FLOW_VALIDATION_KEYS} == pytest.approx(want, rel=1e-5)
+    start = load_flow_model(config_from_dict(cfg), seed=0)  # (the rollouts' starting weights)
+    want = validate_generation(start, clips, s, config, score, step=0)
+    assert {k: checked[0][k] for k in FLOW_VALIDATION_KEYS} == pytest.approx(want, rel=1e-5)
+    assert checked[0]["val/data_distance"] != pytest.approx(checked[-1]["val/data_distance"])

@@ -2056,6 +2056,8 @@ def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
     for key in sorted(user_keys):
         if any(key == k or key.startswith(k + ".") for k in FLOW_KEYS):
             continue
+        if key.startswith("validation.") and not cfg.validation.enable:
+            continue  # (read by nothing while validation is off)
         found, value, default, refusal = _value(cfg, key)
         if found and (value == default or value == _section_default(cfg, key)):
             continue  # (a key written at its default asks for nothing)

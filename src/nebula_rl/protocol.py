@@ -136,6 +136,9 @@ class GroupHeader:
     """Response tokens of each completion, [n_generation]."""
     versions: list[int]
     """:attr:`Completion.policy_version` of each completion, [n_generation]."""
+    distance: float | None = None
+    """A world model's group: its samples' mean distance to the data (`extra["data_distance"]`,
+    `nebula_rl.flow.local.data_distance`); None for a language model's."""
 
     @classmethod
     def of(cls, group: RolloutGroup) -> GroupHeader:
@@ -150,6 +153,7 @@ class GroupHeader:
             group.rewards,
             lengths,
             [c.policy_version for c in group.completions],
+            group.extra.get("data_distance"),
         )
 
 

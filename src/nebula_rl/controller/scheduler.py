@@ -439,7 +439,12 @@ class Scheduler:
             rewards = [r for result in results for r in result["rewards"]]
             lengths = [n for result in results for n in result["lengths"]]
             versions = [v for result in results for v in result["versions"]]
-            record = {"step": step, **validation_metrics(rewards, lengths, versions)}
+            distances = [d for result in results for d in result.get("distances", [])]
+            world = self.cfg.policy.is_diffusers  # (its samples have no length)
+            metrics = validation_metrics(
+                rewards, None if world else lengths, versions, distances=distances
+            )
+            record = {"step": step, **metrics}
             if self.state.finish_validation(step, record):
                 self._flush_metrics()
                 self.loggers.log(record)
@@ -821,9 +826,11 @@ def run_controller(
         from nebula_rl.flow.trajectories import TrajectoryStore
 
         rows = flow_rows(cfg, run_dir)
+        val_rows = flow_rows(cfg, run_dir, validation=True) if cfg.validation.enable else []
         store = TrajectoryStore.for_job(run_dir)
     else:
         rows, report = rl_dataset(cfg)
+        val_rows = rl_validation_rows(cfg) if cfg.validation.enable else []
         # Unusable rows are left out, counted, and reported here and in the log, not fatal.
         (run_dir / "dataset.json").write_text(json.dumps(dataclasses.asdict(report), indent=1))
     total_steps = num_train_steps(
@@ -839,7 +846,7 @@ def run_controller(
         num_rollout=num_rollout,
         num_policy=num_policy,
         run_dir=run_dir,
-        val_rows=rl_validation_rows(cfg) if cfg.validation.enable else [],
+        val_rows=val_rows,
         side_files=store,
     )
     restarted = os.environ.get(RESTART_ENV) == "1"

@@ -21,7 +21,7 @@ How the config's keys map onto the loop of `nebula_rl.flow.local`:
   `train_flow_shift` (the rollout schedule's shift), `nft_beta`, the SFT noise levels
   (`weighting_scheme`, `logit_mean`, `logit_std`), `max_prompt_length` (text tokens kept) and
   `sample.*` (rollout steps, noise level, guidance, batch-wide std, deterministic sampling for
-  DiffusionNFT; `eval_num_steps` for the sample grid written at the end);
+  DiffusionNFT; `eval_num_steps` for the sample grids and validation);
 - rewards: `reward_function` names of `nebula_rl.rewards.visual` with weights, or with
   `use_remote_reward` the reward service (`remote_reward.reward_fns`: name, weight, score_key,
   clip; `scale`, the total's clip, `batch_size` samples per request), reached through
@@ -31,6 +31,8 @@ How the config's keys map onto the loop of `nebula_rl.flow.local`:
   only Wan latents, with its own checkpoint);
 - `policy.diffusers.tokenizer.compile_encode` compiles a latent-space model's VAE encoder
   (`nebula_rl.flow.vae`); the tokenizer's other keys are refused.
+- `[validation]`: held-out clips sampled and scored (RL) or noised (SFT) at the due steps
+  (`nebula_rl.flow.validation`).
 
 The run folder gets `metrics.jsonl`, `logs/`, the export `safetensors/final` (loadable as
 `policy.model_name_or_path`) and `samples.png`. `[logging] logger` sinks get every record, and
@@ -131,10 +133,11 @@ def flow_clips(
     return [dataclasses.replace(c, text=c.text[:keep]) for c in clips]
 
 
-def flow_rows(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
-    """The controller's rows: one per clip (its caption and name), the toy dataset written into
-    the run folder first. Prompts carry only the row's index; replicas read the clips."""
-    clips = flow_clips(cfg, run_dir, create=True)
+def flow_rows(cfg: Config, run_dir: Path, *, validation: bool = False) -> list[dict[str, Any]]:
+    """The controller's rows (with `validation`, its validation rows): one per clip (its caption
+    and name), a toy dataset written into the run folder first. Prompts carry only the row's
+    index; replicas read the clips."""
+    clips = flow_clips(cfg, run_dir, create=True, validation=validation)
     return [{"caption": c.caption, "clip": c.stem} for c in clips]
 
 

@@ -24,6 +24,11 @@ world-model RL is asynchronous and elastic: rollouts sample with weights at most
   gradients with the other policy replicas; its weights go to the rollouts through the weight
   group after every step, as a language model's do.
 
+With `validation.enable`, the controller hands the validation clips out as validation prompts at
+the due steps; a rollout replica samples and scores them before its training prompts, with the
+weights of the validated step (`flow.validation.scored_clips`), and pushes each clip's rewards
+and distance to the data (the policy waits for them, as for language models).
+
 With `logging.multi_modal_log_interval`, the policy's first replica draws a sample grid every that
 many steps into `<run>/samples/`, which the controller hands to the `[logging]` sinks with the
 step's record.
@@ -63,6 +68,7 @@ from nebula_rl.flow.job import (
     flow_optimizer,
     flow_scorer,
     flow_settings,
+    flow_validation_scorer,
     sample_grid,
     save_samples,
     weight_ema,
@@ -90,6 +96,7 @@ from nebula_rl.flow.sampler import Trajectory
 from nebula_rl.flow.trajectories import TrajectoryStore
 from nebula_rl.flow.transfer import TrajectoryServer, fetch_trajectories
 from nebula_rl.flow.vae import pixels_to_samples, samples_to_pixels
+from nebula_rl.flow.validation import scored_clips
 from nebula_rl.models import resolve_dtype
 from nebula_rl.policy.replicas import GroupsLost, ReplicaGroup
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
@@ -129,6 +136,13 @@ def check_flow_job(cfg: Config) -> None:
             f"prompts of a step per replica (train_batch_per_replica / n_generation = "
             f"{cfg.groups_per_replica})"
         )
+    if cfg.validation.enable and cfg.train.ema_enable:
+        raise ValueError(
+            "validation.enable with train.ema_enable: in the runtime the rollout replicas "
+            "validate the weights they hold, the trained ones, not their averages (which "
+            'cosmos-rl validates); validate with --local or mode = "colocated", or without '
+            "ema_enable"
+        )
     # (checks mini_batch: samples per rank)
     flow_settings(cfg, num_iterations=1, prompts=max(1, cfg.groups_per_replica // max(shards, 1)))
     check_flow_model(cfg)
@@ -163,6 +177,12 @@ class FlowRolloutWorker:
             cfg, num_iterations=1, prompts=cfg.groups_per_replica
         )
         self.score = flow_scorer(p)
+        self.val_clips: list[Clip] | None = None
+        """The validation clips (`validation.enable`), sampled for the controller's validation
+        prompts (`flow.validation`)."""
+        if cfg.validation.enable:
+            self.val_clips = flow_clips(cfg, run_dir, create=False, validation=True)
+            self.val_score = flow_validation_scorer(cfg, self.score)
         self.store = TrajectoryStore.for_job(run_dir)
         self.server = TrajectoryServer(
             session.state, session.name, self.store, timeout=cfg.controller.collective_timeout
@@ -238,9 +258,13 @@ class FlowRolloutWorker:
             self.step()
 
     def step(self) -> None:
-        """Claim prompts up to `rollout.batch_size` held; sample those the weights allow."""
+        """Claim prompts up to `rollout.batch_size` held, validation prompts first; sample
+        those the weights allow (validation prompts on their own, before the others)."""
         state, name = self.session.state, self.session.name
         room = self.batch_size - len(self.waiting)
+        if room > 0 and self.val_clips is not None:
+            self.waiting.extend(state.claim_validation(name, room))
+            room = self.batch_size - len(self.waiting)
         if room > 0:
             block = 200 if not self.waiting else 0
             self.waiting.extend(state.claim_prompts(name, room, block_ms=block))
@@ -253,6 +277,10 @@ class FlowRolloutWorker:
             ]
             if not ready:
                 time.sleep(0.01 if self.waiting else 0)
+                return
+            validating = [entry for entry in ready if entry[1].validation_step is not None]
+            if validating:
+                self._validate(validating, version)
                 return
             n = self.cfg.rollout.n_generation
             real = [self.clips[prompt.index] for _, prompt in ready for _ in range(n)]
@@ -274,6 +302,30 @@ class FlowRolloutWorker:
             rewards = [0.0] * n if scored is None else scored[rows]
             distance = data_distance(pixels[rows], captions[rows], self.clips)
             self._push(msg_id, prompt, part, rewards, distance, version, lost=scored is None)
+
+    def _validate(self, ready: list[tuple[str, Prompt]], version: int) -> None:
+        """Sample and score validation prompts (`flow.validation.scored_clips`) and push each
+        clip's group: its rewards (none, as a failed answer, when they were lost) and its
+        samples' mean distance to the data."""
+        assert self.val_clips is not None
+        indices = [prompt.index for _, prompt in ready]
+        results = scored_clips(
+            self.model, self.val_clips, indices, self.settings, self.cfg, self.val_score
+        )
+        n = self.cfg.validation.n_generation
+        state = self.session.state
+        for entry, (rewards, distances) in zip(ready, results, strict=True):
+            msg_id, prompt = entry
+            completions = [
+                Completion([], [], "", "stop", [(0, version)], reward=float(r))
+                for r in (rewards if rewards is not None else [0.0] * n)
+            ]
+            extra: dict[str, Any] = {"data_distance": sum(distances) / len(distances)}
+            if rewards is None:
+                extra["error"] = "the validation rewards were lost"
+            state.push_group(RolloutGroup(prompt, [], completions, self.session.name, extra))
+            state.ack_validation([msg_id])
+            self.waiting.remove(entry)
 
     def _push(
         self,

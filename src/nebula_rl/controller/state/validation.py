@@ -183,8 +183,15 @@ class Validation(StateBase):
 
 
 def _result(header: GroupHeader) -> dict[str, list[Any]]:
-    """What a validation answer keeps: its completions' rewards, lengths and policy versions
-    (none when the rollout could not generate it)."""
+    """What a validation answer keeps: its completions' rewards, lengths and policy versions,
+    and a world model's distance to the data (none when the rollout could not generate it, or
+    its rewards were lost)."""
     if header.failed:
-        return {"rewards": [], "lengths": [], "versions": []}
-    return {"rewards": header.rewards, "lengths": header.lengths, "versions": header.versions}
+        return {"rewards": [], "lengths": [], "versions": [], "distances": []}
+    distances = [] if header.distance is None else [header.distance]
+    return {
+        "rewards": header.rewards,
+        "lengths": header.lengths,
+        "versions": header.versions,
+        "distances": distances,
+    }
