@@ -459,3 +459,79 @@ def test_scorer_reads_the_reward_keys_of_the_config() -> None:
     assert (validation.reward, validation.terms) == (1.0, {"gsm8k": 1.0})  # no length penalty
     bypass = scorer(cfg(bypass_reward=True, dynamic_sampling=False)).score(text, 6, "#### 18")
     assert (bypass.reward, bypass.terms) == (0.0, {})
+
+
+GROUP_CALLS: list[int] = []
+"""The group size of each `rank_reward` call (this process's)."""
+
+
+def rank_reward(completions: list[str], reference: str) -> list[float]:
+    """A group reward: each completion's rank by length within its group, in [0, 1]."""
+    GROUP_CALLS.append(len(completions))
+    order = sorted(range(len(completions)), key=lambda i: len(completions[i]))
+    ranks = [0.0] * len(completions)
+    for rank, i in enumerate(order):
+        ranks[i] = rank / max(len(completions) - 1, 1)
+    return ranks
+
+
+def one_number_reward(completions: list[str], reference: str) -> float:
+    return 1.0
+
+
+def test_group_reward_calculation_calls_user_functions_once_per_group() -> None:
+    """With `group_reward_calculation` a user function gets the whole group and answers for
+    each completion; nebula-rl's own rewards are still mapped one completion at a time;
+    training and validation both score so, in a reward process too (pickled). A function
+    that does not answer with one number per completion is an error naming it; with remote
+    rewards the key is refused."""
+    from nebula_rl.config import ConfigError, config_from_dict
+    from nebula_rl.rewards import scorer
+
+    def cfg(grouped: bool = True, **policy: object) -> object:
+        return config_from_dict(
+            {
+                "train": {
+                    "train_policy": {
+                        "type": "grpo",
+                        "group_reward_calculation": grouped,
+                        "reward_function": {f"{__name__}:rank_reward": 1.0, "answer_format": 2.0},
+                        **policy,
+                    }
+                },
+                "rollout": {"backend": "torch"},
+                "validation": {"reward_function": f"{__name__}:rank_reward"},
+            }
+        )
+
+    texts, lengths = ["a", r"so \boxed{1}", "abc"], [1, 5, 2]
+    GROUP_CALLS.clear()
+    scored = scorer(cfg()).score_group(texts, lengths, "#### 1")
+    assert GROUP_CALLS == [3]
+    assert [s.terms[f"{__name__}:rank_reward"] for s in scored] == [0.0, 1.0, 0.5]
+    assert [s.terms["answer_format"] for s in scored] == [0.0, 1.0, 0.0]
+    assert [s.reward for s in scored] == [0.0, 3.0, 0.5]
+    validation = scorer(cfg(), validation=True).score_group(texts, lengths, "#### 1")
+    assert [s.reward for s in validation] == [0.0, 1.0, 0.5] and GROUP_CALLS == [3, 3]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        remote = pool.submit(scorer(cfg()).score_group, texts, lengths, "#### 1").result()
+    assert remote == scored
+    with pytest.raises(TypeError):  # (without the key the function gets one text at a time)
+        scorer(cfg(grouped=False)).score_group(texts, lengths, "#### 1")
+    bad = cfg(reward_function=f"{__name__}:one_number_reward")
+    with pytest.raises(ValueError, match=r"one_number_reward' returned float for a group of 3"):
+        scorer(bad).score_group(texts, lengths, "#### 1")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"group_reward_calculation = true: it calls this"):
+        config_from_dict(
+            {
+                "train": {
+                    "train_policy": {
+                        "type": "grpo",
+                        "group_reward_calculation": True,
+                        "use_remote_reward": True,
+                        "remote_reward": {"reward_fns": [{"name": "brightness"}]},
+                    }
+                }
+            }
+        )

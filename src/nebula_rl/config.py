@@ -310,10 +310,10 @@ class GrpoConfig(_Section):
     bypass_reward: bool = False
     """Score every training completion 0 instead of running the reward functions (validation
     still runs its reward functions)."""
-    group_reward_calculation: bool = Field(
-        default=False, json_schema_extra=refused("group-batched reward calls are not supported yet")
-    )
-    """Call the reward functions once per group."""
+    group_reward_calculation: bool = False
+    """Call each user reward function once per group, `fn(completions, reference) ->
+    list[float]` (one value per completion, e.g. to rank a group's answers), instead of once per
+    completion; nebula-rl's own rewards are mapped over the group. Validation too."""
     temperature: float = Field(default=1.0, gt=0.0)
     """Temperature the policy's log-probs are computed at (logits / temperature); normally
     `rollout.sampling_config.temperature`, the one the rollouts sample at."""
@@ -1910,6 +1910,12 @@ def _remote_refusals(cfg: Config) -> list[str]:
         out.append(
             f"{prefix}bypass_reward = true: scores nothing, so use_remote_reward would send "
             "completions for nothing; set one of them"
+        )
+    if p.group_reward_calculation:
+        out.append(
+            f"{prefix}group_reward_calculation = true: it calls this process's reward "
+            "functions once per group; with use_remote_reward the reward service scores "
+            "(each request already holds a whole group)"
         )
     names = [f.name for f in p.remote_reward.reward_fns]
     unknown = [m for m in p.filter_reward_metric if m not in names]

@@ -5,6 +5,12 @@ generated response and ``reference`` is the dataset's answer column as a string.
 also takes a ``custom`` keyword (or ``**kwargs``) is given the config's free-form ``[custom]``
 table as ``custom=``. Rewards are run in a process pool, so they must be picklable, i.e.
 top-level functions of an importable module; ``register_reward`` refuses anything else.
+
+With ``grouped`` (``train.train_policy.group_reward_calculation``, cosmos-rl's key), a user's
+reward function is called once per group instead: ``fn(completions, reference) -> list[float]``,
+``completions`` the group's responses, one value back for each (e.g. a reward that ranks a group's
+answers against each other). nebula-rl's own rewards score one completion at a time and are
+mapped over the group.
 """
 
 from __future__ import annotations
@@ -99,6 +105,8 @@ class CombinedReward:
     """``(name, fn, weight)`` for each summed reward, in the order given."""
     custom: dict[str, Any] = field(default_factory=dict)
     """Passed as ``custom=`` to the functions that take it."""
+    grouped: bool = False
+    """Call each user function once per group (see the module docstring)."""
 
     def __call__(self, completion: str, reference: str) -> float:
         """Return the weighted sum of every term's reward for one completion."""
@@ -116,14 +124,55 @@ class CombinedReward:
             for name, fn, _ in self.terms
         }
 
+    def group_values(self, completions: Sequence[str], reference: str) -> list[dict[str, float]]:
+        """Each term's own (unweighted) reward for each of a group's completions: per
+        completion, or with `grouped` one call per user function for the whole group."""
+        if not self.grouped:
+            return [self.values(c, reference) for c in completions]
+        out: list[dict[str, float]] = [{} for _ in completions]
+        for name, fn, _ in self.terms:
+            if _per_completion(fn):
+                values = [self._call(fn, c, reference) for c in completions]
+            else:
+                values = _group_result(name, self._call(fn, list(completions), reference), out)
+            for row, value in zip(out, values, strict=True):
+                row[name] = float(value)
+        return out
+
+    def _call(self, fn: Callable[..., Any], completion: Any, reference: str) -> Any:
+        if takes_custom(fn):
+            return fn(completion, reference, custom=self.custom)
+        return fn(completion, reference)
+
     @property
     def names(self) -> tuple[str, ...]:
         """The names of the summed rewards, e.g. for logging each one separately."""
         return tuple(name for name, _, _ in self.terms)
 
 
+def _per_completion(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` is one of nebula-rl's own rewards, which score one completion at a time."""
+    return getattr(fn, "__module__", "").startswith("nebula_rl.rewards.")
+
+
+def _group_result(name: str, result: Any, rows: Sequence[object]) -> list[float]:
+    """A group reward function's values, checked: a list of numbers, one per completion."""
+    if not isinstance(result, list | tuple) or len(result) != len(rows):
+        raise ValueError(
+            f"reward {name!r} returned {type(result).__name__} for a group of {len(rows)} "
+            "completions: with train.train_policy.group_reward_calculation a reward function "
+            "takes the group's completions (a list) and returns a list of one number each"
+        )
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in result):
+        raise ValueError(f"reward {name!r} returned a list that is not all numbers: {result!r}")
+    return list(result)
+
+
 def combine_rewards(
-    spec: str | Sequence[str] | Mapping[str, float], *, custom: Mapping[str, Any] | None = None
+    spec: str | Sequence[str] | Mapping[str, float],
+    *,
+    custom: Mapping[str, Any] | None = None,
+    grouped: bool = False,
 ) -> CombinedReward:
     """Build the reward a config's ``reward_function`` field describes.
 
@@ -131,7 +180,8 @@ def combine_rewards(
     (``["gsm8k", "answer_format"]``), or a mapping of name to weight
     (``{"gsm8k": 1.0, "answer_format": 0.1}``).
     Names are registered names or ``"module.path:function"`` import paths. ``custom`` (the
-    config's ``[custom]`` table) goes to the functions that take a ``custom`` keyword.
+    config's ``[custom]`` table) goes to the functions that take a ``custom`` keyword;
+    ``grouped`` calls user functions once per group (see the module docstring).
     """
     if isinstance(spec, str):
         weights: dict[str, float] = {spec: 1.0}
@@ -157,7 +207,7 @@ def combine_rewards(
         if not math.isfinite(weight):
             raise ValueError(f"weight of reward {name!r} must be finite, got {weight}")
         terms.append((name, get_reward(name), float(weight)))
-    return CombinedReward(terms=tuple(terms), custom=dict(custom or {}))
+    return CombinedReward(terms=tuple(terms), custom=dict(custom or {}), grouped=grouped)
 
 
 def _qualified_name(fn: RewardFn) -> str:

@@ -3,7 +3,8 @@
 `scorer(cfg)` reads `train.train_policy.reward_function` (the weighted total), `bypass_reward`
 (every reward 0, no function runs), `filter_reward_metric` (functions whose own values dynamic
 sampling filters on), `overlong_reward` (DAPO's length penalty, added to the total) and the
-free-form `custom` table (passed to user functions that take it); `scorer(cfg, validation=True)`
+free-form `custom` table (passed to user functions that take it), and
+`group_reward_calculation` (user functions called once per group); `scorer(cfg, validation=True)`
 scores validation generations with `validation.reward_function` (else the training functions),
 without the overlong penalty, which shapes training only. The scorer is sent to the reward
 processes as it is, so both loops score the same way.
@@ -106,8 +107,22 @@ class Scorer:
     def score_group(
         self, texts: Sequence[str], lengths: Sequence[int], reference: str
     ) -> list[Scored]:
-        """Scores of one group's completions (run in a reward process, or inline)."""
-        return [self.score(t, n, reference) for t, n in zip(texts, lengths, strict=True)]
+        """Scores of one group's completions (run in a reward process, or inline); each user
+        function is called once for the group with `group_reward_calculation`."""
+        if self.reward is None:
+            return [Scored(0.0, {}) for _ in texts]
+        terms = self.reward.group_values(texts, reference)
+        if self.filter_only is not None:
+            extra = self.filter_only.group_values(texts, reference)
+        out = []
+        for i, num_tokens in enumerate(lengths):
+            total = sum(weight * terms[i][name] for name, _, weight in self.reward.terms)
+            if self.filter_only is not None:
+                terms[i] |= extra[i]
+            if self.overlong is not None:
+                total += self.overlong.penalty(num_tokens)
+            out.append(Scored(total, terms[i]))
+        return out
 
 
 class RemoteScorer:
@@ -221,6 +236,7 @@ def scorer(cfg: Config, *, validation: bool = False, max_groups: int = 8) -> Sco
     """The training scorer of `cfg`, or (`validation`) the validation one; a
     :class:`RemoteScorer` (taking `max_groups` groups at once) with remote rewards."""
     p = cfg.grpo
+    grouped = p.group_reward_calculation
     remote = remote_settings(cfg, validation=validation)
     if remote is not None:
         from nebula_rl.rewards.remote import RemoteRewardClient
@@ -236,12 +252,12 @@ def scorer(cfg: Config, *, validation: bool = False, max_groups: int = 8) -> Sco
         )
     if validation:
         spec = cfg.validation.reward_function or p.reward_function
-        return Scorer(combine_rewards(spec, custom=cfg.custom))
+        return Scorer(combine_rewards(spec, custom=cfg.custom, grouped=grouped))
     if p.bypass_reward:
         return Scorer(None)
-    reward = combine_rewards(p.reward_function, custom=cfg.custom)
+    reward = combine_rewards(p.reward_function, custom=cfg.custom, grouped=grouped)
     extra = [m for m in p.filter_reward_metric if m not in reward.names]
-    filter_only = combine_rewards(extra, custom=cfg.custom) if extra else None
+    filter_only = combine_rewards(extra, custom=cfg.custom, grouped=grouped) if extra else None
     o = p.overlong_reward
     overlong = (
         Overlong(cfg.rollout.max_response_length, o.buffer_length, o.penalty_factor)
