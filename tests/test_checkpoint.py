@@ -384,3 +384,25 @@ def test_fsdp_sharded_checkpoint_loads_unsharded(tmp_path):
         assert torch.equal(ema.state()[name], tensor), name
         if "norm" not in name:
             assert not torch.equal(tensor, got_model[name]), name
+
+
+def test_epoch_checkpoints_come_after_every_nth_epoch(tmp_path):
+    """`save_freq_in_epoch = 2` saves after the last step of epochs 2, 4, ... (and after the
+    run's last step) in place of every `save_freq` steps: SFT on 12 rows, 4 a step, is 3 steps
+    an epoch."""
+    from nebula_rl.config import CheckpointConfig
+
+    ckpt = {
+        "enable_checkpoint": True,
+        "save_freq": 1,
+        "save_freq_in_epoch": 2,
+        "max_keep": -1,
+        "export_safetensors": False,
+    }
+    run_dir = local.run(_cfg(tmp_path, SFT, epoch=3, ckpt=ckpt))
+    done = [p.name for p in sorted((run_dir / "checkpoints").iterdir()) if is_checkpoint(p)]
+    assert done == ["step_6", "step_9"]
+    every = CheckpointConfig(**ckpt)  # (what the runtime's controller asks the policy for)
+    assert [s for s in range(1, 14) if every.due(s, last=s == 13, steps_per_epoch=3)] == [6, 12, 13]
+    every.save_freq_in_epoch = 0
+    assert [s for s in range(1, 4) if every.due(s, last=False, steps_per_epoch=3)] == [1, 2, 3]

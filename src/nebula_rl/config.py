@@ -552,11 +552,9 @@ class CheckpointConfig(_Section):
     """Save resumable checkpoints every `save_freq` steps."""
     save_freq: int = Field(default=20, ge=1)
     """Steps between checkpoints."""
-    save_freq_in_epoch: int = Field(
-        default=0,
-        json_schema_extra=refused("epoch-based checkpoint frequency is not supported yet"),
-    )
-    """Epochs between checkpoints (0: off)."""
+    save_freq_in_epoch: int = Field(default=0, ge=0)
+    """Epochs between checkpoints, saved after an epoch's last step instead of every `save_freq`
+    steps (0: off, `save_freq` counts)."""
     save_mode: Literal["async", "sync"] = "async"
     """Write checkpoints in the background (`async`) or block the step (`sync`)."""
     max_keep: int = Field(default=5, ge=-1)
@@ -582,6 +580,19 @@ class CheckpointConfig(_Section):
         if v == 0:
             raise ValueError("must be -1 (keep all) or at least 1")
         return v
+
+    def due(self, step: int, *, last: bool, steps_per_epoch: int) -> bool:
+        """Whether to checkpoint after `step` (1-based) with `enable_checkpoint`: every
+        `save_freq` steps, or with `save_freq_in_epoch` after the last step of every that many
+        epochs of `steps_per_epoch` steps (the run's steps per epoch: the dataset's rows over a
+        step's rows, as `train.epoch` counts them); and after the run's last step (`last`)."""
+        if not self.enable_checkpoint:
+            return False
+        if last:
+            return True
+        if self.save_freq_in_epoch > 0:
+            return step % (self.save_freq_in_epoch * max(steps_per_epoch, 1)) == 0
+        return step % self.save_freq == 0
 
 
 class FP8Config(_Section):

@@ -14,7 +14,8 @@ weights are loaded into it; its `val/*` numbers go into that step's record (befo
 step, with `val_before_train`, into a record of its own with `"step": 0`). When dynamic sampling
 runs the prompts out before the last planned step, the last trained step is validated too.
 
-With `train.ckpt.enable_checkpoint` it saves a checkpoint every `save_freq` steps and after the
+With `train.ckpt.enable_checkpoint` it saves a checkpoint every `save_freq` steps (or at the end
+of every `save_freq_in_epoch`-th epoch) and after the
 last; `train.resume` continues from one, and the resumed run takes the same steps, losses and
 samples as an uninterrupted one (on CPU in float32: bit for bit).
 """
@@ -399,6 +400,7 @@ def _run_grpo(
     processor."""
     rows = rl_rows(cfg)
     total = num_train_steps(cfg, len(rows), items_per_step=cfg.groups_per_replica)
+    per_epoch = len(rows) // cfg.groups_per_replica  # (steps; epoch-based checkpoints)
     score = scorer(cfg)
     val_rows = rl_validation_rows(cfg) if cfg.validation.enable else []
     val_score = scorer(cfg, validation=True) if cfg.validation.enable else score
@@ -491,7 +493,8 @@ def _run_grpo(
             writer.write(record)
             # A signal of train.signal_to_handle (save_ckpt_at_exit) asks for a checkpoint now;
             # RL goes on, as in cosmos-rl.
-            if checkpointer.due(step, last=step == total) or save_signal.take():
+            due = checkpointer.due(step, last=step == total, steps_per_epoch=per_epoch)
+            if due or save_signal.take():
                 position = {"epoch": prompts.epoch, "position": prompts.position}
                 checkpointer.save(step, data={**position, "trained_prompts": trained})
         if cfg.validation.enable and validated < step:  # the prompts ran out before `total`
@@ -661,7 +664,8 @@ def _run_sft(
                 # A signal of train.signal_to_handle (save_ckpt_at_exit): save, then stop, as
                 # cosmos-rl's SFT does.
                 signalled = _agree(stop_signal.take())
-                if checkpointer.due(step, last=step == total) or signalled:
+                due = checkpointer.due(step, last=step == total, steps_per_epoch=per_epoch)
+                if due or signalled:
                     checkpointer.save(step, data={"epoch": epoch, "position": position})
                 if signalled:
                     log.warning("stopping after step %d: a checkpoint is saved", step)

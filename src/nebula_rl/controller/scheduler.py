@@ -72,7 +72,8 @@ step's record (readers merge the records of a step), since the step is recorded 
 validation runs; the job ends once the last step's validation is recorded.
 
 Checkpoints. With `train.ckpt.enable_checkpoint`, the `train` command of every `save_freq`-th
-step (and of the last) asks policy rank 0 to checkpoint after the step, and when the controller
+step (with `save_freq_in_epoch`, of each epoch's last step of every that many epochs; and of the
+last step) asks policy rank 0 to checkpoint after the step, and when the controller
 records that step it saves a snapshot of the job's Redis state next to it
 (`checkpoints/controller/step_<N>.json`). `train.resume` restores both: the policy loads its
 checkpoint, the controller its snapshot, so the ledger, the buffer and the policy version are
@@ -157,6 +158,8 @@ class Scheduler:
         # (the config raised it to at least sync_weight_interval - 1, as cosmos-rl does)
         self.allowed = p.allowed_outdated_steps
         self.num_prompts = cfg.train.epoch * len(rows)
+        self.steps_per_epoch = len(rows) // self.batch_size
+        """Steps of an epoch (`num_train_steps`'s count; epoch-based checkpoints)."""
         self.max_inflight = p.max_inflight_steps
         self.max_retry = p.max_retry_for_on_policy if p.dynamic_sampling_enabled else 0
         self._filtered_at_batch = state.filtered_total()
@@ -483,8 +486,8 @@ class Scheduler:
             "staleness_max": max(staleness),
             "push": (step % self.sync_interval == 0 and step < self.total_steps)
             or validation_due(self.cfg, step, total_steps=self.total_steps),
-            "checkpoint": (
-                ckpt.enable_checkpoint and (step % ckpt.save_freq == 0 or step == self.total_steps)
+            "checkpoint": ckpt.due(
+                step, last=step == self.total_steps, steps_per_epoch=self.steps_per_epoch
             )
             # (save_ckpt_at_exit: a signal asked for one, whether or not checkpoints are on)
             or self.state.take_checkpoint_request(),

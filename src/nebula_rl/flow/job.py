@@ -488,7 +488,7 @@ def run(cfg: Config) -> Path:
             if image is not None:
                 assert sinks is not None
                 log_image_file(sinks, "samples", step, save_samples(image, run_dir, step))
-        if checkpointer.due(step, last=step == steps):
+        if checkpointer.due(step, last=step == steps, steps_per_epoch=len(clips) // per_step):
             states: list[Any] = [generator.get_state()]
             if dp is not None:  # (every rank's noise generator)
                 states = [None] * world

@@ -186,9 +186,9 @@ class Checkpointer:
             model_sd = {k: v for k, v in model_sd.items() if k in trainable}
         return model_sd, optim_sd
 
-    def due(self, step: int, *, last: bool) -> bool:
-        """Whether to save after `step`: every `save_freq` steps, and after the last one."""
-        return self.cfg.enable_checkpoint and (step % self.cfg.save_freq == 0 or last)
+    def due(self, step: int, *, last: bool, steps_per_epoch: int) -> bool:
+        """Whether to save after `step` (`CheckpointConfig.due`)."""
+        return self.cfg.due(step, last=last, steps_per_epoch=steps_per_epoch)
 
     def save(
         self, step: int, *, data: dict[str, Any], ledger: dict[str, Any] | None = None
