@@ -372,6 +372,18 @@ def _job(tmp_path: Path, **changes: object) -> Path:
     return config
 
 
+COLOCATED_SFT: dict[str, object] = {
+    "train.train_policy": {
+        "type": "sft",
+        "trainer_type": "diffusers_sft",
+        "mini_batch": 4,
+        "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": 1}},
+    },
+    "train.train_batch_per_replica": 8,  # (of the 8 clips)
+}
+"""`_job`'s changes for world-model SFT on its ranks."""
+
+
 def _train_cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "nebula_rl.cli", "train", "--config", str(config), *args],
@@ -409,13 +421,7 @@ def test_colocated_runs_sample_and_train_on_the_policy_ranks(tmp_path, trainer, 
     if cp > 1:
         changes["policy.parallelism"] = {"dp_shard_size": 1, "cp_size": cp}
     if trainer == "diffusers_sft":
-        changes["train.train_policy"] = {
-            "type": "sft",
-            "trainer_type": "diffusers_sft",
-            "mini_batch": 4,
-            "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": 1}},
-        }
-        changes["train.train_batch_per_replica"] = 8  # (of the 8 clips)
+        changes |= COLOCATED_SFT
     result = _train_cli(_job(tmp_path, **changes))
     run_dir = tmp_path / "runs" / "colocated"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

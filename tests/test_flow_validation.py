@@ -21,7 +21,7 @@ from nebula_rl.flow.models import load_flow_model
 from nebula_rl.flow.validation import FLOW_VALIDATION_KEYS, validate_generation, validate_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_flow_parallel import _job, _train_cli
+from test_flow_parallel import COLOCATED_SFT, _job, _train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 VALIDATION = {
@@ -132,13 +132,7 @@ def test_sharded_runs_validate_like_one_process(tmp_path, trainer):
     # (one clip per forward: without the padding, rank 1 would run one forward less and hang)
     changes: dict[str, object] = {"validation": {**VALIDATION, "batch_size": 1}}
     if trainer == "diffusers_sft":
-        changes["train.train_policy"] = {
-            "type": "sft",
-            "trainer_type": "diffusers_sft",
-            "mini_batch": 4,
-            "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": 1}},
-        }
-        changes["train.train_batch_per_replica"] = 8
+        changes |= COLOCATED_SFT
     config = _job(tmp_path, **changes)
     result = _train_cli(config)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
