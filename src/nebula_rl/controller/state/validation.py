@@ -187,11 +187,8 @@ def _result(header: GroupHeader) -> dict[str, list[Any]]:
     and a world model's distance to the data (none when the rollout could not generate it, or
     its rewards were lost)."""
     if header.failed:
-        return {"rewards": [], "lengths": [], "versions": [], "distances": []}
-    distances = [] if header.distance is None else [header.distance]
-    return {
-        "rewards": header.rewards,
-        "lengths": header.lengths,
-        "versions": header.versions,
-        "distances": distances,
-    }
+        return {"rewards": [], "lengths": [], "versions": []}
+    out = {"rewards": header.rewards, "lengths": header.lengths, "versions": header.versions}
+    if header.distance is not None:  # (a world model's)
+        out["distances"] = [header.distance]
+    return out
