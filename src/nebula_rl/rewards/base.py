@@ -115,14 +115,7 @@ class CombinedReward:
 
     def values(self, completion: str, reference: str) -> dict[str, float]:
         """Each term's own (unweighted) reward for one completion, by name."""
-        return {
-            name: float(
-                fn(completion, reference, custom=self.custom)  # type: ignore[call-arg]
-                if takes_custom(fn)
-                else fn(completion, reference)
-            )
-            for name, fn, _ in self.terms
-        }
+        return {name: float(self._call(fn, completion, reference)) for name, fn, _ in self.terms}
 
     def group_values(self, completions: Sequence[str], reference: str) -> list[dict[str, float]]:
         """Each term's own (unweighted) reward for each of a group's completions: per
@@ -134,7 +127,8 @@ class CombinedReward:
             if _per_completion(fn):
                 values = [self._call(fn, c, reference) for c in completions]
             else:
-                values = _group_result(name, self._call(fn, list(completions), reference), out)
+                result = self._call(fn, list(completions), reference)
+                values = _group_result(name, result, len(completions))
             for row, value in zip(out, values, strict=True):
                 row[name] = float(value)
         return out
@@ -155,11 +149,11 @@ def _per_completion(fn: Callable[..., Any]) -> bool:
     return getattr(fn, "__module__", "").startswith("nebula_rl.rewards.")
 
 
-def _group_result(name: str, result: Any, rows: Sequence[object]) -> list[float]:
+def _group_result(name: str, result: Any, count: int) -> list[float]:
     """A group reward function's values, checked: a list of numbers, one per completion."""
-    if not isinstance(result, list | tuple) or len(result) != len(rows):
+    if not isinstance(result, list | tuple) or len(result) != count:
         raise ValueError(
-            f"reward {name!r} returned {type(result).__name__} for a group of {len(rows)} "
+            f"reward {name!r} returned {type(result).__name__} for a group of {count} "
             "completions: with train.train_policy.group_reward_calculation a reward function "
             "takes the group's completions (a list) and returns a list of one number each"
         )

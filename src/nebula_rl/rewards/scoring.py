@@ -93,16 +93,8 @@ class Scorer:
     """The length penalty added to the total, if enabled."""
 
     def score(self, text: str, num_tokens: int, reference: str) -> Scored:
-        """Score one completion of `num_tokens` tokens whose text is `text`."""
-        if self.reward is None:
-            return Scored(0.0, {})
-        terms = self.reward.values(text, reference)
-        total = sum(weight * terms[name] for name, _, weight in self.reward.terms)
-        if self.filter_only is not None:
-            terms |= self.filter_only.values(text, reference)
-        if self.overlong is not None:
-            total += self.overlong.penalty(num_tokens)
-        return Scored(total, terms)
+        """Score one completion of `num_tokens` tokens whose text is `text` (a group of one)."""
+        return self.score_group([text], [num_tokens], reference)[0]
 
     def score_group(
         self, texts: Sequence[str], lengths: Sequence[int], reference: str
