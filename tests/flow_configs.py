@@ -106,3 +106,56 @@ def scored_remotely(cfg: dict[str, Any], name: str, *, weight: float, batch_size
         "batch_size": batch_size,
         "reward_fns": [{"name": name, "weight": weight}],
     }
+
+
+def tiny_text_pipeline(folder: Any, *, kind: str = "wan", frames: int = 5, size: int = 8) -> Any:
+    """Write a tiny pipeline with its text encoders into `folder` (returned): `kind` "wan" is
+    `tiny:wan_transformer3d_latent`'s transformer and VAE for `frames` frames of `size` x `size`
+    pixels with a 2-layer UMT5 32 wide; "sd3" is `tiny:sd3_transformer2d_latent`'s (one frame)
+    with two CLIP encoders (16 wide, their pooled vectors 16 + 16) and a T5 32 wide. Every
+    tokenizer is the presets' byte-level one (CLIP's cut at 24 tokens)."""
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    from nebula_rl.flow.diffusers_models import save_diffusers_flow_model, tiny_diffusers_flow_model
+    from nebula_rl.models import build_char_tokenizer
+
+    folder = Path(folder)
+    preset = f"tiny:{'wan_transformer3d' if kind == 'wan' else 'sd3_transformer2d'}_latent"
+    frames = frames if kind == "wan" else 1
+    save_diffusers_flow_model(
+        tiny_diffusers_flow_model(preset, frames=frames, size=size, text_dim=32), folder
+    )
+    tokenizer = build_char_tokenizer()
+    ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    t5 = {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 2, **ids}
+    parts: dict[str, Any] = {}
+    if kind == "wan":
+        parts["text_encoder"] = transformers.UMT5EncoderModel(
+            transformers.UMT5Config(vocab_size=len(tokenizer), **t5)
+        )
+    else:
+        clip = transformers.CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, projection_dim=16, max_position_embeddings=24,
+            bos_token_id=tokenizer.eos_token_id, **ids,
+        )  # fmt: skip
+        parts["text_encoder"] = transformers.CLIPTextModelWithProjection(clip)
+        parts["text_encoder_2"] = transformers.CLIPTextModelWithProjection(clip)
+        parts["text_encoder_3"] = transformers.T5EncoderModel(
+            transformers.T5Config(vocab_size=len(tokenizer), **t5)
+        )
+    index = json.loads((folder / "model_index.json").read_text())
+    for name, encoder in parts.items():
+        encoder.save_pretrained(folder / name)
+        tokenizer.model_max_length = 24 if "CLIP" in type(encoder).__name__ else 512
+        tokenizer.save_pretrained(folder / name.replace("text_encoder", "tokenizer"))
+        index[name] = ["transformers", type(encoder).__name__]
+        index[name.replace("text_encoder", "tokenizer")] = [
+            "transformers",
+            "PreTrainedTokenizerFast",
+        ]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    return folder

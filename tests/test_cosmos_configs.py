@@ -46,7 +46,6 @@ FEATURES = [
     ("non-text", "non-text completions"),
     ("trainer", "user-registered trainers"),
     ("rollout.parallelism", "rollout dp_shard_size"),
-    ("prompt files", "prompt files without text embeddings"),
 ]
 
 ALLOWED_FOR_LLM = {

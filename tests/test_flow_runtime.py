@@ -387,3 +387,34 @@ def test_a_world_model_job_validates_on_its_rollout_replicas(tmp_path):
     want = validate_generation(start, clips, s, config, score, step=0)
     assert {k: checked[0][k] for k in FLOW_VALIDATION_KEYS} == pytest.approx(want, rel=1e-5)
     assert checked[0]["val/data_distance"] != pytest.approx(checked[-1]["val/data_distance"])
+
+
+def test_a_world_model_job_trains_on_a_prompt_file_with_rollout_replicas(tmp_path):
+    """FlowGRPO on captions alone (a prompt file) with the Wan pipeline's text encoder: the
+    rollout replica and the policy each embed the captions, every prompt is trained once, no
+    distance to data is reported, and the export carries the text encoder."""
+    from flow_configs import tiny_text_pipeline
+    from nebula_rl.flow.models import load_flow_model
+
+    pipeline = tiny_text_pipeline(tmp_path / "wan")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"a {c} {s}" for c in ("red", "blue") for s in "abcd") + "\n")
+    cfg = _job(
+        tmp_path,
+        **{
+            "policy": tiny_flow_policy(str(pipeline), frames=5, max_prompt_length=16),
+            "train.train_policy.dataset": {"name": str(prompts)},
+            "train.train_policy.reward_function": "colour_match",
+        },
+    )
+    run_dir = _finish(_start(tmp_path, cfg), tmp_path)
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert ledger["0"]["trained"] == {str(i): 1 for i in range(8)}
+    steps = _steps(run_dir)
+    assert len(steps) == 8 // PROMPTS_PER_STEP
+    assert all(s["rewards_lost"] == 0.0 and "data_distance" not in s for s in steps)
+    final = run_dir / "safetensors" / "final"
+    exported = config_from_dict(
+        {**cfg, "policy": {**cfg["policy"], "model_name_or_path": str(final)}}
+    )
+    assert load_flow_model(exported).text_encoder is not None

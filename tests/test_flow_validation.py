@@ -159,12 +159,10 @@ def test_sharded_runs_validate_like_one_process(tmp_path, trainer):
 
 
 def test_world_model_validation_keys(tmp_path):
-    """The validation keys a world model reads are accepted; the others are refused by name,
-    cosmos-rl's prompt-file `local_dir` among them (a world model needs its prompts' text
-    embeddings, which nebula-rl reads from the dataset's t5_xxl/)."""
+    """The validation keys a world model reads are accepted (cosmos-rl's prompt-file
+    `local_dir` among them: `flow.prompts`); the others are refused by name."""
     config_from_dict(_config(tmp_path))
     for key, value, match in (
-        ("local_dir", "p.json", r"local_dir = \"p\.json\": cosmos-rl's prompt files .* no text"),
         ("subset", "hard", r"validation\.dataset\.subset = \"hard\": does not apply"),
     ):
         data = _config(tmp_path)
@@ -179,5 +177,5 @@ def test_world_model_validation_keys(tmp_path):
     with pytest.raises(ConfigError) as refused:
         load_config(cosmos)
     said = str(refused.value)
-    assert "validation.enable" not in said
-    assert "validation.dataset.local_dir" in said
+    assert "validation." not in said and "dataset.local_dir" not in said
+    assert "policy.diffusers.offload = true" in said

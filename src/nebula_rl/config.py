@@ -957,7 +957,8 @@ class DiffusersConfig(_Section):
     is_video: bool = False
     """Video model: samples have `inference_frames` frames (else one)."""
     max_prompt_length: int = 300
-    """Text tokens of a prompt's embeddings kept (the rest are cut)."""
+    """Text tokens of a prompt's embeddings kept (the rest are cut); with a pipeline text
+    encoder (prompt datasets), the tokens its T5 encodes, padded to this length."""
     weighting_scheme: str = "logit_normal"
     """Timestep sampling."""
     train_flow_shift: float = 3.0
@@ -2008,7 +2009,9 @@ FLOW_KEYS = (
     "train.optm_warmup_start_factor", "train.optm_decay_ratio", "train.optm_decay_type",
     "train.optm_min_lr_factor", "train.optm_grad_norm_clip",
     "train.train_policy.type", "train.train_policy.trainer_type", "train.train_policy.dataset.name",
-    "train.train_policy.dataset.kwargs", "train.train_policy.mini_batch",
+    "train.train_policy.dataset.kwargs", "train.train_policy.dataset.split",
+    "train.train_policy.dataset.local_dir",
+    "train.train_policy.mini_batch",
     "train.train_policy.reward_function", "train.train_policy.use_remote_reward",
     "train.train_policy.remote_reward", "train.train_policy.kl_beta",
     "train.train_policy.epsilon_low", "train.train_policy.epsilon_high",
@@ -2042,7 +2045,8 @@ FLOW_KEYS = (
     "mode", "train.train_policy.uncentralized_training", "rollout.parallelism.dp_shard_size",
     # (`nebula_rl.flow.validation`)
     "validation.enable", "validation.val_before_train", "validation.freq",
-    "validation.dataset.name", "validation.dataset.kwargs", "validation.n_generation",
+    "validation.dataset.name", "validation.dataset.kwargs", "validation.dataset.split",
+    "validation.dataset.local_dir", "validation.n_generation",
     "validation.batch_size", "validation.max_num_prompts", "validation.reward_function",
     # (a world model's completions are tensors, sampled by its own sampler)
     "train.non_text", "rollout.backend",
@@ -2053,18 +2057,6 @@ FLOW_KEYS = (
 )  # fmt: skip
 """The keys a world-model run (`policy.is_diffusers`) reads (a dotted prefix covers its
 subkeys); any other key it is given is refused, naming it."""
-
-
-_PROMPT_FILES = (
-    "cosmos-rl's prompt files (JSON, beside the clips) carry no text embeddings, and "
-    "nebula-rl runs no text encoder: name a folder in the local layout, whose t5_xxl/ holds "
-    "them, or builtin:toy_video, as dataset.name"
-)
-_FLOW_REASONS = {
-    "train.train_policy.dataset.local_dir": _PROMPT_FILES,
-    "validation.dataset.local_dir": _PROMPT_FILES,
-}
-"""Why a world-model run refuses a key it does not read, where more can be said than that."""
 
 
 def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
@@ -2085,7 +2077,7 @@ def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
         partly_read = _value(cfg, parent)[3] is not None and any(
             k.startswith(parent + ".") for k in FLOW_KEYS
         )
-        why = _FLOW_REASONS.get(key) or (
+        why = (
             refusal["refused"]
             if refusal and not partly_read
             else "does not apply to world-model runs yet"

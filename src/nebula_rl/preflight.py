@@ -51,7 +51,14 @@ def _check_name(name: str, key: str, errors: list[str], *, allow_builtin: bool =
     )
 
 
-def _check_dataset(ds: DatasetConfig, key: str, errors: list[str]) -> None:
+def _check_dataset(
+    ds: DatasetConfig, key: str, errors: list[str], *, world_model: bool = False
+) -> None:
+    if world_model:
+        from nebula_rl.flow.prompts import PROMPT_SETS
+
+        if ds.name in PROMPT_SETS:
+            return  # (cosmos-rl's prompt sets: fetched at launch, `flow.prompts`)
     if ds.media_dir and not Path(ds.media_dir).is_dir():
         errors.append(f"{key}.media_dir: {ds.media_dir} is not a folder")
     if ds.local_dir:
@@ -203,9 +210,11 @@ def preflight(
         p.errors.append(
             f"policy.model_safetensor_path: {policy.model_safetensor_path} does not exist"
         )
-    _check_dataset(cfg.train.train_policy.dataset, "train.train_policy.dataset", p.errors)
+    flow = policy.is_diffusers
+    train_set = cfg.train.train_policy.dataset
+    _check_dataset(train_set, "train.train_policy.dataset", p.errors, world_model=flow)
     if cfg.validation.enable and cfg.validation.dataset.name:
-        _check_dataset(cfg.validation.dataset, "validation.dataset", p.errors)
+        _check_dataset(cfg.validation.dataset, "validation.dataset", p.errors, world_model=flow)
     rl = cfg.train.train_policy
     if isinstance(rl, GrpoConfig):
         sampled_at = cfg.rollout.sampling_config.temperature

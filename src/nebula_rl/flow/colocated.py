@@ -104,7 +104,7 @@ def run_colocated(
             [
                 sum(losses) / len(losses) * count,
                 clipped * count,
-                data_distance(pixels, prompts, clips) * count,
+                (data_distance(pixels, prompts, clips) or 0.0) * count,
                 float(scored is None),
             ],
             dtype=torch.float64,
@@ -117,9 +117,10 @@ def run_colocated(
             "reward_mean": mean,
             "reward_std": batch_std,
             "rewards_lost": lost / ranks,
-            "data_distance": distance / n,
             "loss": loss / n,
             "clip_fraction": clip / n,
         }
+        if clips[0].video is not None:  # (a prompt dataset's samples have no data to be near)
+            record["data_distance"] = distance / n
         if on_iteration is not None:
             on_iteration(record)

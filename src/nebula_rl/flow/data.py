@@ -16,12 +16,15 @@ vectors per word (:func:`toy_text_embedding`), standing in for a text encoder.
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 
 from nebula_rl.rewards.visual import COLOURS, shape_mask
@@ -29,8 +32,12 @@ from nebula_rl.rewards.visual import COLOURS, shape_mask
 __all__ = [
     "TOY_PROMPTS",
     "Clip",
+    "TextEncoder",
     "clip_batch",
+    "clip_pixels",
+    "clip_text",
     "make_toy_dataset",
+    "read_caption_folder",
     "read_local_dataset",
     "toy_text_embedding",
 ]
@@ -50,17 +57,27 @@ _EMBED_DIRS = ("t5_xxl", "text_embedding")
 
 @dataclass(frozen=True, slots=True)
 class Clip:
-    """One clip of a dataset: caption, pixels and the caption's embeddings."""
+    """One entry of a dataset: a caption with its clip and text embeddings, or (a prompt
+    dataset's, :mod:`nebula_rl.flow.prompts`) a caption alone, with the shape to sample."""
 
     stem: str
     caption: str
-    video: Tensor
-    """uint8 [3, T, H, W]."""
-    text: Tensor
-    """float32 [tokens, width]."""
+    video: Tensor | None
+    """uint8 [3, T, H, W]; None for a prompt without a clip."""
+    text: Tensor | None
+    """float32 [tokens, width]; None where the model's text encoder encodes the caption."""
+    size: tuple[int, ...] = ()
+    """The pixel shape [3, T, H, W] to sample for a prompt without a clip."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The pixel shape [3, T, H, W] of the clip, or of the samples of a prompt."""
+        return tuple(self.video.shape) if self.video is not None else self.size
 
     def samples(self) -> Tensor:
         """The clip as a flow model's sample, float32 [3, T, H, W] in [-1, 1]."""
+        if self.video is None:
+            raise ValueError(f"{self.stem}: a prompt without a clip has no data to train on")
         return self.video.float() / 127.5 - 1
 
 
@@ -187,14 +204,100 @@ def read_local_dataset(root: Path | str, *, num_frames: int, key: str = "dataset
     return clips
 
 
-def clip_batch(clips: list[Clip]) -> tuple[Tensor, Tensor, Tensor]:
-    """(samples [B, 3, T, H, W] in [-1, 1], text [B, L, D] zero-padded, mask [B, L])."""
-    length = max(c.text.shape[0] for c in clips)
-    width = clips[0].text.shape[1]
-    text = torch.zeros(len(clips), length, width)
-    mask = torch.zeros(len(clips), length)
-    for i, clip in enumerate(clips):
-        n = clip.text.shape[0]
-        text[i, :n] = clip.text
-        mask[i, :n] = (clip.text.abs().sum(dim=1) > 0).float()
-    return torch.stack([c.samples() for c in clips]), text, mask
+TextEncoder = Callable[[Sequence[str]], Tensor]
+"""Captions -> their embeddings [B, L, D], zero past each caption's tokens
+(:class:`nebula_rl.flow.text_encoder.PipelineTextEncoder`)."""
+
+
+_VISUALS = (".jpg", ".jpeg", ".png", ".mp4", ".npy")
+
+
+def _fit(frame: Image.Image, height: int, width: int) -> np.ndarray:
+    """A frame scaled (bicubic) so that it covers `height` x `width`, then centre-cropped."""
+    scale = max(height / frame.height, width / frame.width)
+    size = (max(width, round(frame.width * scale)), max(height, round(frame.height * scale)))
+    frame = frame.convert("RGB").resize(size, Image.Resampling.BICUBIC)
+    left, top = (size[0] - width) // 2, (size[1] - height) // 2
+    return np.asarray(frame.crop((left, top, left + width, top + height)))
+
+
+def read_caption_folder(
+    root: Path | str, *, num_frames: int, height: int, width: int, key: str
+) -> list[Clip]:
+    """The clips of a folder in cosmos-rl's diffusers layout (`dataset.local_dir`), in stem
+    order: `<stem>.json` holds the caption (`"prompt"`) and `<stem>.jpg` / `.png` the image or
+    `<stem>.mp4` (`.npy`, uint8 [T, H, W, 3]) the video, its first `num_frames` frames taken;
+    each frame scaled to cover `height` x `width` and centre-cropped. The captions carry no
+    embeddings: the model's text encoder embeds them (`flow.text_encoder`)."""
+    root = Path(root)
+    metas = sorted(root.glob("*.json"))
+    if not metas:
+        raise ValueError(
+            f"{key}: {root} has no <stem>.json captions (cosmos-rl's diffusers layout)"
+        )
+    clips = []
+    for meta in metas:
+        try:
+            caption = str(json.loads(meta.read_text())["prompt"]).strip()
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f'{key}: {meta} must be an object with a "prompt" ({err})') from err
+        visual = next((p for ext in _VISUALS if (p := meta.with_suffix(ext)).exists()), None)
+        if visual is None:
+            raise ValueError(f"{key}: {meta.stem!r} has no {' / '.join(_VISUALS)} beside {meta}")
+        if visual.suffix in (".mp4", ".npy"):
+            video = _read_video(visual)
+            if video.shape[0] < num_frames:
+                raise ValueError(
+                    f"{key}: {visual} has {video.shape[0]} frames, fewer than {num_frames}"
+                )
+            frames = [Image.fromarray(f) for f in video[:num_frames]]
+        else:
+            if num_frames != 1:
+                raise ValueError(
+                    f"{key}: {visual} is an image; a video model (policy.diffusers.is_video) "
+                    "trains on videos"
+                )
+            with Image.open(visual) as image:
+                frames = [image.copy()]
+        pixels = np.stack([_fit(f, height, width) for f in frames])
+        video_t = torch.from_numpy(np.ascontiguousarray(pixels)).permute(3, 0, 1, 2)
+        clips.append(Clip(meta.stem, caption, video_t, None))
+    return clips
+
+
+def clip_batch(
+    clips: list[Clip], encode: TextEncoder | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(samples [B, 3, T, H, W] in [-1, 1], text [B, L, D] zero-padded, mask [B, L]); the text
+    of clips without embeddings comes from `encode`."""
+    return clip_pixels(clips), *clip_text(clips, encode)
+
+
+def clip_pixels(clips: list[Clip]) -> Tensor:
+    """The clips as samples [B, 3, T, H, W] in [-1, 1]."""
+    return torch.stack([c.samples() for c in clips])
+
+
+def clip_text(clips: list[Clip], encode: TextEncoder | None = None) -> tuple[Tensor, Tensor]:
+    """(text [B, L, D] zero-padded, mask [B, L]: 1 on a caption's nonzero token rows) of
+    `clips`: their stored embeddings, or those `encode` gives their captions."""
+    texts: list[Tensor | None] = [c.text for c in clips]
+    missing = [i for i, t in enumerate(texts) if t is None]
+    if missing:
+        if encode is None:
+            raise ValueError(
+                f"{clips[missing[0]].stem}: a prompt without text embeddings needs the model's "
+                "text encoder (a diffusers pipeline folder with text_encoder/ and tokenizer/)"
+            )
+        encoded = encode([clips[i].caption for i in missing])
+        for i, row in zip(missing, encoded, strict=True):
+            texts[i] = row
+    rows = [t for t in texts if t is not None]
+    length = max(t.shape[0] for t in rows)
+    text = torch.zeros(len(rows), length, rows[0].shape[1])
+    mask = torch.zeros(len(rows), length)
+    for i, row in enumerate(rows):
+        n = row.shape[0]
+        text[i, :n] = row
+        mask[i, :n] = (row.abs().sum(dim=1) > 0).float()
+    return text, mask

@@ -9,8 +9,10 @@ in how they take the noise level and the text:
   `1000 sigma` (their schedulers' timesteps);
 - the text embeddings go in as `encoder_hidden_states`, zeroed past each caption's tokens (the
   pipelines' zero padding; a row without text, guidance's unconditional branch, is all zeros);
-- SD3 also takes a pooled text vector: here the mean of the caption's token embeddings (the
-  datasets carry no CLIP pooled embedding), and it makes images only (one frame).
+- SD3 also takes a pooled text vector: its pipeline's (the first row of the embeddings, where
+  its text encoder embeds the captions: `flow.text_encoder`), else the mean of the caption's
+  token embeddings (precomputed datasets carry no pooled vector); it makes images only (one
+  frame).
 
 A transformer with `in_channels = 3` runs in pixel space. Any other runs in the latent space of
 the VAE its pipeline folder holds (`model_index.json` naming `transformer` and `vae`; the VAE is
@@ -24,6 +26,8 @@ starts. diffusers is an optional extra (`pip install nebula-rl[wfm]`).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,6 +145,10 @@ class DiffusersFlowModel(nn.Module):
     cp_group: dist.ProcessGroup | None = None
     """The context-parallel group the frames are split over (None: not split)."""
 
+    text_encoder: Any = None
+    """The pipeline's text encoder for a prompt dataset (`flow.text_encoder`; a plain
+    attribute, shared by copies of the model)."""
+
     def context_parallel(self, group: dist.ProcessGroup) -> None:
         """Split every sample's frames over `group`'s ranks (`flow.context_parallel`: Cosmos and
         Wan transformers); each rank of the group must be given the same inputs."""
@@ -177,8 +185,12 @@ class DiffusersFlowModel(nn.Module):
         if self.kind == "SD3Transformer2DModel":
             if x.shape[2] != 1:
                 raise ValueError(f"SD3Transformer2DModel makes images: got {x.shape[2]} frames")
-            counts = text_mask.sum(dim=1, keepdim=True).clamp(min=1).to(dtype)
-            pooled = text.sum(dim=1) / counts
+            if getattr(self.text_encoder, "pooled_row", False):  # (its pipeline's pooled vector)
+                pooled = text[:, 0, : self.config.pooled_projection_dim]
+                text = text[:, 1:]
+            else:  # (precomputed embeddings carry none: the caption's tokens pooled)
+                counts = text_mask.sum(dim=1, keepdim=True).clamp(min=1).to(dtype)
+                pooled = text.sum(dim=1) / counts
             out = self.transformer(
                 hidden[:, :, 0], encoder_hidden_states=text, pooled_projections=pooled,
                 timestep=t, return_dict=False,
@@ -313,22 +325,43 @@ def load_diffusers_flow_model(
 
 def save_diffusers_flow_model(model: DiffusersFlowModel, folder: Path) -> None:
     """Export `model` as diffusers loads it: a transformer folder in pixel space; in latent
-    space a pipeline folder, `transformer/` and the VAE as it was loaded in `vae/`, with a
-    `model_index.json` naming them (loadable as `policy.model_name_or_path`)."""
-    if model.vae is None:
+    space a pipeline folder, `transformer/` and the VAE as it was loaded in `vae/` (and the
+    text encoder and tokenizer a prompt dataset used), with a `model_index.json` naming them
+    (loadable as `policy.model_name_or_path`)."""
+    if model.vae is None and model.text_encoder is None:
         model.transformer.save_pretrained(str(folder))  # type: ignore[operator]
         return
     model.transformer.save_pretrained(str(folder / "transformer"))  # type: ignore[operator]
-    model.vae.module.save_pretrained(str(folder / "vae"))  # type: ignore[operator]
     index: dict[str, Any] = {
         "_class_name": PIPELINES[model.kind],
         "_diffusers_version": _diffusers().__version__,
         "transformer": ["diffusers", model.kind],
-        "vae": ["diffusers", model.vae.kind],
     }
+    if model.vae is not None:
+        model.vae.module.save_pretrained(str(folder / "vae"))  # type: ignore[operator]
+        index["vae"] = ["diffusers", model.vae.kind]
     if model.expand_timesteps:
         index["expand_timesteps"] = True
+    if model.text_encoder is not None:  # (a prompt dataset's: the export embeds as it was)
+        source = json.loads((model.text_encoder.folder / "model_index.json").read_text())
+        for part, entry in source.items():  # (SD3: text_encoder, _2, _3 and their tokenizers)
+            if part.startswith(("text_encoder", "tokenizer")) and isinstance(entry, list):
+                _link_tree(model.text_encoder.folder / part, folder / part)
+                index[part] = entry
     (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _link_tree(source: Path, target: Path) -> None:
+    """Copy the folder `source` to `target` by hard links where the filesystem allows (a text
+    encoder's weights are not rewritten per export), else by copies."""
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(source, target, copy_function=link, dirs_exist_ok=True)
 
 
 def tiny_vae_config(class_name: str) -> dict[str, Any]:

@@ -58,7 +58,13 @@ from torch import Tensor
 from nebula_rl.config import FLOW_RL_TRAINERS, Config, GrpoConfig, _reward_dict
 from nebula_rl.data import epoch_order, num_train_steps
 from nebula_rl.flow.colocated import run_colocated
-from nebula_rl.flow.data import Clip, make_toy_dataset, read_local_dataset
+from nebula_rl.flow.data import (
+    Clip,
+    clip_text,
+    make_toy_dataset,
+    read_caption_folder,
+    read_local_dataset,
+)
 from nebula_rl.flow.ema import FlowTrainingState, WeightEMA
 from nebula_rl.flow.local import FlowRLSettings, RewardFn, pretrain, run_flow_rl
 from nebula_rl.flow.models import load_flow_model
@@ -70,7 +76,9 @@ from nebula_rl.flow.parallel import (
     shard_flow_model,
     sum_over,
 )
+from nebula_rl.flow.prompts import PROMPT_SETS, is_prompt_dataset, prompt_clips
 from nebula_rl.flow.sampler import guided_velocity, sample
+from nebula_rl.flow.text_encoder import flow_text_encoder
 from nebula_rl.flow.vae import sample_shape, samples_to_pixels
 from nebula_rl.flow.validation import validate_generation, validate_loss
 from nebula_rl.metrics_log import log_image_file, open_loggers
@@ -113,6 +121,23 @@ def flow_clips(
     ds = cfg.validation.dataset if validation else cfg.train.train_policy.dataset
     key = "validation.dataset.name" if validation else "train.train_policy.dataset.name"
     frames = d.inference_frames if d.is_video else 1
+    if ds.local_dir and not validation:  # (cosmos-rl's diffusers folder: captions, no embeddings)
+        height, width = d.inference_size
+        key = "train.train_policy.dataset.local_dir"
+        return read_caption_folder(
+            ds.local_dir, num_frames=frames, height=height, width=width, key=key
+        )
+    name = ds.name or (ds.local_dir if validation else "")
+    if is_prompt_dataset(name):  # (captions only: the model's text encoder embeds them)
+        shape = (3, frames, d.inference_size[0], d.inference_size[1])
+        key = key if ds.name else "validation.dataset.local_dir"
+        prompts = [c for split in ds.split for c in prompt_clips(name, split, shape=shape, key=key)]
+        return prompts[: cfg.validation.max_num_prompts] if validation else prompts
+    if ds.split != ["train"]:
+        raise ValueError(
+            f"{key.replace('.name', '.split')} = {ds.split}: a clip folder ({ds.name}) has no "
+            "splits; splits name the parts of a prompt set"
+        )
     if ds.name == TOY_DATASET:
         seed = (cfg.train.seed or 0) + (1 if validation else 0)
         kwargs = {"size": d.inference_size[0], "frames": frames, "seed": seed}
@@ -124,13 +149,14 @@ def flow_clips(
     else:
         raise ValueError(
             f"{key}: {ds.name!r}: a world-model run reads a local folder in cosmos-rl's layout "
-            f"(metas/, videos/, t5_xxl/) or {TOY_DATASET}"
+            f"(metas/, videos/, t5_xxl/), {TOY_DATASET}, a prompt file (.txt, .jsonl, .json) or "
+            f"one of cosmos-rl's prompt sets ({', '.join(PROMPT_SETS)})"
         )
     clips = read_local_dataset(root, num_frames=frames, key=key)
     if validation:
         clips = clips[: cfg.validation.max_num_prompts]
     keep = d.max_prompt_length
-    return [dataclasses.replace(c, text=c.text[:keep]) for c in clips]
+    return [dataclasses.replace(c, text=None if c.text is None else c.text[:keep]) for c in clips]
 
 
 def flow_rows(cfg: Config, run_dir: Path, *, validation: bool = False) -> list[dict[str, Any]]:
@@ -291,13 +317,12 @@ def sample_grid(
     """One row per caption (at most 8, sorted), four samples each (the Euler ODE in `num_steps`
     steps with the schedule's `shift`, noise drawn from `seed`; a latent-space model's decoded),
     frames side by side."""
-    from nebula_rl.flow.data import clip_batch
-
     captions = sorted({c.caption for c in clips})[:8]
     chosen = [next(c for c in clips if c.caption == caption) for caption in captions]
     device = next(model.parameters()).device
-    _, text, mask = (t.to(device) for t in clip_batch([c for c in chosen for _ in range(4)]))
-    shape = sample_shape(model, chosen[0].video.shape)
+    repeated = [c for c in chosen for _ in range(4)]
+    text, mask = (t.to(device) for t in clip_text(repeated, flow_text_encoder(model)))
+    shape = sample_shape(model, chosen[0].shape)
     noise = torch.randn(len(text), *shape, generator=torch.Generator().manual_seed(seed))
     noise = noise.to(device)
     training = model.training
@@ -312,7 +337,7 @@ def sample_grid(
         ).final
         final = samples_to_pixels(model, final)
     model.train(training)
-    channels, frames, height, width = chosen[0].video.shape
+    channels, frames, height, width = chosen[0].shape
     pixels = pixels_from_samples(final.float().cpu()).view(
         len(captions), 4, channels, frames, height, width
     )

@@ -45,7 +45,7 @@ from nebula_rl.algorithms.flow import (
     nft_old_decay,
     soft_update,
 )
-from nebula_rl.flow.data import Clip, clip_batch
+from nebula_rl.flow.data import Clip, clip_batch, clip_pixels, clip_text
 from nebula_rl.flow.sampler import (
     Trajectory,
     context_frames,
@@ -54,6 +54,7 @@ from nebula_rl.flow.sampler import (
     sample,
     sde_step,
 )
+from nebula_rl.flow.text_encoder import flow_text_encoder
 from nebula_rl.flow.vae import pixels_to_samples, sample_shape, samples_to_pixels
 from nebula_rl.ranks import cpu_threads
 
@@ -181,7 +182,7 @@ def pretrain(
         else:
             picks = torch.randint(len(clips), (batch_size,), generator=generator)
             chosen = [clips[int(i)] for i in picks]
-        x0, text, mask = (t.to(device) for t in clip_batch(chosen))
+        x0, text, mask = (t.to(device) for t in clip_batch(chosen, flow_text_encoder(model)))
         x0 = pixels_to_samples(model, x0)
         noise = torch.randn(x0.shape, generator=generator).to(device)
         sigma = sft_sigmas(
@@ -213,13 +214,16 @@ def pretrain(
 
 def _drawn(
     model: nn.Module, real: list[Clip], seeds: Sequence[int], conditional_frames: tuple[int, int]
-) -> tuple[Tensor, Tensor, Tensor, Tensor, list[torch.Generator], Tensor | None]:
-    """`real`'s pixels, text and mask, with noise and given frames drawn per sample from its
-    own seed, so that a sample's draws do not depend on its batch: (pixels, text, mask, noise,
-    a generator per sample, given)."""
+) -> tuple[Tensor | None, Tensor, Tensor, Tensor, list[torch.Generator], Tensor | None]:
+    """`real`'s pixels (None for prompts without clips), text and mask, with noise and given
+    frames drawn per sample from its own seed, so that a sample's draws do not depend on its
+    batch: (pixels, text, mask, noise, a generator per sample, given)."""
     device = next(model.parameters()).device
-    pixels, text, mask = (t.to(device) for t in clip_batch(real))
-    shape = sample_shape(model, pixels.shape[1:])
+    text, mask = (t.to(device) for t in clip_text(real, flow_text_encoder(model)))
+    pixels = None
+    if all(c.video is not None for c in real):
+        pixels = clip_pixels(real).to(device)
+    shape = sample_shape(model, real[0].shape)
     generators = [torch.Generator().manual_seed(seed) for seed in seeds]
     noise = torch.stack([torch.randn(shape, generator=g) for g in generators]).to(device)
     drawn = [_given_frames(shape[1], 1, conditional_frames, g, device) for g in generators]
@@ -237,7 +241,7 @@ def validation_samples(
     training = model.training
     model.eval()
     with torch.no_grad():
-        clean = None if given is None else pixels_to_samples(model, pixels)
+        clean = None if given is None else pixels_to_samples(model, _data(pixels, real))
         final = sample(
             _velocity(model, text, mask, s, given=given), noise, num_steps=num_steps,
             noise_level=0.0, shift=s.shift, solver=s.solver, given=given, clean=clean,
@@ -261,7 +265,7 @@ def validation_loss(
     clip's noise level, noise and given frames drawn from its seed in `seeds`."""
     pixels, text, mask, noise, generators, given = _drawn(model, clips, seeds, conditional_frames)
     with torch.no_grad():
-        x0 = pixels_to_samples(model, pixels)
+        x0 = pixels_to_samples(model, _data(pixels, clips))
     sigma = torch.cat(
         [sft_sigmas(1, g, scheme=sigma_scheme, mean=sigma_mean, std=sigma_std) for g in generators]
     ).to(x0.device)
@@ -284,11 +288,24 @@ def validation_loss(
     ]  # fmt: skip
 
 
-def data_distance(pixels: Tensor, prompts: Sequence[str], clips: list[Clip]) -> float:
+def _data(pixels: Tensor | None, clips: list[Clip]) -> Tensor:
+    """`pixels`, which only clips (not prompts alone) have."""
+    if pixels is None:
+        raise ValueError(
+            f"{clips[0].stem}: a prompt dataset has no clips for this (SFT, DDRL's data term, "
+            "conditioning frames)"
+        )
+    return pixels
+
+
+def data_distance(pixels: Tensor, prompts: Sequence[str], clips: list[Clip]) -> float | None:
     """Mean over samples (`pixels` in [-1, 1], a latent-space model's decoded) of the RMS distance
-    to the nearest clip of the same caption: how far generation has moved from the data."""
+    to the nearest clip of the same caption: how far generation has moved from the data; None
+    for a prompt dataset (no clips)."""
     by_caption: dict[str, list[Tensor]] = {}
     for clip in clips:
+        if clip.video is None:
+            return None
         by_caption.setdefault(clip.caption, []).append(clip.samples())
     total = 0.0
     for x, prompt in zip(pixels.float().cpu(), prompts, strict=True):
@@ -384,14 +401,15 @@ def roll_out(
     needs them, else None; text, mask, trajectory). With `conditional_frames`, each group's
     first frames (their count drawn per group) are its clip's, given clean."""
     device = next(model.parameters()).device
-    x0, text, mask = (t.to(device) for t in clip_batch(real))
-    shape = (len(real), *sample_shape(model, x0.shape[1:]))
+    text, mask = (t.to(device) for t in clip_text(real, flow_text_encoder(model)))
+    shape = (len(real), *sample_shape(model, real[0].shape))
     noise = torch.randn(shape, generator=generator, device=generator.device).to(device)
     groups = len(real) // s.group_size
     given = _given_frames(
         shape[2], groups, s.conditional_frames, generator, device, repeat=s.group_size
     )
-    clean = None if given is None else pixels_to_samples(model, x0)
+    x0 = clip_pixels(real).to(device) if given is not None or s.data_beta > 0 else None
+    clean = None if given is None or x0 is None else pixels_to_samples(model, x0)
     training = model.training
     model.eval()
     with torch.no_grad():
@@ -403,7 +421,8 @@ def roll_out(
     model.train(training)
     if s.data_beta <= 0:
         return None, text, mask, trajectory
-    return (clean if clean is not None else pixels_to_samples(model, x0)), text, mask, trajectory
+    data = clean if clean is not None else pixels_to_samples(model, _data(x0, real))
+    return data, text, mask, trajectory
 
 
 def train_on_batch(
@@ -498,10 +517,12 @@ def run_flow_rl(
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
             "rewards_lost": float(scored is None),
-            "data_distance": data_distance(pixels, prompts, clips),
             "loss": sum(losses) / len(losses),
             "clip_fraction": clip_fraction,
         }
+        distance = data_distance(pixels, prompts, clips)
+        if distance is not None:  # (a prompt dataset has no data to be near)
+            record["data_distance"] = distance
         records.append(record)
         if on_iteration is not None:
             on_iteration(record)
@@ -514,11 +535,19 @@ def _velocity(
     # (a conditioning run passes the mask even where nothing is given: every rank's model
     # then uses the same parameters, as FSDP2's gradient reduction needs)
     condition = None if given is None else given.float()
+    null_text = null_mask = None
+    encoder = flow_text_encoder(model)
+    if encoder is not None and s.guidance_scale != 1.0:  # (the pipeline's empty prompt)
+        null_text, null_mask = (
+            t.to(text.device).expand(len(text), -1, *t.shape[2:])
+            for t in clip_text([Clip("null", "", None, None)], encoder)
+        )
 
     def velocity(x: Tensor, sigma: Tensor) -> Tensor:
         return guided_velocity(
-            model, x, sigma, text, mask, guidance_scale=s.guidance_scale, condition=condition
-        )
+            model, x, sigma, text, mask, guidance_scale=s.guidance_scale, condition=condition,
+            null_text=null_text, null_mask=null_mask,
+        )  # fmt: skip
 
     return velocity
 

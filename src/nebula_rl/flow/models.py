@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from nebula_rl.config import Config
+from nebula_rl.config import Config, GrpoConfig, SftConfig
 from nebula_rl.flow.context_parallel import CP_CLASSES
 from nebula_rl.flow.diffusers_models import (
     DIFFUSERS_PRESETS,
@@ -42,6 +42,8 @@ from nebula_rl.flow.diffusers_models import (
 )
 from nebula_rl.flow.dit import TinyDiT, TinyDiTConfig
 from nebula_rl.flow.lora import apply_lora, lora_adapter_state, merged_copy, save_adapter
+from nebula_rl.flow.prompts import is_prompt_dataset
+from nebula_rl.flow.text_encoder import TEXT_PIPELINES, PipelineTextEncoder, text_pipeline
 from nebula_rl.flow.vae import check_vae_shape, vae_factors
 from nebula_rl.hub import is_hub_id
 from nebula_rl.models import resolve_dtype
@@ -52,6 +54,7 @@ __all__ = [
     "check_flow_model",
     "flow_model_config",
     "load_flow_model",
+    "needs_text_encoder",
     "save_flow_model",
 ]
 
@@ -129,7 +132,7 @@ def _folder(cfg: Config) -> Path:
     name = cfg.policy.model_name_or_path
     folder = Path(name)
     if not folder.is_dir() and is_hub_id(name):
-        folder = _snapshot(name, revision=cfg.policy.model_revision)
+        folder = _snapshot(name, revision=cfg.policy.model_revision, text=needs_text_encoder(cfg))
     return folder
 
 
@@ -154,6 +157,7 @@ def check_flow_model(cfg: Config) -> None:
     is fetched into the cache here, once, for the job's processes)."""
     name = cfg.policy.model_name_or_path
     cp = cfg.policy.parallelism.cp_size
+    _check_prompt_dataset(cfg)
     if name in DIFFUSERS_PRESETS:
         _shape(cfg)
         vae = PRESET_VAES.get(name)
@@ -195,6 +199,50 @@ def check_flow_model(cfg: Config) -> None:
             f"policy.parallelism.cp_size ({cp}) must divide the frames of a sample "
             f"({config.frames}, policy.diffusers.inference_frames): context parallelism splits "
             "a clip by whole frames"
+        )
+
+
+def _check_prompt_dataset(cfg: Config) -> None:
+    """Refuse a prompt dataset (`flow.prompts`) where the data itself is needed, or where the
+    model has no text encoder nebula-rl runs."""
+    datasets = _unembedded(cfg)
+    if not datasets:
+        return
+    if cfg.validation.enable and len(datasets) == 1:  # (one of the two carries embeddings)
+        other = "validation.dataset" if datasets[0][0].startswith("train") else "train dataset"
+        raise ValueError(
+            f"{datasets[0][0]} has captions the pipeline's text encoder embeds, and the "
+            f"{other} carries its own embeddings: the model would see text from two encoders; "
+            "give both kinds alike"
+        )
+    d = cfg.policy.diffusers
+    p = cfg.train.train_policy
+    for key, captions_only in datasets:
+        why = ""
+        if captions_only and isinstance(p, SftConfig):
+            why = "world-model SFT " + ("validates" if key.startswith("valid") else "trains")
+            why += " on clips"
+        elif captions_only and isinstance(p, GrpoConfig) and p.data_beta > 0:
+            why = f"DDRL's data term (data_beta = {p.data_beta}) trains on clips"
+        elif captions_only and d.max_num_conditional_frames:
+            why = (
+                f"conditioning frames (max_num_conditional_frames = {d.max_num_conditional_frames})"
+            )
+            why += " come from clips"
+        if why:
+            raise ValueError(
+                f"{key}: a prompt dataset has captions only, and {why}: name a clip folder (the "
+                "local layout, or cosmos-rl's diffusers layout as dataset.local_dir)"
+            )
+    name = cfg.policy.model_name_or_path
+    folder = None if name.startswith("tiny:") or name in FLOW_PRESETS else _folder(cfg)
+    pipeline = None if folder is None else text_pipeline(folder)
+    if pipeline not in TEXT_PIPELINES:
+        raise ValueError(
+            f"{KEY} = {name!r}: a prompt dataset's captions are embedded by the model's pipeline "
+            f"text encoder: name a diffusers pipeline ({', '.join(TEXT_PIPELINES)}) whose "
+            "model_index.json names text_encoder and tokenizer"
+            + (f" (this one is {pipeline})" if pipeline else "")
         )
 
 
@@ -283,7 +331,14 @@ def _base_model(cfg: Config, *, seed: int) -> TinyDiT | DiffusersFlowModel:
     if name not in FLOW_PRESETS and diffusers_class_of(folder) is not None:
         found = check_diffusers_folder(name, folder)
         _check_latent(cfg, found.vae_class, found.vae_config() if found.vae else None)
-        return load_diffusers_flow_model(name, folder, compile_encode=compile_encode)
+        diffusers_model = load_diffusers_flow_model(name, folder, compile_encode=compile_encode)
+        if needs_text_encoder(cfg):  # (captions without embeddings: the pipeline embeds them)
+            diffusers_model.text_encoder = PipelineTextEncoder(
+                folder,
+                max_length=cfg.policy.diffusers.max_prompt_length,
+                dtype=resolve_dtype(cfg.train.param_dtype),
+            )
+        return diffusers_model
     _check_latent(cfg, None, None)
     config = flow_model_config(cfg)
     torch.manual_seed(seed)
@@ -296,19 +351,43 @@ def _base_model(cfg: Config, *, seed: int) -> TinyDiT | DiffusersFlowModel:
     return model
 
 
-def pipeline_file(path: str) -> bool:
+def pipeline_file(path: str, *, text: bool = False) -> bool:
     """Whether a diffusers repo's file is one nebula-rl needs: the pipeline index, a root
-    transformer's config and weights, or a file directly in `transformer/` or `vae/` (not the
-    text encoders', which the datasets' precomputed embeddings replace)."""
+    transformer's config and weights, or a file directly in `transformer/` or `vae/`; with
+    `text` (a prompt dataset), also in `text_encoder/` and `tokenizer/` (without, the datasets'
+    precomputed embeddings replace them)."""
     top, _, rest = path.partition("/")
     if not rest:
         return path in ("model_index.json", "config.json") or path.endswith(".safetensors")
-    return top in ("transformer", "vae") and "/" not in rest
+    parts = ("transformer", "vae", "text_encoder", "tokenizer") if text else ("transformer", "vae")
+    return top in parts and "/" not in rest
 
 
-def _snapshot(repo_id: str, *, revision: str | None) -> Path:
-    """A diffusers repo's pipeline index, transformer and VAE, fetched into the Hugging Face
-    cache."""
+def _unembedded(cfg: Config) -> list[tuple[str, bool]]:
+    """(config key, whether it holds captions only) of each of `cfg`'s datasets without text
+    embeddings: a prompt dataset (`flow.prompts`) or a diffusers folder of captions beside
+    their clips (`dataset.local_dir`)."""
+    out = []
+    train = cfg.train.train_policy.dataset
+    if train.local_dir:
+        out.append(("train.train_policy.dataset.local_dir", False))
+    elif train.name and is_prompt_dataset(train.name):
+        out.append(("train.train_policy.dataset.name", True))
+    val = cfg.validation.dataset
+    if cfg.validation.enable and (name := val.name or val.local_dir) and is_prompt_dataset(name):
+        out.append((f"validation.dataset.{'name' if val.name else 'local_dir'}", True))
+    return out
+
+
+def needs_text_encoder(cfg: Config) -> bool:
+    """Whether some of `cfg`'s data has captions without embeddings, which the model's pipeline
+    text encoder embeds (`flow.text_encoder`)."""
+    return bool(_unembedded(cfg))
+
+
+def _snapshot(repo_id: str, *, revision: str | None, text: bool = False) -> Path:
+    """A diffusers repo's pipeline index, transformer and VAE (with `text`, its text encoder and
+    tokenizer), fetched into the Hugging Face cache."""
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -316,7 +395,9 @@ def _snapshot(repo_id: str, *, revision: str | None) -> Path:
         files = HfApi().list_repo_files(repo_id, revision=revision)
         return Path(
             snapshot_download(
-                repo_id, revision=revision, allow_patterns=[f for f in files if pipeline_file(f)]
+                repo_id,
+                revision=revision,
+                allow_patterns=[f for f in files if pipeline_file(f, text=text)],
             )
         )
     except (HfHubHTTPError, LocalEntryNotFoundError) as err:

@@ -61,7 +61,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from nebula_rl.config import Config, GrpoConfig
 from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.controller.state import JobState
-from nebula_rl.flow.data import Clip, clip_batch
+from nebula_rl.flow.data import Clip, clip_pixels, clip_text
 from nebula_rl.flow.ema import FlowTrainingState
 from nebula_rl.flow.job import (
     flow_clips,
@@ -93,6 +93,7 @@ from nebula_rl.flow.parallel import (
     sum_over,
 )
 from nebula_rl.flow.sampler import Trajectory
+from nebula_rl.flow.text_encoder import flow_text_encoder
 from nebula_rl.flow.trajectories import TrajectoryStore
 from nebula_rl.flow.transfer import TrajectoryServer, fetch_trajectories
 from nebula_rl.flow.vae import pixels_to_samples, samples_to_pixels
@@ -320,7 +321,9 @@ class FlowRolloutWorker:
                 Completion([], [], "", "stop", [(0, version)], reward=float(r))
                 for r in (rewards if rewards is not None else [0.0] * n)
             ]
-            extra: dict[str, Any] = {"data_distance": sum(distances) / len(distances)}
+            extra: dict[str, Any] = {}
+            if distances:  # (none for a prompt dataset)
+                extra["data_distance"] = sum(distances) / len(distances)
             if rewards is None:
                 extra["error"] = "the validation rewards were lost"
             state.push_group(RolloutGroup(prompt, [], completions, self.session.name, extra))
@@ -333,7 +336,7 @@ class FlowRolloutWorker:
         prompt: Prompt,
         trajectory: Trajectory,
         rewards: list[float],
-        distance: float,
+        distance: float | None,
         version: int,
         *,
         lost: bool,
@@ -346,7 +349,9 @@ class FlowRolloutWorker:
         completions = [
             Completion([], [], "", "stop", [(0, version)], reward=float(r)) for r in rewards
         ]
-        extra: dict[str, Any] = {"trajectory": name, "data_distance": distance}
+        extra: dict[str, Any] = {"trajectory": name}
+        if distance is not None:  # (none for a prompt dataset)
+            extra["data_distance"] = distance
         if lost:
             extra["rewards_lost"] = True
         state = self.session.state
@@ -511,8 +516,10 @@ class FlowTrainer:
                 )
         real = [self.clips[g.prompt.index] for g in groups for _ in range(s.group_size)]
         device = self.device
-        pixels, text, mask = (t.to(device) for t in clip_batch(real))
-        x0 = pixels_to_samples(self.model, pixels) if s.data_beta > 0 else None  # (DDRL's data)
+        text, mask = (t.to(device) for t in clip_text(real, flow_text_encoder(self.model)))
+        x0 = None
+        if s.data_beta > 0:  # (DDRL's data)
+            x0 = pixels_to_samples(self.model, clip_pixels(real).to(device))
         given = None
         if first.given is not None:  # (conditioning frames: every group has them, checked above)
             given = torch.cat([t.given for t in trajectories if t.given is not None]).to(device)
@@ -553,9 +560,10 @@ class FlowTrainer:
                 count,
                 sum(losses) / len(losses) * count,
                 clipped * count,
-                sum(float(g.extra["data_distance"]) for g in groups) * s.group_size,
+                sum(float(g.extra.get("data_distance", 0.0)) for g in groups) * s.group_size,
                 float(sum(bool(g.extra.get("rewards_lost")) for g in groups)),
                 float(len(groups)),
+                float(sum("data_distance" in g.extra for g in groups) * s.group_size),
             ],
             dtype=torch.float64,
         )
@@ -566,17 +574,19 @@ class FlowTrainer:
         every = self.cfg.logging.multi_modal_log_interval
         if every and iteration % every == 0 and (self.replicas is None or self.replicas.rank == 0):
             self._draw_samples(iteration)  # (every rank of the replica: a sharded forward)
-        total, squares, n, loss, clip, distance, lost, num_groups = sums.tolist()
+        total, squares, n, loss, clip, distance, lost, num_groups, measured = sums.tolist()
         mean = total / n
-        return {
+        out = {
             "reward_mean": mean,
             "reward_std": max(squares / n - mean * mean, 0.0) ** 0.5,
             "loss": loss / n,
             "clip_frac": clip / n,
-            "data_distance": distance / n,
             "rewards_lost": lost / num_groups,
             "lr": self.scheduler.get_last_lr()[0],
         }
+        if measured:  # (a prompt dataset's samples have no data to be near)
+            out["data_distance"] = distance / measured
+        return out
 
     def _draw_samples(self, step: int) -> None:
         """The sample grid of `step` to `<run>/samples/step_<N>.png`; the controller hands it

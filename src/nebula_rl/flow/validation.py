@@ -118,7 +118,8 @@ def scored_clips(
         scored = score(pixels, captions)
         for k in range(len(chunk)):
             rows = range(k * n, (k + 1) * n)
-            distances = [data_distance(pixels[j : j + 1], captions[j : j + 1], clips) for j in rows]
+            found = [data_distance(pixels[j : j + 1], captions[j : j + 1], clips) for j in rows]
+            distances = [d for d in found if d is not None]  # (none for a prompt dataset)
             out.append((None if scored is None else list(scored[k * n : (k + 1) * n]), distances))
     return out
 

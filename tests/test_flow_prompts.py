@@ -1,0 +1,369 @@
+"""Prompt datasets of world-model RL: prompt files and cosmos-rl's prompt sets (fetched once into
+the cache), embedded online by the pipeline's own text encoder, trained on by FlowGRPO and
+DiffusionNFT; what needs clips is refused."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import http.server
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flow_configs import tiny_flow_config, tiny_flow_policy, tiny_text_pipeline
+from nebula_rl.config import config_from_dict
+from nebula_rl.flow.data import Clip, clip_text
+from nebula_rl.flow.job import flow_clips
+from nebula_rl.flow.models import check_flow_model, load_flow_model
+from nebula_rl.flow.prompts import fetch_prompt_set, prompt_clips, read_prompt_file
+from nebula_rl.flow.text_encoder import PipelineTextEncoder
+
+CAPTIONS = ["a red square", "a blue circle", "a green bar", "a yellow square"]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    return tiny_text_pipeline(tmp_path_factory.mktemp("wan"))
+
+
+def test_prompt_files_are_read_in_order_and_bad_ones_named(tmp_path):
+    (tmp_path / "p.txt").write_text("a red square\n\n  a blue circle \n")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a red square", "tag": 1}\n{"prompt": "x"}\n')
+    (tmp_path / "p.json").write_text(json.dumps([{"prompt": "one"}, {"prompt": "two"}]))
+    assert read_prompt_file(tmp_path / "p.txt", key="k") == ["a red square", "a blue circle"]
+    assert read_prompt_file(tmp_path / "p.jsonl", key="k") == ["a red square", "x"]
+    assert read_prompt_file(tmp_path / "p.json", key="k") == ["one", "two"]
+    (tmp_path / "bad.jsonl").write_text('{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match=r"dataset\.name: .*bad\.jsonl: each entry must be an"):
+        read_prompt_file(tmp_path / "bad.jsonl", key="dataset.name")
+    (tmp_path / "empty.txt").write_text("\n")
+    with pytest.raises(ValueError, match="holds no prompt"):
+        read_prompt_file(tmp_path / "empty.txt", key="k")
+    clips = prompt_clips(str(tmp_path / "p.json"), "train", shape=(3, 5, 8, 8), key="k")
+    assert [(c.caption, c.video, c.text, c.shape) for c in clips] == [
+        ("one", None, None, (3, 5, 8, 8)),
+        ("two", None, None, (3, 5, 8, 8)),
+    ]
+
+
+def test_a_prompt_set_is_fetched_once_into_the_cache(tmp_path, monkeypatch):
+    """cosmos-rl's prompt sets are downloaded on first use (here from a local server) and read
+    from the cache after; a split the set lacks and a failed download are named."""
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "train.txt").write_text("a red square\na blue circle\n")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/train.txt"
+    monkeypatch.setenv("NEBULA_RL_CACHE", str(tmp_path / "cache"))
+    try:
+        path = fetch_prompt_set("pickscore", "train", key="k", url=url)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert path == tmp_path / "cache" / "prompt_sets" / "pickscore" / "train.txt"
+    assert read_prompt_file(path, key="k") == ["a red square", "a blue circle"]
+    assert fetch_prompt_set("pickscore", "train", key="k", url=url) == path  # (server gone)
+    with pytest.raises(ValueError, match=r"'dance_grpo_t2v' has the split\(s\) train, not 'test'"):
+        fetch_prompt_set("dance_grpo_t2v", "test", key="k")
+    with pytest.raises(ValueError, match=r"k: could not fetch prompt set 'ocr' \(train\) from"):
+        fetch_prompt_set("ocr", "train", key="k", url=url)
+    assert not (tmp_path / "cache" / "prompt_sets" / "ocr" / "train.txt").exists()
+
+
+def test_the_text_encoder_embeds_as_the_pipeline_does(pipeline):
+    """The encoder gives the pipeline's own `encode_prompt` states (zero past each caption's
+    tokens), keeps recent captions, and is shared, not copied, by copies of the model."""
+    import diffusers
+
+    encoder = PipelineTextEncoder(pipeline, max_length=24)
+    out = encoder(CAPTIONS[:2])
+    reference = diffusers.WanPipeline.from_pretrained(
+        str(pipeline), transformer=None, vae=None, scheduler=None
+    ).encode_prompt(CAPTIONS[:2], do_classifier_free_guidance=False, max_sequence_length=24)[0]
+    torch.testing.assert_close(out, reference)
+    tokens = (out.abs().sum(-1) > 0).sum(1).tolist()
+    assert out.shape == (2, 24, 32) and tokens[0] < tokens[1] < 24  # ("circle" is longer)
+    again = encoder([CAPTIONS[1], CAPTIONS[0], CAPTIONS[1]])
+    torch.testing.assert_close(again, out[[1, 0, 1]])
+    assert list(encoder._cache) == [CAPTIONS[0], CAPTIONS[1]]
+    assert copy.deepcopy(encoder) is encoder
+    prompts = [Clip(f"p{i}", c, None, None, size=(3, 5, 8, 8)) for i, c in enumerate(CAPTIONS)]
+    text, mask = clip_text(prompts[:2], encoder)  # (a prompt's mask: its tokens only)
+    assert mask.sum(1).tolist() == tokens and torch.equal(text, out)
+    with pytest.raises(ValueError, match="p0: a prompt without text embeddings needs the model"):
+        clip_text(prompts)
+
+
+def _prompt_run(
+    tmp_path: Path, model: str, *, trainer: str = "flow_grpo", frames: int = 5, **extra
+) -> dict:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(CAPTIONS) + "\n")
+    sample = {"num_steps": 4, "eval_num_steps": 4, "guidance_scale": 1.0}
+    data = tiny_flow_config(
+        tmp_path,
+        tiny_flow_policy(
+            model, frames=frames, train_flow_shift=1.0, max_prompt_length=24, sample=sample
+        ),
+        trainer=trainer,
+        max_num_steps=2,
+        clip=1e-4,
+        **extra,
+    )
+    data["train"]["train_policy"]["dataset"] = {"name": str(prompts)}
+    data["train"]["train_policy"]["reward_function"] = "colour_match"
+    return data
+
+
+def test_flow_grpo_trains_on_prompts_through_the_pipeline_text_encoder(tmp_path, pipeline):
+    """A prompt file trains FlowGRPO on the Wan pipeline: the captions are embedded by its text
+    encoder, the samples scored, the weights moved; cosmos-rl's validation prompt file is
+    sampled and scored; no distance to data is reported."""
+    from nebula_rl.flow import job
+
+    data = _prompt_run(tmp_path, str(pipeline))
+    (tmp_path / "val.json").write_text(json.dumps([{"prompt": c} for c in CAPTIONS[:2]]))
+    data["validation"] = {
+        "enable": True,
+        "dataset": {"local_dir": str(tmp_path / "val.json")},
+        "n_generation": 2,
+    }
+    cfg = config_from_dict(data)
+    check_flow_model(cfg)
+    clips = flow_clips(cfg, tmp_path)
+    assert [c.caption for c in clips] == CAPTIONS and clips[0].shape == (3, 5, 8, 8)
+    start = load_flow_model(cfg)
+    assert isinstance(start.text_encoder, PipelineTextEncoder)
+    run = job.run(cfg)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if "iteration" in r] == [1.0, 2.0]
+    assert all(r.get("rewards_lost", 0) == 0 and "data_distance" not in r for r in records)
+    assert len({r["reward_mean"] for r in records if "reward_mean" in r}) == 2
+    validated = [r for r in records if "val/reward_mean" in r]  # (the last step's)
+    assert len(validated) == 1 and validated[0]["val/rollout_count"] == 4
+    assert not any("val/data_distance" in r for r in records)
+    final = run / "safetensors" / "final"
+    state = {k: v for f in final.glob("transformer/*.safetensors") for k, v in load_file(f).items()}
+    before = start.transformer.state_dict()
+    assert any(not torch.equal(state[k], before[k]) for k in before)
+    # (the export is a whole pipeline: it embeds the captions as the run did)
+    again = load_flow_model(config_from_dict(_prompt_run(tmp_path, str(final))))
+    torch.testing.assert_close(again.text_encoder(CAPTIONS), start.text_encoder(CAPTIONS))
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"model": "tiny:wan_transformer3d_latent"}, "embedded by the model's pipeline text"),
+        ({"trainer": "ddrl", "data_beta": 0.1}, r"DDRL's data term \(data_beta = 0\.1\)"),
+        ({"max_num_conditional_frames": 1}, r"conditioning frames \(max_num_conditional_fr"),
+        ({"sft": True}, "world-model SFT trains on clips"),
+    ],
+)
+def test_what_needs_clips_or_a_text_encoder_is_refused(tmp_path, pipeline, change, match):
+    model = change.get("model", str(pipeline))
+    extra = {"data_beta": change["data_beta"]} if "data_beta" in change else {}
+    data = _prompt_run(tmp_path, model, trainer=change.get("trainer", "flow_grpo"), **extra)
+    if "max_num_conditional_frames" in change:
+        data["policy"]["diffusers"]["max_num_conditional_frames"] = 1
+    if change.get("sft"):
+        data["train"]["train_policy"] = {
+            "type": "sft",
+            "trainer_type": "diffusers_sft",
+            "dataset": data["train"]["train_policy"]["dataset"],
+        }
+    with pytest.raises(ValueError, match=match):
+        check_flow_model(config_from_dict(data))
+
+
+def test_a_pipeline_whose_text_encoder_is_not_run_is_refused(tmp_path, pipeline):
+    """Cosmos-Predict2.5's pipeline cannot be made without its guardrail and VAE."""
+    index = json.loads((pipeline / "model_index.json").read_text())
+    cosmos = tmp_path / "cosmos"
+    cosmos.mkdir()
+    (cosmos / "model_index.json").write_text(
+        json.dumps({**index, "_class_name": "Cosmos2_5_PredictBasePipeline"})
+    )
+    with pytest.raises(ValueError, match=r"not Cosmos2_5_PredictBasePipeline's \(diffusers bu"):
+        PipelineTextEncoder(cosmos, max_length=8)
+    with pytest.raises(ValueError, match="names no text_encoder and tokenizer"):
+        PipelineTextEncoder(tmp_path, max_length=8)
+
+
+def test_cosmos_rl_validation_prompts_are_read_from_local_dir(tmp_path, pipeline):
+    """cosmos-rl's diffusers validation file (`validation.dataset.local_dir`, a JSON list of
+    prompts) is a prompt dataset, cut to `validation.max_num_prompts`; a validation set with
+    embeddings of its own beside captions the pipeline embeds is refused."""
+    (tmp_path / "val.json").write_text(json.dumps([{"prompt": c} for c in CAPTIONS]))
+    data = _prompt_run(tmp_path, str(pipeline))
+    data["validation"] = {
+        "enable": True,
+        "dataset": {"local_dir": str(tmp_path / "val.json")},
+        "max_num_prompts": 3,
+    }
+    cfg = config_from_dict(data)
+    check_flow_model(cfg)
+    assert [c.caption for c in flow_clips(cfg, tmp_path, validation=True)] == CAPTIONS[:3]
+    data["validation"]["dataset"] = {"name": "builtin:toy_video"}  # (embeddings of its own)
+    with pytest.raises(ValueError, match=r"dataset\.name has captions .* from two encoders"):
+        check_flow_model(config_from_dict(data))
+
+
+def test_stable_diffusion_3_takes_its_pipelines_pooled_vector(tmp_path):
+    """SD3's embeddings lead with the pooled vector of its CLIP encoders, which its flow model
+    splits off: its velocity is the transformer's on the pipeline's own embeddings and pooled
+    vector; a prompt run trains it."""
+    import diffusers
+
+    from nebula_rl.flow import job
+
+    folder = tiny_text_pipeline(tmp_path / "sd3", kind="sd3")
+    encoder = PipelineTextEncoder(folder, max_length=12)
+    out = encoder(CAPTIONS[:2])
+    pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(
+        str(folder), transformer=None, vae=None, scheduler=None
+    )
+    embeds, _, pooled, _ = pipe.encode_prompt(
+        CAPTIONS[:2], None, None, do_classifier_free_guidance=False, max_sequence_length=12
+    )
+    assert out.shape == (2, 1 + 24 + 12, 32)
+    torch.testing.assert_close(out[:, 0], pooled)
+    torch.testing.assert_close(out[:, 1:], embeds)
+
+    data = _prompt_run(tmp_path, str(folder), frames=1)
+    model = load_flow_model(config_from_dict(data))
+    prompts = [Clip(f"p{i}", c, None, None, size=(3, 1, 8, 8)) for i, c in enumerate(CAPTIONS)]
+    text, mask = clip_text(prompts[:2], model.text_encoder)
+    embeds, _, pooled, _ = pipe.encode_prompt(  # (at the run's max_prompt_length)
+        CAPTIONS[:2], None, None, do_classifier_free_guidance=False, max_sequence_length=24
+    )
+    x, sigma = torch.randn(2, 4, 1, 4, 4), torch.tensor([0.3, 0.7])
+    with torch.no_grad():
+        velocity = model(x, sigma, text, mask)
+        direct = model.transformer(
+            x[:, :, 0], encoder_hidden_states=embeds, pooled_projections=pooled,
+            timestep=sigma * 1000, return_dict=False,
+        )[0].unsqueeze(2)  # fmt: skip
+    torch.testing.assert_close(velocity, direct)
+
+    run = job.run(config_from_dict(data))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1.0, 2.0]
+    assert all(r["rewards_lost"] == 0 for r in records)
+
+
+def _caption_folder(root: Path, size: tuple[int, int] = (8, 12)) -> Path:
+    """cosmos-rl's diffusers SFT layout: `<stem>.json` captions beside `<stem>.jpg` / `.png`
+    images of `size` (height, width), each red in its middle third and blue at the sides."""
+    from PIL import Image
+
+    root.mkdir(parents=True)
+    height, width = size
+    for i, caption in enumerate(CAPTIONS):
+        pixels = torch.zeros(height, width, 3, dtype=torch.uint8)
+        pixels[..., 2] = 255
+        pixels[:, width // 3 : 2 * width // 3] = torch.tensor([255, 0, 0], dtype=torch.uint8)
+        (root / f"s{i}.json").write_text(json.dumps({"prompt": caption, "extra": i}))
+        Image.fromarray(pixels.numpy()).save(root / f"s{i}.{'png' if i % 2 else 'jpg'}")
+    return root
+
+
+def test_world_model_sft_trains_on_a_cosmos_rl_caption_folder(tmp_path):
+    """`dataset.local_dir` in cosmos-rl's diffusers layout (JSON captions beside images) trains
+    SD3 with its pipeline's text encoder: images scaled to cover the frame and centre-cropped;
+    a prompt file as SFT's validation set is refused (SFT validates on clips)."""
+    from nebula_rl.flow import job
+
+    folder = tiny_text_pipeline(tmp_path / "sd3", kind="sd3")
+    data = _prompt_run(tmp_path, str(folder), frames=1)
+    data["train"]["train_policy"] = {
+        "type": "sft",
+        "trainer_type": "diffusers_sft",
+        "dataset": {"local_dir": str(_caption_folder(tmp_path / "sft"))},
+    }
+    data["train"].update(max_num_steps=3, train_batch_per_replica=2, epoch=2)
+    cfg = config_from_dict(data)
+    check_flow_model(cfg)
+    clips = flow_clips(cfg, tmp_path)
+    assert [(c.stem, c.caption, c.text) for c in clips] == [
+        (f"s{i}", c, None) for i, c in enumerate(CAPTIONS)
+    ]
+    png = clips[1].video
+    assert png is not None and png.shape == (3, 1, 8, 8)
+    assert png[:, 0, :, 2:6].tolist() == [[[255] * 4] * 8, [[0] * 4] * 8, [[0] * 4] * 8]
+    assert png[0, 0, :, 0].tolist() == [0] * 8  # (the crop keeps 2 blue columns a side)
+    run = job.run(cfg)
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 3 and all(0 < loss < 10 for loss in losses)
+    assert (run / "safetensors" / "final" / "text_encoder_3").is_dir()
+
+    data["validation"] = {"enable": True, "dataset": {"name": str(tmp_path / "prompts.txt")}}
+    with pytest.raises(
+        ValueError, match=r"validation\.dataset\.name: .* world-model SFT validates"
+    ):
+        check_flow_model(config_from_dict(data))
+
+
+def test_colocated_diffusion_nft_trains_on_prompts_on_two_ranks(tmp_path, pipeline):
+    """cosmos-rl's NFT layout: DiffusionNFT on a prompt file, colocated on two FSDP2 ranks of
+    the Wan pipeline; each rank embeds its own captions, every step is recorded once and the
+    export keeps the text encoder."""
+    from test_flow_parallel import _job, _train_cli
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(CAPTIONS) + "\n")
+    config = _job(
+        tmp_path,
+        **{
+            "policy": {
+                **tiny_flow_policy(str(pipeline), frames=5, max_prompt_length=16),
+                "parallelism": {"dp_shard_size": 2},
+            },
+            "train.train_policy.trainer_type": "diffusion_nft",
+            "train.train_policy.dataset": {"name": str(prompts)},
+        },
+    )
+    data = json.loads(config.read_text())
+    data["policy"]["diffusers"].update(weight_copy_decay_type=1)
+    data["policy"]["diffusers"]["sample"]["deterministic_sampling"] = True
+    data["logging"] = {}
+    config.write_text(json.dumps(data))
+    result = _train_cli(config)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "colocated"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["rewards_lost"] == 0 and "data_distance" not in r for r in records)
+    assert "[rank 1]" in result.stdout + result.stderr
+    index = json.loads((run_dir / "safetensors" / "final" / "model_index.json").read_text())
+    assert index["text_encoder"] == ["transformers", "UMT5EncoderModel"]
+
+
+def test_guidance_conditions_its_unconditional_branch_on_the_empty_prompt(tmp_path):
+    """With a pipeline text encoder, classifier-free guidance's unconditional branch sees the
+    pipeline's embedding of the empty prompt (SD3's: nonzero), as the pipeline's does."""
+    from nebula_rl.flow.job import flow_settings
+    from nebula_rl.flow.local import _velocity
+
+    folder = tiny_text_pipeline(tmp_path / "sd3", kind="sd3")
+    data = _prompt_run(tmp_path, str(folder), frames=1)
+    data["policy"]["diffusers"]["sample"]["guidance_scale"] = 3.0
+    cfg = config_from_dict(data)
+    model = load_flow_model(cfg).eval()
+    s = flow_settings(cfg, num_iterations=1, prompts=2)
+    prompts = [Clip(f"p{i}", c, None, None, size=(3, 1, 8, 8)) for i, c in enumerate(CAPTIONS)]
+    text, mask = clip_text(prompts[:2], model.text_encoder)
+    null, null_mask = clip_text([Clip("n", "", None, None)] * 2, model.text_encoder)
+    assert null.abs().sum() > 0
+    x, sigma = torch.randn(2, 4, 1, 4, 4), torch.tensor([0.3, 0.7])
+    with torch.no_grad():
+        guided = _velocity(model, text, mask, s, given=None)(x, sigma)
+        v_c, v_u = model(x, sigma, text, mask), model(x, sigma, null, null_mask)
+    torch.testing.assert_close(guided, v_u + 3.0 * (v_c - v_u), rtol=1e-4, atol=1e-5)
