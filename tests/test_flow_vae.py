@@ -278,7 +278,7 @@ def test_the_reward_service_scores_a_latent_models_decoded_pixels(tmp_path, monk
     assert [json.loads(line)["rewards_lost"] for line in got.read_text().splitlines()] == [0] * 3
 
 
-def test_a_hub_pipeline_fetch_takes_the_transformer_and_vae_only():
+def test_a_hub_pipeline_fetch_takes_only_the_parts_the_run_needs():
     from nebula_rl.flow.models import pipeline_file
 
     wanted = ["model_index.json", "transformer/config.json",
@@ -290,3 +290,7 @@ def test_a_hub_pipeline_fetch_takes_the_transformer_and_vae_only():
                 "transformer/extra/weights.safetensors", "README.md"]  # fmt: skip
     assert all(pipeline_file(f) for f in wanted)
     assert not any(pipeline_file(f) for f in unwanted)
+    texts = ["text_encoder/model.safetensors", "text_encoder_3/config.json",
+             "tokenizer/tokenizer.json", "tokenizer_2/vocab.json"]  # fmt: skip
+    assert all(pipeline_file(f, text=True) for f in wanted + texts)  # (captions to embed)
+    assert not any(pipeline_file(f, text=True) for f in unwanted[3:])

@@ -354,13 +354,13 @@ def _base_model(cfg: Config, *, seed: int) -> TinyDiT | DiffusersFlowModel:
 def pipeline_file(path: str, *, text: bool = False) -> bool:
     """Whether a diffusers repo's file is one nebula-rl needs: the pipeline index, a root
     transformer's config and weights, or a file directly in `transformer/` or `vae/`; with
-    `text` (a prompt dataset), also in `text_encoder/` and `tokenizer/` (without, the datasets'
-    precomputed embeddings replace them)."""
+    `text` (captions to embed), also in `text_encoder*/` and `tokenizer*/` (without, the
+    datasets' precomputed embeddings replace them)."""
     top, _, rest = path.partition("/")
     if not rest:
         return path in ("model_index.json", "config.json") or path.endswith(".safetensors")
-    parts = ("transformer", "vae", "text_encoder", "tokenizer") if text else ("transformer", "vae")
-    return top in parts and "/" not in rest
+    texts = ("text_encoder", "tokenizer")  # (SD3's also text_encoder_2, _3, tokenizer_2, _3)
+    return (top in ("transformer", "vae") or (text and top.startswith(texts))) and "/" not in rest
 
 
 def _unembedded(cfg: Config) -> list[tuple[str, bool]]:
