@@ -236,6 +236,9 @@ def test_stable_diffusion_3_takes_its_pipelines_pooled_vector(tmp_path):
     assert out.shape == (2, 1 + 24 + 12, 32)
     torch.testing.assert_close(out[:, 0], pooled)
     torch.testing.assert_close(out[:, 1:], embeds)
+    parts = [p for n, p in encoder._pipeline.components.items() if n.startswith("text_encoder")]
+    assert len(parts) == 3  # (each frozen, in eval mode, on the encoder's device)
+    assert not any(m.training or any(q.requires_grad for q in m.parameters()) for m in parts)
 
     data = _prompt_run(tmp_path, str(folder), frames=1)
     model = load_flow_model(config_from_dict(data))

@@ -123,7 +123,9 @@ class PipelineTextEncoder:
                 if torch.cuda.is_available()
                 else torch.device("cpu")
             )
-        pipeline.text_encoder.requires_grad_(False).eval().to(self.device)
+        for name, part in pipeline.components.items():  # (SD3: text_encoder, _2 and _3)
+            if name.startswith("text_encoder") and part is not None:
+                part.requires_grad_(False).eval().to(self.device)
         return pipeline
 
     def __call__(self, captions: Sequence[str]) -> Tensor:
