@@ -75,6 +75,7 @@ def test_a_prompt_set_is_fetched_once_into_the_cache(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"k: could not fetch prompt set 'ocr' \(train\) from"):
         fetch_prompt_set("ocr", "train", key="k", url=url)
     assert not (tmp_path / "cache" / "prompt_sets" / "ocr" / "train.txt").exists()
+    assert not list((tmp_path / "cache").rglob("*.part"))  # (a failed fetch leaves nothing)
 
 
 def test_the_text_encoder_embeds_as_the_pipeline_does(pipeline):

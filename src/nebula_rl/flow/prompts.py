@@ -80,7 +80,7 @@ def fetch_prompt_set(name: str, split: str, *, key: str, url: str | None = None)
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(path.suffix + ".part")
+    partial = path.with_suffix(f"{path.suffix}.{os.getpid()}.part")  # (ranks may fetch at once)
     try:
         with urllib.request.urlopen(url, timeout=60) as response:
             partial.write_bytes(response.read())
