@@ -100,11 +100,12 @@ def run_colocated(
                 old=old, scheduler=scheduler,
             )  # fmt: skip
         count = float(len(rewards))
+        near = data_distance(pixels, prompts, clips)  # (None for a prompt dataset: on every rank)
         sums = torch.tensor(
             [
                 sum(losses) / len(losses) * count,
                 clipped * count,
-                (data_distance(pixels, prompts, clips) or 0.0) * count,
+                (near or 0.0) * count,
                 float(scored is None),
             ],
             dtype=torch.float64,
@@ -120,7 +121,7 @@ def run_colocated(
             "loss": loss / n,
             "clip_fraction": clip / n,
         }
-        if clips[0].video is not None:  # (a prompt dataset's samples have no data to be near)
+        if near is not None:  # (a prompt dataset's samples have no data to be near)
             record["data_distance"] = distance / n
         if on_iteration is not None:
             on_iteration(record)

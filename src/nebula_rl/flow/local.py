@@ -408,8 +408,10 @@ def roll_out(
     given = _given_frames(
         shape[2], groups, s.conditional_frames, generator, device, repeat=s.group_size
     )
-    x0 = clip_pixels(real).to(device) if given is not None or s.data_beta > 0 else None
-    clean = None if given is None or x0 is None else pixels_to_samples(model, x0)
+    x0 = None  # (the clips as samples: the given frames' and DDRL's data)
+    if given is not None or s.data_beta > 0:
+        x0 = pixels_to_samples(model, clip_pixels(real).to(device))
+    clean = None if given is None else x0
     training = model.training
     model.eval()
     with torch.no_grad():
@@ -419,10 +421,7 @@ def roll_out(
             generator=generator, solver=s.solver, given=given, clean=clean,
         )  # fmt: skip
     model.train(training)
-    if s.data_beta <= 0:
-        return None, text, mask, trajectory
-    data = clean if clean is not None else pixels_to_samples(model, _data(x0, real))
-    return data, text, mask, trajectory
+    return (x0 if s.data_beta > 0 else None), text, mask, trajectory
 
 
 def train_on_batch(

@@ -157,7 +157,8 @@ def check_flow_model(cfg: Config) -> None:
     is fetched into the cache here, once, for the job's processes)."""
     name = cfg.policy.model_name_or_path
     cp = cfg.policy.parallelism.cp_size
-    _check_prompt_dataset(cfg)
+    folder = None if name.startswith("tiny:") else _folder(cfg)  # (a Hub model: fetched once)
+    _check_prompt_dataset(cfg, folder)
     if name in DIFFUSERS_PRESETS:
         _shape(cfg)
         vae = PRESET_VAES.get(name)
@@ -170,7 +171,7 @@ def check_flow_model(cfg: Config) -> None:
             cfg, DIFFUSERS_PRESETS[name], channels + cosmos_mask, channels, name in TI2V_PRESETS
         )
         return
-    folder = Path(name) if name in FLOW_PRESETS else _folder(cfg)
+    folder = folder or Path(name)
     if name not in FLOW_PRESETS and (kind := diffusers_class_of(folder)) is not None:
         found = check_diffusers_folder(name, folder)
         found_vae_config = found.vae_config() if found.vae else None
@@ -202,9 +203,9 @@ def check_flow_model(cfg: Config) -> None:
         )
 
 
-def _check_prompt_dataset(cfg: Config) -> None:
+def _check_prompt_dataset(cfg: Config, folder: Path | None) -> None:
     """Refuse a prompt dataset (`flow.prompts`) where the data itself is needed, or where the
-    model has no text encoder nebula-rl runs."""
+    model (in `folder`; None for a preset) has no text encoder nebula-rl runs."""
     datasets = _unembedded(cfg)
     if not datasets:
         return
@@ -235,7 +236,6 @@ def _check_prompt_dataset(cfg: Config) -> None:
                 "local layout, or cosmos-rl's diffusers layout as dataset.local_dir)"
             )
     name = cfg.policy.model_name_or_path
-    folder = None if name.startswith("tiny:") or name in FLOW_PRESETS else _folder(cfg)
     pipeline = None if folder is None else text_pipeline(folder)
     if pipeline not in TEXT_PIPELINES:
         raise ValueError(
