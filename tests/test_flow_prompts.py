@@ -371,3 +371,20 @@ def test_guidance_conditions_its_unconditional_branch_on_the_empty_prompt(tmp_pa
         guided = _velocity(model, text, mask, s, given=None)(x, sigma)
         v_c, v_u = model(x, sigma, text, mask), model(x, sigma, null, null_mask)
     torch.testing.assert_close(guided, v_u + 3.0 * (v_c - v_u), rtol=1e-4, atol=1e-5)
+
+
+def test_dataset_split_picks_a_prompt_sets_part(tmp_path, pipeline, monkeypatch):
+    """`dataset.split` names the part of a prompt set read (here from the cache); a clip folder
+    has no splits, so another split is refused for it."""
+    monkeypatch.setenv("NEBULA_RL_CACHE", str(tmp_path / "cache"))
+    cached = tmp_path / "cache" / "prompt_sets" / "pickscore"
+    cached.mkdir(parents=True)
+    (cached / "test.txt").write_text("a cyan circle\na magenta bar\n")
+    data = _prompt_run(tmp_path, str(pipeline))
+    data["train"]["train_policy"]["dataset"] = {"name": "pickscore", "split": "test"}
+    cfg = config_from_dict(data)
+    check_flow_model(cfg)
+    assert [c.caption for c in flow_clips(cfg, tmp_path)] == ["a cyan circle", "a magenta bar"]
+    data["train"]["train_policy"]["dataset"] = {"name": "builtin:toy_video", "split": "test"}
+    with pytest.raises(ValueError, match=r"dataset\.split = \['test'\]: a clip folder"):
+        flow_clips(config_from_dict(data), tmp_path)
