@@ -112,22 +112,27 @@ def tiny_text_pipeline(folder: Any, *, kind: str = "wan", frames: int = 5, size:
     """Write a tiny pipeline with its text encoders into `folder` (returned): `kind` "wan" is
     `tiny:wan_transformer3d_latent`'s transformer and VAE for `frames` frames of `size` x `size`
     pixels with a 2-layer UMT5 32 wide; "sd3" is `tiny:sd3_transformer2d_latent`'s (one frame)
-    with two CLIP encoders (16 wide, their pooled vectors 16 + 16) and a T5 32 wide. Every
-    tokenizer is the presets' byte-level one (CLIP's cut at 24 tokens)."""
+    with two CLIP encoders (16 wide, their pooled vectors 16 + 16) and a T5 32 wide; "cosmos" is
+    `tiny:cosmos_transformer3d_latent`'s with a 2-layer Qwen2.5-VL 32 wide, its transformer
+    projecting the 2 x 32 states to 32 (`use_crossattn_projection`, as Cosmos-Predict2.5's).
+    Every tokenizer is the presets' byte-level one (CLIP's cut at 24 tokens)."""
     import json
     from pathlib import Path
 
+    import diffusers
     import transformers
 
     from nebula_rl.flow.diffusers_models import save_diffusers_flow_model, tiny_diffusers_flow_model
     from nebula_rl.models import build_char_tokenizer
 
     folder = Path(folder)
-    preset = f"tiny:{'wan_transformer3d' if kind == 'wan' else 'sd3_transformer2d'}_latent"
-    frames = frames if kind == "wan" else 1
-    save_diffusers_flow_model(
-        tiny_diffusers_flow_model(preset, frames=frames, size=size, text_dim=32), folder
-    )
+    preset = {
+        "wan": "tiny:wan_transformer3d_latent",
+        "sd3": "tiny:sd3_transformer2d_latent",
+        "cosmos": "tiny:cosmos_transformer3d_latent",
+    }[kind]
+    frames = 1 if kind == "sd3" else frames
+    model = tiny_diffusers_flow_model(preset, frames=frames, size=size, text_dim=32)
     tokenizer = build_char_tokenizer()
     ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
     t5 = {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 2, **ids}
@@ -136,7 +141,7 @@ def tiny_text_pipeline(folder: Any, *, kind: str = "wan", frames: int = 5, size:
         parts["text_encoder"] = transformers.UMT5EncoderModel(
             transformers.UMT5Config(vocab_size=len(tokenizer), **t5)
         )
-    else:
+    elif kind == "sd3":
         clip = transformers.CLIPTextConfig(
             vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=2, projection_dim=16, max_position_embeddings=24,
@@ -147,6 +152,25 @@ def tiny_text_pipeline(folder: Any, *, kind: str = "wan", frames: int = 5, size:
         parts["text_encoder_3"] = transformers.T5EncoderModel(
             transformers.T5Config(vocab_size=len(tokenizer), **t5)
         )
+    else:
+        rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 2, 2]}
+        qwen = transformers.Qwen2_5_VLConfig(
+            text_config={
+                "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
+                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                "max_position_embeddings": 1024, "rope_parameters": rope,
+                "bos_token_id": tokenizer.eos_token_id, **ids,
+            },
+            vision_config={
+                "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                "out_hidden_size": 32, "fullatt_block_indexes": [0],
+            },
+        )  # fmt: skip
+        parts["text_encoder"] = transformers.Qwen2_5_VLForConditionalGeneration(qwen)
+        config = {k: v for k, v in model.transformer.config.items() if not k.startswith("_")}
+        config.update(use_crossattn_projection=True, crossattn_proj_in_channels=2 * 32)
+        model.transformer = diffusers.CosmosTransformer3DModel(**config)
+    save_diffusers_flow_model(model, folder)
     index = json.loads((folder / "model_index.json").read_text())
     for name, encoder in parts.items():
         encoder.save_pretrained(folder / name)

@@ -9,6 +9,7 @@ import functools
 import http.server
 import json
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,12 @@ from nebula_rl.flow.job import flow_clips
 from nebula_rl.flow.models import check_flow_model, load_flow_model
 from nebula_rl.flow.prompts import fetch_prompt_set, prompt_clips, read_prompt_file
 from nebula_rl.flow.text_encoder import PipelineTextEncoder
+from nebula_rl.flow.vae import sample_shape
 
 CAPTIONS = ["a red square", "a blue circle", "a green bar", "a yellow square"]
+COSMOS_LENGTH = 128
+"""Cosmos-Predict2.5's prompt length here: its chat-formatted captions take 108 of the byte-level
+tokenizer's tokens at most (its system prompt most of them)."""
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +105,21 @@ def test_the_text_encoder_embeds_as_the_pipeline_does(pipeline):
     assert mask.sum(1).tolist() == tokens and torch.equal(text, out)
     with pytest.raises(ValueError, match="p0: a prompt without text embeddings needs the model"):
         clip_text(prompts)
+    small = PipelineTextEncoder(pipeline, max_length=24, dtype=torch.bfloat16)
+    small.cache_bytes = 2 * 24 * 32 * 2  # (two captions' rows in bf16)
+    clip_text(prompts[:2], small)
+    text, _ = clip_text(prompts[2:3], small)  # (the oldest caption goes)
+    assert text.dtype == torch.bfloat16 and list(small._cache) == CAPTIONS[1:3]
 
 
 def _prompt_run(
-    tmp_path: Path, model: str, *, trainer: str = "flow_grpo", frames: int = 5, **extra
+    tmp_path: Path,
+    model: str,
+    *,
+    trainer: str = "flow_grpo",
+    frames: int = 5,
+    max_prompt_length: int = 24,
+    **extra,
 ) -> dict:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(CAPTIONS) + "\n")
@@ -111,7 +127,11 @@ def _prompt_run(
     data = tiny_flow_config(
         tmp_path,
         tiny_flow_policy(
-            model, frames=frames, train_flow_shift=1.0, max_prompt_length=24, sample=sample
+            model,
+            frames=frames,
+            train_flow_shift=1.0,
+            max_prompt_length=max_prompt_length,
+            sample=sample,
         ),
         trainer=trainer,
         max_num_steps=2,
@@ -185,15 +205,13 @@ def test_what_needs_clips_or_a_text_encoder_is_refused(tmp_path, pipeline, chang
 
 
 def test_a_pipeline_whose_text_encoder_is_not_run_is_refused(tmp_path, pipeline):
-    """Cosmos-Predict2.5's pipeline cannot be made without its guardrail and VAE."""
+    """A pipeline other than Wan's, SD3's and Cosmos-Predict2.5's is named."""
     index = json.loads((pipeline / "model_index.json").read_text())
-    cosmos = tmp_path / "cosmos"
-    cosmos.mkdir()
-    (cosmos / "model_index.json").write_text(
-        json.dumps({**index, "_class_name": "Cosmos2_5_PredictBasePipeline"})
-    )
-    with pytest.raises(ValueError, match=r"not Cosmos2_5_PredictBasePipeline's \(diffusers bu"):
-        PipelineTextEncoder(cosmos, max_length=8)
+    flux = tmp_path / "flux"
+    flux.mkdir()
+    (flux / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxPipeline"}))
+    with pytest.raises(ValueError, match=r"2_5_PredictBasePipeline, not FluxPipeline's: give"):
+        PipelineTextEncoder(flux, max_length=8)
     with pytest.raises(ValueError, match="names no text_encoder and tokenizer"):
         PipelineTextEncoder(tmp_path, max_length=8)
 
@@ -261,6 +279,61 @@ def test_stable_diffusion_3_takes_its_pipelines_pooled_vector(tmp_path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1.0, 2.0]
     assert all(r["rewards_lost"] == 0 for r in records)
+
+
+def test_cosmos_predict_embeds_as_its_pipeline_does_and_trains_on_prompts(tmp_path):
+    """Cosmos-Predict2.5's Qwen2.5-VL encoder, loaded without the pipeline's guardrail and VAE,
+    gives the whole pipeline's `encode_prompt` (every layer's normalised states at every padded
+    position) and its negative prompt's; the transformer projects them
+    (`crossattn_proj`) as the pipeline does; a prompt run trains it and exports the encoder."""
+    import diffusers
+
+    from nebula_rl.flow import job
+    from nebula_rl.flow.text_encoder import text_encoders
+
+    folder = tiny_text_pipeline(tmp_path / "cosmos", kind="cosmos")
+    encoder = PipelineTextEncoder(folder, max_length=COSMOS_LENGTH)
+    out = encoder(CAPTIONS[:2])
+    pipe = diffusers.Cosmos2_5_PredictBasePipeline.from_pretrained(
+        str(folder), transformer=None, scheduler=diffusers.UniPCMultistepScheduler(),
+        safety_checker=torch.nn.Identity(),  # (the guardrail, which embedding never calls)
+    )  # fmt: skip
+    embeds, negative = pipe.encode_prompt(
+        CAPTIONS[:2], max_sequence_length=COSMOS_LENGTH, device=torch.device("cpu")
+    )
+    assert out.shape == (2, COSMOS_LENGTH, 2 * 32) and not torch.equal(out[0], out[1])
+    torch.testing.assert_close(out, embeds)
+    torch.testing.assert_close(encoder([encoder.negative_prompt] * 2), negative)
+    assert [type(m).__name__ for m in text_encoders(encoder._pipeline)] == [
+        "Qwen2_5_VLForConditionalGeneration"
+    ]
+    assert not any(q.requires_grad for q in encoder._pipeline.text_encoder.parameters())
+
+    data = _prompt_run(tmp_path, str(folder), max_prompt_length=COSMOS_LENGTH)
+    start = load_flow_model(config_from_dict(data))
+    prompts = [Clip(f"p{i}", c, None, None, size=(3, 5, 8, 8)) for i, c in enumerate(CAPTIONS)]
+    text, mask = clip_text(prompts[:2], start.text_encoder)
+    x, sigma = torch.randn(2, *sample_shape(start, (3, 5, 8, 8))), torch.tensor([0.3, 0.7])
+    embeds = pipe.encode_prompt(  # (at the run's max_prompt_length)
+        CAPTIONS[:2], do_classifier_free_guidance=False, max_sequence_length=COSMOS_LENGTH,
+        device=torch.device("cpu"),
+    )[0]  # fmt: skip
+    with torch.no_grad():
+        direct = start.transformer(
+            x, sigma, embeds, condition_mask=torch.zeros_like(x[:, :1]), return_dict=False
+        )[0]
+        torch.testing.assert_close(start(x, sigma, text, mask), direct)
+    run = job.run(config_from_dict(data))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1.0, 2.0]
+    assert all(r["rewards_lost"] == 0 and "data_distance" not in r for r in records)
+    final = run / "safetensors" / "final"
+    state = {k: v for f in final.glob("transformer/*.safetensors") for k, v in load_file(f).items()}
+    before = start.transformer.state_dict()
+    assert any(not torch.equal(state[k], before[k]) for k in before)
+    again = _prompt_run(tmp_path, str(final), max_prompt_length=COSMOS_LENGTH)
+    again = load_flow_model(config_from_dict(again))
+    torch.testing.assert_close(again.text_encoder(CAPTIONS), start.text_encoder(CAPTIONS))
 
 
 def _caption_folder(root: Path, size: tuple[int, int] = (8, 12)) -> Path:
@@ -350,27 +423,40 @@ def test_colocated_diffusion_nft_trains_on_prompts_on_two_ranks(tmp_path, pipeli
     assert index["text_encoder"] == ["transformers", "UMT5EncoderModel"]
 
 
-def test_guidance_conditions_its_unconditional_branch_on_the_empty_prompt(tmp_path):
+@pytest.mark.parametrize("kind", ["sd3", "cosmos"])
+def test_guidance_conditions_its_unconditional_branch_on_the_negative_prompt(tmp_path, kind):
     """With a pipeline text encoder, classifier-free guidance's unconditional branch sees the
-    pipeline's embedding of the empty prompt (SD3's: nonzero), as the pipeline's does."""
+    pipeline's embedding of its default negative prompt (SD3's: empty, yet nonzero;
+    Cosmos-Predict2.5's: a description of bad videos), and guides as its pipeline does: SD3's
+    `v_u + g (v_c - v_u)`, Cosmos-Predict2.5's `v_c + g (v_c - v_u)`, unguided at g = 1."""
+    from diffusers.pipelines.cosmos.pipeline_cosmos2_5_predict import DEFAULT_NEGATIVE_PROMPT
+
     from nebula_rl.flow.job import flow_settings
     from nebula_rl.flow.local import _velocity
 
-    folder = tiny_text_pipeline(tmp_path / "sd3", kind="sd3")
-    data = _prompt_run(tmp_path, str(folder), frames=1)
+    frames = 1 if kind == "sd3" else 5
+    folder = tiny_text_pipeline(tmp_path / kind, kind=kind)
+    length = 24 if kind == "sd3" else COSMOS_LENGTH
+    data = _prompt_run(tmp_path, str(folder), frames=frames, max_prompt_length=length)
     data["policy"]["diffusers"]["sample"]["guidance_scale"] = 3.0
     cfg = config_from_dict(data)
     model = load_flow_model(cfg).eval()
     s = flow_settings(cfg, num_iterations=1, prompts=2)
-    prompts = [Clip(f"p{i}", c, None, None, size=(3, 1, 8, 8)) for i, c in enumerate(CAPTIONS)]
+    size = (3, frames, 8, 8)
+    prompts = [Clip(f"p{i}", c, None, None, size=size) for i, c in enumerate(CAPTIONS)]
     text, mask = clip_text(prompts[:2], model.text_encoder)
-    null, null_mask = clip_text([Clip("n", "", None, None)] * 2, model.text_encoder)
+    negative = "" if kind == "sd3" else DEFAULT_NEGATIVE_PROMPT
+    null, null_mask = clip_text([Clip("n", negative, None, None)] * 2, model.text_encoder)
     assert null.abs().sum() > 0
-    x, sigma = torch.randn(2, 4, 1, 4, 4), torch.tensor([0.3, 0.7])
+    x, sigma = torch.randn(2, *sample_shape(model, size)), torch.tensor([0.3, 0.7])
     with torch.no_grad():
         guided = _velocity(model, text, mask, s, given=None)(x, sigma)
         v_c, v_u = model(x, sigma, text, mask), model(x, sigma, null, null_mask)
-    torch.testing.assert_close(guided, v_u + 3.0 * (v_c - v_u), rtol=1e-4, atol=1e-5)
+        assert (v_c - v_u).abs().max() > 1e-3  # (the text matters)
+        unguided = _velocity(model, text, mask, replace(s, guidance_scale=1.0), given=None)
+    expected = v_u + 3.0 * (v_c - v_u) if kind == "sd3" else v_c + 3.0 * (v_c - v_u)
+    torch.testing.assert_close(guided, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(unguided(x, sigma), v_c)
 
 
 def test_dataset_split_picks_a_prompt_sets_part(tmp_path, pipeline, monkeypatch):
@@ -388,3 +474,43 @@ def test_dataset_split_picks_a_prompt_sets_part(tmp_path, pipeline, monkeypatch)
     data["train"]["train_policy"]["dataset"] = {"name": "builtin:toy_video", "split": "test"}
     with pytest.raises(ValueError, match=r"dataset\.split = \['test'\]: a clip folder"):
         flow_clips(config_from_dict(data), tmp_path)
+
+
+def test_cosmos_rls_cosmos_predict_nft_config_trains_shrunk(tmp_path, monkeypatch):
+    """cosmos-rl's Cosmos-Predict2.5 NFT config (colocated DiffusionNFT with LoRA, EMA, bf16,
+    activation checkpointing, the dpm2 solver, `pickscore` prompts) trains as shipped, with only
+    its sizes shrunk, the tiny pipeline as its model and a local reward for its remote one."""
+    import tomllib
+
+    from test_flow_parallel import _train_cli
+
+    shipped = Path(__file__).parent / "data" / "cosmos-rl" / "configs" / "cosmos-predict2-5"
+    raw = tomllib.loads((shipped / "cosmos-predict2-5-2b-720-nft.toml").read_text())
+    folder = tiny_text_pipeline(tmp_path / "cosmos", kind="cosmos")
+    cached = tmp_path / "cache" / "prompt_sets" / "pickscore"
+    cached.mkdir(parents=True)
+    (cached / "train.txt").write_text("\n".join(CAPTIONS) + "\n")
+    monkeypatch.setenv("NEBULA_RL_CACHE", str(tmp_path / "cache"))
+    raw["policy"]["model_name_or_path"] = str(folder)
+    raw["policy"]["diffusers"].update(
+        inference_size=[8, 8], inference_frames=5, train_frames=5, max_prompt_length=COSMOS_LENGTH
+    )
+    raw["rollout"]["n_generation"] = 2
+    for part in ("policy", "rollout"):
+        raw[part]["parallelism"]["dp_shard_size"] = 2
+    raw["logging"]["logger"] = ["console"]
+    raw["train"].update(output_dir=str(tmp_path / "runs"), train_batch_per_replica=4, epoch=1)
+    raw["train"]["max_num_steps"] = 2
+    policy = raw["train"]["train_policy"]
+    policy.update(use_remote_reward=False, reward_function="colour_match", mini_batch=1)
+    del policy["remote_reward"]
+    config = tmp_path / "nft.json"
+    config.write_text(json.dumps(raw))
+    result = _train_cli(config)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["rewards_lost"] == 0 and "data_distance" not in r for r in records)
+    index = json.loads((run_dir / "safetensors" / "final" / "model_index.json").read_text())
+    assert index["text_encoder"] == ["transformers", "Qwen2_5_VLForConditionalGeneration"]

@@ -898,7 +898,8 @@ class SampleConfig(_Section):
     eval_num_steps: int = 40
     """Evaluation sampler steps."""
     guidance_scale: float = 4.5
-    """Classifier-free guidance."""
+    """Classifier-free guidance `v_u + g (v_c - v_u)` (1: none); for a Cosmos-Predict2.5
+    transformer as its pipelines read it: `v_c + g (v_c - v_u)` when g > 1, else none."""
     global_std: bool = True
     """Batch-wide reward std."""
     noise_level: float = 1.0

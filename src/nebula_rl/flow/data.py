@@ -15,6 +15,7 @@ vectors per word (:func:`toy_text_embedding`), standing in for a text encoder.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import pickle
@@ -279,8 +280,9 @@ def clip_pixels(clips: list[Clip]) -> Tensor:
 
 
 def clip_text(clips: list[Clip], encode: TextEncoder | None = None) -> tuple[Tensor, Tensor]:
-    """(text [B, L, D] zero-padded, mask [B, L]: 1 on a caption's nonzero token rows) of
-    `clips`: their stored embeddings, or those `encode` gives their captions."""
+    """(text [B, L, D] zero-padded, in the embeddings' dtype; mask [B, L]: 1 on a caption's
+    nonzero token rows) of `clips`: their stored embeddings, or those `encode` gives their
+    captions."""
     texts: list[Tensor | None] = [c.text for c in clips]
     missing = [i for i, t in enumerate(texts) if t is None]
     if missing:
@@ -294,7 +296,8 @@ def clip_text(clips: list[Clip], encode: TextEncoder | None = None) -> tuple[Ten
             texts[i] = row
     rows = [t for t in texts if t is not None]
     length = max(t.shape[0] for t in rows)
-    text = torch.zeros(len(rows), length, rows[0].shape[1])
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in rows))
+    text = torch.zeros(len(rows), length, rows[0].shape[1], dtype=dtype)
     mask = torch.zeros(len(rows), length)
     for i, row in enumerate(rows):
         n = row.shape[0]

@@ -149,6 +149,15 @@ class DiffusersFlowModel(nn.Module):
     """The pipeline's text encoder for a prompt dataset (`flow.text_encoder`; a plain
     attribute, shared by copies of the model)."""
 
+    def guidance_scale(self, scale: float) -> float:
+        """`policy.diffusers.sample.guidance_scale` as the scale of `v_u + s (v_c - v_u)`
+        (:func:`~nebula_rl.flow.sampler.guided_velocity`): the same, except for Cosmos-Predict2.5,
+        whose pipelines guide as `v_c + g (v_c - v_u)` when g > 1 (s = 1 + g) and not at all
+        otherwise."""
+        if self.kind != "CosmosTransformer3DModel":
+            return scale
+        return 1.0 + scale if scale > 1.0 else 1.0
+
     def context_parallel(self, group: dist.ProcessGroup) -> None:
         """Split every sample's frames over `group`'s ranks (`flow.context_parallel`: Cosmos and
         Wan transformers); each rank of the group must be given the same inputs."""

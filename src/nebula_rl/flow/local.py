@@ -46,6 +46,7 @@ from nebula_rl.algorithms.flow import (
     soft_update,
 )
 from nebula_rl.flow.data import Clip, clip_batch, clip_pixels, clip_text
+from nebula_rl.flow.diffusers_models import DiffusersFlowModel
 from nebula_rl.flow.sampler import (
     Trajectory,
     context_frames,
@@ -534,17 +535,20 @@ def _velocity(
     # (a conditioning run passes the mask even where nothing is given: every rank's model
     # then uses the same parameters, as FSDP2's gradient reduction needs)
     condition = None if given is None else given.float()
+    scale = s.guidance_scale
+    if isinstance(model, DiffusersFlowModel):  # (Cosmos-Predict2.5 counts it from 0)
+        scale = model.guidance_scale(scale)
     null_text = null_mask = None
     encoder = flow_text_encoder(model)
-    if encoder is not None and s.guidance_scale != 1.0:  # (the pipeline's empty prompt)
+    if encoder is not None and scale != 1.0:  # (the pipeline's default negative prompt)
         null_text, null_mask = (
             t.to(text.device).expand(len(text), -1, *t.shape[2:])
-            for t in clip_text([Clip("null", "", None, None)], encoder)
+            for t in clip_text([Clip("null", encoder.negative_prompt, None, None)], encoder)
         )
 
     def velocity(x: Tensor, sigma: Tensor) -> Tensor:
         return guided_velocity(
-            model, x, sigma, text, mask, guidance_scale=s.guidance_scale, condition=condition,
+            model, x, sigma, text, mask, guidance_scale=scale, condition=condition,
             null_text=null_text, null_mask=null_mask,
         )  # fmt: skip
 
