@@ -121,15 +121,15 @@ def test_check_command_accepts_a_shipped_config_and_refuses_by_feature() -> None
     assert result.returncode == 0, result.stderr
     assert '"model_name_or_path": "Qwen/Qwen3-8B"' in result.stdout
     assert "layout: 8 device(s)" in result.stderr  # policy TP 4 + two rollout replicas of TP 2
-    lora = DATA / "configs" / "sana" / "sana-image-sft-lora.toml"
+    trtllm = DATA / "configs" / "qwen2-5" / "qwen2-5-7b-p-fsdp4-r-tp2-grpo-trtllm.toml"
     result = subprocess.run(
-        [sys.executable, "-m", "nebula_rl.cli", "check", "--config", str(lora)],
+        [sys.executable, "-m", "nebula_rl.cli", "check", "--config", str(trtllm)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 2
-    assert "policy.diffusers.offload = true: offloading" in result.stderr
+    assert 'rollout.backend = "trtllm": the TensorRT-LLM backend' in result.stderr
 
 
 def test_stale_keys_are_accepted_with_a_warning_that_names_them() -> None:

@@ -97,7 +97,6 @@ def test_the_shipped_world_model_configs_load(path, tmp_path):
             {"train": {"train_policy": {"trainer_type": "grpo"}}},
             r'trainer_type = "grpo": world-model RL trains with',
         ),
-        ({"policy": {"diffusers": {"offload": True}}}, r"offload = true: offloading"),
         (
             {"policy": {"diffusers": {"sample": {"solver": "dpm2"}}}},
             r'solver = "dpm2" solves the ODE',

@@ -354,8 +354,7 @@ def _caption_folder(root: Path, size: tuple[int, int] = (8, 12)) -> Path:
 
 def test_world_model_sft_trains_on_a_cosmos_rl_caption_folder(tmp_path):
     """`dataset.local_dir` in cosmos-rl's diffusers layout (JSON captions beside images) trains
-    SD3 with its pipeline's text encoder: images scaled to cover the frame and centre-cropped;
-    a prompt file as SFT's validation set is refused (SFT validates on clips)."""
+    SD3 with its pipeline's text encoder: images scaled to cover the frame and centre-cropped."""
     from nebula_rl.flow import job
 
     folder = tiny_text_pipeline(tmp_path / "sd3", kind="sd3")
@@ -381,11 +380,63 @@ def test_world_model_sft_trains_on_a_cosmos_rl_caption_folder(tmp_path):
     assert len(losses) == 3 and all(0 < loss < 10 for loss in losses)
     assert (run / "safetensors" / "final" / "text_encoder_3").is_dir()
 
-    data["validation"] = {"enable": True, "dataset": {"name": str(tmp_path / "prompts.txt")}}
-    with pytest.raises(
-        ValueError, match=r"validation\.dataset\.name: .* world-model SFT validates"
-    ):
-        check_flow_model(config_from_dict(data))
+
+def test_cosmos_rls_sd3_sft_config_validates_by_sampling_shrunk(tmp_path, monkeypatch):
+    """cosmos-rl's SD3.5 SFT config (offload, a caption folder to train on, a JSON prompt file
+    to validate on) runs as shipped on two FSDP2 ranks, its sizes shrunk and the tiny SD3
+    pipeline its model: validation samples every prompt once into
+    `visual_output/<step>/` (PNGs and their grid), the images a process sampling the exported
+    weights makes; a validation reward scores them."""
+    import tomllib
+
+    import numpy as np
+    from PIL import Image
+
+    from nebula_rl.flow.job import flow_validation_scorer
+    from nebula_rl.flow.validation import validate_samples
+    from test_flow_parallel import _train_cli
+
+    shipped = Path(__file__).parent / "data" / "cosmos-rl" / "configs" / "stable-diffusion-3-5"
+    raw = tomllib.loads((shipped / "stable-diffusion-3-5-image-sft.toml").read_text())
+    folder = tiny_text_pipeline(tmp_path / "sd3", kind="sd3")
+    (tmp_path / "val.json").write_text(json.dumps([{"prompt": c} for c in CAPTIONS]))
+    assert raw["policy"]["diffusers"]["offload"] is True
+    raw["policy"]["model_name_or_path"] = str(folder)
+    raw["policy"]["diffusers"]["inference_size"] = [8, 8]
+    raw["policy"]["diffusers"]["sample"]["num_steps"] = 4
+    raw["policy"]["parallelism"]["dp_shard_size"] = 2
+    raw["logging"]["logger"] = ["console"]
+    raw["train"].update(output_dir=str(tmp_path / "runs"), train_batch_per_replica=2)
+    raw["train"]["train_policy"]["dataset"]["local_dir"] = str(_caption_folder(tmp_path / "sft"))
+    raw["validation"]["dataset"]["local_dir"] = str(tmp_path / "val.json")
+    config = tmp_path / "sft.json"
+    config.write_text(json.dumps(raw))
+    result = _train_cli(config)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]  # (4 clips, 2 a step, one epoch)
+    assert records[-1]["val/rollout_count"] == 4 and "val/rollout_count" not in records[0]
+    written = run_dir / "visual_output" / "2"
+    names = sorted(p.name for p in written.iterdir())
+    assert names == ["0000_0_a_red_square.png", "0001_0_a_blue_circle.png",
+                     "0002_0_a_green_bar.png", "0003_0_a_yellow_square.png", "grid.png"]  # fmt: skip
+    images = [np.asarray(Image.open(written / n)) for n in names[:4]]
+    assert np.array_equal(np.asarray(Image.open(written / "grid.png")), np.concatenate(images))
+
+    raw["policy"]["model_name_or_path"] = str(run_dir / "safetensors" / "final")
+    raw["validation"]["reward_function"] = "colour_match"
+    cfg = config_from_dict(raw)
+    clips = flow_clips(cfg, tmp_path, validation=True)
+    again = tmp_path / "again"
+    metrics, grid = validate_samples(
+        load_flow_model(cfg), clips, cfg, step=2, run_dir=again,
+        score=flow_validation_scorer(cfg, None),
+    )  # fmt: skip
+    assert grid == again / "visual_output" / "2" / "grid.png"
+    gap = np.abs(np.asarray(Image.open(grid), dtype=int) - np.concatenate(images).astype(int))
+    assert gap.mean() < 1.0, gap.max()  # (bf16 on two ranks against one process)
+    assert metrics["val/rollout_count"] == 4 and -1 <= metrics["val/reward_mean"] <= 1
 
 
 def test_colocated_diffusion_nft_trains_on_prompts_on_two_ranks(tmp_path, pipeline):

@@ -174,8 +174,6 @@ def test_world_model_validation_keys(tmp_path):
     with pytest.raises(ConfigError, match=r"validation\.temperature = 0\.5: does not apply"):
         config_from_dict(data)
     cosmos = ROOT / "tests" / "data" / "cosmos-rl" / "configs" / "sana" / "sana-video-sft.toml"
-    with pytest.raises(ConfigError) as refused:
-        load_config(cosmos)
-    said = str(refused.value)
-    assert "validation." not in said and "dataset.local_dir" not in said
-    assert "policy.diffusers.offload = true" in said
+    loaded = load_config(cosmos)  # (its validation keys, offload among its others)
+    assert loaded.validation.enable and loaded.validation.dataset.local_dir == "local_dir"
+    assert loaded.policy.diffusers.offload

@@ -177,3 +177,30 @@ def test_world_model_metric_sums_over_an_nccl_group() -> None:
         assert values.device.type == "cpu"
     finally:
         dist.destroy_process_group()
+
+
+def test_offloaded_world_model_parts_wait_on_the_cpu(tmp_path) -> None:
+    """`policy.diffusers.offload`: the VAE and the pipeline text encoders go to the GPU for a
+    pass and back to the CPU after it; without it they stay on the GPU."""
+    from flow_configs import tiny_flow_config, tiny_flow_policy, tiny_text_pipeline
+    from nebula_rl.flow.models import load_flow_model
+    from nebula_rl.flow.text_encoder import text_encoders
+    from nebula_rl.flow.vae import flow_vae
+
+    folder = tiny_text_pipeline(tmp_path / "wan")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square\na blue circle\n")
+    for offload in (True, False):
+        policy = tiny_flow_policy(str(folder), frames=5, max_prompt_length=24, offload=offload)
+        data = tiny_flow_config(tmp_path, policy)
+        data["train"]["train_policy"]["dataset"] = {"name": str(prompts)}
+        model = load_flow_model(config_from_dict(data)).cuda()
+        text = model.text_encoder(["a red square"])
+        vae = flow_vae(model)
+        assert vae is not None
+        latents = vae.encode(torch.zeros(1, 3, 5, 8, 8, device="cuda"))
+        pixels = vae.decode(latents)
+        assert latents.is_cuda and pixels.is_cuda and text.shape[0] == 1
+        parts = [vae.module, *text_encoders(model.text_encoder._pipeline)]
+        devices = {p.device.type for m in parts for p in m.parameters()}
+        assert devices == ({"cpu"} if offload else {"cuda"}), (offload, devices)

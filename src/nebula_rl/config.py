@@ -965,11 +965,9 @@ class DiffusersConfig(_Section):
     train_flow_shift: float = 3.0
     """Shift of the rollout sampler's noise levels (SD3's `shift s / (1 + (shift - 1) s)`; 1:
     uniform)."""
-    offload: bool = Field(
-        default=False,
-        json_schema_extra=refused("offloading parts of a world-model run is not supported yet"),
-    )
-    """Offload model parts (cosmos-rl's default is true; nebula-rl never offloads)."""
+    offload: bool = False
+    """Keep a latent-space model's VAE and its pipeline text encoders on the CPU between uses,
+    moved to the GPU for each pass (cosmos-rl's default is true; a CPU run never moves them)."""
     logit_mean: float = 0.0
     """Timestep logit mean."""
     logit_std: float = 1.0
@@ -2030,7 +2028,7 @@ FLOW_KEYS = (
     "policy.diffusers.min_num_conditional_frames", "policy.diffusers.max_num_conditional_frames",
     "policy.diffusers.weight_copy_decay_type", "policy.diffusers.train_flow_shift",
     "policy.diffusers.weighting_scheme", "policy.diffusers.logit_mean",
-    "policy.diffusers.logit_std", "policy.diffusers.max_prompt_length",
+    "policy.diffusers.logit_std", "policy.diffusers.max_prompt_length", "policy.diffusers.offload",
     "policy.diffusers.sample.num_steps", "policy.diffusers.sample.eval_num_steps",
     "policy.diffusers.sample.guidance_scale", "policy.diffusers.sample.global_std",
     "policy.diffusers.sample.noise_level", "policy.diffusers.sample.deterministic_sampling",

@@ -41,6 +41,7 @@ __all__ = [
     "read_caption_folder",
     "read_local_dataset",
     "toy_text_embedding",
+    "write_mp4",
 ]
 
 TOY_PROMPTS = (
@@ -131,7 +132,7 @@ def make_toy_dataset(
             video = _toy_clip(caption, rng, frames=frames, size=size)
             (root / "metas" / f"{stem}.txt").write_text(caption + "\n")
             if mp4:
-                _write_mp4(root / "videos" / f"{stem}.mp4", video)
+                write_mp4(root / "videos" / f"{stem}.mp4", video)
             else:
                 np.save(root / "videos" / f"{stem}.npy", video)
             with (root / "t5_xxl" / f"{stem}.pickle").open("wb") as f:
@@ -139,7 +140,7 @@ def make_toy_dataset(
     return root
 
 
-def _write_mp4(path: Path, video: np.ndarray) -> None:
+def write_mp4(path: Path, video: np.ndarray) -> None:
     """A lossless-ish MP4 (mpeg4 at top quality) of uint8 [T, H, W, 3] frames at 16 fps."""
     import av
 

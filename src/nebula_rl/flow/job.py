@@ -80,7 +80,7 @@ from nebula_rl.flow.prompts import PROMPT_SETS, is_prompt_dataset, prompt_clips
 from nebula_rl.flow.sampler import guided_velocity, sample
 from nebula_rl.flow.text_encoder import flow_text_encoder
 from nebula_rl.flow.vae import sample_shape, samples_to_pixels
-from nebula_rl.flow.validation import validate_generation, validate_loss
+from nebula_rl.flow.validation import validate_generation, validate_loss, validate_samples
 from nebula_rl.metrics_log import log_image_file, open_loggers
 from nebula_rl.policy.checkpoint import Checkpointer, resume_checkpoint
 from nebula_rl.policy.optim import build_optimizer, lr_lambda
@@ -258,9 +258,9 @@ def flow_scorer(p: GrpoConfig) -> RewardFn:
     return _local_rewards(_reward_dict(p.reward_function), "train.train_policy.reward_function")
 
 
-def flow_validation_scorer(cfg: Config, training: RewardFn) -> RewardFn:
+def flow_validation_scorer(cfg: Config, training: RewardFn | None) -> RewardFn | None:
     """The rewards of validation: `validation.reward_function`'s, computed here, else the
-    training ones (`training`)."""
+    training ones (`training`; SFT's: None)."""
     weights = _reward_dict(cfg.validation.reward_function)
     return _local_rewards(weights, "validation.reward_function") if weights else training
 
@@ -456,12 +456,21 @@ def run(cfg: Config) -> Path:
     optimizer, scheduler = flow_optimizer(cfg, model, updates)
     ema = weight_ema(cfg, model, optimizer)
     score = flow_scorer(p) if isinstance(p, GrpoConfig) else None
-    val_score = flow_validation_scorer(cfg, score) if score is not None and validating else None
+    val_score = flow_validation_scorer(cfg, score) if validating else None
+    val_prompts = bool(val_clips) and all(c.video is None for c in val_clips)
 
     def validate(step: int) -> dict[str, float]:  # (every rank: a sharded model's forwards)
         if not validation_due(cfg, step, total_steps=steps):
             return {}
         with ema.applied() if ema is not None else contextlib.nullcontext():
+            if settings is None and val_prompts:  # (SFT on captions: samples to look at)
+                metrics, grid = validate_samples(
+                    model, val_clips, cfg, step=step, run_dir=run_dir, score=val_score, dp=dp,
+                    write=lead,
+                )  # fmt: skip
+                if grid is not None and sinks is not None:
+                    log_image_file(sinks, "val_samples", step, grid)
+                return metrics
             if settings is None:
                 return validate_loss(model, val_clips, cfg, dp=dp)
             assert val_score is not None

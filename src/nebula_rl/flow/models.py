@@ -44,7 +44,7 @@ from nebula_rl.flow.dit import TinyDiT, TinyDiTConfig
 from nebula_rl.flow.lora import apply_lora, lora_adapter_state, merged_copy, save_adapter
 from nebula_rl.flow.prompts import is_prompt_dataset
 from nebula_rl.flow.text_encoder import TEXT_PIPELINES, PipelineTextEncoder, text_pipeline
-from nebula_rl.flow.vae import check_vae_shape, vae_factors
+from nebula_rl.flow.vae import check_vae_shape, flow_vae, vae_factors
 from nebula_rl.hub import is_hub_id
 from nebula_rl.models import resolve_dtype
 
@@ -220,9 +220,8 @@ def _check_prompt_dataset(cfg: Config, folder: Path | None) -> None:
     p = cfg.train.train_policy
     for key, captions_only in datasets:
         why = ""
-        if captions_only and isinstance(p, SftConfig):
-            why = "world-model SFT " + ("validates" if key.startswith("valid") else "trains")
-            why += " on clips"
+        if captions_only and isinstance(p, SftConfig) and not key.startswith("valid"):
+            why = "world-model SFT trains on clips"  # (it validates on captions by sampling)
         elif captions_only and isinstance(p, GrpoConfig) and p.data_beta > 0:
             why = f"DDRL's data term (data_beta = {p.data_beta}) trains on clips"
         elif captions_only and d.max_num_conditional_frames:
@@ -310,6 +309,8 @@ def load_flow_model(cfg: Config, *, seed: int = 0) -> nn.Module:
     if compute not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"train.param_dtype = {cfg.train.param_dtype!r}: a float dtype")
     model.compute_dtype = compute  # (mixed precision: autocast in the forward)
+    if (vae := flow_vae(model)) is not None:
+        vae.offload = cfg.policy.diffusers.offload
     if cfg.policy.lora is not None:
         torch.manual_seed(seed)
         apply_lora(model, cfg.policy.lora, trainer_type=cfg.train.train_policy.trainer_type)
@@ -337,6 +338,7 @@ def _base_model(cfg: Config, *, seed: int) -> TinyDiT | DiffusersFlowModel:
                 folder,
                 max_length=cfg.policy.diffusers.max_prompt_length,
                 dtype=resolve_dtype(cfg.train.param_dtype),
+                offload=cfg.policy.diffusers.offload,
             )
         return diffusers_model
     _check_latent(cfg, None, None)

@@ -183,7 +183,9 @@ class FlowRolloutWorker:
         prompts (`flow.validation`)."""
         if cfg.validation.enable:
             self.val_clips = flow_clips(cfg, run_dir, create=False, validation=True)
-            self.val_score = flow_validation_scorer(cfg, self.score)
+            val_score = flow_validation_scorer(cfg, self.score)
+            assert val_score is not None  # (the training rewards at least)
+            self.val_score = val_score
         self.store = TrajectoryStore.for_job(run_dir)
         self.server = TrajectoryServer(
             session.state, session.name, self.store, timeout=cfg.controller.collective_timeout

@@ -25,7 +25,8 @@ Classifier-free guidance's unconditional branch embeds the pipeline's default ne
 description of bad videos for it.
 
 The encoder is frozen, runs without gradients on the process's device in the run's compute
-dtype, and loads on first use; it keeps the embeddings of the latest captions (a group's
+dtype (with `policy.diffusers.offload` it waits on the CPU between calls), and loads on first
+use; it keeps the embeddings of the latest captions (a group's
 samples and a replica's steps share captions) on the CPU, in that dtype, up to `cache_bytes`
 (Cosmos-Predict2.5's are about 100 MB a caption in bf16).
 """
@@ -87,6 +88,7 @@ class PipelineTextEncoder:
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
         cache_bytes: int = 1 << 30,
+        offload: bool = False,
     ) -> None:
         name = text_pipeline(folder)
         if name is None:
@@ -108,6 +110,8 @@ class PipelineTextEncoder:
         self.dtype = dtype
         self.device = device
         self.cache_bytes = cache_bytes
+        self.offload = offload
+        """Keep the text encoders on the CPU between calls (`policy.diffusers.offload`)."""
         self._pipeline: Any = None
         self._cache: OrderedDict[str, Tensor] = OrderedDict()
 
@@ -145,7 +149,8 @@ class PipelineTextEncoder:
                 else torch.device("cpu")
             )
         for part in text_encoders(pipeline):
-            part.requires_grad_(False).eval().to(self.device)
+            part.requires_grad_(False).eval()
+            part.to("cpu" if self.offload else self.device)
         return pipeline
 
     def _bare(self, cls: Any) -> Any:
@@ -175,12 +180,17 @@ class PipelineTextEncoder:
         if todo:
             if self._pipeline is None:
                 self._pipeline = self._load()
+            parts = text_encoders(self._pipeline) if self.offload else []
+            for part in parts:
+                part.to(self.device)
             with torch.no_grad():
                 others = {"prompt_2": None, "prompt_3": None} if self.pooled_row else {}
                 encoded = self._pipeline.encode_prompt(
                     prompt=todo, do_classifier_free_guidance=False,
                     max_sequence_length=self.max_length, device=self.device, **others,
                 )  # fmt: skip
+            for part in parts:
+                part.to("cpu")
             embeds = encoded[0]
             if self.pooled_row:  # (Stable Diffusion 3: prompt, negative, pooled, negative)
                 pooled = encoded[2]

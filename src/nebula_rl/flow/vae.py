@@ -18,7 +18,9 @@ rewards, the distance to the data and sample grids decode.
 The VAE is float32 (cosmos-rl keeps it so for stability), in eval mode and frozen. The flow model
 holds it as a plain attribute, not a submodule: it is in no optimiser, no state dict, no
 checkpoint and no weight push, and copies of the model (DiffusionNFT's old weights, the KL
-reference) share it. It follows the tensors it is given to their device.
+reference) share it. It follows the tensors it is given to their device; with
+`policy.diffusers.offload` it goes back to the CPU after each pass (cosmos-rl's offload; on a
+CPU-only run it never leaves the CPU).
 `policy.diffusers.tokenizer.compile_encode` compiles its encoder call with `torch.compile`.
 """
 
@@ -121,10 +123,17 @@ class FlowVAE:
             width // self.spatial,
         )
 
+    offload: bool = False
+    """Move the VAE back to the CPU after each pass (`policy.diffusers.offload`)."""
+
     def _on(self, device: torch.device) -> None:
         if self.shift.device != device:
             self.module.to(device)
             self.shift, self.scale = self.shift.to(device), self.scale.to(device)
+
+    def _done(self) -> None:
+        if self.offload:
+            self._on(torch.device("cpu"))
 
     def _mean(self, pixels: Tensor) -> Tensor:
         return self.module.encode(pixels).latent_dist.mode()  # type: ignore[operator]
@@ -142,7 +151,9 @@ class FlowVAE:
         """The normalised latents of `pixels` [B, 3, T, H, W] in [-1, 1] (float32)."""
         self._on(pixels.device)
         mu = self._frames(pixels.float(), self._encode)
-        return (mu - self.shift) * self.scale
+        latents = (mu - self.shift) * self.scale
+        self._done()
+        return latents
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
@@ -150,6 +161,7 @@ class FlowVAE:
         self._on(latents.device)
         z = latents.float() / self.scale + self.shift
         pixels = self._frames(z, lambda x: self.module.decode(x).sample)  # type: ignore[operator]
+        self._done()
         return pixels.clamp(-1, 1)
 
 

@@ -19,6 +19,13 @@ another seed: other clips of the same captions), the first `validation.max_num_p
   the validation clips of their caption (`flow.local.data_distance`).
 - SFT: `val_loss` (a language model's SFT key), the mean over the clips of the flow-matching
   loss, `validation.batch_size` clips per forward (default `train.train_policy.mini_batch`).
+- SFT on a prompt dataset (cosmos-rl's diffusers validation file: captions only, no loss to
+  take): `validation.n_generation` deterministic samples of each caption, the ODE in
+  `policy.diffusers.sample.num_steps` steps with `sample.guidance_scale` (as cosmos-rl's SFT
+  validation samples; it fixes the guidance at 4.5 whatever the config says), written to
+  `<run>/visual_output/<step>/` (a PNG an image, an MP4 a video) with a grid of them for the
+  dashboards; `val/rollout_count` counts them, and a `validation.reward_function` scores them
+  (`val/reward_*`).
 
 Each sample's draws (noise, SFT's noise level, the count of conditioning frames) come from a
 seed of its own that is the same at every validation, so a validation curve moves with the
@@ -30,15 +37,18 @@ out as validation prompts, which rollout replicas sample (`flow.runtime`).
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from PIL import Image
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from nebula_rl.config import Config
-from nebula_rl.flow.data import Clip
+from nebula_rl.flow.data import Clip, write_mp4
 from nebula_rl.flow.local import (
     FlowRLSettings,
     RewardFn,
@@ -47,6 +57,7 @@ from nebula_rl.flow.local import (
     validation_samples,
 )
 from nebula_rl.flow.parallel import sum_over
+from nebula_rl.rewards.visual import pixels_from_samples
 from nebula_rl.validation import validation_metrics, validation_seed
 
 __all__ = [
@@ -55,6 +66,7 @@ __all__ = [
     "scored_clips",
     "validate_generation",
     "validate_loss",
+    "validate_samples",
 ]
 
 FLOW_VALIDATION_KEYS = (
@@ -163,3 +175,75 @@ def validate_loss(
     if dp is not None:
         sum_over(total, dp)
     return {"val_loss": float(total) / len(clips)}
+
+
+def validate_samples(
+    model: nn.Module,
+    clips: list[Clip],
+    cfg: Config,
+    *,
+    step: int,
+    run_dir: Path,
+    score: RewardFn | None = None,
+    dp: DeviceMesh | None = None,
+    write: bool = True,
+) -> tuple[dict[str, float], Path | None]:
+    """SFT validation of `model`'s weights on a prompt dataset `clips` (see the module
+    docstring), on every data-parallel rank of a sharded `model`: (the `val/*` metrics; the
+    grid's path where this rank `write`s the samples, the job's lead rank, else None)."""
+    v, d = cfg.validation, cfg.policy.diffusers
+    s = FlowRLSettings(
+        guidance_scale=d.sample.guidance_scale, shift=d.train_flow_shift, solver=d.sample.solver
+    )
+    n, size = v.n_generation, v.batch_size or cfg.train.train_policy.mini_batch
+    indices, own = _share(len(clips), dp)
+    # (per clip: its index, its samples as uint8 [n, 3, T, H, W], their rewards or None)
+    samples: list[tuple[int, Tensor, list[float] | None]] = []
+    for start in range(0, len(indices), size):
+        chunk = indices[start : start + size]
+        real = [clips[i] for i in chunk for _ in range(n)]
+        seeds = [seed for i in chunk for seed in sample_seeds(cfg, i, n)]
+        pixels = validation_samples(model, real, seeds, s, num_steps=d.sample.num_steps)
+        pixels = pixels.float().cpu()
+        scored = None if score is None else score(pixels, [c.caption for c in real])
+        uint8 = pixels_from_samples(pixels)
+        samples += [
+            (
+                i,
+                uint8[k * n : (k + 1) * n],
+                None if scored is None else list(scored[k * n : (k + 1) * n]),
+            )
+            for k, i in enumerate(chunk)
+        ]
+    gathered = _gathered(samples[:own], dp)
+    count = sum(len(part) for _, part, _ in gathered)
+    rewards = [r for _, _, scored in gathered if scored is not None for r in scored]
+    metrics: dict[str, float] = {"val/rollout_count": count}
+    if rewards:
+        metrics = validation_metrics(rewards, None, [step] * len(rewards))
+    if not write:
+        return metrics, None
+    written = [(i, part) for i, part, _ in gathered]
+    return metrics, _write_samples(written, clips, run_dir / "visual_output" / str(step))
+
+
+def _write_samples(samples: list[tuple[int, Tensor]], clips: list[Clip], folder: Path) -> Path:
+    """Each sample as `<clip>_<sample>_<caption>.png` (a frame) or `.mp4` (frames) in `folder`,
+    and their grid (a row per caption, at most 8; samples and frames side by side) as
+    `grid.png`; the grid's path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, part in samples:
+        slug = re.sub(r"[^A-Za-z0-9]+", "_", clips[i].caption).strip("_")[:40]
+        for j, sample in enumerate(part):
+            frames = sample.permute(1, 2, 3, 0).numpy()  # [T, H, W, 3]
+            if len(frames) == 1:
+                Image.fromarray(frames[0]).save(folder / f"{i:04d}_{j}_{slug}.png")
+            else:
+                write_mp4(folder / f"{i:04d}_{j}_{slug}.mp4", frames)
+    rows = [part for _, part in samples[:8]]
+    n, channels, frames, height, width = rows[0].shape
+    grid = torch.stack(rows).permute(0, 4, 1, 3, 5, 2)  # [rows, H, n, T, W, 3]
+    grid = grid.reshape(len(rows) * height, n * frames * width, channels)
+    path = folder / "grid.png"
+    Image.fromarray(grid.numpy()).save(path)
+    return path
