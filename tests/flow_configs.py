@@ -114,8 +114,9 @@ def tiny_text_pipeline(folder: Any, *, kind: str = "wan", frames: int = 5, size:
     pixels with a 2-layer UMT5 32 wide; "sd3" is `tiny:sd3_transformer2d_latent`'s (one frame)
     with two CLIP encoders (16 wide, their pooled vectors 16 + 16) and a T5 32 wide; "cosmos" is
     `tiny:cosmos_transformer3d_latent`'s with a 2-layer Qwen2.5-VL 32 wide, its transformer
-    projecting the 2 x 32 states to 32 (`use_crossattn_projection`, as Cosmos-Predict2.5's).
-    Every tokenizer is the presets' byte-level one (CLIP's cut at 24 tokens)."""
+    projecting the 2 x 32 states to 32 (`use_crossattn_projection`, as Cosmos-Predict2.5's);
+    "sana" is `tiny:sana_transformer2d_latent`'s (one frame, a DC-AE) with a 2-layer Gemma 2 32
+    wide; "sana_video" `tiny:sana_video_transformer3d_latent`'s (Wan's VAE) with that Gemma 2. Every tokenizer is the presets' byte-level one (CLIP's cut at 24 tokens)."""
     import json
     from pathlib import Path
 
@@ -130,8 +131,10 @@ def tiny_text_pipeline(folder: Any, *, kind: str = "wan", frames: int = 5, size:
         "wan": "tiny:wan_transformer3d_latent",
         "sd3": "tiny:sd3_transformer2d_latent",
         "cosmos": "tiny:cosmos_transformer3d_latent",
+        "sana": "tiny:sana_transformer2d_latent",
+        "sana_video": "tiny:sana_video_transformer3d_latent",
     }[kind]
-    frames = 1 if kind == "sd3" else frames
+    frames = 1 if kind in ("sd3", "sana") else frames
     model = tiny_diffusers_flow_model(preset, frames=frames, size=size, text_dim=32)
     tokenizer = build_char_tokenizer()
     ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
@@ -152,6 +155,14 @@ def tiny_text_pipeline(folder: Any, *, kind: str = "wan", frames: int = 5, size:
         parts["text_encoder_3"] = transformers.T5EncoderModel(
             transformers.T5Config(vocab_size=len(tokenizer), **t5)
         )
+    elif kind in ("sana", "sana_video"):
+        parts["text_encoder"] = transformers.Gemma2Model(
+            transformers.Gemma2Config(
+                vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                bos_token_id=tokenizer.eos_token_id, **ids,
+            )
+        )  # fmt: skip
     else:
         rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 2, 2]}
         qwen = transformers.Qwen2_5_VLConfig(

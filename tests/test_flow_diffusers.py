@@ -14,7 +14,12 @@ from diffusers import CosmosTransformer3DModel
 
 from flow_configs import tiny_flow_config, tiny_flow_policy
 from nebula_rl.config import config_from_dict
-from nebula_rl.flow.diffusers_models import DIFFUSERS_PRESETS, PRESET_VAES, DiffusersFlowModel
+from nebula_rl.flow.diffusers_models import (
+    DIFFUSERS_PRESETS,
+    IMAGE_CLASSES,
+    PRESET_VAES,
+    DiffusersFlowModel,
+)
 from nebula_rl.flow.models import check_flow_model, load_flow_model, save_flow_model
 
 VIDEO_PRESETS = ["tiny:cosmos_transformer3d", "tiny:wan_transformer3d"]
@@ -39,7 +44,7 @@ def _inputs(frames: int) -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize("preset", PIXEL_PRESETS)
 def test_each_diffusers_class_answers_the_flow_model_call(tmp_path, preset):
-    frames = 1 if "sd3" in preset else 2
+    frames = 1 if DIFFUSERS_PRESETS[preset] in IMAGE_CLASSES else 2
     model = load_flow_model(config_from_dict(_cfg(tmp_path, preset, frames=frames)))
     assert isinstance(model, DiffusersFlowModel)
     x, sigma, text, mask = _inputs(frames)
@@ -49,15 +54,16 @@ def test_each_diffusers_class_answers_the_flow_model_call(tmp_path, preset):
     noisy = text.clone()
     noisy[mask == 0] = 100.0
     assert torch.allclose(model(x, sigma, noisy, mask), v, atol=1e-5)
-    # the noise level is read (Cosmos: sigma; Wan, SD3: 1000 sigma)
+    # the noise level is read (Cosmos: sigma; Wan, SD3, Sana: 1000 sigma)
     assert not torch.allclose(model(x, sigma.flip(0), text, mask), v)
     v.square().mean().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
-def test_the_image_model_refuses_video(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny:sd3_transformer2d", "tiny:sana_transformer2d"])
+def test_the_image_model_refuses_video(tmp_path, preset):
     with pytest.raises(ValueError, match=r"makes images: set policy\.diffusers\.is_video = false"):
-        load_flow_model(config_from_dict(_cfg(tmp_path, "tiny:sd3_transformer2d", frames=2)))
+        load_flow_model(config_from_dict(_cfg(tmp_path, preset, frames=2)))
 
 
 @pytest.mark.parametrize("preset", VIDEO_PRESETS)

@@ -12,6 +12,7 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -21,7 +22,12 @@ from nebula_rl.config import config_from_dict
 from nebula_rl.flow.data import Clip, clip_text
 from nebula_rl.flow.job import flow_clips
 from nebula_rl.flow.models import check_flow_model, load_flow_model
-from nebula_rl.flow.prompts import fetch_prompt_set, prompt_clips, read_prompt_file
+from nebula_rl.flow.prompts import (
+    PROMPT_SETS,
+    fetch_prompt_set,
+    prompt_clips,
+    read_prompt_file,
+)
 from nebula_rl.flow.text_encoder import PipelineTextEncoder
 from nebula_rl.flow.vae import sample_shape
 
@@ -381,6 +387,7 @@ def test_world_model_sft_trains_on_a_cosmos_rl_caption_folder(tmp_path):
     assert (run / "safetensors" / "final" / "text_encoder_3").is_dir()
 
 
+@pytest.mark.slow
 def test_cosmos_rls_sd3_sft_config_validates_by_sampling_shrunk(tmp_path, monkeypatch):
     """cosmos-rl's SD3.5 SFT config (offload, a caption folder to train on, a JSON prompt file
     to validate on) runs as shipped on two FSDP2 ranks, its sizes shrunk and the tiny SD3
@@ -389,7 +396,6 @@ def test_cosmos_rls_sd3_sft_config_validates_by_sampling_shrunk(tmp_path, monkey
     weights makes; a validation reward scores them."""
     import tomllib
 
-    import numpy as np
     from PIL import Image
 
     from nebula_rl.flow.job import flow_validation_scorer
@@ -527,6 +533,7 @@ def test_dataset_split_picks_a_prompt_sets_part(tmp_path, pipeline, monkeypatch)
         flow_clips(config_from_dict(data), tmp_path)
 
 
+@pytest.mark.slow
 def test_cosmos_rls_cosmos_predict_nft_config_trains_shrunk(tmp_path, monkeypatch):
     """cosmos-rl's Cosmos-Predict2.5 NFT config (colocated DiffusionNFT with LoRA, EMA, bf16,
     activation checkpointing, the dpm2 solver, `pickscore` prompts) trains as shipped, with only
@@ -565,3 +572,111 @@ def test_cosmos_rls_cosmos_predict_nft_config_trains_shrunk(tmp_path, monkeypatc
     assert all(r["rewards_lost"] == 0 and "data_distance" not in r for r in records)
     index = json.loads((run_dir / "safetensors" / "final" / "model_index.json").read_text())
     assert index["text_encoder"] == ["transformers", "Qwen2_5_VLForConditionalGeneration"]
+
+
+@pytest.mark.parametrize("kind", ["sana", "sana_video"])
+def test_sana_embeds_as_its_pipeline_does_and_its_transformer_takes_the_mask(tmp_path, kind):
+    """Sana's (and SANA-Video's) Gemma 2 encoder gives its pipeline's `encode_prompt` states,
+    zeroed past each caption's tokens, so that the mask read back from them is the pipeline's;
+    the velocity is the transformer's on the pipeline's embeddings and mask, at 1000 sigma."""
+    import diffusers
+
+    frames = 1 if kind == "sana" else 5
+    folder = tiny_text_pipeline(tmp_path / kind, kind=kind)
+    data = _prompt_run(tmp_path, str(folder), frames=frames)
+    model = load_flow_model(config_from_dict(data))
+    size = (3, frames, 8, 8)
+    prompts = [Clip(f"p{i}", c, None, None, size=size) for i, c in enumerate(CAPTIONS)]
+    text, mask = clip_text(prompts[:2], model.text_encoder)
+    pipeline_class = diffusers.SanaPipeline if kind == "sana" else diffusers.SanaVideoPipeline
+    pipe = pipeline_class.from_pretrained(str(folder), transformer=None, vae=None, scheduler=None)
+    embeds, pipe_mask, _, _ = pipe.encode_prompt(
+        CAPTIONS[:2], do_classifier_free_guidance=False, max_sequence_length=24,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    assert torch.equal(mask, pipe_mask.float()) and 0 < mask.sum(1).min() < 24
+    torch.testing.assert_close(text, embeds * pipe_mask[..., None])
+    x, sigma = torch.randn(2, *sample_shape(model, size)), torch.tensor([0.3, 0.7])
+    with torch.no_grad():
+        if kind == "sana":  # (images)
+            direct = model.transformer(
+                x[:, :, 0], encoder_hidden_states=embeds, encoder_attention_mask=pipe_mask,
+                timestep=sigma * 1000, return_dict=False,
+            )[0].unsqueeze(2)  # fmt: skip
+        else:
+            direct = model.transformer(
+                x, encoder_hidden_states=embeds, encoder_attention_mask=pipe_mask,
+                timestep=sigma * 1000, return_dict=False,
+            )[0]  # fmt: skip
+        torch.testing.assert_close(model(x, sigma, text, mask), direct)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sana", "sana_video"])
+def test_cosmos_rls_sana_nft_configs_train_shrunk(tmp_path, monkeypatch, kind):
+    """cosmos-rl's Sana image and video NFT configs (colocated DiffusionNFT, LoRA on the
+    attention projections, EMA, `pickscore` prompts) train as shipped, their sizes shrunk, a
+    tiny Sana pipeline their model and a local reward for their remote one."""
+    import tomllib
+
+    from test_flow_parallel import _train_cli
+
+    shipped = Path(__file__).parent / "data" / "cosmos-rl" / "configs" / "sana"
+    name = "sana-image-nft.toml" if kind == "sana" else "sana-video-nft.toml"
+    raw = tomllib.loads((shipped / name).read_text())
+    folder = tiny_text_pipeline(tmp_path / kind, kind=kind)
+    dataset = raw["train"]["train_policy"]["dataset"]  # (pickscore; dance_grpo_t2v for video)
+    url = PROMPT_SETS[dataset["name"]][dataset["split"]]
+    cached = tmp_path / "cache" / "prompt_sets" / dataset["name"] / url.rsplit("/", 1)[1]
+    cached.parent.mkdir(parents=True)
+    cached.write_text("\n".join(CAPTIONS) + "\n")
+    monkeypatch.setenv("NEBULA_RL_CACHE", str(tmp_path / "cache"))
+    raw["policy"]["model_name_or_path"] = str(folder)
+    raw["policy"]["diffusers"].update(inference_size=[8, 8], inference_frames=5, train_frames=5)
+    raw["rollout"]["n_generation"] = 2
+    for part in ("policy", "rollout"):
+        raw[part]["parallelism"]["dp_shard_size"] = 2
+    raw["logging"]["logger"] = ["console"]
+    raw["train"].update(output_dir=str(tmp_path / "runs"), train_batch_per_replica=4, epoch=1)
+    raw["train"]["max_num_steps"] = 2
+    policy = raw["train"]["train_policy"]
+    policy.update(use_remote_reward=False, reward_function="colour_match", mini_batch=1)
+    policy.pop("remote_reward", None)
+    config = tmp_path / "nft.json"
+    config.write_text(json.dumps(raw))
+    result = _train_cli(config)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["rewards_lost"] == 0 for r in records)
+    index = json.loads((run_dir / "safetensors" / "final" / "model_index.json").read_text())
+    want = (
+        ("SanaPipeline", "AutoencoderDC")
+        if kind == "sana"
+        else ("SanaVideoPipeline", "AutoencoderKLWan")
+    )
+    assert (index["_class_name"], index["vae"][1]) == want
+
+
+def test_sft_validation_writes_a_video_models_samples_as_clips(tmp_path, pipeline):
+    """A video model's validation samples of a prompt file are MP4 clips of its frames (the
+    grid's rows hold them side by side); every caption gets `n_generation`, each from its own
+    seed, so two samples of one caption differ."""
+    from PIL import Image
+
+    from nebula_rl.flow.data import _read_video
+    from nebula_rl.flow.validation import validate_samples
+
+    data = _prompt_run(tmp_path, str(pipeline))
+    data["validation"] = {"enable": True, "dataset": {"name": str(tmp_path / "prompts.txt")}}
+    data["validation"]["n_generation"] = 2
+    cfg = config_from_dict(data)
+    clips = flow_clips(cfg, tmp_path, validation=True)
+    metrics, grid = validate_samples(load_flow_model(cfg), clips, cfg, step=3, run_dir=tmp_path)
+    assert metrics == {"val/rollout_count": 8} and grid is not None
+    first = _read_video(grid.parent / "0000_0_a_red_square.mp4")
+    second = _read_video(grid.parent / "0000_1_a_red_square.mp4")
+    assert first.shape == (5, 8, 8, 3) and not np.array_equal(first, second)
+    assert len(list(grid.parent.glob("*.mp4"))) == 8
+    assert Image.open(grid).size == (2 * 5 * 8, 4 * 8)  # (2 samples x 5 frames; 4 captions)

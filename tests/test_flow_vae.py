@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import AutoencoderKL, AutoencoderKLWan, WanTransformer3DModel
+from diffusers import AutoencoderDC, AutoencoderKL, AutoencoderKLWan, WanTransformer3DModel
 
 from flow_configs import reward_service, scored_remotely, tiny_flow_config, tiny_flow_policy
 from nebula_rl.config import ConfigError, config_from_dict
@@ -23,8 +23,8 @@ from nebula_rl.flow.local import FlowRLSettings, pretrain, run_flow_rl
 from nebula_rl.flow.models import check_flow_model, load_flow_model, save_flow_model
 from nebula_rl.flow.vae import FlowVAE, flow_vae
 
-FRAMES = {"tiny:sd3_transformer2d_latent": 1}
-"""Frames of each latent preset in these tests (Wan's VAE: 1 + 4k; SD3 makes images)."""
+FRAMES = {"tiny:sd3_transformer2d_latent": 1, "tiny:sana_transformer2d_latent": 1}
+"""Frames of each latent preset in these tests (Wan's VAE: 1 + 4k; SD3 and Sana make images)."""
 
 
 def _cfg(tmp_path: Path, model: str, *, frames: int = 5, **train_policy: object) -> dict:
@@ -82,8 +82,8 @@ def test_a_latent_preset_runs_in_its_vaes_latent_space_and_exports_a_pipeline(tm
 
 def test_latents_are_normalised_as_the_pipelines_do():
     """Wan (and Cosmos-Predict2.5): `(mu - latents_mean) / latents_std` per channel; SD3:
-    `(mu - shift_factor) * scaling_factor`; the posterior's mean, and decoding inverts the
-    normalisation before the VAE's decoder."""
+    `(mu - shift_factor) * scaling_factor`; the posterior's mean; Sana's DC-AE: its latent times
+    `scaling_factor`; decoding inverts the normalisation before the VAE's decoder."""
     torch.manual_seed(0)
     pixels = torch.rand(2, 3, 5, 8, 8) * 2 - 1
     wan = AutoencoderKLWan(**tiny_vae_config("AutoencoderKLWan")).eval()
@@ -102,6 +102,14 @@ def test_latents_are_normalised_as_the_pipelines_do():
     expected = (mu - kl.config.shift_factor) * kl.config.scaling_factor
     assert torch.allclose(z[:, :, 0], expected, atol=1e-5)
     decoded = kl.decode(expected / kl.config.scaling_factor + kl.config.shift_factor).sample
+    assert torch.allclose(vae.decode(z)[:, :, 0], decoded.clamp(-1, 1), atol=1e-5)
+
+    dc = AutoencoderDC(**tiny_vae_config("AutoencoderDC")).eval()  # (Sana: no distribution)
+    vae = FlowVAE(dc)
+    expected = dc.encode(pixels[:, :, 0]).latent * dc.config.scaling_factor
+    z = vae.encode(pixels[:, :, :1])
+    assert torch.allclose(z[:, :, 0], expected, atol=1e-5)
+    decoded = dc.decode(expected / dc.config.scaling_factor).sample
     assert torch.allclose(vae.decode(z)[:, :, 0], decoded.clamp(-1, 1), atol=1e-5)
 
 

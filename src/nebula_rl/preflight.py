@@ -171,7 +171,9 @@ def _layout(cfg: Config, num_policy: int, num_rollout: int, p: Preflight) -> Non
 def _flow_model(cfg: Config, p: Preflight) -> None:
     """A world model on disk or a preset is checked here (its class, its pixel space); a Hub
     model's configs are fetched and checked at launch."""
+    from nebula_rl.flow.diffusers_models import DIFFUSERS_CLASSES
     from nebula_rl.flow.models import check_flow_model
+    from nebula_rl.flow.vae import VAE_CLASSES
 
     name = cfg.policy.model_name_or_path
     if Path(name).exists() or name.startswith("tiny:"):
@@ -182,9 +184,8 @@ def _flow_model(cfg: Config, p: Preflight) -> None:
     elif is_hub_id(name):
         p.notes.append(
             f"policy.model_name_or_path: {name} is fetched from the Hub at launch; its "
-            "transformer must be a CosmosTransformer3DModel, WanTransformer3DModel or "
-            "SD3Transformer2DModel, in pixel space (in_channels = 3) or with its pipeline's "
-            "AutoencoderKLWan / AutoencoderKL in vae/"
+            f"transformer must be a {' / '.join(DIFFUSERS_CLASSES)}, in pixel space "
+            f"(in_channels = 3) or with its pipeline's {' / '.join(VAE_CLASSES)} in vae/"
         )
 
 

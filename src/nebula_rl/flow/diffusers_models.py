@@ -1,12 +1,15 @@
 """diffusers transformers as flow models: `CosmosTransformer3DModel` (Cosmos-Predict2.5),
-`WanTransformer3DModel` (Wan 2.x) and `SD3Transformer2DModel` (Stable Diffusion 3), each behind the
-call every flow model of nebula-rl answers, `model(x, sigma, text, text_mask) -> velocity`.
+`WanTransformer3DModel` (Wan 2.x), `SD3Transformer2DModel` (Stable Diffusion 3),
+`SanaTransformer2DModel` (Sana 1.x) and `SanaVideoTransformer3DModel` (SANA-Video), each behind
+the call every flow model of nebula-rl answers, `model(x, sigma, text, text_mask) -> velocity`.
 
-The three predict the rectified-flow velocity `noise - x0`, as the built-in DiT does; they differ
+The five predict the rectified-flow velocity `noise - x0`, as the built-in DiT does; they differ
 in how they take the noise level and the text:
 
-- Cosmos-Predict2.5 takes sigma itself (in [0, 1]) as its timestep; Wan and SD3 take
-  `1000 sigma` (their schedulers' timesteps);
+- Cosmos-Predict2.5 takes sigma itself (in [0, 1]) as its timestep; Wan, SD3 and Sana take
+  `1000 sigma` (their schedulers' timesteps; Sana's times its `timestep_scale`);
+- Sana and SANA-Video also take the text mask (`encoder_attention_mask`); Sana makes images
+  only;
 - the text embeddings go in as `encoder_hidden_states`, zeroed past each caption's tokens (the
   pipelines' zero padding; a row without text, guidance's unconditional branch, is all zeros);
 - SD3 also takes a pooled text vector: its pipeline's (the first row of the embeddings, where
@@ -43,6 +46,7 @@ from nebula_rl.flow.vae import FlowVAE, vae_factors
 __all__ = [
     "DIFFUSERS_CLASSES",
     "DIFFUSERS_PRESETS",
+    "IMAGE_CLASSES",
     "PRESET_VAES",
     "TI2V_PRESETS",
     "DiffusersFlowModel",
@@ -55,16 +59,29 @@ __all__ = [
     "tiny_vae_config",
 ]
 
-DIFFUSERS_CLASSES = ("CosmosTransformer3DModel", "WanTransformer3DModel", "SD3Transformer2DModel")
+DIFFUSERS_CLASSES = (
+    "CosmosTransformer3DModel",
+    "WanTransformer3DModel",
+    "SD3Transformer2DModel",
+    "SanaTransformer2DModel",
+    "SanaVideoTransformer3DModel",
+)
 """The diffusers transformer classes nebula-rl trains."""
+
+IMAGE_CLASSES = ("SD3Transformer2DModel", "SanaTransformer2DModel")
+"""The classes that make images (one frame)."""
 
 DIFFUSERS_PRESETS = {
     "tiny:cosmos_transformer3d": "CosmosTransformer3DModel",
     "tiny:wan_transformer3d": "WanTransformer3DModel",
     "tiny:sd3_transformer2d": "SD3Transformer2DModel",
+    "tiny:sana_transformer2d": "SanaTransformer2DModel",
+    "tiny:sana_video_transformer3d": "SanaVideoTransformer3DModel",
     "tiny:cosmos_transformer3d_latent": "CosmosTransformer3DModel",
     "tiny:wan_transformer3d_latent": "WanTransformer3DModel",
     "tiny:sd3_transformer2d_latent": "SD3Transformer2DModel",
+    "tiny:sana_transformer2d_latent": "SanaTransformer2DModel",
+    "tiny:sana_video_transformer3d_latent": "SanaVideoTransformer3DModel",
 }
 """Random-init miniatures of each class (two blocks, width 64) for CPU tests and demos; the
 `_latent` ones with a miniature VAE (:data:`PRESET_VAES`)."""
@@ -73,6 +90,8 @@ PRESET_VAES = {
     "tiny:cosmos_transformer3d_latent": "AutoencoderKLWan",
     "tiny:wan_transformer3d_latent": "AutoencoderKLWan",
     "tiny:sd3_transformer2d_latent": "AutoencoderKL",
+    "tiny:sana_transformer2d_latent": "AutoencoderDC",
+    "tiny:sana_video_transformer3d_latent": "AutoencoderKLWan",
 }
 """The latent-space presets' VAE classes (:func:`tiny_vae_config`: 4 latent channels, frames
 halved in size, Wan's also in time; a fixed random init)."""
@@ -81,6 +100,8 @@ PIPELINES = {
     "CosmosTransformer3DModel": "Cosmos2_5_PredictBasePipeline",
     "WanTransformer3DModel": "WanPipeline",
     "SD3Transformer2DModel": "StableDiffusion3Pipeline",
+    "SanaTransformer2DModel": "SanaPipeline",
+    "SanaVideoTransformer3DModel": "SanaVideoPipeline",
 }
 """The pipeline class an export's `model_index.json` names, by transformer class."""
 
@@ -88,7 +109,12 @@ TI2V_PRESETS = {"tiny:wan_transformer3d_latent"}
 """Presets that take conditioning frames by per-token timesteps, as Wan 2.2 TI2V does (its
 pipeline's `expand_timesteps`)."""
 
-_THOUSAND = {"WanTransformer3DModel", "SD3Transformer2DModel"}
+_THOUSAND = {
+    "WanTransformer3DModel",
+    "SD3Transformer2DModel",
+    "SanaTransformer2DModel",
+    "SanaVideoTransformer3DModel",
+}
 """Classes whose timestep is 1000 sigma."""
 
 KEY = "policy.model_name_or_path"
@@ -191,9 +217,19 @@ class DiffusersFlowModel(nn.Module):
         text = (text * text_mask.unsqueeze(-1).to(text.dtype)).to(dtype)
         t = (sigma * 1000 if self.kind in _THOUSAND else sigma).to(dtype)
         hidden = x.to(dtype)
-        if self.kind == "SD3Transformer2DModel":
-            if x.shape[2] != 1:
-                raise ValueError(f"SD3Transformer2DModel makes images: got {x.shape[2]} frames")
+        if self.kind in IMAGE_CLASSES and x.shape[2] != 1:
+            raise ValueError(f"{self.kind} makes images: got {x.shape[2]} frames")
+        if self.kind == "SanaTransformer2DModel":
+            out = self.transformer(
+                hidden[:, :, 0], encoder_hidden_states=text, encoder_attention_mask=text_mask,
+                timestep=t * self.config.timestep_scale, return_dict=False,
+            )[0].unsqueeze(2)  # fmt: skip
+        elif self.kind == "SanaVideoTransformer3DModel":
+            out = self.transformer(
+                hidden, encoder_hidden_states=text, encoder_attention_mask=text_mask, timestep=t,
+                return_dict=False,
+            )[0]  # fmt: skip
+        elif self.kind == "SD3Transformer2DModel":
             if getattr(self.text_encoder, "pooled_row", False):  # (its pipeline's pooled vector)
                 pooled = text[:, 0, : self.config.pooled_projection_dim]
                 text = text[:, 1:]
@@ -288,6 +324,11 @@ def check_diffusers_folder(name: str, folder: Path) -> DiffusersFolder:
             f"{KEY}: {name} holds a {class_name}; nebula-rl trains {', '.join(DIFFUSERS_CLASSES)}"
         )
     config = json.loads((where / "config.json").read_text())
+    if config.get("guidance_embeds"):
+        raise ValueError(
+            f"{KEY}: {name}: a {class_name} with guidance_embeds (a guidance-distilled model, "
+            "Sana-Sprint's) takes the guidance scale as an input, which nebula-rl does not give"
+        )
     index_file = folder / "model_index.json"
     index = json.loads(index_file.read_text()) if index_file.is_file() else {}
     second = index.get("transformer_2")
@@ -382,6 +423,16 @@ def tiny_vae_config(class_name: str) -> dict[str, Any]:
             "temperal_downsample": [True], "scale_factor_temporal": 2, "scale_factor_spatial": 2,
             "latents_mean": [-0.17, 0.07, -0.31, -0.36], "latents_std": [0.09, 0.11, 0.14, 0.23],
         }  # fmt: skip
+    if class_name == "AutoencoderDC":
+        return {
+            "latent_channels": 4, "attention_head_dim": 8,
+            "encoder_block_types": ["ResBlock"] * 2, "decoder_block_types": ["ResBlock"] * 2,
+            "encoder_block_out_channels": [8, 16], "decoder_block_out_channels": [8, 16],
+            "encoder_layers_per_block": [1, 1], "decoder_layers_per_block": [1, 1],
+            "encoder_qkv_multiscales": [[], []], "decoder_qkv_multiscales": [[], []],
+            "upsample_block_type": "interpolate", "downsample_block_type": "Conv",
+            "decoder_norm_types": "rms_norm", "decoder_act_fns": "silu", "scaling_factor": 1.2,
+        }  # fmt: skip
     assert class_name == "AutoencoderKL"
     return {
         "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2,
@@ -409,7 +460,7 @@ def tiny_diffusers_flow_model(
     preset's VAE encoder call compiled)."""
     diffusers = _diffusers()
     class_name = DIFFUSERS_PRESETS[preset]
-    if class_name == "SD3Transformer2DModel" and frames != 1:
+    if class_name in IMAGE_CLASSES and frames != 1:
         raise ValueError(f"{KEY} = {preset!r} makes images: set policy.diffusers.is_video = false")
     vae = None
     channels = 3
@@ -450,6 +501,21 @@ def _tiny_transformer(
             patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim,
             in_channels=channels_in, out_channels=channels_out, text_dim=text_dim, freq_dim=32,
             ffn_dim=128, num_layers=2, rope_max_seq_len=64,
+        )  # fmt: skip
+    if class_name == "SanaVideoTransformer3DModel":
+        return diffusers.SanaVideoTransformer3DModel(  # type: ignore[no-any-return]
+            in_channels=channels_in, out_channels=channels_out, num_attention_heads=heads,
+            attention_head_dim=head_dim, num_layers=2, num_cross_attention_heads=heads,
+            cross_attention_head_dim=head_dim, cross_attention_dim=heads * head_dim,
+            caption_channels=text_dim, sample_size=size, patch_size=(1, 2, 2),
+            rope_max_seq_len=64,
+        )  # fmt: skip
+    if class_name == "SanaTransformer2DModel":
+        return diffusers.SanaTransformer2DModel(  # type: ignore[no-any-return]
+            in_channels=channels_in, out_channels=channels_out, num_attention_heads=heads,
+            attention_head_dim=head_dim, num_layers=2, num_cross_attention_heads=heads,
+            cross_attention_head_dim=head_dim, cross_attention_dim=heads * head_dim,
+            caption_channels=text_dim, sample_size=size, patch_size=1,
         )  # fmt: skip
     return diffusers.SD3Transformer2DModel(  # type: ignore[no-any-return]
         sample_size=size, patch_size=2, in_channels=channels_in, out_channels=channels_out,

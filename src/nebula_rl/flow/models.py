@@ -6,7 +6,8 @@
   (`model_index.json`, `transformer/`) or transformer folder, local or a Hub id fetched into the
   Hugging Face cache (`policy.model_revision`: e.g. `diffusers/base/post-trained`), or a
   random-init miniature (`tiny:cosmos_transformer3d`, `tiny:wan_transformer3d`,
-  `tiny:sd3_transformer2d`; in latent space with a miniature VAE, the same names ending in
+  `tiny:sd3_transformer2d`, `tiny:sana_transformer2d`; in latent space with a miniature VAE, the
+  same names ending in
   `_latent`). A latent-space transformer comes with the VAE of its pipeline folder (`vae/`,
   frozen: `nebula_rl.flow.vae`).
 
@@ -30,6 +31,7 @@ from nebula_rl.config import Config, GrpoConfig, SftConfig
 from nebula_rl.flow.context_parallel import CP_CLASSES
 from nebula_rl.flow.diffusers_models import (
     DIFFUSERS_PRESETS,
+    IMAGE_CLASSES,
     PRESET_VAES,
     TI2V_PRESETS,
     DiffusersFlowModel,
@@ -282,9 +284,10 @@ def _check_diffusers_cp(
     if cp == 1:
         return
     if class_name not in CP_CLASSES:
+        why = " (it makes images)" if class_name in IMAGE_CLASSES else ""
         raise ValueError(
-            f"policy.parallelism.cp_size = {cp}: context parallelism splits clips by frames; a "
-            f"{class_name} makes images (it splits {', '.join(CP_CLASSES)} and the built-in DiT)"
+            f"policy.parallelism.cp_size = {cp}: context parallelism splits clips by frames, of "
+            f"{', '.join(CP_CLASSES)} and the built-in DiT; not of a {class_name}{why}"
         )
     d = cfg.policy.diffusers
     frames = d.inference_frames if d.is_video else 1

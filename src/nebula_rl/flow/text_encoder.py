@@ -5,7 +5,10 @@ pipeline folder the transformer comes from also holds the text encoder it was tr
 (`text_encoder/` and `tokenizer/`, named in `model_index.json`); :class:`PipelineTextEncoder`
 loads that pipeline with its text parts only and calls its own `encode_prompt`, so a caption is
 embedded exactly as the pipeline embeds it at inference: Wan's UMT5 states, zero past the
-caption's tokens; Stable Diffusion 3's two CLIP encoders' states then T5's; Cosmos-Predict2.5's
+caption's tokens; Stable Diffusion 3's two CLIP encoders' states then T5's; Sana's and
+SANA-Video's Gemma 2
+states, zeroed past the caption's tokens here (its transformer takes the pipeline's mask, which
+the zero rows give back: `flow.data.clip_text`); Cosmos-Predict2.5's
 Qwen2.5-VL states of every layer, each normalised, side by side, at every position of the
 chat-formatted caption padded to `max_length` tokens. The T5 and Qwen parts are padded to
 `max_length` tokens (`policy.diffusers.max_prompt_length`), as the pipelines pad.
@@ -50,8 +53,17 @@ __all__ = [
     "text_pipeline",
 ]
 
-TEXT_PIPELINES = ("WanPipeline", "StableDiffusion3Pipeline", "Cosmos2_5_PredictBasePipeline")
+TEXT_PIPELINES = (
+    "WanPipeline",
+    "StableDiffusion3Pipeline",
+    "SanaPipeline",
+    "SanaVideoPipeline",
+    "Cosmos2_5_PredictBasePipeline",
+)
 """The pipelines whose text encoder nebula-rl runs."""
+
+_MASKED = ("SanaPipeline", "SanaVideoPipeline")
+"""Pipelines whose `encode_prompt` also gives the text's attention mask."""
 
 _BARE = ("Cosmos2_5_PredictBasePipeline",)
 """Pipelines made without their constructor (which builds parts embedding does not need)."""
@@ -192,6 +204,8 @@ class PipelineTextEncoder:
             for part in parts:
                 part.to("cpu")
             embeds = encoded[0]
+            if self.pipeline_class in _MASKED:  # (prompt, mask, negative, its mask)
+                embeds = embeds * encoded[1].unsqueeze(-1).to(embeds.dtype)
             if self.pooled_row:  # (Stable Diffusion 3: prompt, negative, pooled, negative)
                 pooled = encoded[2]
                 if pooled.shape[-1] > embeds.shape[-1]:

@@ -9,6 +9,9 @@ and trains on.
   `z = (mu - mean) / std`, as the Wan and Cosmos-Predict2.5 pipelines do.
 - `AutoencoderKL` (Stable Diffusion 3): an image VAE, run on each frame;
   `z = (mu - shift_factor) * scaling_factor`, as the SD3 pipeline does.
+- `AutoencoderDC` (Sana's deep-compression autoencoder, 32x smaller frames): an image VAE, run on
+  each frame; its encoder's latent (it has no distribution) times `scaling_factor`, as the Sana
+  pipeline does.
 
 A clip encodes to its posterior's mean (deterministic, as cosmos-rl's tokenizer does: a rollout
 and the policy encode a clip alike); latents decode to pixels clamped to [-1, 1], one sample at a
@@ -43,7 +46,7 @@ __all__ = [
     "vae_factors",
 ]
 
-VAE_CLASSES = ("AutoencoderKLWan", "AutoencoderKL")
+VAE_CLASSES = ("AutoencoderKLWan", "AutoencoderKL", "AutoencoderDC")
 """The diffusers VAE classes nebula-rl runs."""
 
 KEY = "policy.model_name_or_path"
@@ -59,11 +62,14 @@ def vae_factors(class_name: str, config: Mapping[str, Any]) -> tuple[int, int, i
     if class_name == "AutoencoderKL":
         blocks = config.get("block_out_channels", [64])
         return int(config.get("latent_channels", 4)), 2 ** (len(blocks) - 1), 1
+    if class_name == "AutoencoderDC":
+        blocks = config.get("encoder_block_out_channels", [128, 256, 512, 512, 1024, 1024])
+        return int(config.get("latent_channels", 32)), 2 ** (len(blocks) - 1), 1
     if class_name == "AutoencoderKLCosmos":
         raise ValueError(
             f"{KEY}: AutoencoderKLCosmos is Cosmos-Predict1's tokenizer, which belongs to its EDM "
             "pipeline, not a rectified flow; nebula-rl runs AutoencoderKLWan (Wan, "
-            "Cosmos-Predict2/2.5) and AutoencoderKL (SD3)"
+            "Cosmos-Predict2/2.5), AutoencoderKL (SD3) and AutoencoderDC (Sana)"
         )
     raise ValueError(f"{KEY}: a {class_name} VAE; nebula-rl runs {', '.join(VAE_CLASSES)}")
 
@@ -100,7 +106,7 @@ class FlowVAE:
             view = (1, self.channels, 1, 1, 1)
             self.shift = torch.tensor(config["latents_mean"], dtype=torch.float32).view(view)
             self.scale = 1 / torch.tensor(config["latents_std"], dtype=torch.float32).view(view)
-        else:
+        else:  # (AutoencoderDC has no shift)
             self.shift = torch.tensor(float(config.get("shift_factor") or 0.0))
             self.scale = torch.tensor(float(config["scaling_factor"]))
         self._encode = torch.compile(self._mean, dynamic=False) if compile_encode else self._mean
@@ -136,7 +142,10 @@ class FlowVAE:
             self._on(torch.device("cpu"))
 
     def _mean(self, pixels: Tensor) -> Tensor:
-        return self.module.encode(pixels).latent_dist.mode()  # type: ignore[operator]
+        encoded = self.module.encode(pixels)  # type: ignore[operator]
+        if self.kind == "AutoencoderDC":  # (a deterministic encoder)
+            return encoded.latent  # type: ignore[no-any-return]
+        return encoded.latent_dist.mode()  # type: ignore[no-any-return]
 
     def _frames(self, x: Tensor, run: Any) -> Tensor:
         """`run` on `x` [B, C, T, H, W]: whole for a video VAE, frame by frame for an image one."""

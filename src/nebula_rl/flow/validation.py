@@ -23,9 +23,9 @@ another seed: other clips of the same captions), the first `validation.max_num_p
   take): `validation.n_generation` deterministic samples of each caption, the ODE in
   `policy.diffusers.sample.num_steps` steps with `sample.guidance_scale` (as cosmos-rl's SFT
   validation samples; it fixes the guidance at 4.5 whatever the config says), written to
-  `<run>/visual_output/<step>/` (a PNG an image, an MP4 a video) with a grid of them for the
-  dashboards; `val/rollout_count` counts them, and a `validation.reward_function` scores them
-  (`val/reward_*`).
+  `<run>/visual_output/<step>/` (a PNG an image, an MP4 a video, `.npy` frames without PyAV)
+  with a grid of them for the dashboards; `val/rollout_count` counts them, and a
+  `validation.reward_function` scores them (`val/reward_*`).
 
 Each sample's draws (noise, SFT's noise level, the count of conditioning frames) come from a
 seed of its own that is the same at every validation, so a validation curve moves with the
@@ -37,10 +37,12 @@ out as validation prompts, which rollout replicas sample (`flow.runtime`).
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from PIL import Image
@@ -228,18 +230,23 @@ def validate_samples(
 
 
 def _write_samples(samples: list[tuple[int, Tensor]], clips: list[Clip], folder: Path) -> Path:
-    """Each sample as `<clip>_<sample>_<caption>.png` (a frame) or `.mp4` (frames) in `folder`,
+    """Each sample as `<clip>_<sample>_<caption>.png` (a frame) or `.mp4` (frames; `.npy`
+    without PyAV) in `folder`,
     and their grid (a row per caption, at most 8; samples and frames side by side) as
     `grid.png`; the grid's path."""
     folder.mkdir(parents=True, exist_ok=True)
+    mp4 = importlib.util.find_spec("av") is not None  # (without PyAV: `.npy` frames)
     for i, part in samples:
         slug = re.sub(r"[^A-Za-z0-9]+", "_", clips[i].caption).strip("_")[:40]
         for j, sample in enumerate(part):
             frames = sample.permute(1, 2, 3, 0).numpy()  # [T, H, W, 3]
+            stem = folder / f"{i:04d}_{j}_{slug}"
             if len(frames) == 1:
-                Image.fromarray(frames[0]).save(folder / f"{i:04d}_{j}_{slug}.png")
+                Image.fromarray(frames[0]).save(stem.with_suffix(".png"))
+            elif mp4:
+                write_mp4(stem.with_suffix(".mp4"), frames)
             else:
-                write_mp4(folder / f"{i:04d}_{j}_{slug}.mp4", frames)
+                np.save(stem.with_suffix(".npy"), frames)
     rows = [part for _, part in samples[:8]]
     n, channels, frames, height, width = rows[0].shape
     grid = torch.stack(rows).permute(0, 4, 1, 3, 5, 2)  # [rows, H, n, T, W, 3]
