@@ -533,47 +533,6 @@ def test_dataset_split_picks_a_prompt_sets_part(tmp_path, pipeline, monkeypatch)
         flow_clips(config_from_dict(data), tmp_path)
 
 
-@pytest.mark.slow
-def test_cosmos_rls_cosmos_predict_nft_config_trains_shrunk(tmp_path, monkeypatch):
-    """cosmos-rl's Cosmos-Predict2.5 NFT config (colocated DiffusionNFT with LoRA, EMA, bf16,
-    activation checkpointing, the dpm2 solver, `pickscore` prompts) trains as shipped, with only
-    its sizes shrunk, the tiny pipeline as its model and a local reward for its remote one."""
-    import tomllib
-
-    from test_flow_parallel import _train_cli
-
-    shipped = Path(__file__).parent / "data" / "cosmos-rl" / "configs" / "cosmos-predict2-5"
-    raw = tomllib.loads((shipped / "cosmos-predict2-5-2b-720-nft.toml").read_text())
-    folder = tiny_text_pipeline(tmp_path / "cosmos", kind="cosmos")
-    cached = tmp_path / "cache" / "prompt_sets" / "pickscore"
-    cached.mkdir(parents=True)
-    (cached / "train.txt").write_text("\n".join(CAPTIONS) + "\n")
-    monkeypatch.setenv("NEBULA_RL_CACHE", str(tmp_path / "cache"))
-    raw["policy"]["model_name_or_path"] = str(folder)
-    raw["policy"]["diffusers"].update(
-        inference_size=[8, 8], inference_frames=5, train_frames=5, max_prompt_length=COSMOS_LENGTH
-    )
-    raw["rollout"]["n_generation"] = 2
-    for part in ("policy", "rollout"):
-        raw[part]["parallelism"]["dp_shard_size"] = 2
-    raw["logging"]["logger"] = ["console"]
-    raw["train"].update(output_dir=str(tmp_path / "runs"), train_batch_per_replica=4, epoch=1)
-    raw["train"]["max_num_steps"] = 2
-    policy = raw["train"]["train_policy"]
-    policy.update(use_remote_reward=False, reward_function="colour_match", mini_batch=1)
-    del policy["remote_reward"]
-    config = tmp_path / "nft.json"
-    config.write_text(json.dumps(raw))
-    result = _train_cli(config)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
-    assert all(r["rewards_lost"] == 0 and "data_distance" not in r for r in records)
-    index = json.loads((run_dir / "safetensors" / "final" / "model_index.json").read_text())
-    assert index["text_encoder"] == ["transformers", "Qwen2_5_VLForConditionalGeneration"]
-
-
 @pytest.mark.parametrize("kind", ["sana", "sana_video"])
 def test_sana_embeds_as_its_pipeline_does_and_its_transformer_takes_the_mask(tmp_path, kind):
     """Sana's (and SANA-Video's) Gemma 2 encoder gives its pipeline's `encode_prompt` states,
@@ -612,18 +571,27 @@ def test_sana_embeds_as_its_pipeline_does_and_its_transformer_takes_the_mask(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["sana", "sana_video"])
-def test_cosmos_rls_sana_nft_configs_train_shrunk(tmp_path, monkeypatch, kind):
-    """cosmos-rl's Sana image and video NFT configs (colocated DiffusionNFT, LoRA on the
-    attention projections, EMA, `pickscore` prompts) train as shipped, their sizes shrunk, a
-    tiny Sana pipeline their model and a local reward for their remote one."""
+@pytest.mark.parametrize(
+    ("shipped", "kind", "pipeline", "vae"),
+    [
+        ("cosmos-predict2-5/cosmos-predict2-5-2b-720-nft", "cosmos",
+         "Cosmos2_5_PredictBasePipeline", "AutoencoderKLWan"),
+        ("sana/sana-image-nft", "sana", "SanaPipeline", "AutoencoderDC"),
+        ("sana/sana-video-nft", "sana_video", "SanaVideoPipeline", "AutoencoderKLWan"),
+    ],
+    ids=["cosmos-predict2.5", "sana", "sana-video"],
+)  # fmt: skip
+def test_cosmos_rls_nft_configs_train_shrunk(tmp_path, monkeypatch, shipped, kind, pipeline, vae):
+    """cosmos-rl's diffusion NFT configs (colocated DiffusionNFT with LoRA, EMA, bf16,
+    activation checkpointing, the dpm2 solver, a prompt set fetched by name) train as shipped:
+    only their sizes shrunk, a tiny pipeline of their classes their model and a local reward for
+    their remote one; the export is that pipeline, text encoder included."""
     import tomllib
 
     from test_flow_parallel import _train_cli
 
-    shipped = Path(__file__).parent / "data" / "cosmos-rl" / "configs" / "sana"
-    name = "sana-image-nft.toml" if kind == "sana" else "sana-video-nft.toml"
-    raw = tomllib.loads((shipped / name).read_text())
+    configs = Path(__file__).parent / "data" / "cosmos-rl" / "configs"
+    raw = tomllib.loads((configs / f"{shipped}.toml").read_text())
     folder = tiny_text_pipeline(tmp_path / kind, kind=kind)
     dataset = raw["train"]["train_policy"]["dataset"]  # (pickscore; dance_grpo_t2v for video)
     url = PROMPT_SETS[dataset["name"]][dataset["split"]]
@@ -633,6 +601,8 @@ def test_cosmos_rls_sana_nft_configs_train_shrunk(tmp_path, monkeypatch, kind):
     monkeypatch.setenv("NEBULA_RL_CACHE", str(tmp_path / "cache"))
     raw["policy"]["model_name_or_path"] = str(folder)
     raw["policy"]["diffusers"].update(inference_size=[8, 8], inference_frames=5, train_frames=5)
+    if kind == "cosmos":
+        raw["policy"]["diffusers"]["max_prompt_length"] = COSMOS_LENGTH
     raw["rollout"]["n_generation"] = 2
     for part in ("policy", "rollout"):
         raw[part]["parallelism"]["dp_shard_size"] = 2
@@ -641,7 +611,7 @@ def test_cosmos_rls_sana_nft_configs_train_shrunk(tmp_path, monkeypatch, kind):
     raw["train"]["max_num_steps"] = 2
     policy = raw["train"]["train_policy"]
     policy.update(use_remote_reward=False, reward_function="colour_match", mini_batch=1)
-    policy.pop("remote_reward", None)
+    del policy["remote_reward"]
     config = tmp_path / "nft.json"
     config.write_text(json.dumps(raw))
     result = _train_cli(config)
@@ -649,14 +619,11 @@ def test_cosmos_rls_sana_nft_configs_train_shrunk(tmp_path, monkeypatch, kind):
     (run_dir,) = (tmp_path / "runs").iterdir()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
-    assert all(r["rewards_lost"] == 0 for r in records)
+    assert all(r["rewards_lost"] == 0 and "data_distance" not in r for r in records)
     index = json.loads((run_dir / "safetensors" / "final" / "model_index.json").read_text())
-    want = (
-        ("SanaPipeline", "AutoencoderDC")
-        if kind == "sana"
-        else ("SanaVideoPipeline", "AutoencoderKLWan")
-    )
-    assert (index["_class_name"], index["vae"][1]) == want
+    source = json.loads((folder / "model_index.json").read_text())
+    assert (index["_class_name"], index["vae"][1]) == (pipeline, vae)
+    assert index["text_encoder"] == source["text_encoder"]
 
 
 def test_sft_validation_writes_a_video_models_samples_as_clips(tmp_path, pipeline):

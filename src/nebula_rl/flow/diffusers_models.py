@@ -502,20 +502,14 @@ def _tiny_transformer(
             in_channels=channels_in, out_channels=channels_out, text_dim=text_dim, freq_dim=32,
             ffn_dim=128, num_layers=2, rope_max_seq_len=64,
         )  # fmt: skip
-    if class_name == "SanaVideoTransformer3DModel":
-        return diffusers.SanaVideoTransformer3DModel(  # type: ignore[no-any-return]
+    if class_name in ("SanaTransformer2DModel", "SanaVideoTransformer3DModel"):
+        video = class_name == "SanaVideoTransformer3DModel"
+        shape = {"patch_size": (1, 2, 2), "rope_max_seq_len": 64} if video else {"patch_size": 1}
+        return getattr(diffusers, class_name)(  # type: ignore[no-any-return]
             in_channels=channels_in, out_channels=channels_out, num_attention_heads=heads,
             attention_head_dim=head_dim, num_layers=2, num_cross_attention_heads=heads,
             cross_attention_head_dim=head_dim, cross_attention_dim=heads * head_dim,
-            caption_channels=text_dim, sample_size=size, patch_size=(1, 2, 2),
-            rope_max_seq_len=64,
-        )  # fmt: skip
-    if class_name == "SanaTransformer2DModel":
-        return diffusers.SanaTransformer2DModel(  # type: ignore[no-any-return]
-            in_channels=channels_in, out_channels=channels_out, num_attention_heads=heads,
-            attention_head_dim=head_dim, num_layers=2, num_cross_attention_heads=heads,
-            cross_attention_head_dim=head_dim, cross_attention_dim=heads * head_dim,
-            caption_channels=text_dim, sample_size=size, patch_size=1,
+            caption_channels=text_dim, sample_size=size, **shape,
         )  # fmt: skip
     return diffusers.SD3Transformer2DModel(  # type: ignore[no-any-return]
         sample_size=size, patch_size=2, in_channels=channels_in, out_channels=channels_out,
