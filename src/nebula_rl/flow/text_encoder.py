@@ -4,14 +4,17 @@ A prompt dataset (:mod:`nebula_rl.flow.prompts`) carries captions and no embeddi
 pipeline folder the transformer comes from also holds the text encoder it was trained with
 (`text_encoder/` and `tokenizer/`, named in `model_index.json`); :class:`PipelineTextEncoder`
 loads that pipeline with its text parts only and calls its own `encode_prompt`, so a caption is
-embedded exactly as the pipeline embeds it at inference: Wan's UMT5 states, zero past the
-caption's tokens; Stable Diffusion 3's two CLIP encoders' states then T5's; Sana's and
-SANA-Video's Gemma 2
-states, zeroed past the caption's tokens here (its transformer takes the pipeline's mask, which
-the zero rows give back: `flow.data.clip_text`); Cosmos-Predict2.5's
-Qwen2.5-VL states of every layer, each normalised, side by side, at every position of the
-chat-formatted caption padded to `max_length` tokens. The T5 and Qwen parts are padded to
-`max_length` tokens (`policy.diffusers.max_prompt_length`), as the pipelines pad.
+embedded exactly as the pipeline embeds it at inference:
+
+- Wan's UMT5 states, zero past the caption's tokens;
+- Stable Diffusion 3's two CLIP encoders' states, then T5's;
+- Sana's and SANA-Video's Gemma 2 states, zeroed past the caption's tokens here (their
+  transformers take the pipeline's mask, which the zero rows give back: `flow.data.clip_text`);
+- Cosmos-Predict2.5's Qwen2.5-VL states of every layer, each normalised, side by side, at every
+  position of the chat-formatted caption.
+
+The T5, Gemma and Qwen parts are padded to `max_length` tokens
+(`policy.diffusers.max_prompt_length`), as the pipelines pad.
 
 Cosmos-Predict2.5's pipeline builds its `cosmos_guardrail` safety checker and reads its VAE
 config whenever it is constructed, neither of which embedding needs: its text parts are loaded
@@ -24,14 +27,14 @@ which its flow model splits off (`flow.diffusers_models`); without a text encode
 embeddings) that model pools the caption's tokens instead.
 
 Classifier-free guidance's unconditional branch embeds the pipeline's default negative prompt
-(:attr:`PipelineTextEncoder.negative_prompt`): empty for Wan and SD3, Cosmos-Predict2.5's
+(:attr:`PipelineTextEncoder.negative_prompt`): empty for Wan, SD3 and Sana, Cosmos-Predict2.5's
 description of bad videos for it.
 
 The encoder is frozen, runs without gradients on the process's device in the run's compute
 dtype (with `policy.diffusers.offload` it waits on the CPU between calls), and loads on first
-use; it keeps the embeddings of the latest captions (a group's
-samples and a replica's steps share captions) on the CPU, in that dtype, up to `cache_bytes`
-(Cosmos-Predict2.5's are about 100 MB a caption in bf16).
+use; it keeps the embeddings of the latest captions (a group's samples and a replica's steps
+share captions) on the CPU, in that dtype, up to `cache_bytes` (Cosmos-Predict2.5's are about
+100 MB a caption in bf16).
 """
 
 from __future__ import annotations
