@@ -6,10 +6,9 @@
   (`model_index.json`, `transformer/`) or transformer folder, local or a Hub id fetched into the
   Hugging Face cache (`policy.model_revision`: e.g. `diffusers/base/post-trained`), or a
   random-init miniature (`tiny:cosmos_transformer3d`, `tiny:wan_transformer3d`,
-  `tiny:sd3_transformer2d`, `tiny:sana_transformer2d`; in latent space with a miniature VAE, the
-  same names ending in
-  `_latent`). A latent-space transformer comes with the VAE of its pipeline folder (`vae/`,
-  frozen: `nebula_rl.flow.vae`).
+  `tiny:sd3_transformer2d`, `tiny:sana_transformer2d`, `tiny:sana_video_transformer3d`; in
+  latent space with a miniature VAE, the same names ending in `_latent`). A latent-space
+  transformer comes with the VAE of its pipeline folder (`vae/`, frozen: `nebula_rl.flow.vae`).
 
 A preset's frames and frame size come from the config (`policy.diffusers.inference_frames` when
 `is_video`, else 1; `inference_size`); its widths are fixed (:data:`FLOW_PRESETS`). Exports of a
