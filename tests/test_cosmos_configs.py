@@ -229,7 +229,7 @@ def test_a_wfm_mode_config_reads_key_by_key() -> None:
                 "train_on": list(range(8)),
                 "data_beta": 0.01,
                 "kl_beta": 0.0,
-                "guidance": 0.5,
+                "guidance": 3.0,
                 "max_num_conditional_frames": 0,
                 "use_same_seed": False,
             },
@@ -257,7 +257,7 @@ def test_a_wfm_mode_config_reads_key_by_key() -> None:
     p, d = cfg.train.train_policy, cfg.policy.diffusers
     assert cfg.policy.is_diffusers and p.trainer_type == "ddrl" and p.data_beta == 0.01
     assert cfg.rollout.n_generation == 4 and d.sample.num_steps == 10
-    assert d.timesteps_fraction == 0.8 and d.sample.guidance_scale == 1.5
+    assert d.timesteps_fraction == 0.8 and d.sample.guidance_scale == 3.0  # (Cosmos's reading)
     assert (cfg.train.optm_lr, cfg.train.optm_warmup_steps, cfg.train.max_num_steps) == (
         1e-5,
         50,
@@ -271,3 +271,8 @@ def test_a_wfm_mode_config_reads_key_by_key() -> None:
     assert translated["policy"]["diffusers"]["min_num_conditional_frames"] == 0
     assert translated["policy"]["diffusers"]["max_num_conditional_frames"] == 1
     assert (cfg.logging.project_name, cfg.logging.group_name) == ("p", "g")
+    for guidance, scale in ((0.0, 1.0), (0.5, 1.0)):  # (the pipeline guides only above 1)
+        translated, problems = translate_wfm({"model": {"rl": {"guidance": guidance}}})
+        assert translated["policy"]["diffusers"]["sample"]["guidance_scale"] == scale
+        named = [line for line in problems if line.startswith("model.rl.guidance")]
+        assert len(named) == (guidance == 0.5), problems

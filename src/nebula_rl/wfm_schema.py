@@ -3,7 +3,7 @@ recipes: `[model.rl]`, `[trainer]`, `[optimizer]`, `[dataloader_train]`, ...), r
 
 Each key either becomes the nebula-rl key that does the same (`model.rl.num_rollout` ->
 `rollout.n_generation`, `model.rl.guidance = g` -> `policy.diffusers.sample.guidance_scale =
-1 + g`, ...), or is named with the reason nebula-rl cannot honour it (cosmos-rl's own
+g`, ...), or is named with the reason nebula-rl cannot honour it (cosmos-rl's own
 Cosmos-Predict2.5 network, VAE and `.pt` checkpoints; a pick of denoising steps to train; the
 rewards, which the schema takes from cosmos-rl's reward service under score keys nebula-rl's
 service does not give). So such a config never runs as it is: loading it names every key that
@@ -68,7 +68,14 @@ def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     clip = float(rl.pop("clip_ratio", 1e-4))
     _set(out, "train.train_policy.epsilon_low", clip)
     _set(out, "train.train_policy.epsilon_high", clip)
-    _set(out, "policy.diffusers.sample.guidance_scale", 1.0 + float(rl.pop("guidance", 0.0)))
+    guidance = float(rl.pop("guidance", 0.0))  # (cosmos-rl's network: v_c + g (v_c - v_u))
+    if 0.0 < guidance <= 1.0:
+        refuse(
+            "model.rl.guidance", guidance,
+            "a Cosmos-Predict2.5 transformer reads guidance_scale as its diffusers pipeline "
+            "does, guiding as v_c + g (v_c - v_u) only when g > 1",
+        )  # fmt: skip
+    _set(out, "policy.diffusers.sample.guidance_scale", guidance if guidance > 1.0 else 1.0)
     train_on = rl.pop("train_on", list(range(8)))
     if list(train_on) == list(range(len(train_on))):
         _set(out, "policy.diffusers.timesteps_fraction", len(train_on) / steps)
