@@ -37,6 +37,7 @@ __all__ = [
     "clip_batch",
     "clip_pixels",
     "clip_text",
+    "frame_grid",
     "make_toy_dataset",
     "read_caption_folder",
     "read_local_dataset",
@@ -152,6 +153,14 @@ def write_mp4(path: Path, video: np.ndarray) -> None:
         for frame in video:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
+
+
+def frame_grid(pixels: Tensor) -> Image.Image:
+    """uint8 samples [rows, n, 3, T, H, W] as one image: a row of pixels per row, its `n`
+    samples side by side and each sample's frames side by side."""
+    rows, n, channels, frames, height, width = pixels.shape
+    grid = pixels.permute(0, 4, 1, 3, 5, 2).reshape(rows * height, n * frames * width, channels)
+    return Image.fromarray(grid.numpy())
 
 
 def _read_video(path: Path) -> np.ndarray:

@@ -217,17 +217,15 @@ class DiffusersFlowModel(nn.Module):
         text = (text * text_mask.unsqueeze(-1).to(text.dtype)).to(dtype)
         t = (sigma * 1000 if self.kind in _THOUSAND else sigma).to(dtype)
         hidden = x.to(dtype)
-        if self.kind in IMAGE_CLASSES and x.shape[2] != 1:
-            raise ValueError(f"{self.kind} makes images: got {x.shape[2]} frames")
-        if self.kind == "SanaTransformer2DModel":
+        image = self.kind in IMAGE_CLASSES
+        if image:  # (one frame: [B, C, H, W] in, and out)
+            if x.shape[2] != 1:
+                raise ValueError(f"{self.kind} makes images: got {x.shape[2]} frames")
+            hidden = hidden[:, :, 0]
+        if self.kind in ("SanaTransformer2DModel", "SanaVideoTransformer3DModel"):
             out = self.transformer(
-                hidden[:, :, 0], encoder_hidden_states=text, encoder_attention_mask=text_mask,
-                timestep=t * self.config.timestep_scale, return_dict=False,
-            )[0].unsqueeze(2)  # fmt: skip
-        elif self.kind == "SanaVideoTransformer3DModel":
-            out = self.transformer(
-                hidden, encoder_hidden_states=text, encoder_attention_mask=text_mask, timestep=t,
-                return_dict=False,
+                hidden, encoder_hidden_states=text, encoder_attention_mask=text_mask,
+                timestep=t * getattr(self.config, "timestep_scale", 1.0), return_dict=False,
             )[0]  # fmt: skip
         elif self.kind == "SD3Transformer2DModel":
             if getattr(self.text_encoder, "pooled_row", False):  # (its pipeline's pooled vector)
@@ -237,9 +235,9 @@ class DiffusersFlowModel(nn.Module):
                 counts = text_mask.sum(dim=1, keepdim=True).clamp(min=1).to(dtype)
                 pooled = text.sum(dim=1) / counts
             out = self.transformer(
-                hidden[:, :, 0], encoder_hidden_states=text, pooled_projections=pooled,
-                timestep=t, return_dict=False,
-            )[0].unsqueeze(2)  # fmt: skip
+                hidden, encoder_hidden_states=text, pooled_projections=pooled, timestep=t,
+                return_dict=False,
+            )[0]  # fmt: skip
         elif self.kind == "CosmosTransformer3DModel":
             padding = None
             if self.config.concat_padding_mask:  # (no padded pixels)
@@ -260,7 +258,7 @@ class DiffusersFlowModel(nn.Module):
                 keep = (1 - condition.to(dtype))[:, ::p_t]
                 t = (t[:, None] * keep).repeat_interleave(tokens, dim=1)
             out = self.transformer(hidden, t, text, return_dict=False)[0]
-        return out.to(x.dtype)
+        return (out.unsqueeze(2) if image else out).to(x.dtype)
 
 
 def diffusers_class_of(folder: Path) -> tuple[str, Path] | None:

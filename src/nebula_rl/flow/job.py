@@ -61,6 +61,7 @@ from nebula_rl.flow.colocated import run_colocated
 from nebula_rl.flow.data import (
     Clip,
     clip_text,
+    frame_grid,
     make_toy_dataset,
     read_caption_folder,
     read_local_dataset,
@@ -337,14 +338,8 @@ def sample_grid(
         ).final
         final = samples_to_pixels(model, final)
     model.train(training)
-    channels, frames, height, width = chosen[0].shape
-    pixels = pixels_from_samples(final.float().cpu()).view(
-        len(captions), 4, channels, frames, height, width
-    )
-    grid = pixels.permute(0, 4, 1, 3, 5, 2).reshape(
-        len(captions) * height, 4 * frames * width, channels
-    )
-    return Image.fromarray(grid.numpy())
+    pixels = pixels_from_samples(final.float().cpu())
+    return frame_grid(pixels.view(len(captions), 4, *chosen[0].shape))
 
 
 def save_samples(grid: Image.Image, run_dir: Path, step: int) -> Path:

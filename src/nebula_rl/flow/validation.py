@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from nebula_rl.config import Config
-from nebula_rl.flow.data import Clip, write_mp4
+from nebula_rl.flow.data import Clip, frame_grid, write_mp4
 from nebula_rl.flow.local import (
     FlowRLSettings,
     RewardFn,
@@ -119,16 +120,11 @@ def scored_clips(
 ) -> list[tuple[list[float] | None, list[float]]]:
     """Sample and score the validation clips `indices` of `clips` (see the module docstring):
     per clip, its samples' rewards (None when they were lost) and distances to the data."""
-    v = cfg.validation
-    n, size = v.n_generation, v.batch_size or cfg.rollout.batch_size
+    n = cfg.validation.n_generation
+    size = cfg.validation.batch_size or cfg.rollout.batch_size
+    steps = cfg.policy.diffusers.sample.eval_num_steps
     out: list[tuple[list[float] | None, list[float]]] = []
-    for start in range(0, len(indices), size):
-        chunk = indices[start : start + size]
-        real = [clips[i] for i in chunk for _ in range(n)]
-        seeds = [seed for i in chunk for seed in sample_seeds(cfg, i, n)]
-        steps = cfg.policy.diffusers.sample.eval_num_steps
-        pixels = validation_samples(model, real, seeds, s, num_steps=steps).float().cpu()
-        captions = [c.caption for c in real]
+    for chunk, pixels, captions in _sampled(model, clips, indices, s, cfg, steps=steps, size=size):
         scored = score(pixels, captions)
         for k in range(len(chunk)):
             rows = range(k * n, (k + 1) * n)
@@ -136,6 +132,29 @@ def scored_clips(
             distances = [d for d in found if d is not None]  # (none for a prompt dataset)
             out.append((None if scored is None else list(scored[k * n : (k + 1) * n]), distances))
     return out
+
+
+def _sampled(
+    model: nn.Module,
+    clips: list[Clip],
+    indices: list[int],
+    s: FlowRLSettings,
+    cfg: Config,
+    *,
+    steps: int,
+    size: int,
+) -> Iterator[tuple[list[int], Tensor, list[str]]]:
+    """The validation samples of the clips `indices` of `clips`, `size` clips at a time: per
+    chunk, (its clip indices, `validation.n_generation` deterministic samples of each as pixels
+    [len(chunk) * n, 3, T, H, W] in [-1, 1] on the CPU, their captions); the ODE in `steps`
+    steps with `s`'s guidance, shift, solver and conditioning frames."""
+    n = cfg.validation.n_generation
+    for start in range(0, len(indices), size):
+        chunk = indices[start : start + size]
+        real = [clips[i] for i in chunk for _ in range(n)]
+        seeds = [seed for i in chunk for seed in sample_seeds(cfg, i, n)]
+        pixels = validation_samples(model, real, seeds, s, num_steps=steps).float().cpu()
+        yield chunk, pixels, [c.caption for c in real]
 
 
 def validate_generation(
@@ -201,13 +220,9 @@ def validate_samples(
     indices, own = _share(len(clips), dp)
     # (per clip: its index, its samples as uint8 [n, 3, T, H, W], their rewards or None)
     samples: list[tuple[int, Tensor, list[float] | None]] = []
-    for start in range(0, len(indices), size):
-        chunk = indices[start : start + size]
-        real = [clips[i] for i in chunk for _ in range(n)]
-        seeds = [seed for i in chunk for seed in sample_seeds(cfg, i, n)]
-        pixels = validation_samples(model, real, seeds, s, num_steps=d.sample.num_steps)
-        pixels = pixels.float().cpu()
-        scored = None if score is None else score(pixels, [c.caption for c in real])
+    chunks = _sampled(model, clips, indices, s, cfg, steps=d.sample.num_steps, size=size)
+    for chunk, pixels, captions in chunks:
+        scored = None if score is None else score(pixels, captions)
         uint8 = pixels_from_samples(pixels)
         samples += [
             (
@@ -247,10 +262,6 @@ def _write_samples(samples: list[tuple[int, Tensor]], clips: list[Clip], folder:
                 write_mp4(stem.with_suffix(".mp4"), frames)
             else:
                 np.save(stem.with_suffix(".npy"), frames)
-    rows = [part for _, part in samples[:8]]
-    n, channels, frames, height, width = rows[0].shape
-    grid = torch.stack(rows).permute(0, 4, 1, 3, 5, 2)  # [rows, H, n, T, W, 3]
-    grid = grid.reshape(len(rows) * height, n * frames * width, channels)
     path = folder / "grid.png"
-    Image.fromarray(grid.numpy()).save(path)
+    frame_grid(torch.stack([part for _, part in samples[:8]])).save(path)
     return path
