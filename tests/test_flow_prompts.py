@@ -387,6 +387,20 @@ def test_world_model_sft_trains_on_a_cosmos_rl_caption_folder(tmp_path):
     assert (run / "safetensors" / "final" / "text_encoder_3").is_dir()
 
 
+def _train_shipped(tmp_path: Path, raw: dict) -> tuple[Path, list[dict]]:
+    """`nebula-rl train` on the cosmos-rl config `raw` (its `output_dir` in `tmp_path/runs`):
+    (its run folder, its records); the command must succeed."""
+    from test_flow_parallel import _train_cli
+
+    config = tmp_path / "shipped.json"
+    config.write_text(json.dumps(raw))
+    result = _train_cli(config)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return run_dir, [json.loads(line) for line in lines]
+
+
 @pytest.mark.slow
 def test_cosmos_rls_sd3_sft_config_validates_by_sampling_shrunk(tmp_path, monkeypatch):
     """cosmos-rl's SD3.5 SFT config (offload, a caption folder to train on, a JSON prompt file
@@ -400,7 +414,6 @@ def test_cosmos_rls_sd3_sft_config_validates_by_sampling_shrunk(tmp_path, monkey
 
     from nebula_rl.flow.job import flow_validation_scorer
     from nebula_rl.flow.validation import validate_samples
-    from test_flow_parallel import _train_cli
 
     shipped = Path(__file__).parent / "data" / "cosmos-rl" / "configs" / "stable-diffusion-3-5"
     raw = tomllib.loads((shipped / "stable-diffusion-3-5-image-sft.toml").read_text())
@@ -415,12 +428,7 @@ def test_cosmos_rls_sd3_sft_config_validates_by_sampling_shrunk(tmp_path, monkey
     raw["train"].update(output_dir=str(tmp_path / "runs"), train_batch_per_replica=2)
     raw["train"]["train_policy"]["dataset"]["local_dir"] = str(_caption_folder(tmp_path / "sft"))
     raw["validation"]["dataset"]["local_dir"] = str(tmp_path / "val.json")
-    config = tmp_path / "sft.json"
-    config.write_text(json.dumps(raw))
-    result = _train_cli(config)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run_dir, records = _train_shipped(tmp_path, raw)
     assert [r["step"] for r in records] == [1, 2]  # (4 clips, 2 a step, one epoch)
     assert records[-1]["val/rollout_count"] == 4 and "val/rollout_count" not in records[0]
     written = run_dir / "visual_output" / "2"
@@ -588,8 +596,6 @@ def test_cosmos_rls_nft_configs_train_shrunk(tmp_path, monkeypatch, shipped, kin
     their remote one; the export is that pipeline, text encoder included."""
     import tomllib
 
-    from test_flow_parallel import _train_cli
-
     configs = Path(__file__).parent / "data" / "cosmos-rl" / "configs"
     raw = tomllib.loads((configs / f"{shipped}.toml").read_text())
     folder = tiny_text_pipeline(tmp_path / kind, kind=kind)
@@ -612,12 +618,7 @@ def test_cosmos_rls_nft_configs_train_shrunk(tmp_path, monkeypatch, shipped, kin
     policy = raw["train"]["train_policy"]
     policy.update(use_remote_reward=False, reward_function="colour_match", mini_batch=1)
     del policy["remote_reward"]
-    config = tmp_path / "nft.json"
-    config.write_text(json.dumps(raw))
-    result = _train_cli(config)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run_dir, records = _train_shipped(tmp_path, raw)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["rewards_lost"] == 0 and "data_distance" not in r for r in records)
     index = json.loads((run_dir / "safetensors" / "final" / "model_index.json").read_text())
