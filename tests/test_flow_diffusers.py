@@ -136,7 +136,7 @@ def test_lora_trains_only_the_adapter_and_exports_merged_weights_and_the_adapter
     """`policy.lora` on the tiny Cosmos transformer: only the adapter's weights train (two
     FlowGRPO iterations move them and leave the base as it was); the export holds the merged
     weights, which load back as a plain model giving the adapted model's velocity, and the
-    adapter as peft saves it."""
+    adapter as peft saves it, which `lora_path` starts from (refused when it does not fit)."""
     from safetensors.torch import load_file
 
     from nebula_rl.flow.data import make_toy_dataset, read_local_dataset
@@ -170,6 +170,19 @@ def test_lora_trains_only_the_adapter_and_exports_merged_weights_and_the_adapter
     assert not any(p.requires_grad is False for p in merged.parameters())  # a plain model
     x, sigma, text, mask = _inputs(2)
     assert torch.allclose(merged(x, sigma, text, mask), model(x, sigma, text, mask), atol=1e-5)
+    # lora_path: the same base with the exported adapter is the trained model again
+    raw["policy"]["lora"]["lora_path"] = str(folder / "adapter")
+    resumed = load_flow_model(config_from_dict(raw))
+    assert {n for n, p in resumed.named_parameters() if p.requires_grad} == trainable
+    assert torch.equal(resumed(x, sigma, text, mask), model(x, sigma, text, mask))
+    raw["policy"]["lora"]["r"] = 2
+    with pytest.raises(
+        ValueError, match=r"policy\.lora\.lora_path: the adapter was trained with r = 4"
+    ):
+        load_flow_model(config_from_dict(raw))
+    raw["policy"]["lora"] |= {"r": 4, "target_modules": ["to_q"]}
+    with pytest.raises(ValueError, match=r"policy\.lora\.lora_path: the adapter's modules differ"):
+        load_flow_model(config_from_dict(raw))
 
 
 def test_lora_keys_are_checked(tmp_path):
@@ -180,6 +193,9 @@ def test_lora_keys_are_checked(tmp_path):
     raw["policy"]["lora"] = {"r": 4, "target_modules": ["to_q"], "lora_names": ["a", "b"]}
     with pytest.raises(ValueError, match=r"policy\.lora\.lora_names = \['a', 'b'\]"):
         load_flow_model(config_from_dict(raw))
-    raw["policy"]["lora"] = {"r": 4, "target_modules": ["to_q"], "lora_path": "x"}
-    with pytest.raises(ValueError, match=r"policy\.lora\.lora_path"):
-        config_from_dict(raw)
+    raw["policy"]["lora"] = {"r": 4, "target_modules": ["to_q"], "lora_path": str(tmp_path)}
+    with pytest.raises(ValueError, match=r"policy\.lora\.lora_path = .*: no adapter_config"):
+        load_flow_model(config_from_dict(raw))
+    raw["policy"]["lora"] = {"r": 4, "target_modules": ["to_q"], "primary_adapter": "old"}
+    with pytest.raises(ValueError, match=r'primary_adapter = "old": must name the adapter'):
+        load_flow_model(config_from_dict(raw))

@@ -77,10 +77,6 @@ def test_the_shipped_world_model_configs_load(path, tmp_path):
             r"train\.compile = true: does not apply",
         ),
         (
-            {"policy": {"lora": {"r": 4, "lora_path": "a"}}},
-            r"policy\.lora\.lora_path = \"a\": does not apply",
-        ),
-        (
             {"train": {"train_policy": {"trainer_type": "ddrl"}}},
             r"data_beta = 0\.0: world-model DDRL",
         ),
@@ -108,6 +104,28 @@ def test_the_shipped_world_model_configs_load(path, tmp_path):
         (
             {"train": {"train_policy": {"use_remote_reward": True}}},
             r"reward_function: a world-model run with use_remote_reward",
+        ),
+        (
+            {"policy": {"diffusers": {"train_on": [0, 4]}}},
+            r"train_on = \[0, 4\]: each entry is -1 or a distinct step index below "
+            r"policy\.diffusers\.sample\.num_steps \(4\)",
+        ),
+        (
+            {"policy": {"diffusers": {"train_on": [1, 1]}}},
+            r"train_on = \[1, 1\]: each entry is -1 or a distinct",
+        ),
+        (
+            {"policy": {"diffusers": {"train_on": [0, -1, -1, -1, -1]}}},
+            r"train_on = \[0, -1, -1, -1, -1\]: more steps than a rollout has",
+        ),
+        (
+            {"policy": {"diffusers": {"train_on": [0], "timesteps_fraction": 0.5}}},
+            r"timesteps_fraction = 0\.5 picks the steps too",
+        ),
+        (
+            {"train": {"train_policy": {"reference_reset_interval": 2}}},
+            r"reference_reset_interval = 2: resets the KL reference, which a world-model run has "
+            r"only with kl_beta > 0",
         ),
     ],
 )
@@ -235,7 +253,8 @@ def test_what_the_runtime_cannot_run_is_refused_before_anything_starts(tmp_path)
 
 def test_world_model_runs_log_scalars_and_sample_grids(tmp_path):
     """`logging.logger` sinks get every step's numbers, and `multi_modal_log_interval` a sample
-    grid every that many steps: TensorBoard images, and PNGs under `<run>/samples/`."""
+    grid every that many steps: TensorBoard images, and PNGs under `<run>/samples/`; the
+    clips' animations beside them as GIFs."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from nebula_rl.flow import job
@@ -244,10 +263,14 @@ def test_world_model_runs_log_scalars_and_sample_grids(tmp_path):
     data["train"]["max_num_steps"] = 4
     data["logging"] = {"logger": ["console", "tensorboard"], "multi_modal_log_interval": 2}
     run = job.run(config_from_dict(data))
-    assert sorted(p.name for p in (run / "samples").iterdir()) == ["step_2.png", "step_4.png"]
+    assert sorted(p.name for p in (run / "samples").iterdir()) == [
+        "step_2.gif", "step_2.png", "step_4.gif", "step_4.png",
+    ]  # fmt: skip
     events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0})
     events.Reload()
     assert [e.step for e in events.Images("samples")] == [2, 4]
+    assert [e.step for e in events.Images("samples_video")] == [2, 4]  # (2 frames: animated)
+    assert events.Images("samples_video")[0].encoded_image_string.startswith(b"GIF89a")
     assert [e.step for e in events.Scalars("reward_mean")] == [1, 2, 3, 4]
     grid = events.Images("samples")[0]
     assert (grid.height, grid.width) == (8 * 8, 4 * 2 * 8)  # 8 captions x 4 samples of 2 frames

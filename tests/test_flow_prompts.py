@@ -629,8 +629,8 @@ def test_cosmos_rls_nft_configs_train_shrunk(tmp_path, monkeypatch, shipped, kin
 
 def test_sft_validation_writes_a_video_models_samples_as_clips(tmp_path, pipeline):
     """A video model's validation samples of a prompt file are MP4 clips of its frames (the
-    grid's rows hold them side by side); every caption gets `n_generation`, each from its own
-    seed, so two samples of one caption differ."""
+    grid's rows hold them side by side, and an animated grid plays them); every caption gets
+    `n_generation`, each from its own seed, so two samples of one caption differ."""
     from PIL import Image
 
     from nebula_rl.flow.data import _read_video
@@ -648,3 +648,5 @@ def test_sft_validation_writes_a_video_models_samples_as_clips(tmp_path, pipelin
     assert first.shape == (5, 8, 8, 3) and not np.array_equal(first, second)
     assert len(list(grid.parent.glob("*.mp4"))) == 8
     assert Image.open(grid).size == (2 * 5 * 8, 4 * 8)  # (2 samples x 5 frames; 4 captions)
+    animated = Image.open(grid.with_suffix(".gif"))  # (logged as `val_samples_video`)
+    assert (animated.n_frames, animated.size) == (5, (2 * 8, 4 * 8))

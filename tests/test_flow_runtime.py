@@ -225,13 +225,13 @@ def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora, sha
         (tmp_path / "trajectories").iterdir()
     )
     assert sorted(p.name for p in (run_dir / "samples").iterdir()) == [
-        "step_4.png",
-        "step_8.png",
-    ]
+        "step_4.gif", "step_4.png", "step_8.gif", "step_8.png",
+    ]  # fmt: skip
     [events] = {p.parent for p in run_dir.rglob("events.out.tfevents*")}
     accumulator = EventAccumulator(str(events), size_guidance={"images": 0})
     accumulator.Reload()
     assert [e.step for e in accumulator.Images("samples")] == [4, 8]
+    assert [e.step for e in accumulator.Images("samples_video")] == [4, 8]
     from nebula_rl.flow.models import load_flow_model
 
     final = run_dir / "safetensors" / "final"

@@ -290,3 +290,63 @@ def test_console_takes_validation_records_before_and_between_steps(
     assert lines[0] == "step 0/2  val reward 0.500"
     assert lines[2] == "step 1/2  val reward 0.625"
     assert "1/2" in out.getvalue()
+
+
+def test_video_sample_grids_go_out_as_images_and_animations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A world model's samples of 3 frames: the PNG grid (frames side by side) goes to
+    TensorBoard and W&B as an image, the animated GIF beside it as `<tag>_video` (TensorBoard
+    plays it in its Images tab; a `wandb.Video`), frame t of the GIF showing every sample's
+    frame t."""
+    import numpy as np
+    import torch
+    from PIL import Image, ImageSequence
+
+    from nebula_rl.flow.data import frame_grid, save_samples
+    from nebula_rl.metrics_log import log_image_file
+
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb"))
+    pixels = torch.randint(0, 256, (2, 4, 3, 3, 8, 8), generator=torch.Generator().manual_seed(0))
+    pixels = pixels.to(torch.uint8)  # 2 captions x 4 samples of 3 frames of 8 x 8
+    png = save_samples(pixels, tmp_path / "samples" / "step_2.png")
+    assert sorted(p.name for p in png.parent.iterdir()) == ["step_2.gif", "step_2.png"]
+    assert np.array_equal(np.asarray(Image.open(png)), np.asarray(frame_grid(pixels)))
+    run_dir = tmp_path / "run"
+    cfg = _cfg(tmp_path, logger=["tensorboard", "wandb"])
+    with open_loggers(cfg, run_dir, total_steps=2) as loggers:
+        loggers.log(RECORDS[0])
+        log_image_file(loggers, "samples", 2, png)
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    [image] = events.Images("samples")
+    [video] = events.Images("samples_video")
+    assert (image.step, image.height, image.width) == (2, 16, 96)
+    assert (video.step, video.height, video.width) == (2, 16, 32)
+    assert image.encoded_image_string == png.read_bytes()
+    gif = Image.open(io.BytesIO(video.encoded_image_string))
+    frames = [np.asarray(f.convert("RGB"), dtype=float) for f in ImageSequence.Iterator(gif)]
+    assert len(frames) == 3 and gif.info["loop"] == 0
+    wanted = [np.asarray(frame_grid(pixels[:, :, :, t : t + 1]), dtype=float) for t in range(3)]
+    for t, frame in enumerate(frames):  # (GIF's 256 colours: near its own frame, not others)
+        gaps = [np.abs(frame - w).mean() for w in wanted]
+        assert gaps[t] < 16 and gaps[t] < 0.5 * min(g for u, g in enumerate(gaps) if u != t)
+
+    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    rows = [
+        {
+            item.key or "/".join(item.nested_key): json.loads(item.value_json)
+            for item in r.history.item
+        }
+        for r in _wandb_records(run_file)
+        if r.WhichOneof("record_type") == "history"
+    ]
+    [row] = [row for row in rows if row["_step"] == 2]
+    assert row["samples/_type"] == "image-file"
+    assert row["samples_video/_type"] == "video-file"
+    [kept] = run_dir.glob(f"wandb/offline-run-*/files/{row['samples_video/path']}")
+    assert kept.read_bytes() == png.with_suffix(".gif").read_bytes()

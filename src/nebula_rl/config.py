@@ -909,6 +909,10 @@ class SampleConfig(_Section):
     solver: str = "euler"
     """Solver of deterministic rollouts: `euler` (the ODE step), or `dpm2` (DPM-Solver++(2M),
     second order; cosmos-rl's default) with `deterministic_sampling`."""
+    same_group_noise: bool = False
+    """nebula-rl: the samples of a group (one prompt's `rollout.n_generation`) start from the same
+    noise, and only the SDE's per-step noise tells them apart (cosmos-rl's `--wfm-mode`
+    `model.rl.use_same_seed`); false: each sample its own starting noise."""
 
 
 class DiffusersTokenizerConfig(_Section):
@@ -980,6 +984,11 @@ class DiffusersConfig(_Section):
     """Training frames."""
     timesteps_fraction: float = 1.0
     """Fraction of timesteps trained."""
+    train_on: list[int] | None = None
+    """nebula-rl: the denoising steps of each rollout that RL trains, by index (0: the first, of
+    `sample.num_steps`), instead of the first `timesteps_fraction` of them; each -1 adds one
+    step drawn afresh every iteration from those not named (cosmos-rl's `--wfm-mode`
+    `model.rl.train_on`)."""
     nft_beta: float = 1.0
     """DiffusionNFT beta."""
     weight_copy_decay_type: int = 0
@@ -1245,7 +1254,7 @@ class LoggingConfig(_Section):
         ),
     )
     """Steps between image/video logs: a world-model run's sample grid (TensorBoard, W&B,
-    `<run>/samples/`); refused for language models."""
+    `<run>/samples/`; a video model's also as an animated GIF); refused for language models."""
     project_name: str = "nebula_rl"
     """Weights & Biases project."""
     group_name: str | None = None
@@ -2015,16 +2024,19 @@ FLOW_KEYS = (
     "train.train_policy.remote_reward", "train.train_policy.kl_beta",
     "train.train_policy.epsilon_low", "train.train_policy.epsilon_high",
     "train.train_policy.data_beta", "train.train_policy.exp_reward",
+    "train.train_policy.reference_reset_interval",
+    "train.train_policy.reset_optimizer_with_reference",
     "policy.model_name_or_path", "policy.model_revision", "policy.is_diffusers",
     "policy.model_gradient_checkpointing",
     "policy.warmstart_config",
     "policy.lora.r", "policy.lora.lora_alpha", "policy.lora.lora_dropout",
     "policy.lora.target_modules", "policy.lora.use_rslora", "policy.lora.modules_to_save",
     "policy.lora.alpha_pattern", "policy.lora.r_pattern", "policy.lora.init_lora_weights",
-    "policy.lora.lora_names",
+    "policy.lora.lora_names", "policy.lora.lora_path", "policy.lora.primary_adapter",
     "policy.diffusers.is_video", "policy.diffusers.inference_size",
     "policy.diffusers.inference_frames", "policy.diffusers.train_frames",
-    "policy.diffusers.timesteps_fraction", "policy.diffusers.nft_beta",
+    "policy.diffusers.timesteps_fraction", "policy.diffusers.train_on",
+    "policy.diffusers.nft_beta",
     "policy.diffusers.min_num_conditional_frames", "policy.diffusers.max_num_conditional_frames",
     "policy.diffusers.weight_copy_decay_type", "policy.diffusers.train_flow_shift",
     "policy.diffusers.weighting_scheme", "policy.diffusers.logit_mean",
@@ -2032,7 +2044,8 @@ FLOW_KEYS = (
     "policy.diffusers.sample.num_steps", "policy.diffusers.sample.eval_num_steps",
     "policy.diffusers.sample.guidance_scale", "policy.diffusers.sample.global_std",
     "policy.diffusers.sample.noise_level", "policy.diffusers.sample.deterministic_sampling",
-    "policy.diffusers.sample.solver", "policy.diffusers.tokenizer.compile_encode",
+    "policy.diffusers.sample.solver", "policy.diffusers.sample.same_group_noise",
+    "policy.diffusers.tokenizer.compile_encode",
     "rollout.n_generation",
     # (the runtime's: replicas, the controller, the staleness bound, weight pushes)
     "rollout.batch_size", "rollout.seed", "rollout.parallelism.n_init_replicas",
@@ -2114,6 +2127,13 @@ def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
                 "DDRL need the SDE's log-probabilities; only diffusion_nft samples "
                 "deterministically"
             )
+        if d.train_on is not None:
+            out += _train_on_refusals(d)
+        if p.reference_reset_interval and p.kl_beta == 0:
+            out.append(
+                f"train.train_policy.reference_reset_interval = {p.reference_reset_interval}: "
+                "resets the KL reference, which a world-model run has only with kl_beta > 0"
+            )
         if p.use_remote_reward and "train.train_policy.reward_function" in user_keys:
             out.append(
                 "train.train_policy.reward_function: a world-model run with use_remote_reward "
@@ -2167,6 +2187,28 @@ def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
             f"to policy.parallelism.dp_shard_size, {cfg.policy.parallelism.dp_shard_size})"
         )
     return out
+
+
+def _train_on_refusals(d: DiffusersConfig) -> list[str]:
+    """Why `policy.diffusers.train_on` cannot pick those steps."""
+    steps, picks = d.sample.num_steps, d.train_on or []
+    named = [i for i in picks if i != -1]
+    key = f"policy.diffusers.train_on = {_format_value(picks)}"
+    if not picks:
+        return [f"{key}: name at least one step (or leave it unset)"]
+    if any(not 0 <= i < steps for i in named) or len(set(named)) != len(named):
+        return [
+            f"{key}: each entry is -1 or a distinct step index below "
+            f"policy.diffusers.sample.num_steps ({steps})"
+        ]
+    if len(picks) > steps:
+        return [f"{key}: more steps than a rollout has (sample.num_steps = {steps})"]
+    if d.timesteps_fraction != 1.0:
+        return [
+            f"{key}: policy.diffusers.timesteps_fraction = {d.timesteps_fraction} picks the "
+            "steps too; give one or the other"
+        ]
+    return []
 
 
 _COLOCATED_KEYS = ("rollout.parallelism.dp_shard_size",)

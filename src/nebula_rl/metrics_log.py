@@ -256,6 +256,11 @@ class TensorBoardLogger:
         self.writer.add_event(Event(wall_time=time.time(), step=step, summary=summary))
         self.writer.flush()
 
+    def log_video(self, tag: str, step: int, path: Path, *, height: int, width: int) -> None:
+        """The animated GIF at `path` at `step`: TensorBoard's Images tab plays it (torch's
+        `add_video` writes the same summary)."""
+        self.log_image(tag, step, path.read_bytes(), height=height, width=width)
+
     def close(self) -> None:
         """Close the event file."""
         if self.writer is not None:
@@ -327,6 +332,12 @@ class WandbLogger:
 
         self.run.log({tag: wandb.Image(Image.open(io.BytesIO(png)))}, step=step)
 
+    def log_video(self, tag: str, step: int, path: Path, *, height: int, width: int) -> None:
+        """The animated GIF at `path` at `step` (a `wandb.Video`)."""
+        import wandb
+
+        self.run.log({tag: wandb.Video(str(path), format="gif")}, step=step)
+
     def close(self) -> None:
         """Finish the run and wait until W&B's service process has written all of it (the
         run file is completed after `finish` returns otherwise)."""
@@ -388,6 +399,13 @@ class MetricsLogger:
             if show is not None:
                 show(tag, step, png, height=height, width=width)
 
+    def log_video(self, tag: str, step: int, path: Path, *, height: int, width: int) -> None:
+        """Hand the animated GIF at `path` of `step` to the sinks that show videos."""
+        for sink in self.sinks:
+            show = getattr(sink, "log_video", None)
+            if show is not None:
+                show(tag, step, path, height=height, width=width)
+
     def close(self) -> None:
         """Close every sink (all of them, even if one fails)."""
         errors = []
@@ -423,9 +441,16 @@ def open_loggers(
 
 
 def log_image_file(sinks: MetricsLogger, tag: str, step: int, path: Path) -> None:
-    """The PNG at `path` to the sinks that show images (TensorBoard, W&B) at `step`."""
+    """The PNG at `path` to the sinks that show images (TensorBoard, W&B) at `step`; an
+    animated GIF of the same name beside it (a grid of video samples, frame by frame) to those
+    that show videos, as `<tag>_video`."""
     from PIL import Image
 
     with Image.open(path) as image:
         width, height = image.size
     sinks.log_image(tag, step, path.read_bytes(), height=height, width=width)
+    video = path.with_suffix(".gif")
+    if video.is_file():
+        with Image.open(video) as image:
+            width, height = image.size
+        sinks.log_video(f"{tag}_video", step, video, height=height, width=width)

@@ -3,10 +3,12 @@ recipes: `[model.rl]`, `[trainer]`, `[optimizer]`, `[dataloader_train]`, ...), r
 
 Each key either becomes the nebula-rl key that does the same (`model.rl.num_rollout` ->
 `rollout.n_generation`, `model.rl.guidance = g` -> `policy.diffusers.sample.guidance_scale =
-g`, ...), or is named with the reason nebula-rl cannot honour it (cosmos-rl's own
-Cosmos-Predict2.5 network, VAE and `.pt` checkpoints; a pick of denoising steps to train; the
-rewards, which the schema takes from cosmos-rl's reward service under score keys nebula-rl's
-service does not give). So such a config never runs as it is: loading it names every key that
+g`, `model.rl.train_on` -> `policy.diffusers.train_on`, `model.rl.update_ref_every_iter` ->
+`train.train_policy.reference_reset_interval`, `model.rl.use_same_seed` ->
+`policy.diffusers.sample.same_group_noise`, ...), or is named with the reason nebula-rl cannot
+honour it (cosmos-rl's own Cosmos-Predict2.5 network, VAE and `.pt` checkpoints; the rewards,
+which the schema takes from cosmos-rl's reward service under score keys nebula-rl's service
+does not give). So such a config never runs as it is: loading it names every key that
 differs, and :func:`translate_wfm` gives the nebula-rl config the rest of its keys describe
 (its model from a `[policy]` table: `model_name_or_path`, a diffusers folder or Hub id), a start
 for the port.
@@ -76,34 +78,19 @@ def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "does, guiding as v_c + g (v_c - v_u) only when g > 1",
         )  # fmt: skip
     _set(out, "policy.diffusers.sample.guidance_scale", guidance if guidance > 1.0 else 1.0)
-    train_on = rl.pop("train_on", list(range(8)))
-    if list(train_on) == list(range(len(train_on))):
-        _set(out, "policy.diffusers.timesteps_fraction", len(train_on) / steps)
-    else:
-        refuse(
-            "model.rl.train_on",
-            train_on,
-            "nebula-rl trains the first steps of each trajectory "
-            "(policy.diffusers.timesteps_fraction), not a pick of them",
-        )
+    train_on = [int(i) for i in rl.pop("train_on", list(range(8)))]
+    _set(out, "policy.diffusers.train_on", train_on)  # (-1: a step drawn per iteration, alike)
     refresh = int(rl.pop("update_ref_every_iter", 16))
-    if kl_beta > 0 and refresh:
-        refuse(
-            "model.rl.update_ref_every_iter",
-            refresh,
-            "nebula-rl's KL reference is the starting weights, never refreshed",
-        )
+    if kl_beta > 0 and refresh > 0:  # (cosmos-rl copies the weights, the optimiser goes on)
+        _set(out, "train.train_policy.reference_reset_interval", refresh)
+        _set(out, "train.train_policy.reset_optimizer_with_reference", False)
     # (cosmos-rl's defaults: 1..1, image-to-video; its DDRL recipes 0..1, mixing in text-to-video)
     most = int(rl.pop("max_num_conditional_frames", 1))
     fewest = min(int(rl.pop("min_num_conditional_frames", 1)), most)  # (max 0: none given)
     _set(out, "policy.diffusers.min_num_conditional_frames", fewest)
     _set(out, "policy.diffusers.max_num_conditional_frames", most)
-    if rl.pop("use_same_seed", True):
-        refuse(
-            "model.rl.use_same_seed",
-            True,
-            "nebula-rl draws each sample of a group its own noise",
-        )
+    # (a seed shared by the group's ranks: their starting noise; the SDE's noise is each rank's)
+    _set(out, "policy.diffusers.sample.same_group_noise", bool(rl.pop("use_same_seed", True)))
     rl.pop("enabled", None)
     rl.pop("on_policy", None)
     for key, value in rl.items():

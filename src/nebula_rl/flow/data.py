@@ -32,6 +32,7 @@ from nebula_rl.rewards.visual import COLOURS, shape_mask
 
 __all__ = [
     "TOY_PROMPTS",
+    "VIDEO_FPS",
     "Clip",
     "TextEncoder",
     "clip_batch",
@@ -41,7 +42,9 @@ __all__ = [
     "make_toy_dataset",
     "read_caption_folder",
     "read_local_dataset",
+    "save_samples",
     "toy_text_embedding",
+    "write_gif",
     "write_mp4",
 ]
 
@@ -141,12 +144,48 @@ def make_toy_dataset(
     return root
 
 
+VIDEO_FPS = 16
+"""Frames per second of the videos a run writes (sample MP4s and animated grids)."""
+
+
+def write_gif(path: Path, pixels: Tensor) -> None:
+    """uint8 samples [rows, n, 3, T, H, W] of T > 1 frames as an animated GIF that loops at
+    `VIDEO_FPS`: frame t is the grid of every sample's frame t (:func:`frame_grid`'s layout
+    for one frame). Written whole or not at all. GIF stores 256 colours per frame, so the
+    colours are approximate (the PNG grid beside it is exact)."""
+    frames = [frame_grid(pixels[:, :, :, t : t + 1]) for t in range(pixels.shape[3])]
+    partial = path.with_name(f".{path.name}.partial")
+    frames[0].save(
+        partial,
+        format="GIF",
+        save_all=True,
+        append_images=frames[1:],
+        duration=round(1000 / VIDEO_FPS),
+        loop=0,
+    )
+    partial.rename(path)
+
+
+def save_samples(pixels: Tensor, path: Path) -> Path:
+    """Write uint8 samples [rows, n, 3, T, H, W] to `path` as a PNG grid (frames side by
+    side) and, for videos, beside it as an animated GIF of the same name (each written whole or
+    not at all); the PNG's path."""
+    path.parent.mkdir(exist_ok=True)
+    if pixels.shape[3] > 1:  # (first: whoever sees the PNG finds the GIF there too)
+        write_gif(path.with_suffix(".gif"), pixels)
+    partial = path.with_name(f".{path.name}.partial")
+    frame_grid(pixels).save(partial, format="PNG")
+    partial.rename(path)
+    return path
+
+
 def write_mp4(path: Path, video: np.ndarray) -> None:
-    """A lossless-ish MP4 (mpeg4 at top quality) of uint8 [T, H, W, 3] frames at 16 fps."""
+    """A lossless-ish MP4 (mpeg4 at top quality) of uint8 [T, H, W, 3] frames at
+    `VIDEO_FPS`."""
     import av
 
     with av.open(str(path), "w") as container:
-        stream = container.add_stream("mpeg4", rate=16)
+        stream = container.add_stream("mpeg4", rate=VIDEO_FPS)
         stream.height, stream.width = video.shape[1:3]
         stream.pix_fmt = "yuv420p"
         stream.options = {"qscale": "1"}

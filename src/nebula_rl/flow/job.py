@@ -65,6 +65,7 @@ from nebula_rl.flow.data import (
     make_toy_dataset,
     read_caption_folder,
     read_local_dataset,
+    save_samples,
 )
 from nebula_rl.flow.ema import FlowTrainingState, WeightEMA
 from nebula_rl.flow.local import FlowRLSettings, RewardFn, pretrain, run_flow_rl
@@ -101,7 +102,8 @@ __all__ = [
     "flow_validation_scorer",
     "run",
     "sample_grid",
-    "save_samples",
+    "sample_pixels",
+    "step_samples",
     "visual_scorer",
     "weight_ema",
 ]
@@ -286,6 +288,10 @@ def flow_settings(cfg: Config, *, num_iterations: int, prompts: int) -> FlowRLSe
         sample_steps=d.sample.num_steps,
         noise_level=0.0 if d.sample.deterministic_sampling else d.sample.noise_level,
         timestep_fraction=d.timesteps_fraction,
+        train_on=None if d.train_on is None else tuple(d.train_on),
+        same_group_noise=d.sample.same_group_noise,
+        reference_reset_interval=max(p.reference_reset_interval or 0, 0),
+        reset_optimizer_with_reference=p.reset_optimizer_with_reference,
         num_minibatches=batch // p.mini_batch,
         clip_range=p.epsilon_low,
         clip_range_high=p.epsilon_high,
@@ -315,9 +321,16 @@ def flow_optimizer(cfg: Config, model: torch.nn.Module, total_steps: int) -> tup
 def sample_grid(
     model: torch.nn.Module, clips: list[Clip], *, num_steps: int, shift: float = 1.0, seed: int = 0
 ) -> Image.Image:
-    """One row per caption (at most 8, sorted), four samples each (the Euler ODE in `num_steps`
-    steps with the schedule's `shift`, noise drawn from `seed`; a latent-space model's decoded),
-    frames side by side."""
+    """:func:`sample_pixels` as one image, frames side by side."""
+    return frame_grid(sample_pixels(model, clips, num_steps=num_steps, shift=shift, seed=seed))
+
+
+def sample_pixels(
+    model: torch.nn.Module, clips: list[Clip], *, num_steps: int, shift: float = 1.0, seed: int = 0
+) -> Tensor:
+    """uint8 samples [rows, 4, 3, T, H, W]: one row per caption (at most 8, sorted), four
+    samples each (the Euler ODE in `num_steps` steps with the schedule's `shift`, noise drawn
+    from `seed`; a latent-space model's decoded)."""
     captions = sorted({c.caption for c in clips})[:8]
     chosen = [next(c for c in clips if c.caption == caption) for caption in captions]
     device = next(model.parameters()).device
@@ -339,18 +352,12 @@ def sample_grid(
         final = samples_to_pixels(model, final)
     model.train(training)
     pixels = pixels_from_samples(final.float().cpu())
-    return frame_grid(pixels.view(len(captions), 4, *chosen[0].shape))
+    return pixels.view(len(captions), 4, *chosen[0].shape)
 
 
-def save_samples(grid: Image.Image, run_dir: Path, step: int) -> Path:
-    """Write a sample grid to `<run>/samples/step_<N>.png` (whole or not at all); its path."""
-    folder = run_dir / "samples"
-    folder.mkdir(exist_ok=True)
-    path = folder / f"step_{step}.png"
-    partial = folder / f".step_{step}.png.partial"
-    grid.save(partial, format="PNG")
-    partial.rename(path)
-    return path
+def step_samples(run_dir: Path, step: int) -> Path:
+    """Where step `step`'s samples go: `<run>/samples/step_<N>.png` (`.gif` beside it)."""
+    return run_dir / "samples" / f"step_{step}.png"
 
 
 def check_ranks(cfg: Config) -> None:
@@ -410,14 +417,14 @@ def run(cfg: Config) -> Path:
     generator = torch.Generator().manual_seed(seed + 1000 * rank)  # (each rank its own noise)
     every = cfg.logging.multi_modal_log_interval
 
-    def grid() -> Image.Image:  # (every rank: the forward of a sharded model is collective)
-        return sample_grid(
+    def grid() -> Tensor:  # (every rank: the forward of a sharded model is collective)
+        return sample_pixels(
             model, clips, num_steps=d.sample.eval_num_steps, shift=d.train_flow_shift
         )
 
     batch = cfg.train.train_batch_per_replica
     settings: FlowRLSettings | None = None
-    old = reference = None
+    old = reference = reset_reference = None
     if isinstance(p, GrpoConfig):
         n = cfg.rollout.n_generation
         if batch % n or batch % p.mini_batch:
@@ -437,9 +444,12 @@ def run(cfg: Config) -> Path:
         steps = num_train_steps(cfg, len(clips), items_per_step=prompts)
         settings = flow_settings(cfg, num_iterations=steps, prompts=prompts // world)
         updates = steps * settings.num_minibatches
-        # (the KL reference is the starting weights: copied before a checkpoint is loaded)
+        # (the KL reference is the starting weights, copied before a checkpoint is loaded,
+        # unless it is reset during the run: then the checkpoint restores it)
         old = frozen_copy(model, cfg, mesh=mesh) if settings.algorithm == "nft" else None
         reference = frozen_copy(model, cfg, mesh=mesh) if settings.kl_beta > 0 else None
+        if settings.reference_reset_interval:  # (then checkpoints hold it)
+            reset_reference = reference
     else:
         if batch % world:
             raise ValueError(
@@ -478,7 +488,7 @@ def run(cfg: Config) -> Path:
     checkpointer = Checkpointer(
         cfg.train.ckpt,
         run_dir,
-        model=FlowTrainingState(model, old, ema),
+        model=FlowTrainingState(model, old, ema, reference=reset_reference),
         optimizer=optimizer,
         scheduler=scheduler,
         export=export,
@@ -516,7 +526,8 @@ def run(cfg: Config) -> Path:
             write(values)
             if image is not None:
                 assert sinks is not None
-                log_image_file(sinks, "samples", step, save_samples(image, run_dir, step))
+                saved = save_samples(image, step_samples(run_dir, step))
+                log_image_file(sinks, "samples", step, saved)
         if checkpointer.due(step, last=step == steps, steps_per_epoch=len(clips) // per_step):
             states: list[Any] = [generator.get_state()]
             if dp is not None:  # (every rank's noise generator)
@@ -575,7 +586,7 @@ def run(cfg: Config) -> Path:
         save_sharded_flow_model(model, cfg, final, mesh=mesh)
         image = grid()
     if lead:
-        image.save(run_dir / "samples.png")
+        save_samples(image, run_dir / "samples.png")
         log.info("exported %s", final)
     if mesh is not None:
         close_ranks()

@@ -5,8 +5,10 @@ runtime's rollout and policy replicas run (`nebula_rl.flow.runtime`).
 An iteration: pick `prompts_per_iteration` captions; sample `group_size` clips per caption with
 the SDE sampler, recording each trajectory; score the final samples (a reward function here, or
 the reward service through `nebula_rl.rewards.remote`); turn rewards into group-relative
-advantages; then replay the first `timestep_fraction` of each trajectory's steps under the
-current weights, in `num_minibatches` optimiser steps, with FlowGRPO's clipped ratio per step.
+advantages; then replay the first `timestep_fraction` of each trajectory's steps (or the steps
+`train_on` picks) under the current weights, in `num_minibatches` optimiser steps, with
+FlowGRPO's clipped ratio per step. With `kl_beta`, the KL's reference is the starting weights,
+or the weights of every `reference_reset_interval`-th iteration.
 DDRL adds `data_beta` x the flow-matching loss of a real clip of the same caption, noised to
 the same step's sigma with the rollout's own start noise (cosmos-rl's `use_rl_sigma_and_noise`).
 
@@ -95,6 +97,15 @@ class FlowRLSettings:
     noise_level: float = 0.7
     timestep_fraction: float = 0.99
     """The first int(sample_steps x this) steps of each trajectory are trained."""
+    train_on: tuple[int, ...] | None = None
+    """The trained steps by index instead (each -1: one more drawn every iteration from the
+    steps not named)."""
+    same_group_noise: bool = False
+    """The samples of a group start from one noise (the SDE's step noise still differs)."""
+    reference_reset_interval: int = 0
+    """Every this many iterations the KL reference takes the current weights (0: never)."""
+    reset_optimizer_with_reference: bool = True
+    """Clear the optimiser's moments when the reference is reset."""
     num_minibatches: int = 2
     """Optimiser steps per iteration (the later ones are slightly off-policy: the clip acts)."""
     clip_range: float = 1e-4
@@ -404,8 +415,12 @@ def roll_out(
     device = next(model.parameters()).device
     text, mask = (t.to(device) for t in clip_text(real, flow_text_encoder(model)))
     shape = (len(real), *sample_shape(model, real[0].shape))
-    noise = torch.randn(shape, generator=generator, device=generator.device).to(device)
     groups = len(real) // s.group_size
+    if s.same_group_noise:  # (one start per group)
+        noise = torch.randn((groups, *shape[1:]), generator=generator, device=generator.device)
+        noise = noise.repeat_interleave(s.group_size, dim=0).to(device)
+    else:
+        noise = torch.randn(shape, generator=generator, device=generator.device).to(device)
     given = _given_frames(
         shape[2], groups, s.conditional_frames, generator, device, repeat=s.group_size
     )
@@ -444,6 +459,10 @@ def train_on_batch(
     `sync_grads` runs before each update (e.g. to sum the gradients of data-parallel replicas
     that trained on other groups)."""
     model.train()
+    if reference is not None and _reference_due(s, iteration):
+        reference.load_state_dict(model.state_dict())
+        if s.reset_optimizer_with_reference:
+            optimizer.state.clear()
     if old is not None:
         return _train_nft(
             model, old, optimizer, batch, s, generator, iteration, scheduler, sync_grads
@@ -565,8 +584,22 @@ def _given(trajectory: Trajectory, part: Tensor) -> tuple[Tensor | None, Tensor 
     return given, context_frames(given)
 
 
-def _trained_steps(s: FlowRLSettings) -> int:
-    return max(1, int(s.sample_steps * s.timestep_fraction))
+def _reference_due(s: FlowRLSettings, iteration: int) -> bool:
+    """Whether the KL reference takes the current weights before `iteration` trains: after
+    every `reference_reset_interval` iterations."""
+    every = s.reference_reset_interval
+    return every > 0 and iteration > 1 and (iteration - 1) % every == 0
+
+
+def _trained_steps(s: FlowRLSettings, generator: torch.Generator) -> list[int]:
+    """The steps of each trajectory trained this iteration: `train_on`'s (its -1s drawn from
+    `generator` among the others), else the first `timestep_fraction` of them."""
+    if s.train_on is None:
+        return list(range(max(1, int(s.sample_steps * s.timestep_fraction))))
+    named = [i for i in s.train_on if i >= 0]
+    rest = [i for i in range(s.sample_steps) if i not in named]
+    drawn = torch.randperm(len(rest), generator=generator)[: len(s.train_on) - len(named)]
+    return sorted(named + [rest[int(k)] for k in drawn])
 
 
 def _update(
@@ -601,7 +634,8 @@ def _train_flow_grpo(
     """FlowGRPO (DDRL with `data_beta`): replay the trajectories' first steps in minibatches;
     (each minibatch's loss, the fraction of clipped ratios)."""
     high = s.clip_range if s.clip_range_high is None else s.clip_range_high
-    trajectory, trained = batch.trajectory, _trained_steps(s)
+    trajectory, steps = batch.trajectory, _trained_steps(s, generator)
+    trained = len(steps)
     order = torch.randperm(len(batch.prompts), generator=generator)
     losses, clipped, seen = [], 0, 0
     for part in torch.tensor_split(order, s.num_minibatches):
@@ -609,7 +643,7 @@ def _train_flow_grpo(
         given, free = _given(trajectory, part)
         velocity = _velocity(model, batch.text[part], batch.mask[part], s, given=given)
         total = 0.0
-        for j in range(trained):
+        for j in steps:
             x = trajectory.latents[part, j]
             sigma = torch.full((len(part),), float(trajectory.sigmas[j]), device=x.device)
             step = sde_step(
@@ -671,7 +705,8 @@ def _train_nft(
     optimiser step; (each minibatch's loss, 0: no ratio is clipped)."""
     x0 = batch.trajectory.final
     sigmas = batch.trajectory.sigmas
-    trained = _trained_steps(s)
+    steps = _trained_steps(s, generator)
+    trained = len(steps)
     order = torch.randperm(len(batch.prompts), generator=generator)
     losses = []
     for part in torch.tensor_split(order, s.num_minibatches):
@@ -679,7 +714,7 @@ def _train_nft(
         given, free = _given(batch.trajectory, part)
         extra = () if given is None else (given.float(),)
         total = 0.0
-        for j in range(trained):
+        for j in steps:
             t = torch.full((len(part),), float(sigmas[j]), device=x0.device)
             noise = _nft_noise(batch, part, j, generator).to(x0.device)
             tb = t.view(-1, *[1] * (x0.dim() - 1))

@@ -9,6 +9,9 @@ the merged weights (a model loadable as `policy.model_name_or_path`, LoRA folded
 `adapter/`, the adapter alone as peft saves it (`adapter_config.json`,
 `adapter_model.safetensors`).
 
+`lora_path` starts the adapter from a saved one: an export's `adapter/`, or any peft adapter
+folder of the same `r`, `lora_alpha`, `use_rslora` and modules.
+
 `lora_names` is one adapter (cosmos-rl's DiffusionNFT configs name a second, `"old"`, for the
 old policy, which nebula-rl keeps as a copy of the whole model instead: accepted with
 `trainer_type = "diffusion_nft"`).
@@ -17,12 +20,14 @@ old policy, which nebula-rl keeps as a copy of the whole model instead: accepted
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from nebula_rl.config import LoraConfig
+from nebula_rl.models.lora import load_adapter
 
 __all__ = ["apply_lora", "lora_adapter_state", "merged_copy", "save_adapter"]
 
@@ -59,12 +64,19 @@ def _peft_config(lora: LoraConfig) -> Any:
 
 
 def apply_lora(model: nn.Module, lora: LoraConfig, *, trainer_type: str) -> nn.Module:
-    """Inject `lora`'s adapter into `model` in place and freeze everything else; `model`."""
+    """Inject `lora`'s adapter into `model` in place and freeze everything else, then load
+    `lora_path`'s adapter into it when given (a folder as an export's `adapter/` or peft saves
+    one); `model`."""
     names = lora.lora_names
     if len(names) != 1 and not (trainer_type == "diffusion_nft" and names == ["default", "old"]):
         raise ValueError(
             f"{KEY}.lora_names = {names}: a world model trains one adapter (DiffusionNFT's "
             '["default", "old"] is accepted: its old policy is a copy of the whole model)'
+        )
+    if lora.primary_adapter is not None and lora.primary_adapter != names[0]:
+        raise ValueError(
+            f"{KEY}.primary_adapter = {json.dumps(lora.primary_adapter)}: must name the adapter "
+            f"that trains, the first of {KEY}.lora_names ({json.dumps(names[0])})"
         )
     config = _peft_config(lora)
     try:
@@ -78,6 +90,8 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, trainer_type: str) -> nn.M
             f".modules_to_save.{names[0]}." in name and s in name for s in saved
         )
     model._nebula_lora = (config, names[0])  # type: ignore[assignment]
+    if lora.lora_path is not None:
+        load_adapter(model, Path(lora.lora_path), lora, names[0])
     return model
 
 

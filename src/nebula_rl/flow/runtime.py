@@ -61,7 +61,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from nebula_rl.config import Config, GrpoConfig
 from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.controller.state import JobState
-from nebula_rl.flow.data import Clip, clip_pixels, clip_text
+from nebula_rl.flow.data import Clip, clip_pixels, clip_text, save_samples
 from nebula_rl.flow.ema import FlowTrainingState
 from nebula_rl.flow.job import (
     flow_clips,
@@ -69,8 +69,8 @@ from nebula_rl.flow.job import (
     flow_scorer,
     flow_settings,
     flow_validation_scorer,
-    sample_grid,
-    save_samples,
+    sample_pixels,
+    step_samples,
     weight_ema,
 )
 from nebula_rl.flow.local import (
@@ -422,10 +422,12 @@ class FlowTrainer:
         """Optimiser updates of the step in progress."""
         self.device = next(model.parameters()).device
         self.reference = self._frozen_copy() if s.kl_beta > 0 else None
-        """FlowGRPO's KL reference: the starting weights."""
+        """FlowGRPO's KL reference: the starting weights (reset every
+        `reference_reset_interval` iterations when set)."""
         self.old = self._frozen_copy() if s.algorithm == "nft" else None
         """DiffusionNFT's old weights."""
-        self.checkpoint_module = FlowTrainingState(model, self.old, self.ema)
+        reset = self.reference if s.reference_reset_interval else None
+        self.checkpoint_module = FlowTrainingState(model, self.old, self.ema, reference=reset)
         """What the policy's checkpoints save and load (the model, the old weights, the
         averages; the optimiser and the schedule come with them)."""
 
@@ -591,14 +593,15 @@ class FlowTrainer:
         return out
 
     def _draw_samples(self, step: int) -> None:
-        """The sample grid of `step` to `<run>/samples/step_<N>.png`; the controller hands it
-        to the `[logging]` sinks when it records the step."""
+        """The sample grid of `step` to `<run>/samples/step_<N>.png` (an animated `.gif` beside
+        it for videos); the controller hands them to the `[logging]` sinks when it records the
+        step."""
         d = self.cfg.policy.diffusers
-        grid = sample_grid(
+        pixels = sample_pixels(
             self.model, self.clips, num_steps=d.sample.eval_num_steps, shift=d.train_flow_shift
         )
         if self.mesh is None or dist.get_rank() == 0:  # (not every rank of a CP group)
-            save_samples(grid, self.run_dir, step)
+            save_samples(pixels, step_samples(self.run_dir, step))
 
 
 def flow_policy(

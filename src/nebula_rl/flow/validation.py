@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from nebula_rl.config import Config
-from nebula_rl.flow.data import Clip, frame_grid, write_mp4
+from nebula_rl.flow.data import Clip, save_samples, write_mp4
 from nebula_rl.flow.local import (
     FlowRLSettings,
     RewardFn,
@@ -248,7 +248,7 @@ def _write_samples(samples: list[tuple[int, Tensor]], clips: list[Clip], folder:
     """Each sample as `<clip>_<sample>_<caption>.png` (a frame) or `.mp4` (frames; `.npy`
     without PyAV) in `folder`,
     and their grid (a row per caption, at most 8; samples and frames side by side) as
-    `grid.png`; the grid's path."""
+    `grid.png`, for videos also animated as `grid.gif`; the PNG grid's path."""
     folder.mkdir(parents=True, exist_ok=True)
     mp4 = importlib.util.find_spec("av") is not None  # (without PyAV: `.npy` frames)
     for i, part in samples:
@@ -262,6 +262,4 @@ def _write_samples(samples: list[tuple[int, Tensor]], clips: list[Clip], folder:
                 write_mp4(stem.with_suffix(".mp4"), frames)
             else:
                 np.save(stem.with_suffix(".npy"), frames)
-    path = folder / "grid.png"
-    frame_grid(torch.stack([part for _, part in samples[:8]])).save(path)
-    return path
+    return save_samples(torch.stack([part for _, part in samples[:8]]), folder / "grid.png")

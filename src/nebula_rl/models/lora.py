@@ -60,6 +60,7 @@ __all__ = [
     "apply_lora",
     "full_merged_state",
     "has_lora",
+    "load_adapter",
     "merged_parameters",
     "plain_copy",
     "plain_name",
@@ -137,12 +138,14 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
         param.requires_grad_(any(t in param_name for t in trainable))
     model._nebula_lora = (config, name)  # type: ignore[assignment]
     if lora.lora_path is not None:
-        _load_adapter(model, Path(lora.lora_path), lora, name)
+        load_adapter(model, Path(lora.lora_path), lora, name)
     return model
 
 
-def _load_adapter(model: nn.Module, folder: Path, lora: LoraConfig, name: str) -> None:
-    """Load a saved adapter folder (as `save_adapter` or peft writes one) into `model`."""
+def load_adapter(model: nn.Module, folder: Path, lora: LoraConfig, name: str) -> None:
+    """Load a saved adapter folder (as `save_adapter` or peft writes one) into `model`, whose
+    adapter `name` was injected from `lora` (its `r`, `lora_alpha` and `use_rslora` must match
+    the folder's)."""
     peft = _peft()
     key = f"{KEY}.lora_path"
     config_file = folder / "adapter_config.json"
