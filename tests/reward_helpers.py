@@ -1,6 +1,7 @@
 """Rewards for the reward-service tests that the service's spawned workers import as
-`reward_helpers:probe` and `reward_helpers:gated_length` (they get pytest's sys.path, which holds
-tests/).
+`reward_helpers:probe`, `reward_helpers:video_align`, `reward_helpers:text_parts` and
+`reward_helpers:gated_length` (they get pytest's sys.path, which holds tests/). `video_align` and
+`text_parts` answer several scores per sample, under their names.
 
 `probe` is `brightness` with behaviour a prompt asks for: `sleep=S` sleeps S seconds (the
 longest asked in the batch) before scoring, `fail` raises, `nan` scores that sample NaN. Each
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from nebula_rl.rewards.visual import brightness
+from nebula_rl.rewards.visual import brightness, colour_match
 
 RECORD_ENV = "NEBULA_TEST_REWARD_RECORD"
 """File each `probe` call appends its batch size to (a line each)."""
@@ -43,6 +44,23 @@ def probe(pixels: Tensor, prompts: Sequence[str]) -> list[float]:
         raise ValueError("a prompt asked this reward to fail")
     scores = brightness(pixels, prompts)
     return [float("nan") if "nan" in p else s for p, s in zip(prompts, scores, strict=True)]
+
+
+def video_align(pixels: Tensor, prompts: Sequence[str]) -> dict[str, list[float]]:
+    """Several scores of each sample, as cosmos-rl's `dance_grpo` (VideoAlign) answers: the
+    brightness as `vq_reward`, the colour match as `ta_reward`, their sum as `overall_reward`."""
+    quality, alignment = brightness(pixels, prompts), colour_match(pixels, prompts)
+    return {
+        "overall_reward": [q + a for q, a in zip(quality, alignment, strict=True)],
+        "vq_reward": quality,
+        "ta_reward": alignment,
+    }
+
+
+def text_parts(completion: str, reference: str) -> dict[str, float]:
+    """A text reward of several scores: `exact` (1 when the stripped completion is the
+    reference), `chars` (its length over 10)."""
+    return {"exact": float(completion.strip() == reference), "chars": len(completion) / 10}
 
 
 def text_length(completion: str, reference: str) -> float:

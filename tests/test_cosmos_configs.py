@@ -202,9 +202,9 @@ def test_the_cosmos_reason_sft_recipe_loads_with_its_pre_validation_keys_noted(t
 
 def test_a_wfm_mode_config_reads_key_by_key() -> None:
     """cosmos-rl's `--wfm-mode` schema: each key becomes the nebula-rl key that does the same,
-    or is named with why not. One whose other keys all translate (its model given by
-    `[policy]`) differs only in its rewards, and the translation with a reward loads as a
-    world-model config."""
+    or is named with why not. One whose keys all translate (its model given by `[policy]`)
+    loads as the world-model config of its translation, its rewards those of the reward
+    service."""
     shipped = (
         DATA
         / "configs"
@@ -245,16 +245,17 @@ def test_a_wfm_mode_config_reads_key_by_key() -> None:
         "job": {"project": "p", "group": "g", "name": "n"},
         "policy": {"model_name_or_path": "tiny:cosmos_transformer3d"},
     }
-    with pytest.raises(ConfigError) as err:  # (only the rewards differ)
-        config_from_dict(translatable, source="wfm.toml")
-    assert str(err.value).splitlines() == [
-        line for line in str(err.value).splitlines() if line.startswith("wfm.toml: rewards")
-    ]
     translated, problems = translate_wfm(translatable)
-    assert [line.split(" ")[0] for line in problems] == ["rewards"]
-    translated["train"]["train_policy"]["reward_function"] = "brightness"
-    cfg = config_from_dict(translated, source="wfm.toml")
+    assert problems == []
+    cfg = config_from_dict(translatable, source="wfm.toml")  # (runs as it is)
+    assert cfg == config_from_dict(translated, source="wfm.toml")
     p, d = cfg.train.train_policy, cfg.policy.diffusers
+    # its rewards: cosmos-rl's reward service, dance_grpo's overall_reward clipped to [-5, 5]
+    assert p.use_remote_reward and len(p.remote_reward.reward_fns) == 1
+    [reward] = p.remote_reward.reward_fns
+    assert (reward.name, reward.score_key, reward.clip_min, reward.clip_max) == (
+        "dance_grpo", "overall_reward", -5.0, 5.0,
+    )  # fmt: skip
     assert cfg.policy.is_diffusers and p.trainer_type == "ddrl" and p.data_beta == 0.01
     assert cfg.rollout.n_generation == 4 and d.sample.num_steps == 10
     assert d.train_on == list(range(8)) and d.sample.guidance_scale == 3.0  # (Cosmos's reading)
@@ -279,6 +280,22 @@ def test_a_wfm_mode_config_reads_key_by_key() -> None:
     assert translated["train"]["train_policy"]["reference_reset_interval"] == 16
     assert translated["train"]["train_policy"]["reset_optimizer_with_reference"] is False
     assert (cfg.logging.project_name, cfg.logging.group_name) == ("p", "g")
+    rewards = {
+        "remote_reward": {"score_key": "vq_reward+ta_reward", "scale": 2.0, "token": "secret"},
+        "aesthetic": {"enabled": True},
+        "adv_clip_max": 3.0,
+    }
+    translated, problems = translate_wfm({"model": {"rl": {"reward_config": rewards}}})
+    remote = translated["train"]["train_policy"]["remote_reward"]
+    assert remote["reward_fns"][0]["score_key"] == "vq_reward+ta_reward"
+    assert (remote["scale"], remote["reward_clip_min"], remote["reward_clip_max"]) == (2, -10, 10)
+    named = " ".join(problems)
+    assert "remote_reward.token = '...'" in named and "REMOTE_REWARD_TOKEN" in named
+    assert "secret" not in named
+    assert "aesthetic.enabled = True" in named and "adv_clip_min/max = [-5.0, 3.0]" in named
+    rewards = {"remote_reward": {"enabled": False}}
+    _, problems = translate_wfm({"model": {"rl": {"reward_config": rewards}}})
+    assert any("no reward is left" in line for line in problems)
     for guidance, scale in ((0.0, 1.0), (0.5, 1.0)):  # (the pipeline guides only above 1)
         translated, problems = translate_wfm({"model": {"rl": {"guidance": guidance}}})
         assert translated["policy"]["diffusers"]["sample"]["guidance_scale"] == scale

@@ -231,6 +231,26 @@ def test_diffusion_nft_scored_by_the_reward_service(tmp_path, monkeypatch):
     assert "colour_match" in json.dumps(calls)
 
 
+def test_a_reward_of_several_scores_counts_its_score_key(tmp_path, monkeypatch):
+    """`remote_reward.reward_fns[].score_key` picks one of the scores a reward answers (as
+    cosmos-rl's configs take `overall_reward` of `dance_grpo`): a run scored by the `vq_reward`
+    of a reward that answers brightness under that key sees the rewards of a run scored by
+    `brightness` in process (the same samples: the same seed), within the service's uint8
+    pixels."""
+    from nebula_rl.flow import job
+
+    local = _flow(tmp_path / "local")
+    local["train"]["train_policy"]["reward_function"] = "brightness"
+    want = _records(job.run(config_from_dict(local)))
+    with reward_service(monkeypatch, "reward_helpers:video_align"):
+        data = _flow(tmp_path / "remote")
+        scored_remotely(data, "reward_helpers:video_align", weight=1.0, batch_size=4)
+        data["train"]["train_policy"]["remote_reward"]["reward_fns"][0]["score_key"] = "vq_reward"
+        got = _records(job.run(config_from_dict(data)))
+    assert got[0]["rewards_lost"] == 0.0
+    assert got[0]["reward_mean"] == pytest.approx(want[0]["reward_mean"], abs=1e-2)
+
+
 def test_what_the_runtime_cannot_run_is_refused_before_anything_starts(tmp_path):
     """`nebula-rl train` without `--local` runs world-model RL with replicas
     (`tests/test_flow_runtime.py`); a config they cannot run is refused by name (exit 2) before

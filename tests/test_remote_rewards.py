@@ -35,6 +35,7 @@ TEXT_REWARDS = ["arithmetic", "gsm8k"]
 def _service(port: int = 0) -> RunningService:
     rewards = [{"reward_type": r} for r in (*TEXT_REWARDS, "brightness")]
     rewards.append({"reward_type": "reward_helpers:gated_length", "text": True})
+    rewards.append({"reward_type": "reward_helpers:text_parts", "text": True})
     cfg = service_config_from_dict({"port": port, "reward_args": rewards}, source="test")
     return start_service(cfg, token=TOKEN)
 
@@ -95,6 +96,24 @@ def test_remote_scores_equal_the_local_rule_scores(svc, tmp_path, monkeypatch):
     assert {s.terms["arithmetic"] for s in got} == {0.0, 1.0}  # (a real check: they vary)
     # 7 completions in requests of at most 3: 3 tasks per reward
     assert svc.service.stats()["calls"]["arithmetic"] >= 1
+
+
+def test_a_text_reward_of_several_scores_counts_its_score_key(svc, tmp_path, monkeypatch):
+    """`reward_fns[].score_key` picks one of the scores a text reward answers per completion
+    (`a+b`: their sum)."""
+    point_client_at(monkeypatch, svc.url)
+    parts = "reward_helpers:text_parts"
+    for key in ("exact", "exact+chars"):
+        cfg = arithmetic_grpo_config(tmp_path, remote_changes({"name": parts, "score_key": key}))
+        remote = scorer(cfg)
+        try:
+            got = remote.submit(TEXTS, [1] * len(TEXTS), "12", group="0:0").result(timeout=60)
+        finally:
+            remote.close()
+        exact = [float(t.strip() == "12") for t in TEXTS]
+        chars = [len(t) / 10 for t in TEXTS]
+        want = exact if key == "exact" else [e + c for e, c in zip(exact, chars, strict=True)]
+        assert [s.terms[parts] for s in got] == pytest.approx(want), key
 
 
 def test_a_group_is_sent_again_until_the_service_answers(tmp_path, monkeypatch, caplog):
@@ -186,7 +205,6 @@ def test_text_and_pixel_rewards_each_take_their_own_media_type():
             {"train": {"train_policy": {"use_remote_reward": True}}},
             "train.train_policy.reward_function: with use_remote_reward",
         ),
-        (remote_changes({"name": "a", "score_key": "b"}), r'reward_fns\[0\].score_key = "b"'),
         ({"train": {"train_policy": {"remote_reward": {"scale": 2.0}}}}, "read only with"),
         (
             remote_changes({"name": "a"}) | {"validation": {"use_remote_reward": False}},
@@ -223,7 +241,7 @@ def test_text_and_pixel_rewards_each_take_their_own_media_type():
             "filter_reward_metric",
         ),
     ],
-    ids=["both", "score_key", "unused", "validation", "val_functions", "bypass", "filter"],
+    ids=["both", "unused", "validation", "val_functions", "bypass", "filter"],
 )
 def test_remote_reward_keys_that_cannot_run_are_refused_by_name(tmp_path, change, message):
     with pytest.raises(ConfigError, match=message):

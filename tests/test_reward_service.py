@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PROBE = "reward_helpers:probe"
+ALIGN = "reward_helpers:video_align"
 BUILTIN = ["brightness", "colour_match", "jpeg_compressibility", "prompt_alignment"]
 
 
@@ -79,7 +80,7 @@ def _stop_and_check(svc: RunningService) -> None:
 @pytest.fixture(scope="module")
 def svc() -> Iterator[RunningService]:
     """Every built-in reward and the probe, two workers."""
-    running = start_service(_config(*BUILTIN, PROBE, num_workers=2), token=TOKEN)
+    running = start_service(_config(*BUILTIN, PROBE, ALIGN, num_workers=2), token=TOKEN)
     yield running
     _stop_and_check(running)
 
@@ -528,6 +529,36 @@ def test_client_scores_weighted_and_takes_each_uuid_once(svc: RunningService) ->
             RemoteRewardClient(client.enqueue_url, client.fetch_url, "wrong").enqueue(
                 x, prompts, {"brightness": 1.0}
             )
+
+
+def test_a_reward_of_several_scores_is_pulled_by_score_key(
+    http: httpx.Client, svc: RunningService
+) -> None:
+    """A reward that returns several named scores per sample (as cosmos-rl's `dance_grpo` does)
+    answers all of them; the client takes the one `score_keys` names, `a+b` summed, and names
+    the keys there are when asked for another."""
+    x, prompts = _latents()
+    pixels = pixels_from_samples(x)
+    quality, alignment = brightness(pixels, prompts), colour_match(pixels, prompts)
+    uuid = _enqueue(http, x.numpy(), prompts, {ALIGN: 1.0})
+    answer = _pull(http, uuid, ALIGN).json()
+    assert answer["scores"] == {
+        "overall_reward": pytest.approx([q + a for q, a in zip(quality, alignment, strict=True)]),
+        "vq_reward": pytest.approx(quality),
+        "ta_reward": pytest.approx(alignment),
+    }
+    with _client(svc, deadline_s=20) as client:
+        for key, want in (
+            ("overall_reward", [q + a for q, a in zip(quality, alignment, strict=True)]),
+            ("vq_reward", quality),
+            ("ta_reward+vq_reward", [q + a for q, a in zip(quality, alignment, strict=True)]),
+        ):
+            uuid = client.enqueue(x, prompts, {ALIGN: 1.0})
+            got = client.pull(uuid, [ALIGN], score_keys={ALIGN: key})
+            assert got == {ALIGN: pytest.approx(want)}, key
+        uuid = client.enqueue(x, prompts, {ALIGN: 1.0})
+        with pytest.raises(ValueError, match=r"no 'mq_reward' \(score_key 'mq_reward'\); it gives"):
+            client.pull(uuid, [ALIGN], score_keys={ALIGN: "mq_reward"})
 
 
 def test_client_polls_until_ready_and_gives_up_at_the_deadline(svc: RunningService) -> None:

@@ -1944,17 +1944,6 @@ def _remote_refusals(cfg: Config) -> list[str]:
             f"{prefix}filter_reward_metric = {_format_value(p.filter_reward_metric)}: with "
             f"use_remote_reward it names remote_reward.reward_fns ({', '.join(names)})"
         )
-    for key, remote in (
-        (prefix + "remote_reward", p.remote_reward),
-        ("validation.remote_reward", v.remote_reward),
-    ):
-        for i, f in enumerate(remote.reward_fns if remote is not None else []):
-            if f.score_key not in (None, f.name):
-                out.append(
-                    f"{key}.reward_fns[{i}].score_key = {json.dumps(f.score_key)}: nebula-rl's "
-                    "reward service answers each reward's scores under its name; name the reward "
-                    f"{json.dumps(f.score_key)} instead"
-                )
     return out
 
 

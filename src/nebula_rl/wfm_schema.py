@@ -6,9 +6,10 @@ Each key either becomes the nebula-rl key that does the same (`model.rl.num_roll
 g`, `model.rl.train_on` -> `policy.diffusers.train_on`, `model.rl.update_ref_every_iter` ->
 `train.train_policy.reference_reset_interval`, `model.rl.use_same_seed` ->
 `policy.diffusers.sample.same_group_noise`, ...), or is named with the reason nebula-rl cannot
-honour it (cosmos-rl's own Cosmos-Predict2.5 network, VAE and `.pt` checkpoints; the rewards,
-which the schema takes from cosmos-rl's reward service under score keys nebula-rl's service
-does not give). So such a config never runs as it is: loading it names every key that
+honour it (cosmos-rl's own Cosmos-Predict2.5 network, VAE and `.pt` checkpoints; its training
+callbacks). Its rewards (`model.rl.reward_config`: by default the reward service's
+`dance_grpo` scores, taking `overall_reward`) become `use_remote_reward` with that
+`score_key`. So such a config never runs as it is: loading it names every key that
 differs, and :func:`translate_wfm` gives the nebula-rl config the rest of its keys describe
 (its model from a `[policy]` table: `model_name_or_path`, a diffusers folder or Hub id), a start
 for the port.
@@ -45,6 +46,69 @@ def _set(out: dict[str, Any], dotted: str, value: Any) -> None:
     for part in path:
         node = node.setdefault(part, {})
     node[last] = value
+
+
+_REMOTE: dict[str, Any] = {
+    "enabled": True, "score_key": "overall_reward", "scale": 1.0, "reward_fn": "dance_grpo",
+    "reward_clip_min": -5.0, "reward_clip_max": 5.0, "token": "", "enqueue_url": "",
+    "fetch_url": "",
+}  # fmt: skip
+"""cosmos-rl's `model.rl.reward_config.remote_reward` defaults."""
+
+
+def _rewards(config: dict[str, Any], out: dict[str, Any], refuse: Any) -> None:
+    """`model.rl.reward_config`: its remote reward (on by default: `dance_grpo`'s
+    `overall_reward` from the reward service, clipped, then scaled) becomes
+    `use_remote_reward` with one `reward_fns` entry; the in-process reward models are refused."""
+    remote = _REMOTE | dict(config.pop("remote_reward", {}))
+    for key in ("token", "enqueue_url", "fetch_url"):
+        if remote.pop(key):
+            variable = f"REMOTE_REWARD_{key.upper()}"
+            refuse(
+                f"model.rl.reward_config.remote_reward.{key}", "...",
+                f"nebula-rl reads it from the environment: set {variable} (or WFM_REWARD_* "
+                "as cosmos-rl's launcher does)",
+            )  # fmt: skip
+    low, high = float(config.pop("adv_clip_min", -5.0)), float(config.pop("adv_clip_max", 5.0))
+    if (low, high) != (-5.0, 5.0):
+        refuse(
+            "model.rl.reward_config.adv_clip_min/max", [low, high],
+            "nebula-rl clips world-model advantages to [-5, 5]",
+        )  # fmt: skip
+    config.pop("ALL_REWARD_MODELS", None)
+    for name in ("aesthetic", "image_reward", "fake_reward"):
+        if dict(config.pop(name, {})).get("enabled", False):
+            refuse(
+                f"model.rl.reward_config.{name}.enabled", True,
+                "cosmos-rl's in-process reward models are not built; score through the reward "
+                "service (nebula-rl reward-service runs any reward function by import path)",
+            )  # fmt: skip
+    for key, value in config.items():
+        refuse(f"model.rl.reward_config.{key}", value, "not read by nebula-rl")
+    if not remote["enabled"]:
+        refuse(
+            "model.rl.reward_config.remote_reward.enabled", False,
+            "no reward is left: world-model RL needs one",
+        )  # fmt: skip
+        return
+    scale, low, high = (float(remote[k]) for k in ("scale", "reward_clip_min", "reward_clip_max"))
+    reward = {
+        "name": str(remote["reward_fn"]), "weight": 1.0, "score_key": str(remote["score_key"]),
+        "clip_min": low, "clip_max": high,
+    }  # fmt: skip
+    _set(out, "train.train_policy.use_remote_reward", True)
+    _set(
+        out,
+        "train.train_policy.remote_reward",
+        {  # (clipped, then scaled: the total's own clip is then no bound)
+            "scale": scale,
+            "reward_fns": [reward],
+            "reward_clip_min": min(low * scale, high * scale),
+            "reward_clip_max": max(low * scale, high * scale),
+        },
+    )
+    for key in remote.keys() - _REMOTE.keys():
+        refuse(f"model.rl.reward_config.remote_reward.{key}", remote[key], "not read by nebula-rl")
 
 
 def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -91,6 +155,7 @@ def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     _set(out, "policy.diffusers.max_num_conditional_frames", most)
     # (a seed shared by the group's ranks: their starting noise; the SDE's noise is each rank's)
     _set(out, "policy.diffusers.sample.same_group_noise", bool(rl.pop("use_same_seed", True)))
+    _rewards(dict(rl.pop("reward_config", {})), out, refuse)
     rl.pop("enabled", None)
     rl.pop("on_policy", None)
     for key, value in rl.items():
@@ -155,13 +220,6 @@ def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         width, height = videos["video_size"]
         _set(out, "policy.diffusers.inference_size", [int(height), int(width)])
 
-    # The schema's rewards come from cosmos-rl's reward service under its score keys.
-    problems.append(
-        "rewards (--wfm-mode schema): cosmos-rl's world-model recipes score through its reward "
-        "service (dance_grpo's overall_reward); nebula-rl's gives each reward one score under "
-        "its name: write the run in nebula-rl's schema with reward_function or remote_reward "
-        "(configs/wfm/, docs/world-models.md)"
-    )
     job = data.get("job", {})
     for ours, theirs in (
         ("logging.project_name", "project"),

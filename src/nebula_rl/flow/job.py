@@ -212,15 +212,10 @@ def _remote_rewards(p: GrpoConfig) -> RewardFn:
     from nebula_rl.rewards.remote import RemoteRewardClient
 
     r = p.remote_reward
-    for i, f in enumerate(r.reward_fns):
-        if f.score_key not in (None, f.name):
-            raise ValueError(
-                f"train.train_policy.remote_reward.reward_fns[{i}].score_key = {f.score_key!r}: "
-                "nebula-rl's reward service gives each reward one score, under its name"
-            )
     client = RemoteRewardClient.from_env()
     names = {f.name: f for f in r.reward_fns}
     asked = dict.fromkeys(names, 1.0)
+    keys = {f.name: f.score_key or f.name for f in r.reward_fns}
 
     def score(samples: Tensor, prompts: Sequence[str]) -> list[float] | None:
         pixels = pixels_from_samples(samples)  # (uint8: what a clip is to the service)
@@ -228,7 +223,7 @@ def _remote_rewards(p: GrpoConfig) -> RewardFn:
         for start in range(0, len(prompts), r.batch_size):
             part = slice(start, start + r.batch_size)
             uuid = client.enqueue(pixels[part], list(prompts[part]), asked, media_type="video")
-            scores = client.pull(uuid, list(names))
+            scores = client.pull(uuid, list(names), score_keys=keys)
             if scores is None:
                 return None
             for i in range(len(prompts[part])):

@@ -307,10 +307,20 @@ class RemoteRewardClient:
             time.sleep(delay)
 
     def pull(
-        self, uuid: str, reward_names: Sequence[str], *, deadline_s: float | None = None
+        self,
+        uuid: str,
+        reward_names: Sequence[str],
+        *,
+        score_keys: Mapping[str, str] | None = None,
+        deadline_s: float | None = None,
     ) -> dict[str, list[float]] | None:
         """Each reward's scores of task `uuid`, polled until ready; None when `deadline_s` (the
         client's by default) passes or the service says scoring failed (422).
+
+        A reward's answer holds scores by key: its own name's (nebula-rl's rewards), or several
+        (cosmos-rl's `dance_grpo`: `overall_reward`, `vq_reward`, ...). `score_keys` picks the
+        key of each reward (default: its name); `a+b` sums two. A key the answer lacks raises
+        `ValueError` naming those it has.
 
         A uuid is pulled once: pulling it again raises `ValueError`, whatever the first pull
         returned (a caller that substituted a value must not later count real scores too)."""
@@ -326,15 +336,16 @@ class RemoteRewardClient:
         start = time.monotonic()
         deadline = start + (self.deadline_s if deadline_s is None else deadline_s)
         out: dict[str, list[float]] = {}
+        keys = dict(score_keys or {})
         for name in names:
-            scores = self._pull_one(uuid, name, deadline)
+            scores = self._pull_one(uuid, name, keys.get(name) or name, deadline)
             if scores is None:
                 return None
             out[name] = scores
         log.debug("pulled %s (%s) in %.2f s", uuid, ", ".join(names), time.monotonic() - start)
         return out
 
-    def _pull_one(self, uuid: str, name: str, deadline: float) -> list[float] | None:
+    def _pull_one(self, uuid: str, name: str, key: str, deadline: float) -> list[float] | None:
         poll = _Backoff(self.poll_base_s, self.poll_max_s)
         retry = _Backoff(self.backoff_base_s, self.backoff_max_s)
         attempt = 0
@@ -347,7 +358,7 @@ class RemoteRewardClient:
             else:
                 code = response.status_code
                 if code == 200:
-                    return self._scores(response, uuid, name)
+                    return self._scores(response, uuid, name, key)
                 if code == 401:
                     raise PermissionError(
                         f"the reward service at {self.fetch_url} refused the token (401)"
@@ -386,13 +397,25 @@ class RemoteRewardClient:
             time.sleep(min(left, delay))
 
     @staticmethod
-    def _scores(response: httpx.Response, uuid: str, name: str) -> list[float] | None:
+    def _scores(response: httpx.Response, uuid: str, name: str, key: str) -> list[float] | None:
+        """The scores under `key` (`a+b`: summed) of a pull's answer; None when malformed."""
         try:
-            scores = [float(s) for s in response.json()["scores"][name]]
+            answer = response.json()["scores"]
+            parts = [[float(s) for s in answer[k]] for k in key.split("+") if k in answer]
+            known = list(answer)
         except (ValueError, KeyError, TypeError) as err:
             log.error("reward %s of %s: malformed answer (%s): %s", name, uuid, err, response.text)
             return None
-        return scores
+        missing = [k for k in key.split("+") if k not in known]
+        if missing:
+            raise ValueError(
+                f"reward {name}: the service's scores have no {missing[0]!r} (score_key "
+                f"{key!r}); it gives {', '.join(map(repr, known))}"
+            )
+        if len({len(part) for part in parts}) != 1:
+            log.error("reward %s of %s: scores of unequal lengths: %s", name, uuid, response.text)
+            return None
+        return [sum(values) for values in zip(*parts, strict=True)]
 
     def score(
         self,

@@ -134,6 +134,8 @@ class RemoteScorer:
         self.retry_s = retry_s
         """Pause before a group whose scores did not come back is sent again."""
         self.weights = {f.name: f for f in settings.reward_fns}
+        self.score_keys = {f.name: f.score_key or f.name for f in settings.reward_fns}
+        """Where each reward's score is in the service's answer (`a+b`: summed)."""
         self._pool = ThreadPoolExecutor(max(1, max_groups), thread_name_prefix="nebula-reward")
         self._closed = threading.Event()
 
@@ -189,7 +191,7 @@ class RemoteScorer:
             uuids.append(self.client.enqueue_text(prompts, part, [reference] * len(part), asked))
         out: list[dict[str, float]] = []
         for uuid in uuids:
-            scores = self.client.pull(uuid, list(self.weights))
+            scores = self.client.pull(uuid, list(self.weights), score_keys=self.score_keys)
             if scores is None:
                 return None
             count = len(next(iter(scores.values())))

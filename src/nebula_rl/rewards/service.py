@@ -36,7 +36,7 @@ import time
 import tomllib
 import uuid as uuidlib
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_ready
@@ -585,25 +585,37 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"[:2000]
 
 
-def _call(fn: Any, name: str, samples: Samples, prompts: list[str]) -> list[float]:
+def _call(fn: Any, name: str, samples: Samples, prompts: list[str]) -> dict[str, list[float]]:
     """`fn` on one batch (pixels in one call, texts one by one), its answer checked: one finite
-    number per sample."""
+    number per sample, under the reward's name; or, from a reward that returns a mapping (for
+    the batch; a text reward: for each completion) of several scores of each sample, as
+    cosmos-rl's `dance_grpo` gives `overall_reward`, `vq_reward`, ..., under each of its keys."""
     if isinstance(samples, TextSamples):
         pairs = zip(samples.completions, samples.references, strict=True)
-        scores = [fn(completion, reference) for completion, reference in pairs]
+        answer: Any = [fn(completion, reference) for completion, reference in pairs]
+        if answer and all(isinstance(a, Mapping) for a in answer):  # (several per completion)
+            answer = {key: [a.get(key, float("nan")) for a in answer] for key in answer[0]}
     else:
-        scores = fn(torch.from_numpy(samples), prompts)
-    if len(scores) != len(prompts):
-        raise ValueError(f"reward {name} returned {len(scores)} scores for {len(prompts)} samples")
-    out = [float(s) for s in scores]
-    bad = [i for i, s in enumerate(out) if not np.isfinite(s)]
-    if bad:
-        raise ValueError(f"reward {name} returned a non-finite score for sample(s) {bad}")
+        answer = fn(torch.from_numpy(samples), prompts)
+    named = dict(answer) if isinstance(answer, Mapping) else {name: answer}
+    if not named:
+        raise ValueError(f"reward {name} returned no scores")
+    out = {}
+    for key, scores in named.items():
+        what = f"reward {name}" + ("" if key == name else f" (score {key!r})")
+        if not isinstance(key, str):
+            raise ValueError(f"reward {name} named a score {key!r}: score names are strings")
+        if len(scores) != len(prompts):
+            raise ValueError(f"{what} returned {len(scores)} scores for {len(prompts)} samples")
+        out[key] = [float(s) for s in scores]
+        bad = [i for i, s in enumerate(out[key]) if not np.isfinite(s)]
+        if bad:
+            raise ValueError(f"{what} returned a non-finite score for sample(s) {bad}")
     return out
 
 
-_Outcome = tuple[list[float] | None, str | None, float]
-"""(scores, error, seconds) of one task in a batch."""
+_Outcome = tuple[dict[str, list[float]] | None, str | None, float]
+"""(scores by name, error, seconds) of one task in a batch."""
 
 
 def _joined(parts: list[Samples]) -> Samples:
@@ -632,7 +644,8 @@ def _score_batch(fn: Any, name: str, items: list[tuple[Samples, list[str]]]) -> 
     out: list[_Outcome] = []
     offset = 0
     for array, _ in items:
-        out.append((scores[offset : offset + len(array)], None, seconds))
+        part = {key: values[offset : offset + len(array)] for key, values in scores.items()}
+        out.append((part, None, seconds))
         offset += len(array)
     return out
 
@@ -685,7 +698,8 @@ class _Job:
     attempts: int = 0
     running: bool = False
     done: bool = False
-    scores: list[float] | None = None
+    scores: dict[str, list[float]] | None = None
+    """Each sample's score by name (the reward's own, or the keys of a reward's mapping)."""
     error: str | None = None
     seconds: float = 0.0
 
@@ -844,7 +858,7 @@ class RewardService:
             if job.error is not None:
                 raise _bad(f"scoring failed: {job.error}")
             return {
-                "scores": {reward: job.scores},
+                "scores": job.scores,
                 "input_info": task.input_info,
                 "duration": job.seconds,
                 "type": reward,
@@ -1008,7 +1022,11 @@ class RewardService:
             slot.inbox.put((slot.batch_id, first.reward, items))
 
     def _finish(
-        self, job: _Job, scores: list[float] | None, error: str | None, seconds: float
+        self,
+        job: _Job,
+        scores: dict[str, list[float]] | None,
+        error: str | None,
+        seconds: float,
     ) -> None:
         job.scores, job.error, job.seconds = scores, error, seconds
         job.running, job.done = False, True
