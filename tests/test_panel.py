@@ -255,6 +255,17 @@ def test_panel_shows_replicas_and_plots_update_in_chromium(job: _Job) -> None:
             expect(page.locator(".card", has=val_reward).locator(".value")).to_have_text("0.4")
             expect(reward).to_have_attribute("data-points", "4")
 
+            # A video model's grid of step 4: the page plays its animated GIF.
+            samples = job.scheduler.run_dir / "samples"
+            samples.mkdir(exist_ok=True)
+            frames = [Image.new("RGB", (16, 8), (200 * t, 40, 40)) for t in range(2)]
+            frames[0].save(samples / "step_4.png")
+            frames[0].save(samples / "step_4.gif", save_all=True, append_images=frames[1:])
+            grid = page.locator("#samples")
+            expect(grid).to_have_attribute("src", "/api/panel/samples?step=4&animated=true")
+            expect(page.locator("#samples-title")).to_have_text("Samples (step 4)")
+            page.wait_for_function("document.getElementById('samples').naturalWidth === 16")
+
             ARTIFACT.parent.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACT), full_page=True)
             assert ARTIFACT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -372,7 +383,8 @@ def test_replica_states_follow_heartbeat_age() -> None:
 def test_panel_serves_a_world_models_sample_grids(job: _Job) -> None:
     """A world-model run's grids (`<run>/samples/step_<N>.png`): `/api/panel` names the latest
     step with one, `/api/panel/samples?step=N` serves it to the signed-in browser (the page
-    shows it), and nothing else: no other step, no path, no stranger."""
+    shows it; a video model's animated grid with `animated=true`), and nothing else: no other
+    step, no path, no stranger."""
     samples = job.scheduler.run_dir / "samples"
     samples.mkdir()
     grids = {}
@@ -383,10 +395,19 @@ def test_panel_serves_a_world_models_sample_grids(job: _Job) -> None:
         (samples / f"step_{step}.png").write_bytes(grids[step])
     cookie = {"Cookie": f"{cookie_name('panel-job')}={session_value(TOKEN)}"}
     with httpx.Client(base_url=job.url, timeout=10.0) as client:
-        assert client.get("/api/panel", headers=cookie).json()["samples_step"] == 4
+        answer = client.get("/api/panel", headers=cookie).json()
+        assert answer["samples_step"] == 4 and answer["samples_animated"] is False
         reply = client.get("/api/panel/samples?step=4", headers=cookie)
         assert reply.status_code == 200 and reply.headers["content-type"] == "image/png"
         assert reply.content == grids[4]
+        assert (
+            client.get("/api/panel/samples?step=4&animated=true", headers=cookie).status_code == 404
+        )
+        (samples / "step_4.gif").write_bytes(b"GIF89a-frames")  # (a video model's, beside it)
+        assert client.get("/api/panel", headers=cookie).json()["samples_animated"] is True
+        reply = client.get("/api/panel/samples?step=4&animated=true", headers=cookie)
+        assert reply.status_code == 200 and reply.headers["content-type"] == "image/gif"
+        assert reply.content == b"GIF89a-frames"
         assert client.get("/api/panel/samples?step=3", headers=cookie).status_code == 404
         for query in ("step=-1", "step=../token", "step="):
             assert client.get(f"/api/panel/samples?{query}", headers=cookie).status_code == 422

@@ -63,7 +63,8 @@ PAGE_PATH = "/panel"
 DATA_PATH = "/api/panel"
 """What the page polls."""
 SAMPLES_PATH = "/api/panel/samples"
-"""A world-model run's sample grid of a step (`<run>/samples/step_<N>.png`, PNG)."""
+"""A world-model run's sample grid of a step (`<run>/samples/step_<N>.png`, PNG; with
+`animated=true` a video model's animated grid, `step_<N>.gif`)."""
 COOKIE_PATHS = frozenset({PAGE_PATH, DATA_PATH, SAMPLES_PATH})
 """Paths where the session cookie stands in for the bearer token (GET only)."""
 
@@ -259,6 +260,12 @@ def add_panel_routes(
         `since` (the `cursor` of a previous answer; 0: all of them)."""
         response.headers["Cache-Control"] = "no-store"
         records, cursor = metrics.read(since)
+        latest = latest_samples()
+        animated = (
+            latest is not None
+            and samples is not None
+            and (samples / f"step_{latest}.gif").is_file()
+        )  # (a video model's grid plays)
         return {
             "job": state.job,
             "step": state.step(),
@@ -272,15 +279,17 @@ def add_panel_routes(
             ),
             "metrics": records,
             "cursor": cursor,
-            "samples_step": latest_samples(),
+            "samples_step": latest,
+            "samples_animated": animated,
         }
 
     @app.get(SAMPLES_PATH)
-    def panel_samples(step: int = Query(ge=0, le=1 << 53)) -> Response:
-        """The sample grid of `step` (PNG); 404 when that step has none."""
-        path = None if samples is None else samples / f"step_{step}.png"
+    def panel_samples(step: int = Query(ge=0, le=1 << 53), animated: bool = False) -> Response:
+        """The sample grid of `step` (PNG; `animated`: a video model's animated GIF of it);
+        404 when that step has none."""
+        suffix, media = (".gif", "image/gif") if animated else (".png", "image/png")
+        path = None if samples is None else samples / f"step_{step}{suffix}"
         if path is None or not path.is_file():
-            raise HTTPException(status_code=404, detail=f"no sample grid of step {step}")
-        return Response(
-            path.read_bytes(), media_type="image/png", headers={"Cache-Control": "no-store"}
-        )
+            what = "animated sample grid" if animated else "sample grid"
+            raise HTTPException(status_code=404, detail=f"no {what} of step {step}")
+        return Response(path.read_bytes(), media_type=media, headers={"Cache-Control": "no-store"})
