@@ -409,7 +409,8 @@ def test_colocated_runs_sample_and_train_on_the_policy_ranks(tmp_path, trainer, 
     """`mode = "colocated"` with `dp_shard_size = 2`: `nebula-rl train` starts two ranks that
     sample (RL), score and train the FSDP2-sharded model in turns; the run records every step
     once, draws its sample grid on both ranks, and exports the whole model (SFT splits its
-    batches over the same ranks). With `cp_size = 2` instead, the two ranks sample the same
+    batches over the same ranks; FlowGRPO there picks its trained steps with `train_on`, starts
+    each group from one noise and resets its sharded KL reference). With `cp_size = 2` instead, the two ranks sample the same
     groups, each running one of a clip's two frames (the built-in DiT and a diffusers
     Cosmos-Predict2.5 transformer)."""
     import json
@@ -422,6 +423,13 @@ def test_colocated_runs_sample_and_train_on_the_policy_ranks(tmp_path, trainer, 
         changes["policy.parallelism"] = {"dp_shard_size": 1, "cp_size": cp}
     if trainer == "diffusers_sft":
         changes |= COLOCATED_SFT
+    if trainer == "flow_grpo" and cp == 1:  # (cosmos-rl's --wfm-mode options, on shards)
+        changes |= {
+            "train.train_policy.kl_beta": 0.1,
+            "train.train_policy.reference_reset_interval": 2,
+            "policy.diffusers.train_on": [0, -1],
+            "policy.diffusers.sample.same_group_noise": True,
+        }
     result = _train_cli(_job(tmp_path, **changes))
     run_dir = tmp_path / "runs" / "colocated"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
