@@ -667,3 +667,46 @@ def test_gloo_address_is_the_one_that_reaches_the_rendezvous(monkeypatch):
     assert address is None or not address.startswith("127.")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
     assert gloo_address(remote) is None
+
+
+def test_a_member_that_gives_up_joining_takes_its_peers_with_it(redis_url):
+    """Joining a weight group is settled once for all members: a member that gives up (its
+    generation was replaced) after it announced itself makes a peer that arrives later give
+    up too, at once, instead of building the group without it until the timeout (the stall
+    behind docs/world-models.md's known weakness: a second rollout replica joining while the
+    first generation was being built)."""
+    from nebula_rl.weights.group import GroupCancelled
+
+    redis = connect(redis_url)
+    rdzv = Rendezvous("", 0, "joining-given-up", 2, redis=redis)
+    with pytest.raises(GroupCancelled, match="a newer generation replaced it"):
+        build_group(rdzv, rank=1, timeout=timedelta(seconds=30), cancelled=lambda: True)
+    start = time.monotonic()
+    with pytest.raises(GroupCancelled, match="a peer gave up joining it"):
+        build_group(rdzv, rank=0, timeout=timedelta(seconds=30), cancelled=lambda: False)
+    assert time.monotonic() - start < 5
+
+
+def test_a_member_that_would_give_up_after_all_joined_builds_the_group(redis_url):
+    """Once every member announced itself and one saw it, the group goes ahead: a member whose
+    generation is replaced only then still builds it with its peers (it leaves afterwards), so
+    none waits for it in the backend's setup."""
+    import threading
+
+    redis = connect(redis_url)
+    rdzv = Rendezvous("", 0, "joining-decided", 2, redis=redis)
+    late = time.monotonic() + 0.2  # (rank 1 first asks at 0.5 s: after rank 0 saw both)
+    built: dict[int, object] = {}
+
+    def join(rank: int, cancelled) -> None:
+        group = build_group(rdzv, rank=rank, timeout=timedelta(seconds=30), cancelled=cancelled)
+        data = torch.tensor([7.0 if rank == 0 else 0.0])
+        group.pg.broadcast(data, 0).wait()
+        built[rank] = float(data)
+        leave_group(group)
+
+    waiter = threading.Thread(target=join, args=(1, lambda: time.monotonic() > late))
+    waiter.start()
+    join(0, lambda: False)
+    waiter.join(timeout=30)
+    assert built == {0: 7.0, 1: 7.0}

@@ -332,7 +332,10 @@ def _join(
     """Every rank announces itself and waits for all others, so a missing one can be named.
 
     With `cancelled`, the wait polls the store and is abandoned (`GroupCancelled`) once
-    `cancelled()` is true (asked twice a second).
+    `cancelled()` is true (asked twice a second). Whether the group goes ahead is then decided
+    once for all ranks (:func:`_decide`): a rank that gives up after its peers saw every rank
+    announced (its own key stays in the store) must not leave them building the backend
+    without it until the timeout.
     """
     keys = [f"joined/{r}" for r in range(rdzv.world_size)]
     store.set(keys[rank], "1")
@@ -346,14 +349,24 @@ def _join(
         while not store.check(keys):
             now = time.monotonic()
             if now >= deadline:
+                if _decide(store, _TIMED_OUT) == _GO:
+                    return  # (every rank had joined just now: the group goes ahead)
                 raise DistStoreError("timed out")
             if now >= next_ask:
                 next_ask = now + 0.5
-                if cancelled():
+                if cancelled() and _decide(store, _CANCELLED) != _GO:
                     raise GroupCancelled(
                         f"group {rdzv.name!r}: a newer generation replaced it while joining"
                     )
             time.sleep(_CANCEL_POLL_S)
+        outcome = _decide(store, _GO)
+        if outcome == _TIMED_OUT:
+            raise TimeoutError(
+                f"group {rdzv.name!r} at {rdzv.where}: a peer's wait for the "
+                f"{rdzv.world_size} ranks to join ended at its timeout first"
+            )
+        if outcome != _GO:
+            raise GroupCancelled(f"group {rdzv.name!r}: a peer gave up joining it")
     except DistStoreError as err:  # the wait timed out
         try:
             missing = str([r for r, k in enumerate(keys) if not store.check([k])])
@@ -363,6 +376,17 @@ def _join(
             f"group {rdzv.name!r} at {rdzv.where}: rank(s) {missing} of "
             f"{rdzv.world_size} did not join within {timeout.total_seconds():g}s"
         ) from err
+
+
+_OUTCOME = "joined/outcome"
+_GO, _CANCELLED, _TIMED_OUT = "go", "cancelled", "timed out"
+
+
+def _decide(store: Store, proposal: str) -> str:
+    """Settle whether the group being joined goes ahead, the same for every rank: the first
+    proposal stored wins (`_GO` from a rank that saw every rank announced, else a rank's giving
+    up); returns the outcome."""
+    return bytes(store.compare_set(_OUTCOME, "", proposal)).decode()
 
 
 def gloo_address(rdzv: Rendezvous) -> str | None:
