@@ -11,8 +11,8 @@ s) generation 2 = [policy-0, rollout-0, rollout-1], and answers regroup requests
 controller does. It measures the time from generation 2 to both receivers holding a push of
 generation >= 2. A trial past 4 s gets every process's thread stacks dumped (faulthandler on
 SIGUSR1) into the work folder's logs. The summary line counts the trials that waited about the
-collective timeout (`--timeout`): 15 of 40 before joins were settled once for all members, 0
-of 40 after (2 CPU cores, 2026-11-28).
+collective timeout (`--timeout`). See BENCHMARKS.md: 5 of 20 before joins were settled once for
+all members, 0 of 20 after (2 CPU cores, 2026-11-28).
 """
 
 from __future__ import annotations
@@ -227,6 +227,7 @@ def main() -> None:
         f"the others: median {median} s, max {max(times, default=float('nan'))} s; "
         f"regroups {sum(r['regroups'] for r in results)} (logs in {LOGS})"
     )
+    print(f"SUMMARY weight_group_join_stalls {len(stalled)}/{len(results)} goal 0")
 
 
 if __name__ == "__main__":
