@@ -9,10 +9,10 @@ g`, `model.rl.train_on` -> `policy.diffusers.train_on`, `model.rl.update_ref_eve
 honour it (cosmos-rl's own Cosmos-Predict2.5 network, VAE and `.pt` checkpoints; its training
 callbacks). Its rewards (`model.rl.reward_config`: by default the reward service's
 `dance_grpo` scores, taking `overall_reward`) become `use_remote_reward` with that
-`score_key`. So such a config never runs as it is: loading it names every key that
-differs, and :func:`translate_wfm` gives the nebula-rl config the rest of its keys describe
-(its model from a `[policy]` table: `model_name_or_path`, a diffusers folder or Hub id), a start
-for the port.
+`score_key`. So cosmos-rl's shipped configs (their own network) do not run as they are:
+loading one names every key that differs, and :func:`translate_wfm` gives the nebula-rl config
+the rest of its keys describe, a start for the port. One whose model is a `[policy]` table
+(`model_name_or_path`: a diffusers folder or Hub id) and whose other keys all translate runs.
 """
 
 from __future__ import annotations
@@ -85,6 +85,8 @@ def _rewards(config: dict[str, Any], out: dict[str, Any], refuse: Any) -> None:
             )  # fmt: skip
     for key, value in config.items():
         refuse(f"model.rl.reward_config.{key}", value, "not read by nebula-rl")
+    for key in remote.keys() - _REMOTE.keys():
+        refuse(f"model.rl.reward_config.remote_reward.{key}", remote[key], "not read by nebula-rl")
     if not remote["enabled"]:
         refuse(
             "model.rl.reward_config.remote_reward.enabled", False,
@@ -107,8 +109,6 @@ def _rewards(config: dict[str, Any], out: dict[str, Any], refuse: Any) -> None:
             "reward_clip_max": max(low * scale, high * scale),
         },
     )
-    for key in remote.keys() - _REMOTE.keys():
-        refuse(f"model.rl.reward_config.remote_reward.{key}", remote[key], "not read by nebula-rl")
 
 
 def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
