@@ -2098,6 +2098,8 @@ def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
             f"train.train_policy.trainer_type = {json.dumps(p.trainer_type)}: world-model RL "
             f"trains with {', '.join(map(json.dumps, FLOW_RL_TRAINERS))}"
         )
+    if cfg.policy.lora is not None:
+        out += _primary_adapter_refusals(cfg.policy.lora)
     if isinstance(p, GrpoConfig):
         if (p.trainer_type == "ddrl") != (p.data_beta > 0):
             out.append(
@@ -2258,6 +2260,17 @@ _LORA_INITS = ("gaussian", "olora", "pissa")
 """`policy.lora.init_lora_weights` strings a language model's LoRA takes (and `pissa_niter_N`)."""
 
 
+def _primary_adapter_refusals(lora: LoraConfig) -> list[str]:
+    """`policy.lora.primary_adapter` names the adapter that trains (language and world models
+    alike), or nothing."""
+    if lora.primary_adapter is None or lora.primary_adapter == lora.lora_names[0]:
+        return []
+    return [
+        f"policy.lora.primary_adapter = {json.dumps(lora.primary_adapter)}: must name the adapter "
+        f"that trains, the first of policy.lora.lora_names ({json.dumps(lora.lora_names[0])})"
+    ]
+
+
 def _lora_refusals(cfg: Config) -> list[str]:
     """What a language model's LoRA (`policy.lora`, see `nebula_rl.policy.lora`) cannot do."""
     lora, par, out = cfg.policy.lora, cfg.policy.parallelism, []
@@ -2267,11 +2280,7 @@ def _lora_refusals(cfg: Config) -> list[str]:
             f"policy.lora.lora_names = {_format_value(lora.lora_names)}: a policy trains one "
             "adapter; several adapters in one model are not supported"
         )
-    if lora.primary_adapter is not None and lora.primary_adapter != lora.lora_names[0]:
-        out.append(
-            f"policy.lora.primary_adapter = {json.dumps(lora.primary_adapter)}: must name the one "
-            f"adapter of policy.lora.lora_names ({json.dumps(lora.lora_names[0])})"
-        )
+    out += _primary_adapter_refusals(lora)
     init = lora.init_lora_weights
     if isinstance(init, str) and not (
         init in _LORA_INITS or re.fullmatch(r"pissa_niter_\d+", init)

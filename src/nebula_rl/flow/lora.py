@@ -20,7 +20,6 @@ old policy, which nebula-rl keeps as a copy of the whole model instead: accepted
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +71,6 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, trainer_type: str) -> nn.M
         raise ValueError(
             f"{KEY}.lora_names = {names}: a world model trains one adapter (DiffusionNFT's "
             '["default", "old"] is accepted: its old policy is a copy of the whole model)'
-        )
-    if lora.primary_adapter is not None and lora.primary_adapter != names[0]:
-        raise ValueError(
-            f"{KEY}.primary_adapter = {json.dumps(lora.primary_adapter)}: must name the adapter "
-            f"that trains, the first of {KEY}.lora_names ({json.dumps(names[0])})"
         )
     config = _peft_config(lora)
     try:
