@@ -22,6 +22,7 @@ import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -154,16 +155,15 @@ def write_gif(path: Path, pixels: Tensor) -> None:
     for one frame). Written whole or not at all. GIF stores 256 colours per frame, so the
     colours are approximate (the PNG grid beside it is exact)."""
     frames = [frame_grid(pixels[:, :, :, t : t + 1]) for t in range(pixels.shape[3])]
-    partial = path.with_name(f".{path.name}.partial")
-    frames[0].save(
-        partial,
+    _save_whole(
+        frames[0],
+        path,
         format="GIF",
         save_all=True,
         append_images=frames[1:],
         duration=round(1000 / VIDEO_FPS),
         loop=0,
     )
-    partial.rename(path)
 
 
 def save_samples(pixels: Tensor, path: Path) -> Path:
@@ -173,10 +173,16 @@ def save_samples(pixels: Tensor, path: Path) -> Path:
     path.parent.mkdir(exist_ok=True)
     if pixels.shape[3] > 1:  # (first: whoever sees the PNG finds the GIF there too)
         write_gif(path.with_suffix(".gif"), pixels)
-    partial = path.with_name(f".{path.name}.partial")
-    frame_grid(pixels).save(partial, format="PNG")
-    partial.rename(path)
+    _save_whole(frame_grid(pixels), path, format="PNG")
     return path
+
+
+def _save_whole(image: Image.Image, path: Path, **options: Any) -> None:
+    """`image.save(path, **options)`, written beside it first and renamed, so `path` is whole
+    or absent."""
+    partial = path.with_name(f".{path.name}.partial")
+    image.save(partial, **options)
+    partial.rename(path)
 
 
 def write_mp4(path: Path, video: np.ndarray) -> None:
