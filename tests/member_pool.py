@@ -3,9 +3,11 @@
 Spawning (and importing torch) is paid once per test module; each scenario sends every member a
 module-level function (so 'spawn' can import it by name) and its arguments, and collects what
 each returns on a queue. Members leave with `os._exit`: gloo may abort in its destructors at
-interpreter exit.
+interpreter exit. A member that dies (a signal, a native abort) fails the scenario at once, naming
+its exit code; its Python stacks at the crash are in the test's captured stderr (faulthandler).
 """
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -19,6 +21,7 @@ import torch
 
 def _member(rank, inbox, out):
     """A member process: run each (body, args) it is sent as body(rank, *args), report."""
+    faulthandler.enable()
     torch.set_num_threads(1)
     while (task := inbox.get()) is not None:
         body, args = task
@@ -49,19 +52,24 @@ class MemberPool:
         self, members: Iterable[int], body: Callable, *args, timeout_s: float = 120.0
     ) -> dict:
         """body(member, *args) on each of `members`; member -> result. Fails the test with every
-        member's error (the first to fail is often not the first to report) or on timeout."""
+        member's error (the first to fail is often not the first to report), on a member's death,
+        or on timeout."""
         members = list(members)
         for member in members:
             self.inboxes[member].put((body, args))
         reports, errors = {}, {}
         deadline = time.monotonic() + timeout_s
-        while len(reports) + len(errors) < len(members):
+        while len(reports) + len(errors) < len(members) and time.monotonic() < deadline:
             try:
                 member, status, payload = self.out.get(
-                    timeout=max(deadline - time.monotonic(), 0.1)
+                    timeout=min(max(deadline - time.monotonic(), 0.1), 1.0)
                 )
             except queue.Empty:
-                break
+                for member in members:
+                    code = self.procs[member].exitcode
+                    if code is not None and member not in reports and member not in errors:
+                        errors[member] = f"the member process died (exit code {code})"
+                continue
             (errors if status == "error" else reports)[member] = payload
         if errors:
             pytest.fail("\n".join(f"member {m} failed:\n{e}" for m, e in sorted(errors.items())))
