@@ -204,9 +204,14 @@ def test_teacher_scores_are_its_log_softmax_at_the_completion_tokens(top_k):
 
 @pytest.mark.parametrize("top_k", [0, 3])
 def test_policy_step_trains_on_the_teacher_divergence(top_k):
-    """A student that is its own teacher has divergence 0 and takes no step (no task reward);
+    """A student that is its own teacher has divergence 0 and so no gradient (no task reward);
     with another teacher, the step's `distill_kl` is the mean divergence computed directly,
-    and with top_k 0 the updates lower it."""
+    and with top_k 0 the updates lower it.
+
+    (The teacher's forward passes batch the rows otherwise than the policy's, so on some CPUs
+    its log-probs differ from the student's in the last bits; AdamW turns a gradient of that
+    noise into steps of the learning rate's size. So the self-teacher's gradient is compared
+    with another teacher's, not the weights before and after.)"""
     cfg = _cfg({"top_k": top_k}, use_rollout_logprobs_for_loss=False)
     tokenizer = load_tokenizer("tiny:qwen2")
     student = load_model("tiny:qwen2", seed=5)
@@ -215,12 +220,9 @@ def test_policy_step_trains_on_the_teacher_divergence(top_k):
     same = Teacher(cfg, device="cpu")
     same.model.load_state_dict(student.state_dict())
     trainer = PolicyTrainer(student, cfg, total_steps=4, pad_id=tokenizer.pad_token_id)
-    before = {k: v.clone() for k, v in student.state_dict().items()}
     metrics = trainer.grpo_step(same.score(groups))
     assert metrics["distill_kl"] == pytest.approx(0.0, abs=1e-5)
     assert metrics["grad_norm"] == pytest.approx(0.0, abs=1e-5)
-    for k, v in student.state_dict().items():
-        torch.testing.assert_close(v, before[k])
 
     other = Teacher(cfg, device="cpu")  # seed 0: another random model
     scored = other.score(groups)
@@ -240,6 +242,8 @@ def test_policy_step_trains_on_the_teacher_divergence(top_k):
     first = trainer.grpo_step(scored)
     assert first["distill_kl"] == pytest.approx(sum(d) / len(d), rel=1e-3, abs=1e-6)
     assert abs(first["distill_kl"]) > 1e-4
+    # the self-teacher's gradient is float noise beside a real divergence's
+    assert metrics["grad_norm"] < 1e-4 * first["grad_norm"], (metrics, first)
     if top_k == 0:
         # At ratio 1 the loss is the mean log-ratio itself: the update lowers it on these tokens
         # (the top-k JSD is a reward for the sampled token, not a loss the step descends).
