@@ -214,10 +214,11 @@ def test_soft_update_of_the_old_weights():
     assert nft_old_decay(10_000) == 0.5
 
 
-def test_tiny_dit_learns_a_flow_and_guidance_detaches_the_unconditional_branch():
+def test_tiny_dit_learns_a_flow_and_guidance_trains_through_both_branches():
     """A fresh TinyDiT predicts zero; a few steps of flow matching on two text-conditioned
-    images lower the loss; with guidance, gradients reach the model only through the
-    conditional branch (the unconditional one is detached), and a row without text is finite."""
+    images lower the loss; with guidance `v_u + g (v_c - v_u)`, gradients reach the model
+    through both branches (as in flow_grpo and cosmos-rl), or only through the conditional one
+    with `detach_unconditional`; a row without text is finite."""
     torch.manual_seed(0)
     model = TinyDiT(TinyDiTConfig(frames=1, size=8, patch=4, width=32, depth=2, heads=2))
     x0 = torch.stack([torch.full((3, 1, 8, 8), 0.8), torch.full((3, 1, 8, 8), -0.8)])
@@ -242,20 +243,28 @@ def test_tiny_dit_learns_a_flow_and_guidance_detaches_the_unconditional_branch()
         optimizer.step()
     with torch.no_grad():
         assert loss_at(*held_out).item() < 0.5 * before  # measured: 1.64 -> 0.65
-    model.zero_grad()
     x, sigma = torch.randn_like(x0), torch.rand(2)
-    guided = guided_velocity(model, x, sigma, text, mask, guidance_scale=3.0)
-    conditional = model(x, sigma, text, mask)
-    unconditional = model(x, sigma, torch.zeros_like(text), torch.zeros_like(mask))
-    assert torch.isfinite(unconditional).all()
-    torch.testing.assert_close(guided, unconditional + 3.0 * (conditional - unconditional))
-    guided.sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    (3.0 * model(x, sigma, text, mask)).sum().backward()
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(grads[name], p.grad, rtol=1e-3, atol=1e-4)
+    null_text, null_mask = torch.zeros_like(text), torch.zeros_like(mask)
+    for detach in (False, True):
+        model.zero_grad()
+        guided = guided_velocity(
+            model, x, sigma, text, mask, guidance_scale=3.0, detach_unconditional=detach
+        )
+        conditional = model(x, sigma, text, mask)
+        unconditional = model(x, sigma, null_text, null_mask)
+        assert torch.isfinite(unconditional).all()
+        torch.testing.assert_close(guided, unconditional + 3.0 * (conditional - unconditional))
+        guided.sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        # the gradient of g v_c, plus (1 - g) v_u's unless that branch is detached
+        expected = 3.0 * model(x, sigma, text, mask)
+        if not detach:
+            expected = expected - 2.0 * model(x, sigma, null_text, null_mask)
+        expected.sum().backward()
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                torch.testing.assert_close(grads[name], p.grad, rtol=1e-3, atol=1e-4)
 
 
 def test_dpm2_solves_the_ode_to_second_order():

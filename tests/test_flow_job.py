@@ -86,8 +86,12 @@ def test_the_shipped_world_model_configs_load(path, tmp_path):
             r"deterministic_sampling = true: world-model FlowGRPO and DDRL need",
         ),
         (
-            {"train": {"train_policy": {"trainer_type": "diffusion_nft"}}},
-            r"weight_copy_decay_type = 0: world-model DiffusionNFT",
+            {"rollout": {"n_generation": 1}},
+            r"rollout\.n_generation = 1: world-model RL's advantages are group-relative",
+        ),
+        (
+            {"policy": {"diffusers": {"weight_copy_decay_type": 3}}},
+            r"weight_copy_decay_type",
         ),
         (
             {"train": {"train_policy": {"trainer_type": "grpo"}}},

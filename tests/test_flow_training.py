@@ -7,6 +7,7 @@ import copy
 import dataclasses
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -309,3 +310,151 @@ def test_a_resumed_run_keeps_the_reset_kl_reference(tmp_path):
     want, got = _exported(tmp_path, through, first), _exported(tmp_path, resumed, second)
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_group_advantages_never_nan_and_take_either_std():
+    """A group of one sample has advantage 0, not NaN (its own mean; today's n - 1 std of one
+    reward was NaN, and one such update turned every weight NaN). The std is over n - 1
+    (cosmos-rl's torch std) or, with `population_std`, over n (flow_grpo's numpy std)."""
+    import numpy as np
+
+    from nebula_rl.algorithms.flow import group_advantages
+    from nebula_rl.flow.local import flow_advantages, pooled_std
+
+    lone = flow_advantages(torch.tensor([0.3, 0.9, -0.2]), 1, FlowRLSettings())
+    assert torch.equal(lone, torch.zeros(3))
+    assert torch.equal(
+        flow_advantages(torch.tensor([0.4]), 1, FlowRLSettings(global_std=True)), torch.zeros(1)
+    )
+    rewards = torch.tensor([0.1, 0.5, 0.2, 0.9, -1.0, 0.3, 0.3, 0.8])
+    groups = rewards.view(2, 4).numpy().astype(np.float64)
+    for population in (False, True):
+        got = group_advantages(rewards, 4, population_std=population)
+        std = groups.std(axis=1, ddof=0 if population else 1, keepdims=True)
+        want = (groups - groups.mean(axis=1, keepdims=True)) / (std + 1e-4)
+        np.testing.assert_allclose(got.numpy(), want.flatten(), rtol=1e-5)
+        batch = group_advantages(rewards, 4, global_std=True, population_std=population)
+        whole = float(rewards.double().std(correction=0 if population else 1))
+        assert pooled_std(
+            float(rewards.sum()), float(rewards.square().sum()), 8, population=population
+        ) == pytest.approx(whole, rel=1e-6)
+        want = (groups - groups.mean(axis=1, keepdims=True)) / (whole + 1e-4)
+        np.testing.assert_allclose(batch.numpy(), want.flatten(), rtol=1e-5)
+
+
+def test_a_wfm_mode_config_trains_on_cosmos_rls_objective(tmp_path):
+    """A cosmos-rl `--wfm-mode` config, translated: one FlowGRPO step's loss is the one
+    cosmos-rl's `wfm_trainer.rl_training_step` computes on the same rollout, from its formulas:
+    advantages `(r - mean) / (std + 1e-4)` per prompt's group (torch's n - 1 std), clamped to
+    +-5; ratio `exp(mean(-(x' - mu)^2 + (x' - mu_old)^2))`, no 1 / (2 sigma^2); the clipped
+    policy term; plus `kl_beta mean((mu_ref - mu)^2)`. The policy trains from other weights than
+    the rollout's (so the ratio is not 1) and the reference is a third model. With flow_grpo's
+    Gaussian forms (nebula-rl's defaults) the same step's loss differs."""
+    from nebula_rl.flow.job import flow_settings
+    from nebula_rl.flow.local import FlowBatch, _velocity, flow_advantages, roll_out, train_on_batch
+    from nebula_rl.flow.sampler import sde_step
+    from nebula_rl.wfm_schema import translate_wfm
+
+    wfm = {
+        "model": {
+            "rl": {
+                "sample_steps": 4, "num_rollout": 4, "train_on": [1], "kl_beta": 0.3,
+                "clip_ratio": 0.2, "max_num_conditional_frames": 0, "use_same_seed": False,
+                "update_ref_every_iter": 0,
+            },
+        },
+        "policy": {"model_name_or_path": "tiny:dit"},
+        "trainer": {"max_iter": 1},
+    }  # fmt: skip
+    _, problems = translate_wfm(wfm)
+    assert problems == []
+    cfg = config_from_dict(wfm, source="wfm.toml")
+    s = flow_settings(cfg, num_iterations=1, prompts=2)
+    s = dataclasses.replace(s, num_minibatches=1)  # (cosmos-rl trains the batch in one update)
+    assert (s.ratio_form, s.kl_form, s.global_std) == ("squared_error", "squared_error", False)
+
+    rollout_model, clips = _toy_rl(tmp_path)
+    policy, reference = copy.deepcopy(rollout_model), copy.deepcopy(rollout_model)
+    with torch.no_grad():  # (other weights than the rollout's, and a third reference)
+        for k, (p, r) in enumerate(zip(policy.parameters(), reference.parameters(), strict=True)):
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(k)))
+            r.add_(0.02 * torch.randn(r.shape, generator=torch.Generator().manual_seed(99 + k)))
+    real = [clips[0]] * 4 + [clips[1]] * 4
+    _, text, mask, trajectory = roll_out(rollout_model, real, s, torch.Generator().manual_seed(1))
+    rewards = torch.tensor([0.1, 0.5, 0.2, 0.9, -1.0, 0.3, 0.3, 0.8])
+    advantages = flow_advantages(rewards, s.group_size, s)
+    groups = rewards.view(2, 4)
+    cosmos_advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True)
+        + 1e-4)).clamp(-5, 5).flatten()  # fmt: skip
+    torch.testing.assert_close(advantages, cosmos_advantages)
+
+    j = 1  # (train_on)
+    x, after = trajectory.latents[:, j], trajectory.latents[:, j + 1]
+    sigma = torch.full((8,), float(trajectory.sigmas[j]))
+
+    def mean_of(model: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            v = _velocity(model, text, mask, s, given=None)(x, sigma)
+            return sde_step(x, v, trajectory.sigmas, j, noise_level=s.noise_level).mean
+
+    mu, mu_old, mu_ref = mean_of(policy), mean_of(rollout_model), mean_of(reference)
+    ratio = torch.exp((-((after - mu) ** 2) + (after - mu_old) ** 2).mean(dim=[1, 2, 3, 4]))
+    assert float((ratio - 1).abs().max()) > 1e-6  # (not on-policy: the ratio matters)
+    unclipped = -cosmos_advantages * ratio
+    clipped = -torch.clamp(ratio, 1 - 0.2, 1 + 0.2) * cosmos_advantages
+    expected = torch.maximum(unclipped, clipped).mean() + 0.3 * ((mu_ref - mu) ** 2).mean()
+
+    batch = FlowBatch([c.caption for c in real], None, text, mask, trajectory, advantages)
+    losses = {}
+    for forms in (("squared_error", "squared_error"), ("gaussian", "gaussian")):
+        trained = copy.deepcopy(policy)
+        settings = dataclasses.replace(s, ratio_form=forms[0], kl_form=forms[1])
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-3)
+        [loss], _ = train_on_batch(
+            trained, optimizer, batch, settings, torch.Generator().manual_seed(2), iteration=1,
+            reference=reference,
+        )  # fmt: skip
+        losses[forms[0]] = loss
+    # (float32 forward passes on two code paths)
+    assert losses["squared_error"] == pytest.approx(float(expected), rel=1e-5, abs=1e-7)
+    assert abs(losses["gaussian"] - float(expected)) > 1e-3 * abs(float(expected))
+
+
+def test_nft_old_weights_follow_each_update_or_once_an_iteration(tmp_path):
+    """DiffusionNFT's old weights: cosmos-rl's three decay schedules (`weight_copy_decay_type`),
+    applied after each optimiser step (nebula-rl's default) or once an iteration after all of
+    them (`nft_old_update = "iteration"`, cosmos-rl's: old <- d old + (1 - d) final)."""
+    from nebula_rl.algorithms.flow import nft_old_decay
+    from nebula_rl.flow.local import FlowBatch, roll_out, train_on_batch
+
+    assert [nft_old_decay(s, 0) for s in (0, 10, 1000)] == [0.0, 0.0, 0.0]
+    assert [nft_old_decay(s, 1) for s in (0, 10, 1000)] == pytest.approx([0.0, 0.01, 0.5])
+    assert [nft_old_decay(s, 2) for s in (10, 75, 85, 10**5)] == pytest.approx(
+        [0.0, 0.0, 0.075, 0.999]
+    )
+    with pytest.raises(ValueError, match="decay type 3"):
+        nft_old_decay(1, 3)
+
+    model, clips = _toy_rl(tmp_path)
+    real = [clips[0]] * 4
+    base = FlowRLSettings(algorithm="nft", sample_steps=4, group_size=4, num_minibatches=2)
+    _, text, mask, trajectory = roll_out(model, real, base, torch.Generator().manual_seed(0))
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    batch = FlowBatch([c.caption for c in real], None, text, mask, trajectory, advantages)
+    start = [p.detach().clone() for p in model.parameters()]
+    decay = nft_old_decay(100, 1)  # (0.1)
+    for when in ("iteration", "minibatch"):
+        trained, old = copy.deepcopy(model), copy.deepcopy(model).requires_grad_(False)
+        s = dataclasses.replace(base, nft_old_update=when)
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2)
+        train_on_batch(
+            trained, optimizer, batch, s, torch.Generator().manual_seed(1), iteration=100, old=old
+        )
+        once = [
+            decay * s0 + (1 - decay) * p.detach()
+            for s0, p in zip(start, trained.parameters(), strict=True)
+        ]
+        matches = all(
+            torch.allclose(o, w, atol=1e-7) for o, w in zip(old.parameters(), once, strict=True)
+        )
+        assert matches == (when == "iteration"), when

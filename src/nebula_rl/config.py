@@ -901,7 +901,11 @@ class SampleConfig(_Section):
     """Classifier-free guidance `v_u + g (v_c - v_u)` (1: none); for a Cosmos-Predict2.5
     transformer as its pipelines read it: `v_c + g (v_c - v_u)` when g > 1, else none."""
     global_std: bool = True
-    """Batch-wide reward std."""
+    """Batch-wide reward std (false: each group's, as cosmos-rl's `--wfm-mode` and flow_grpo's
+    per-prompt tracking do)."""
+    population_std: bool = False
+    """nebula-rl: the advantages' std over n (flow_grpo's and DiffusionNFT's numpy std) instead
+    of n - 1 (cosmos-rl's torch std, the default)."""
     noise_level: float = 1.0
     """SDE noise level."""
     deterministic_sampling: bool = False
@@ -991,8 +995,25 @@ class DiffusersConfig(_Section):
     `model.rl.train_on`)."""
     nft_beta: float = 1.0
     """DiffusionNFT beta."""
-    weight_copy_decay_type: int = 0
-    """Weight copy decay."""
+    weight_copy_decay_type: int = Field(default=0, ge=0, le=2)
+    """DiffusionNFT's old-weight decay schedule at training step s: 0 (always 0: the old weights
+    become the current ones), 1 (`min(0.001 s, 0.5)`), 2 (0 for 75 steps, then rising by
+    0.0075 a step to 0.999)."""
+    nft_old_update: Literal["iteration", "minibatch"] = "minibatch"
+    """nebula-rl: DiffusionNFT's old weights follow after each optimiser step (of
+    `train_batch_per_replica / mini_batch` a step), or once a training step, after all of them,
+    as cosmos-rl's trainer does ("iteration"; docs/world-models.md compares the two)."""
+    ratio_form: Literal["gaussian", "squared_error"] = "gaussian"
+    """nebula-rl: FlowGRPO's per-step log-ratio: the difference of the step Gaussians'
+    log-densities (flow_grpo), or cosmos-rl's `--wfm-mode` `mean(-(x' - mu)^2 + (x' - mu_old)^2)`
+    without the Gaussian's 1 / (2 scale^2) ("squared_error")."""
+    kl_form: Literal["gaussian", "squared_error"] = "gaussian"
+    """nebula-rl: the KL of `kl_beta`: flow_grpo's `mean((mu - mu_ref)^2) / (2 std_t^2)`, or
+    cosmos-rl's `--wfm-mode` `mean((mu - mu_ref)^2)` ("squared_error")."""
+    detach_unconditional: bool = False
+    """nebula-rl: train through classifier-free guidance's conditional branch only (the
+    unconditional one detached: a cheaper backward); false trains through both, as flow_grpo
+    and cosmos-rl do."""
     min_num_conditional_frames: int = Field(default=0, ge=0)
     """Fewest leading frames (of the model's samples: latent frames in latent space) given as
     conditioning, clean, to each rollout or SFT clip (cosmos-rl's
@@ -2025,7 +2046,8 @@ FLOW_KEYS = (
     "policy.diffusers.is_video", "policy.diffusers.inference_size",
     "policy.diffusers.inference_frames", "policy.diffusers.train_frames",
     "policy.diffusers.timesteps_fraction", "policy.diffusers.train_on",
-    "policy.diffusers.nft_beta",
+    "policy.diffusers.nft_beta", "policy.diffusers.nft_old_update", "policy.diffusers.ratio_form",
+    "policy.diffusers.kl_form", "policy.diffusers.detach_unconditional",
     "policy.diffusers.min_num_conditional_frames", "policy.diffusers.max_num_conditional_frames",
     "policy.diffusers.weight_copy_decay_type", "policy.diffusers.train_flow_shift",
     "policy.diffusers.weighting_scheme", "policy.diffusers.logit_mean",
@@ -2034,6 +2056,7 @@ FLOW_KEYS = (
     "policy.diffusers.sample.guidance_scale", "policy.diffusers.sample.global_std",
     "policy.diffusers.sample.noise_level", "policy.diffusers.sample.deterministic_sampling",
     "policy.diffusers.sample.solver", "policy.diffusers.sample.same_group_noise",
+    "policy.diffusers.sample.population_std",
     "policy.diffusers.tokenizer.compile_encode",
     "rollout.n_generation",
     # (the runtime's: replicas, the controller, the staleness bound, weight pushes)
@@ -2106,11 +2129,11 @@ def _flow_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
                 f"train.train_policy.data_beta = {p.data_beta}: world-model DDRL "
                 '(trainer_type = "ddrl"), and only DDRL, needs it > 0'
             )
-        if p.trainer_type == "diffusion_nft" and d.weight_copy_decay_type != 1:
+        if cfg.rollout.n_generation < 2 and p.trainer_type in FLOW_RL_TRAINERS:
             out.append(
-                f"policy.diffusers.weight_copy_decay_type = {d.weight_copy_decay_type}: "
-                "world-model DiffusionNFT's old weights follow type 1 (decay min(0.001 step, "
-                "0.5)) only"
+                f"rollout.n_generation = {cfg.rollout.n_generation}: world-model RL's "
+                "advantages are group-relative, and a group of one sample has advantage 0 (its "
+                "reward less its own mean), so nothing would train; sample at least 2 per prompt"
             )
         if p.trainer_type != "diffusion_nft" and d.sample.deterministic_sampling:
             out.append(

@@ -5,7 +5,9 @@ Each key either becomes the nebula-rl key that does the same (`model.rl.num_roll
 `rollout.n_generation`, `model.rl.guidance = g` -> `policy.diffusers.sample.guidance_scale =
 g`, `model.rl.train_on` -> `policy.diffusers.train_on`, `model.rl.update_ref_every_iter` ->
 `train.train_policy.reference_reset_interval`, `model.rl.use_same_seed` ->
-`policy.diffusers.sample.same_group_noise`, ...), or is named with the reason nebula-rl cannot
+`policy.diffusers.sample.same_group_noise`, `kl_beta` and `clip_ratio` with cosmos-rl's
+squared-error KL and log-ratio (`policy.diffusers.kl_form` / `ratio_form = "squared_error"`) and
+per-group advantages, ...), or is named with the reason nebula-rl cannot
 honour it (cosmos-rl's own Cosmos-Predict2.5 network, VAE and `.pt` checkpoints; its training
 callbacks). Its rewards (`model.rl.reward_config`: by default the reward service's
 `dance_grpo` scores, taking `overall_reward`) become `use_remote_reward` with that
@@ -134,6 +136,12 @@ def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     clip = float(rl.pop("clip_ratio", 1e-4))
     _set(out, "train.train_policy.epsilon_low", clip)
     _set(out, "train.train_policy.epsilon_high", clip)
+    # cosmos-rl's objective, so that kl_beta and clip_ratio weigh what they weigh there: its
+    # log-ratio and KL are squared errors without the Gaussian's 1 / (2 sigma^2), and its
+    # advantages are normalised within each prompt's group (torch's n - 1 std)
+    _set(out, "policy.diffusers.ratio_form", "squared_error")
+    _set(out, "policy.diffusers.kl_form", "squared_error")
+    _set(out, "policy.diffusers.sample.global_std", False)
     guidance = float(rl.pop("guidance", 0.0))  # (cosmos-rl's network: v_c + g (v_c - v_u))
     if 0.0 < guidance <= 1.0:
         refuse(

@@ -86,7 +86,7 @@ def run_colocated(
         )
         sum_over(stats, dp)
         total, squares, n = stats.tolist()
-        batch_std = pooled_std(total, squares, n)
+        batch_std = pooled_std(total, squares, n, population=s.population_std)
         advantages = flow_advantages(rewards, s.group_size, s, batch_std=batch_std).to(device)
         seeds = [
             sample_seed(s.seed, iteration, f"{(rank + ranks * i)}:{c.stem}", k)

@@ -14,7 +14,8 @@ the same step's sigma with the rollout's own start noise (cosmos-rl's `use_rl_si
 
 DiffusionNFT (`algorithm = "nft"`) keeps only the generated samples and their advantages: it
 noises them afresh at the rollout's noise levels and trains the implicit positive and negative
-policies around a copy of the "old" weights, soft-updated after each optimiser step.
+policies around a copy of the "old" weights, soft-updated after each optimiser step (or once an
+iteration, as cosmos-rl does: `nft_old_update`).
 
 :func:`pretrain` is the SFT warm start: plain flow matching on the dataset's clips.
 
@@ -43,6 +44,8 @@ from nebula_rl.algorithms.flow import (
     flow_grpo_kl,
     flow_grpo_loss,
     flow_matching_loss,
+    free_fraction,
+    group_advantages,
     nft_loss,
     nft_old_decay,
     soft_update,
@@ -114,8 +117,19 @@ class FlowRLSettings:
     """The ratio's clip above 1 (None: `clip_range`)."""
     kl_beta: float = 0.0
     """Weight of FlowGRPO's KL to the starting weights (a frozen copy); 0 for none."""
+    ratio_form: Literal["gaussian", "squared_error"] = "gaussian"
+    """The log-ratio of a step: the Gaussians' log-densities (flow_grpo), or cosmos-rl's
+    `--wfm-mode` squared errors without the Gaussian's 1 / (2 scale^2)."""
+    kl_form: Literal["gaussian", "squared_error"] = "gaussian"
+    """The KL: flow_grpo's mean squared difference of the means over 2 std_t^2, or cosmos-rl's
+    `--wfm-mode` mean squared difference."""
     global_std: bool = False
     """Normalise advantages by the std of the whole batch instead of each group's."""
+    population_std: bool = False
+    """That std over n (flow_grpo, DiffusionNFT) instead of n - 1 (cosmos-rl)."""
+    detach_unconditional: bool = False
+    """Train through the conditional branch of classifier-free guidance only (the unconditional
+    one detached); False trains through both, as flow_grpo and cosmos-rl do."""
     shift: float = 1.0
     """The sampler's sigma-schedule shift (SD3's; 1: uniform)."""
     lr: float = 1e-3
@@ -127,6 +141,12 @@ class FlowRLSettings:
     """DDRL's advantage map A -> -exp(-A)."""
     nft_beta: float = 1.0
     """DiffusionNFT's beta: how far the implicit policies lie from the old weights."""
+    nft_decay_type: int = 1
+    """DiffusionNFT's old-weight decay schedule (`weight_copy_decay_type`, see
+    `nebula_rl.algorithms.flow.nft_old_decay`)."""
+    nft_old_update: Literal["iteration", "minibatch"] = "minibatch"
+    """When the old weights follow: after each optimiser step, or once an iteration, after all
+    its optimiser steps (cosmos-rl's schedule)."""
     guidance_scale: float = 1.0
     solver: str = "euler"
     """Rollouts' ODE solver at noise level 0: "euler" or "dpm2" (DPM-Solver++(2M))."""
@@ -326,10 +346,11 @@ def data_distance(pixels: Tensor, prompts: Sequence[str], clips: list[Clip]) -> 
     return total / len(prompts)
 
 
-def pooled_std(total: float, squares: float, count: float) -> float:
-    """The (unbiased) std of `count` rewards from their sum and sum of squares: the batch-wide
-    std of rewards summed over processes."""
-    return max((squares - total * total / count) / max(count - 1, 1), 0.0) ** 0.5
+def pooled_std(total: float, squares: float, count: float, *, population: bool = False) -> float:
+    """The std of `count` rewards from their sum and sum of squares (over `count - 1`, or over
+    `count` with `population`): the batch-wide std of rewards summed over processes."""
+    divisor = max(count - (0 if population else 1), 1)
+    return max((squares - total * total / count) / divisor, 0.0) ** 0.5
 
 
 def flow_advantages(
@@ -337,14 +358,12 @@ def flow_advantages(
 ) -> Tensor:
     """Group-relative advantages of `rewards` (groups of `group_size` consecutive samples): the
     reward less its group's mean, over the group's std (with `global_std`, the batch's:
-    `batch_std` when the batch is larger than `rewards`, e.g. split over processes), clipped to
-    `adv_clip`; DDRL's `exp_reward` maps them through -exp(-A)."""
-    groups = rewards.view(-1, group_size)
-    if s.global_std:
-        std: Tensor | float = rewards.std() if batch_std is None else batch_std
-    else:
-        std = groups.std(dim=1, keepdim=True)
-    a = ((groups - groups.mean(dim=1, keepdim=True)) / (std + 1e-4)).flatten()
+    `batch_std` when the batch is larger than `rewards`, e.g. split over processes; over n with
+    `population_std`), clipped to `adv_clip`; DDRL's `exp_reward` maps them through -exp(-A)."""
+    a = group_advantages(
+        rewards, group_size, global_std=s.global_std, batch_std=batch_std,
+        population_std=s.population_std,
+    )  # fmt: skip
     return exp_advantages(a, clip=s.adv_clip) if s.exp_reward else a.clamp(-s.adv_clip, s.adv_clip)
 
 
@@ -569,6 +588,7 @@ def _velocity(
         return guided_velocity(
             model, x, sigma, text, mask, guidance_scale=scale, condition=condition,
             null_text=null_text, null_mask=null_mask,
+            detach_unconditional=s.detach_unconditional,
         )  # fmt: skip
 
     return velocity
@@ -621,6 +641,17 @@ def _update(
         scheduler.step()
 
 
+def _log_ratio_scale(
+    s: FlowRLSettings, scale: float, free: Tensor | None, like: Tensor
+) -> Tensor | float:
+    """The factor on a step's log-probability difference: 1 for the Gaussians' ratio; for
+    cosmos-rl's squared errors `2 scale^2` (undoing the log-density's 1 / (2 scale^2)) times the
+    generated share of the elements (its mean runs over all of them, the given ones 0)."""
+    if s.ratio_form == "gaussian":
+        return 1.0
+    return 2 * scale**2 * free_fraction(free, like)
+
+
 def _train_flow_grpo(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -652,11 +683,12 @@ def _train_flow_grpo(
             )  # fmt: skip
             assert step.log_prob is not None
             before = trajectory.log_probs[part, j]
+            scale = _log_ratio_scale(s, step.scale, free, x)
             policy = flow_grpo_loss(
                 step.log_prob, before, batch.advantages[part], clip_range=s.clip_range,
-                clip_range_high=high,
+                clip_range_high=high, log_ratio_scale=scale,
             )  # fmt: skip
-            ratio = torch.exp(step.log_prob.detach() - before)
+            ratio = torch.exp((step.log_prob.detach() - before) * scale)
             clipped += int(((ratio < 1 - s.clip_range) | (ratio > 1 + high)).sum())
             kl = None
             if reference is not None:
@@ -668,7 +700,7 @@ def _train_flow_grpo(
                         x, v_ref, trajectory.sigmas, j, noise_level=s.noise_level,
                         sample=trajectory.latents[part, j + 1],
                     ).mean  # fmt: skip
-                kl = flow_grpo_kl(step.mean, ref_mean, step.std, free=free)
+                kl = flow_grpo_kl(step.mean, ref_mean, step.std, free=free, form=s.kl_form)
             seen += len(part)
             data = torch.zeros((), device=x.device)
             if s.data_beta > 0:
@@ -702,7 +734,8 @@ def _train_nft(
 ) -> tuple[list[float], float]:
     """DiffusionNFT: the generated samples noised afresh at the rollout's noise levels, scored
     against the implicit policies around the old weights, which follow softly after each
-    optimiser step; (each minibatch's loss, 0: no ratio is clipped)."""
+    optimiser step (once the iteration's are done, with `nft_old_update = "iteration"`); (each
+    minibatch's loss, 0: no ratio is clipped)."""
     x0 = batch.trajectory.final
     sigmas = batch.trajectory.sigmas
     steps = _trained_steps(s, generator)
@@ -729,6 +762,9 @@ def _train_nft(
             loss.backward()
             total += loss.item()
         _update(model, optimizer, s, scheduler, sync_grads)
-        soft_update(old, model, decay=nft_old_decay(iteration))
+        if s.nft_old_update == "minibatch":
+            soft_update(old, model, decay=nft_old_decay(iteration, s.nft_decay_type))
         losses.append(total)
+    if s.nft_old_update == "iteration":
+        soft_update(old, model, decay=nft_old_decay(iteration, s.nft_decay_type))
     return losses, 0.0

@@ -494,7 +494,7 @@ class FlowTrainer:
         if self.replicas is not None:
             self.replicas.sum_(sums)
         total, squares, n = sums.tolist()
-        return pooled_std(total, squares, n)
+        return pooled_std(total, squares, n, population=self.settings.population_std)
 
     def grpo_step(self, groups: list[RolloutGroup], media: Any = None) -> dict[str, float]:
         """Train on this replica's share of a step; the step's metrics over every replica."""

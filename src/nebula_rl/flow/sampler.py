@@ -182,13 +182,14 @@ def guided_velocity(
     guidance_scale: float = 1.0,
     null_text: Tensor | None = None,
     null_mask: Tensor | None = None,
-    detach_unconditional: bool = True,
+    detach_unconditional: bool = False,
     condition: Tensor | None = None,
 ) -> Tensor:
     """The model's velocity, with classifier-free guidance `v_u + g (v_c - v_u)` when
     `guidance_scale` != 1 (the unconditional branch on `null_text`, zeros by default, in the same
-    batched forward; detached in training, as FlowGRPO does). `condition` [B, T] marks given
-    conditioning frames (both branches see them)."""
+    batched forward; gradients flow through both branches, as in flow_grpo and cosmos-rl, unless
+    `detach_unconditional`). `condition` [B, T] marks given conditioning frames (both branches
+    see them)."""
     extra = () if condition is None else (condition,)
     if guidance_scale == 1.0:
         return model(x, sigma, text, text_mask, *extra)
