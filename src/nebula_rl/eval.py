@@ -32,7 +32,7 @@ import time
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
@@ -67,6 +67,9 @@ class EvalModelConfig(_Section):
     """Hub revision of the model: a branch, tag or commit hash."""
     tp_size: int = Field(default=1, ge=1)
     """Tensor-parallel ranks of each engine instance."""
+    backend: Literal["torch", "vllm"] = "torch"
+    """nebula-rl: the engine, as `rollout.backend` (`vllm` needs `make setup-vllm`'s
+    environment; it starts its own `tp_size` workers, so a shard is one process)."""
     max_length: int = Field(default=4096, ge=8)
     """Longest prompt + completion in tokens."""
     dtype: str = "float32"
@@ -205,7 +208,8 @@ def training_config(ec: EvalConfig, *, model: str | None = None) -> Config:
                 "model_max_length": ec.model.max_length,
             },
             "rollout": {
-                "backend": "torch",
+                "backend": ec.model.backend,
+                "parallelism": {"tp_size": ec.model.tp_size if ec.model.backend == "vllm" else 1},
                 "n_generation": g.n,
                 "max_response_length": g.max_tokens,
                 "max_num_seqs": max(g.batch_size * g.n, 1),
@@ -213,6 +217,12 @@ def training_config(ec: EvalConfig, *, model: str | None = None) -> Config:
         },
         source="<eval config>",
     )
+
+
+def shard_ranks(ec: EvalConfig) -> int:
+    """Processes of one engine shard: `tp_size` ranks of the built-in engine, or one that runs
+    vLLM (which starts its own tensor-parallel workers)."""
+    return 1 if ec.model.backend == "vllm" else ec.model.tp_size
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -289,7 +299,7 @@ def run_shard(
     from nebula_rl.rollout.worker import completion_text, prompt_inputs
 
     cfg = training_config(ec, model=model)
-    tp = ec.model.tp_size
+    tp = shard_ranks(ec)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if not cuda:
@@ -376,11 +386,13 @@ unlike torch's env:// rendezvous (a TCPStore listening on every interface, unaut
 
 
 def _start_shard(
-    config_json: Path, model: str, shard: int, out: Path, tp: int, score: bool, folder: Path
+    config_json: Path, model: str, shard: int, out: Path, ec: EvalConfig, score: bool, folder: Path
 ) -> list[subprocess.Popen[bytes]]:
-    """The processes of shard `shard`'s ranks; on GPUs, they see the shard's `tp` devices of
-    those visible (`CUDA_VISIBLE_DEVICES`, else all), rank r using the r-th. The ranks meet in
-    a new file of `folder` (the parent's private folder) at every start."""
+    """The processes of shard `shard`'s ranks (`shard_ranks`); on GPUs, they see the shard's
+    `tp_size` devices of those visible (`CUDA_VISIBLE_DEVICES`, else all), rank r using the
+    r-th. The ranks meet in a new file of `folder` (the parent's private folder) at every
+    start."""
+    tp = ec.model.tp_size
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range((shard + 1) * tp)]
     store = tempfile.mkstemp(prefix=f"shard-{shard}-", dir=folder)
@@ -404,7 +416,7 @@ def _start_shard(
             ],
             env=env,
         )
-        for rank in range(tp)
+        for rank in range(shard_ranks(ec))
     ]
 
 
@@ -429,7 +441,7 @@ def evaluate(
     files = [out / f"shard-{k}.jsonl" for k in range(ec.shards())]
     stores = Path(tempfile.mkdtemp(prefix="nebula-eval-"))  # (mode 0700)
     running = {
-        k: _start_shard(config_json, model, k, files[k], ec.model.tp_size, score, stores)
+        k: _start_shard(config_json, model, k, files[k], ec, score, stores)
         for k in range(ec.shards())
     }
     restarts = dict.fromkeys(running, 0)
@@ -453,8 +465,8 @@ def evaluate(
                             f"evaluation.max_restarts = {ec.evaluation.max_restarts}"
                         )
                     restarts[k] += 1
-                    running[k] = _start_shard(config_json, model, k, files[k],
-                                              ec.model.tp_size, score, stores)  # fmt: skip
+                    running[k] = _start_shard(config_json, model, k, files[k], ec, score,
+                                              stores)  # fmt: skip
     finally:
         for procs in running.values():
             for p in procs:

@@ -212,11 +212,20 @@ def _colocate(plan: list[Placement], *, num_policy: int, num_gpus: int) -> list[
     return placed
 
 
+def launched_ranks(cfg: Config, role: str, ranks: int) -> int:
+    """Processes nebula-rl starts for a replica of `role` and `ranks` ranks: one for a vLLM
+    rollout replica (vLLM starts its own tensor- and pipeline-parallel workers on the
+    replica's devices), else one per rank."""
+    return 1 if role == "rollout" and cfg.rollout.backend == "vllm" else ranks
+
+
 def replica_nproc(cfg: Config, role: str, *, num_gpus: int) -> int:
-    """Ranks of one replica of `role` started on its own (`nebula-rl replica`): its parallel
-    sizes; a policy's `dp_shard_size = -1` takes all `num_gpus` (1 on CPU)."""
+    """Processes of one replica of `role` started on its own (`nebula-rl replica`): its
+    parallel sizes (`launched_ranks`); a policy's `dp_shard_size = -1` takes all `num_gpus` (1
+    on CPU)."""
     if role == "rollout":
-        return cfg.rollout.parallelism.tp_size * cfg.rollout.parallelism.pp_size
+        ranks = cfg.rollout.parallelism.tp_size * cfg.rollout.parallelism.pp_size
+        return launched_ranks(cfg, role, ranks)
     if role == "teacher":  # (a split teacher is refused where it loads)
         return 1
     return plan_placement(cfg, num_policy=1, num_rollout=0, num_gpus=num_gpus)[0].nproc
@@ -457,7 +466,8 @@ def launch(
         replica_env = {**env, **thread_env(cfg, placement, env, cores=_cores())}
         for place in placement:
             argv = [sys.executable, "-m", "nebula_rl.cli", "replica", "--role", place.role]
-            argv += ["--controller", address, "--name", place.name, "--nproc", str(place.nproc)]
+            nproc = launched_ranks(cfg, place.role, place.nproc)
+            argv += ["--controller", address, "--name", place.name, "--nproc", str(nproc)]
             devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, place.devices))}
             child_env = {**replica_env, **devices} if place.devices else replica_env
             children.append(_start(place.name, argv, env=child_env, logs=logs, role=place.role))
@@ -527,12 +537,6 @@ def check_job(cfg: Config) -> None:
         check_flow_job(cfg)
         return
     check_backend(cfg)
-    # (mode = "colocated" runs cosmos-rl's example_hf as the torch engine)
-    if cfg.rollout.backend != "torch" and cfg.mode != "colocated":
-        raise ValueError(
-            f"rollout.backend = {cfg.rollout.backend!r} is not wired into the runtime's rollout "
-            'replicas yet; set rollout.backend = "torch"'
-        )
     # (raises naming the key and the path)
     load_tokenizer(cfg.policy.model_name_or_path, revision=cfg.policy.model_revision)
     if cfg.distillation.enable:

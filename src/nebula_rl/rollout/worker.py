@@ -75,6 +75,7 @@ from nebula_rl.rollout.lora_merge import LoraMerge
 from nebula_rl.rollout.multiturn import Conversation, MultiTurn, loss_mask, with_turn_rewards
 from nebula_rl.rollout.tensor_parallel import TensorParallel
 from nebula_rl.rollout.torch_engine import TorchEngine
+from nebula_rl.rollout.vllm_engine import VLLMEngine
 from nebula_rl.validation import validation_seed
 from nebula_rl.weights.elastic import ElasticReceiver
 from nebula_rl.weights.group import WeightGroup, weight_backend
@@ -284,7 +285,7 @@ class RolloutWorker:
         daemon thread (:class:`~nebula_rl.weights.elastic.ElasticReceiver`: a push that fails
         makes the group be rebuilt, not the replica fail)."""
         engine = self.engine
-        assert isinstance(engine, TorchEngine)
+        assert isinstance(engine, TorchEngine | VLLMEngine)
 
         size = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         device = next(engine.model.parameters()).device
@@ -331,7 +332,8 @@ class RolloutWorker:
 
     @property
     def _model(self) -> torch.nn.Module:
-        assert isinstance(self.engine, TorchEngine)
+        """The engine's model (vLLM's: the staging copy that weight pushes write into)."""
+        assert isinstance(self.engine, TorchEngine | VLLMEngine)
         return self.engine.model
 
     @property
@@ -567,11 +569,6 @@ def _engine(
     model = load_model(
         path, dtype=dtype, device=device, seed=cfg.train.seed or 0, revision=revision
     )
-    if cfg.rollout.backend != "torch":
-        raise ValueError(
-            f"rollout.backend = {cfg.rollout.backend!r} is not wired into the runtime's "
-            'rollout replicas yet; use "torch"'
-        )
     base = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed
     seed = (base or 0) + 1000 * session.registration["replica_id"]
     engine = build_engine(
@@ -580,7 +577,7 @@ def _engine(
     return tokenizer, engine
 
 
-def _lora_merge(cfg: Config, engine: TorchEngine) -> LoraMerge | None:
+def _lora_merge(cfg: Config, engine: TorchEngine | VLLMEngine) -> LoraMerge | None:
     """The adapter buffers and merge of a LoRA policy's pushes (None without `policy.lora`)."""
     if cfg.policy.lora is None:
         return None
@@ -589,7 +586,7 @@ def _lora_merge(cfg: Config, engine: TorchEngine) -> LoraMerge | None:
 
 def _receiver(
     session: ReplicaSession,
-    engine: TorchEngine,
+    engine: TorchEngine | VLLMEngine,
     lora: LoraMerge | None,
     *,
     apply: Callable[[Callable[[], int | None]], None] | None = None,
