@@ -21,6 +21,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -45,6 +46,16 @@ def decode_rate(engine, prompts: list[list[int]], n: int, new_tokens: int) -> fl
     return num_tokens / seconds
 
 
+def median_seconds(run: Callable[[], object], repeats: int) -> float:
+    """Median wall seconds of `repeats` calls of `run`."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def update_seconds(engine, staging: torch.nn.Module, source: torch.nn.Module, repeats: int):
     """Median seconds of a whole-model update into vLLM (staging written, then loaded)."""
 
@@ -54,24 +65,15 @@ def update_seconds(engine, staging: torch.nn.Module, source: torch.nn.Module, re
                 p.copy_(q)
         return engine.policy_version + 1
 
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        engine.update_weights_with(write)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(lambda: engine.update_weights_with(write), repeats)
 
 
 def memcpy_seconds(num_bytes: int, repeats: int) -> float:
+    """Median seconds of a `copy_` of `num_bytes` into a warm buffer."""
     src = torch.empty(num_bytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
     dst.copy_(src)  # (warm)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(lambda: dst.copy_(src), repeats)
 
 
 def main() -> None:

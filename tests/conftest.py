@@ -23,6 +23,15 @@ transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
 
 
+def least_squares_slope(values: list[float]) -> float:
+    """The least-squares slope of `values` against their index: how a learning test reads a
+    trend from every step's reward, not from two windows of a few noisy steps."""
+    n = len(values)
+    mean_t, mean_v = (n - 1) / 2, sum(values) / n
+    num = sum((t - mean_t) * (v - mean_v) for t, v in enumerate(values))
+    return num / sum((t - mean_t) ** 2 for t in range(n))
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """The test's own Redis (password, loopback, data in the test's folder), stopped after."""
@@ -98,3 +107,28 @@ def grpo_job_config(tmp_path: Path) -> Any:
         return arithmetic_grpo_config(tmp_path, *changes, **kwargs)
 
     return build
+
+
+@pytest.fixture(scope="session")
+def vlm_demo_sft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`configs/vlm_demo_sft.toml` run once for the session (600 SFT steps of the tiny
+    Qwen3-VL, ~4 min on 2 cores), with an export at step 300 too: the run folder, holding
+    `safetensors/final` and `safetensors/step_300`. Step 300 is what
+    `configs/vlm_demo_warmstart.toml` (the same config stopped at 300 steps: constant learning
+    rate after warm-up, same seed and data order) trains, so `make vlm-demo`'s warm start
+    comes from the same run (tests/test_recipes.py)."""
+    from nebula_rl import local
+    from nebula_rl.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "configs" / "vlm_demo_sft.toml")
+    warm = load_config(root / "configs" / "vlm_demo_warmstart.toml")
+    assert warm.train.max_num_steps == 300 and cfg.train.optm_decay_type is None
+    for c in (cfg, warm):  # (the two differ in their length and their folder only)
+        c.train.max_num_steps, c.train.timestamp = 600, "sft"
+    assert cfg == warm
+    cfg.train.output_dir = str(tmp_path_factory.mktemp("vlm-demo-sft"))
+    cfg.train.ckpt.enable_checkpoint = True
+    cfg.train.ckpt.save_freq = 300
+    cfg.train.ckpt.max_keep = -1
+    return local.run(cfg)

@@ -460,18 +460,13 @@ def test_vision_language_packing_is_refused_and_grpo_runs_on_images(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_vlm_demo_sft_config_learns_to_count(tmp_path):
-    """`configs/vlm_demo_sft.toml` as shipped (one process, ~2 minutes): its export reads the
-    count off held-out images, where a model that ignored them would score ~0.25."""
-    from pathlib import Path
-
-    from nebula_rl import local
-    from nebula_rl.config import load_config
+def test_the_vlm_demo_sft_config_learns_to_count(vlm_demo_sft):
+    """`configs/vlm_demo_sft.toml` as shipped (one process, ~2 minutes; run once for the
+    session, conftest.py): its export reads the count off held-out images, where a model that
+    ignored them would score ~0.25."""
     from nebula_rl.data import squares_task
 
-    cfg = load_config(Path(__file__).parents[1] / "configs" / "vlm_demo_sft.toml")
-    cfg.train.output_dir = str(tmp_path)
-    export = local.run(cfg) / "safetensors" / "final"
+    export = vlm_demo_sft / "safetensors" / "final"
     model = AutoModelForImageTextToText.from_pretrained(export).eval()
     processor = VisionProcessor.from_pretrained(str(export))
     tok = processor.tokenizer
