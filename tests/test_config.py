@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,15 @@ def test_language_models_run_colocated_separated_and_colocated():
     """(tests/test_colocated.py checks colocated mode's own rules.)"""
     for mode in ("colocated_separated", "colocated"):
         assert config_from_dict({"mode": mode, "rollout": {"backend": "torch"}}).mode == mode
+
+
+def test_flashinfer_keys_need_the_vllm_backend():
+    """FlashInfer is vLLM's (on CUDA): with nebula-rl's torch engine both keys are refused by
+    name; with `backend = "vllm"` the config takes them (the engine refuses them on a CPU)."""
+    for rollout, key in (
+        ({"vllm_use_flashinfer": True}, "rollout.vllm_use_flashinfer"),
+        ({"sampling_config": {"use_flashinfer": True}}, "rollout.sampling_config.use_flashinfer"),
+    ):
+        with pytest.raises(ConfigError, match=rf"{re.escape(key)} = true: FlashInfer kernels"):
+            config_from_dict({"rollout": {"backend": "torch", **rollout}})
+        config_from_dict({"rollout": {"backend": "vllm", **rollout}})

@@ -458,3 +458,28 @@ def test_nft_old_weights_follow_each_update_or_once_an_iteration(tmp_path):
             torch.allclose(o, w, atol=1e-7) for o, w in zip(old.parameters(), once, strict=True)
         )
         assert matches == (when == "iteration"), when
+
+
+def test_the_convention_keys_reach_the_loop(tmp_path):
+    """Each key that picks a convention (docs/world-models.md, "Conventions") reaches the
+    loop's settings; by default the loop has flow_grpo's forms, the n - 1 std, guidance trained
+    through both branches and the NFT old weights following each optimiser step."""
+    from flow_configs import tiny_flow_config
+
+    default = job.flow_settings(
+        config_from_dict(tiny_flow_config(tmp_path, tiny_flow_policy())), num_iterations=1,
+        prompts=2,
+    )  # fmt: skip
+    assert (default.ratio_form, default.kl_form) == ("gaussian", "gaussian")
+    assert not default.population_std and not default.detach_unconditional
+    assert default.nft_old_update == "minibatch" and default.nft_decay_type == 0
+    policy = tiny_flow_policy(
+        ratio_form="squared_error", kl_form="squared_error", detach_unconditional=True,
+        nft_old_update="iteration", weight_copy_decay_type=2,
+    )  # fmt: skip
+    policy["diffusers"]["sample"]["population_std"] = True
+    data = tiny_flow_config(tmp_path, policy, trainer="diffusion_nft")
+    s = job.flow_settings(config_from_dict(data), num_iterations=1, prompts=2)
+    assert (s.ratio_form, s.kl_form) == ("squared_error", "squared_error")
+    assert s.population_std and s.detach_unconditional
+    assert (s.nft_old_update, s.nft_decay_type) == ("iteration", 2)
