@@ -188,3 +188,12 @@ def test_flashinfer_keys_need_the_vllm_backend():
         with pytest.raises(ConfigError, match=rf"{re.escape(key)} = true: FlashInfer kernels"):
             config_from_dict({"rollout": {"backend": "torch", **rollout}})
         config_from_dict({"rollout": {"backend": "vllm", **rollout}})
+
+
+def test_fp8_rollout_weights_need_the_torch_engine():
+    """`rollout.quantization = "fp8"` runs in the built-in engine; with vLLM it is refused by
+    key where the config is read, saying why."""
+    config_from_dict({"rollout": {"backend": "torch", "quantization": "fp8"}})
+    with pytest.raises(ConfigError, match=r'rollout\.quantization = "fp8" with rollout\.backend'
+                       r' = "vllm".*no FP8 kernels'):  # fmt: skip
+        config_from_dict({"rollout": {"backend": "vllm", "quantization": "fp8"}})

@@ -223,7 +223,9 @@ def test_a_multi_turn_sample_takes_its_observation_and_goes_on(engine, policy):
 def test_what_vllm_on_a_cpu_cannot_do_is_refused_by_key(folder):
     """Before vLLM starts: chunked prefill (vLLM rewinds a seeded request's generator after a
     partial prefill, which torch's CPU generators cannot) and FlashInfer (CUDA only) are
-    refused naming the key; vision-language prompts are refused by the engine."""
+    refused naming the key, and a vision-language
+    model naming the backend and why (vLLM's Qwen-VL models need torchvision). (FP8 weights
+    with vLLM are refused where the config is read: tests/test_config.py.)"""
     from nebula_rl.config import config_from_dict
     from nebula_rl.rollout.build import build_engine
 
@@ -242,3 +244,9 @@ def test_what_vllm_on_a_cpu_cannot_do_is_refused_by_key(folder):
         )
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):
             build_engine(cfg, model=model, tokenizer=tokenizer, seed=0)
+    cfg = config_from_dict(
+        {"policy": {"model_name_or_path": "tiny:qwen3_vl"}, "rollout": {"backend": "vllm"}}
+    )
+    vlm = load_model("tiny:qwen3_vl", dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r'rollout\.backend = "vllm".*torchvision'):
+        build_engine(cfg, model=vlm, tokenizer=load_tokenizer("tiny:qwen3_vl"), seed=0)

