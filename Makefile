@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 1
 
 # The versions the tests and CI install: every package of `.[dev]` pinned (torch apart: it is
 # TORCH_VERSION, or the build a GPU user installed). pyproject.toml keeps loose bounds for users;
-# `make lock` resolves today's releases into this file on purpose (README, "Tests").
+# `make lock` resolves today's releases into this file on purpose (README, "Development").
 CONSTRAINTS ?= constraints.txt
 
 $(BIN)/nebula-rl: pyproject.toml $(CONSTRAINTS)

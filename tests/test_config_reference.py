@@ -1,4 +1,5 @@
-"""The README's config reference is generated from the config tree and must be current."""
+"""The config reference (docs/config-reference.md) is generated from the config tree and must be
+current."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from nebula_rl import config_reference
 from nebula_rl.cli import main
 from nebula_rl.config import Config
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "config-reference.md"
 
 
 def _keys(model: type = Config, path: str = "") -> set[str]:
@@ -24,10 +25,10 @@ def _keys(model: type = Config, path: str = "") -> set[str]:
     return keys
 
 
-def test_readme_reference_is_current() -> None:
-    assert config_reference.is_current(README), (
-        "README.md's config reference is out of date: run "
-        "`.venv/bin/nebula-rl config-reference --write README.md`"
+def test_the_reference_is_current() -> None:
+    assert config_reference.is_current(REFERENCE), (
+        "docs/config-reference.md is out of date: run "
+        "`.venv/bin/nebula-rl config-reference --write docs/config-reference.md`"
     )
 
 
@@ -62,8 +63,8 @@ def test_every_key_is_documented_once_per_table() -> None:
 def test_check_fails_on_a_stale_copy_and_write_fixes_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    copy = tmp_path / "README.md"
-    current = config_reference.splice(README.read_text(), config_reference.render())
+    copy = tmp_path / "config-reference.md"
+    current = config_reference.splice(REFERENCE.read_text(), config_reference.render())
     stale = current.replace("Adam betas.", "Adam's betas.")
     assert stale != current
     copy.write_text(stale)

@@ -1,9 +1,10 @@
-"""The config reference: every section and key of the config tree with its type, default and
-docstring, rendered as Markdown from :mod:`nebula_rl.config` itself, so it cannot drift.
+"""The config reference: every key of the config tree with its type, default and docstring.
 
-`nebula-rl config-reference` prints it; `--write README.md` replaces what lies between
-:data:`START` and :data:`END` in the README; `--check README.md` fails when that copy is stale
-(a test runs the check).
+Rendered as Markdown from :mod:`nebula_rl.config` itself, so it cannot drift.
+
+`nebula-rl config-reference` prints it; `--write docs/config-reference.md` replaces what lies
+between :data:`START` and :data:`END` there; `--check docs/config-reference.md` fails when that
+copy is stale (a test runs the check).
 """
 
 from __future__ import annotations
@@ -168,7 +169,8 @@ def render() -> str:
     intro = (
         "Every key of a job's TOML file, section by section (type, default, meaning), generated "
         "from the docstrings in `src/nebula_rl/config.py` by `nebula-rl config-reference --write "
-        "README.md`; a test fails when this copy is stale. Keys marked nebula-rl are not "
+        "docs/config-reference.md`; a test fails when this copy is stale. Keys marked nebula-rl "
+        "are not "
         "cosmos-rl's; `unset` means the key is left out."
     )
     lines = [START, "", *textwrap.wrap(intro, 100, break_on_hyphens=False)]

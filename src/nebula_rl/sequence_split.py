@@ -1,5 +1,7 @@
-"""Attention over a sequence split between ranks (context parallelism by all-gathered keys and
-values, as Llama 3's): each rank of a group holds a share of every sequence's tokens; inside
+"""Context parallelism: attention over a sequence split between ranks, by all-gathered keys and
+values as Llama 3's.
+
+Each rank of a group holds a share of every sequence's tokens; inside
 :class:`GatheredAttention` each `scaled_dot_product_attention` call attends this rank's queries
 to the keys and values of every share.
 

@@ -1,5 +1,7 @@
-"""cosmos-rl's `--wfm-mode` configs (the world-model schema of its cosmos-predict2-5 GRPO/DDRL
-recipes: `[model.rl]`, `[trainer]`, `[optimizer]`, `[dataloader_train]`, ...), read key by key.
+"""cosmos-rl's `--wfm-mode` configs, read key by key.
+
+The world-model schema of its cosmos-predict2-5 GRPO/DDRL recipes: `[model.rl]`, `[trainer]`,
+`[optimizer]`, `[dataloader_train]`, ...
 
 Each key either becomes the nebula-rl key that does the same (`model.rl.num_rollout` ->
 `rollout.n_generation`, `model.rl.guidance = g` -> `policy.diffusers.sample.guidance_scale =

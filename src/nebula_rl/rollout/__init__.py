@@ -1,5 +1,7 @@
-"""Rollout generation: the `Engine` interface, its request/result types and the built-in
-`TorchEngine`. Other backends (vLLM) are reached through `engine_class(name)` only, so importing
+"""Rollout generation: the `Engine` interface, its request and result types, the built-in
+`TorchEngine` and vLLM's, the rollout worker.
+
+Other backends (vLLM) are reached through `engine_class(name)` only, so importing
 this package never imports them."""
 
 from nebula_rl.rollout.engine import (

@@ -1,4 +1,6 @@
-"""Moving parameters between replicas: process groups between separately started processes
+"""Moving parameters between replicas.
+
+Process groups between separately started processes
 (`group`), a bucketed, non-blocking broadcast from the policy to rollouts (`transport`), slices
 between parallel layouts (`reshard`) and the shared memory both use on one host (`shared`)."""
 
