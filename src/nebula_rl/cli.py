@@ -239,11 +239,10 @@ def _cmd_controller(args: argparse.Namespace) -> int:
         REDIS_URL_ENV,
         TOKEN_ENV,
         TOKEN_FILE,
-        write_private,
     )
     from nebula_rl.controller.scheduler import run_controller
     from nebula_rl.net import free_port
-    from nebula_rl.runs import resolve_run_dir
+    from nebula_rl.runs import resolve_run_dir, write_private
 
     cfg = _load(args.config)
     log = logging.getLogger("nebula_rl")

@@ -47,10 +47,10 @@ from nebula_rl.controller.client import (
     TOKEN_ENV,
     TOKEN_FILE,
     ControllerClient,
-    write_private,
 )
 from nebula_rl.controller.redis_server import RedisServer, start_redis
 from nebula_rl.metrics_log import MetricsLogger, check_installed, open_loggers
+from nebula_rl.runs import write_private
 from nebula_rl.signals import forward_checkpoint_signals
 
 __all__ = [

@@ -9,6 +9,7 @@ helpers, so the controller process needs neither torch nor transformers for them
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 
@@ -23,6 +24,7 @@ __all__ = [
     "is_checkpoint",
     "latest_checkpoint",
     "resolve_run_dir",
+    "write_private",
 ]
 
 MANIFEST = "manifest.json"
@@ -80,3 +82,11 @@ def drop_steps_after(path: Path, step: int) -> None:
     lines = path.read_text().splitlines() if path.exists() else []
     kept = [line for line in lines if line and json.loads(line)["step"] <= step]
     path.write_text("".join(line + "\n" for line in kept))
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable and writable by this user only (also if it existed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)
+        f.write(text)

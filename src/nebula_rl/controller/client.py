@@ -14,7 +14,6 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote
 
@@ -34,7 +33,6 @@ __all__ = [
     "ControllerClient",
     "ReplicaSession",
     "read_token",
-    "write_private",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,14 +51,6 @@ REDIS_URL_ENV = "NEBULA_REDIS_URL"
 RESTART_ENV = "NEBULA_CONTROLLER_RESTART"
 """Set to "1" for a controller the launcher restarts after it died: it continues the job from
 Redis instead of restoring a checkpoint (`train.resume`)."""
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write `text` to `path`, readable and writable by this user only (also if it existed)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(fd, 0o600)
-        f.write(text)
 
 
 def read_token() -> str:

@@ -3,22 +3,30 @@ the merged model and, under `adapter/`, the adapter as peft saves it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from nebula_rl.models.lora import full_merged_state, has_lora, save_adapter
 
-if TYPE_CHECKING:
-    from nebula_rl.policy.parallelize import ParallelModel
+__all__ = ["Staged", "export_hf"]
 
-__all__ = ["export_hf"]
+
+class Staged(Protocol):
+    """A model split over ranks as the policy splits it (`policy.parallelize.ParallelModel`):
+    its sizes per parallelism (`dims.pp`, the pipeline stages) and every parameter gathered
+    whole from the ranks that hold it."""
+
+    dims: Any
+
+    def full_named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 def export_hf(
-    model: torch.nn.Module, tokenizer: Any, path: Path, *, parallel: ParallelModel | None = None
+    model: torch.nn.Module, tokenizer: Any, path: Path, *, parallel: Staged | None = None
 ) -> None:
     """Write a Hugging Face folder (config, safetensors, tokenizer) that `from_pretrained` loads.
 
