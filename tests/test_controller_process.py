@@ -83,6 +83,19 @@ def controller(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]
         yield running
 
 
+def test_the_controller_of_a_language_model_job_loads_no_torch(
+    controller: tuple[subprocess.Popen[bytes], Path],
+) -> None:
+    """The scheduler's process (its dataset read, its Redis state) and the API's never load
+    torch (whose import maps libtorch): the controller stays light wherever it runs. (A
+    world-model job's controller still imports torch to list its clips: docs/architecture.md.)"""
+    process, _run_dir = controller
+    for pid in (process.pid, _api_process(process.pid)):
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "libc.so" in maps or "libc-" in maps  # (the map of a live process was read)
+        assert "libtorch" not in maps, f"process {pid} loaded torch"
+
+
 def test_the_api_answers_while_the_scheduler_is_stopped_and_comes_back_after_dying(
     controller: tuple[subprocess.Popen[bytes], Path],
 ) -> None:
