@@ -78,15 +78,22 @@ wfm-demo: setup
 vllm-demo: setup-vllm
 	$(VBIN)/nebula-rl train --config configs/demo_vllm.toml
 
+# TEST_WORKERS=N spreads the suite over N processes (pytest-xdist, a test file per process at a
+# time, so its module fixtures are built once): for machines with cores to spare. On 2 cores the
+# suite already keeps both busy (its tests start processes), and two workers took 21.7 min where
+# one takes ~17, so the default is one process.
+TEST_WORKERS ?= 0
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: setup
-	$(BIN)/python -m pytest -q -m "not slow and not gpu and not vllm" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow and not gpu and not vllm" $(PYTEST_ARGS)
 
 test-all: setup
-	$(BIN)/python -m pytest -q -m "not gpu and not vllm"
+	$(BIN)/python -m pytest -q $(XDIST) -m "not gpu and not vllm" $(PYTEST_ARGS)
 
 # The vLLM tests (marked `vllm`), in .venv-vllm.
 test-vllm: setup-vllm
-	$(VBIN)/python -m pytest -q -m "vllm and not gpu" $(PYTEST_ARGS)
+	$(VBIN)/python -m pytest -q $(XDIST) -m "vllm and not gpu" $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .
