@@ -121,6 +121,7 @@ def vlm_demo_sft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     comes from the same run (tests/test_vision.py)."""
     from nebula_rl import local
     from nebula_rl.config import load_config
+    from nebula_rl.ranks import cpu_threads
 
     root = Path(__file__).resolve().parents[1]
     cfg = load_config(root / "configs" / "vlm_demo_sft.toml")
@@ -136,12 +137,8 @@ def vlm_demo_sft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     def build(folder: Path) -> Path:
         cfg.train.output_dir = str(folder)
         # (one process and nothing beside it: two threads, 1.34x faster on 2 cores)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(2)
-        try:
+        with cpu_threads(2):
             return local.run(cfg)
-        finally:
-            torch.set_num_threads(threads)
 
     return once_per_run(tmp_path_factory, "vlm-demo-sft", build)
 
