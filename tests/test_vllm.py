@@ -9,6 +9,7 @@ engine over a tiny Qwen2 saved to a folder, and reset its weights where they cha
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,3 +251,87 @@ def test_what_vllm_on_a_cpu_cannot_do_is_refused_by_key(folder):
     vlm = load_model("tiny:qwen3_vl", dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match=r'rollout\.backend = "vllm".*torchvision'):
         build_engine(cfg, model=vlm, tokenizer=load_tokenizer("tiny:qwen3_vl"), seed=0)
+
+
+_TP2_SCRIPT = """
+import math, pickle, sys
+import torch
+from nebula_rl.models import load_model
+from nebula_rl.rollout.engine import GenerationRequest, SamplingParams
+from nebula_rl.rollout.vllm_engine import VLLMEngine
+
+folder = sys.argv[1]
+staging = load_model(folder, dtype=torch.float32, device="cpu")
+engine = VLLMEngine(folder, staging=staging, dtype="float32", device="cpu", max_model_len=96,
+                    seed=0, enforce_eager=True, max_num_seqs=8, tensor_parallel_size=2)
+sent = []
+rpc = engine._engine.collective_rpc
+def recording(method, *args, **kwargs):
+    sent.append((method, len(pickle.dumps(kwargs.get("args", ())))))
+    return rpc(method, *args, **kwargs)
+engine._engine.collective_rpc = recording
+
+policy = load_model(folder, dtype=torch.float32, device="cpu")
+with torch.no_grad():  # new weights: every parameter moved, so both workers' slices change
+    gen = torch.Generator().manual_seed(1)
+    for p in policy.parameters():
+        p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+new = {n: p.detach().clone() for n, p in policy.named_parameters()}
+
+def write():
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            p.copy_(new[name])
+    return 1
+
+prompt = list(range(5, 25))
+params = SamplingParams(max_tokens=12, seed=3, ignore_eos=True)
+for update in ("staging", "staging again", "tensors"):
+    if update == "tensors":  # (the other path: tensors handed to the engine directly)
+        new = {n: t * 0.9 for n, t in new.items()}
+        with torch.no_grad():
+            for n, p in policy.named_parameters():
+                p.copy_(new[n])
+        engine.update_weights(new, policy_version=3)
+    else:
+        engine.update_weights_with(write)
+    [out] = engine.generate([GenerationRequest(prompt, n=1, sampling=params)])
+    c = out.completions[0]
+    with torch.no_grad():
+        logits = policy(torch.tensor([prompt + list(c.token_ids)])).logits[0, len(prompt) - 1 : -1]
+    want = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+    error = max(abs(a - b) for a, b in zip(c.logprobs, want.tolist()))
+    print("UPDATE", update, error)
+model_bytes = sum(p.numel() * p.element_size() for p in staging.parameters())
+print("MODEL", model_bytes)
+for method, size in sent:
+    print("RPC", method, size)
+import os
+os._exit(0)
+"""
+
+
+def test_tensor_parallel_workers_read_their_slices_of_a_shared_update(folder, tmp_path):
+    """With vLLM tensor parallelism 2 (a worker process per rank), a weight update reaches the
+    workers as a shared-memory file each maps (nebula_rl.rollout.shared_weights), not as the
+    whole model pickled into each worker's message: every update's message is a few kB where
+    the model is megabytes, and after each one (through the staging model twice, then as
+    tensors) the sampled tokens' log-probs are the new weights' (HF's, fp32, 1e-4). (In its
+    own process: one vLLM engine per process.)"""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _TP2_SCRIPT, str(folder)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split() for line in done.stdout.splitlines()]
+    errors = {" ".join(w[1:-1]): float(w[-1]) for w in lines if w[0] == "UPDATE"}
+    assert set(errors) == {"staging", "staging again", "tensors"}, done.stdout
+    assert all(e < 1e-4 for e in errors.values()), errors
+    [model_bytes] = [int(w[1]) for w in lines if w[0] == "MODEL"]
+    loads = [(w[1], int(w[2])) for w in lines if w[0] == "RPC" and "weights" in w[1]]
+    assert [m for m, _ in loads] == ["load_shared_weights"] * 3, loads
+    assert model_bytes > 1_000_000 and all(size < 64 * 1024 for _, size in loads), loads
+    assert not list(Path("/dev/shm").glob("nebula-vllm-weights-*"))  # (unlinked after use)

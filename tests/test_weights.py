@@ -7,6 +7,7 @@ module; they report plain Python data on a queue and leave with `os._exit`.
 import glob
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -710,3 +711,31 @@ def test_a_member_that_would_give_up_after_all_joined_builds_the_group(redis_url
     join(0, lambda: False)
     waiter.join(timeout=30)
     assert built == {0: 7.0, 1: 7.0}
+
+
+def test_a_shared_weights_file_is_read_back_by_another_mapping_and_leaves_nothing_behind():
+    """`SharedWeights` (how a vLLM engine hands an update to its tensor-parallel workers): a
+    second mapping of the file, as a worker process makes, reads each tensor as written (also
+    after a later write into the same file); unlinked, the file is gone from the folder while
+    the mappings keep working."""
+    from nebula_rl.rollout.shared_weights import SharedWeights, mapped_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "a.weight": torch.randn(7, 5, generator=gen),
+        "b.bias": torch.randn(3, generator=gen).to(torch.bfloat16),
+        "c.weight": torch.randint(0, 9, (2, 3, 4), generator=gen),
+    }
+    segment = SharedWeights((n, tuple(t.shape), t.dtype) for n, t in tensors.items())
+    segment.write(tensors.items())
+    assert all(offset % 64 == 0 for _, offset, _, _ in segment.manifest)
+    reader = dict(mapped_tensors(segment.path, segment.manifest))
+    assert reader.keys() == tensors.keys()
+    assert all(torch.equal(reader[n], t) and reader[n].dtype == t.dtype for n, t in tensors.items())
+    path = Path(segment.path)
+    segment.unlink()
+    assert not path.exists()
+    segment.write([("a.weight", tensors["a.weight"] * 2)])  # (an update after the unlink)
+    assert torch.equal(reader["a.weight"], tensors["a.weight"] * 2)
+    segment.close()
+    assert torch.equal(reader["b.bias"], tensors["b.bias"])  # (the reader's mapping lives on)

@@ -16,8 +16,10 @@
   the model (the policy's slices go there as for the built-in engine), and the engine loads the
   tensors that arrived into every vLLM worker through vLLM's own `load_weights`
   (`nebula_rl.rollout.vllm_worker`), which fuses q/k/v and gate/up and cuts each
-  tensor-parallel worker's slices. On CPU that module keeps vLLM's linear weights unpacked so
-  they can be written (see there).
+  tensor-parallel worker's slices. Workers in processes of their own (tensor parallel) get a
+  shared-memory file and read their slices of it (`nebula_rl.rollout.shared_weights`), not the
+  whole model each. On CPU `vllm_worker` keeps vLLM's linear weights unpacked so they can be
+  written (see there).
 - Multi-turn (`GenerationRequest.continuation`): a sample that stops hands its tokens to the
   continuation and waits; the observation that comes back is appended (log-prob 0, recorded in
   `Completion.observations`) and the sample goes on as a new vLLM request over its whole
@@ -47,6 +49,7 @@ from nebula_rl.rollout.engine import (
     GenerationRequest,
     RequestOutput,
 )
+from nebula_rl.rollout.shared_weights import SharedWeights
 from nebula_rl.weights.reshard import Box, full_box
 
 __all__ = ["VLLMEngine", "vllm_environment"]
@@ -141,6 +144,10 @@ class VLLMEngine(Engine):
         """vLLM request id -> (our request id, sample index)."""
         self._loaded_directly = False
         """The update being applied gave its tensors to `_load_weights` (not the staging)."""
+        parallel = self._engine.vllm_config.parallel_config
+        self._separate_workers = parallel.world_size > 1
+        """vLLM's workers run in processes of their own (tensor or pipeline parallel)."""
+        self._staging_file: SharedWeights | None = None
 
     # -- what a rollout replica needs of an engine ----------------------------------------------
 
@@ -300,8 +307,36 @@ class VLLMEngine(Engine):
         return [self._output(state)]
 
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._engine.collective_rpc("load_named_weights", args=(list(weights),))
+        items = list(weights)
+        if self._separate_workers and all(t.device.type == "cpu" for _, t in items):
+            segment = SharedWeights((name, tuple(t.shape), t.dtype) for name, t in items)
+            try:
+                segment.write(items)
+                self._engine.collective_rpc(
+                    "load_shared_weights", args=(segment.path, segment.manifest, False)
+                )
+            finally:
+                segment.close()
+        else:
+            self._engine.collective_rpc("load_named_weights", args=(items,))
         self._loaded_directly = True
+
+    def _load_staging(self) -> None:
+        """Load the whole staging model into vLLM's workers: as tensors to a worker in this
+        process; through the shared-memory file (:mod:`nebula_rl.rollout.shared_weights`, laid
+        out once and mapped by each worker once) to workers in processes of their own, so
+        that each reads its own slices instead of receiving the whole model."""
+        assert self.staging is not None
+        params = [(name, p.detach()) for name, p in self.staging.named_parameters()]
+        if not (self._separate_workers and all(t.device.type == "cpu" for _, t in params)):
+            self._engine.collective_rpc("load_named_weights", args=(params,))
+            return
+        if self._staging_file is None:
+            self._staging_file = SharedWeights((n, tuple(t.shape), t.dtype) for n, t in params)
+        self._staging_file.write(params)
+        file = self._staging_file
+        self._engine.collective_rpc("load_shared_weights", args=(file.path, file.manifest, True))
+        file.unlink()  # (every worker has mapped it now)
 
     def _weights_written(self) -> None:
         """A push wrote into the staging model (or re-pointed its tensors at the pushed set):
@@ -311,7 +346,7 @@ class VLLMEngine(Engine):
         if self._loaded_directly or self.staging is None:
             self._loaded_directly = False
             return
-        self._load_weights((name, p.detach()) for name, p in self.staging.named_parameters())
+        self._load_staging()
         self._loaded_directly = False
 
     def _on_version_change(self) -> None:

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from nebula_rl.rollout.shared_weights import Manifest, mapped_tensors
+
 __all__ = ["WeightLoader", "keep_cpu_linear_weights"]
 
 _patched = False
@@ -54,6 +56,21 @@ class WeightLoader:
     """Mixed into each vLLM worker: loads Hugging Face-named tensors into its model."""
 
     model_runner: Any
+    _shared_views: dict[str, list[tuple[str, torch.Tensor]]]
+
+    def load_shared_weights(self, path: str, manifest: Manifest, keep: bool) -> int:
+        """Load the tensors of `manifest` from the shared-memory file at `path`
+        (:mod:`nebula_rl.rollout.shared_weights`): vLLM's loaders read this worker's slices of
+        them and nothing else. With `keep`, the mapping is kept for the next update of the same
+        file (the writer unlinks its name after the first); the number of tensors loaded."""
+        cache = self.__dict__.setdefault("_shared_views", {})
+        views = cache.get(path)
+        if views is None:
+            views = mapped_tensors(path, manifest)
+            if keep:
+                cache[path] = views
+        wanted = {entry[0] for entry in manifest}
+        return self.load_named_weights((name, t) for name, t in views if name in wanted)
 
     def load_named_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy `weights` (names as in the Hugging Face checkpoint, whole tensors) into this
