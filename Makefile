@@ -78,11 +78,11 @@ wfm-demo: setup
 vllm-demo: setup-vllm
 	$(VBIN)/nebula-rl train --config configs/demo_vllm.toml
 
-# TEST_WORKERS=N spreads the suite over N processes (pytest-xdist, a test file per process at a
-# time, so its module fixtures are built once): for machines with cores to spare. On 2 cores the
-# suite already keeps both busy (its tests start processes), and two workers took 21.7 min where
-# one takes ~17, so the default is one process.
-TEST_WORKERS ?= 0
+# TEST_WORKERS=N spreads the suite over N pytest processes (pytest-xdist, a test file per process
+# at a time, so its module fixtures are built once; 0: one process). On 2 cores one process keeps
+# them 72% busy (tests wait on the jobs they start), and two workers are faster: `make test` took
+# 28.0 min with one and 21.7 with two; more cores, more workers.
+TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test: setup
@@ -91,9 +91,11 @@ test: setup
 test-all: setup
 	$(BIN)/python -m pytest -q $(XDIST) -m "not gpu and not vllm" $(PYTEST_ARGS)
 
-# The vLLM tests (marked `vllm`), in .venv-vllm.
+# The vLLM tests (marked `vllm`), in .venv-vllm: in one process unless VLLM_TEST_WORKERS says
+# otherwise (vLLM's CPU engines bring OpenMP threads of their own; two at once are unmeasured).
+VLLM_TEST_WORKERS ?= 0
 test-vllm: setup-vllm
-	$(VBIN)/python -m pytest -q $(XDIST) -m "vllm and not gpu" $(PYTEST_ARGS)
+	$(VBIN)/python -m pytest -q $(if $(filter 0,$(VLLM_TEST_WORKERS)),,-n $(VLLM_TEST_WORKERS) --dist loadfile) -m "vllm and not gpu" $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .
