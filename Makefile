@@ -81,7 +81,7 @@ vllm-demo: setup-vllm
 # TEST_WORKERS=N spreads the suite over N pytest processes (pytest-xdist, a test file per process
 # at a time, so its module fixtures are built once; 0: one process). On 2 cores one process keeps
 # them 72% busy (tests wait on the jobs they start), and two workers are faster: `make test` took
-# 28.0 min with one and 21.7 with two; more cores, more workers.
+# 28.0 min with one and 20.0 with two (2026-11-29); more cores, more workers.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
