@@ -83,7 +83,8 @@ vllm-demo: setup-vllm
 # them 72% busy (tests wait on the jobs they start), and two workers are faster: `make test` took
 # 28.0 min with one and 20.0 with two (2026-11-29); more cores, more workers.
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+xdist = $(if $(filter 0,$(1)),,-n $(1) --dist loadfile)
+XDIST := $(call xdist,$(TEST_WORKERS))
 
 test: setup
 	$(BIN)/python -m pytest -q $(XDIST) -m "not slow and not gpu and not vllm" $(PYTEST_ARGS)
@@ -95,7 +96,7 @@ test-all: setup
 # otherwise (vLLM's CPU engines bring OpenMP threads of their own; two at once are unmeasured).
 VLLM_TEST_WORKERS ?= 0
 test-vllm: setup-vllm
-	$(VBIN)/python -m pytest -q $(if $(filter 0,$(VLLM_TEST_WORKERS)),,-n $(VLLM_TEST_WORKERS) --dist loadfile) -m "vllm and not gpu" $(PYTEST_ARGS)
+	$(VBIN)/python -m pytest -q $(call xdist,$(VLLM_TEST_WORKERS)) -m "vllm and not gpu" $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -16,6 +16,7 @@ workers have mapped it (:meth:`SharedWeights.unlink`): a crash leaves nothing be
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import tempfile
@@ -44,10 +45,7 @@ class SharedWeights:
         offset = 0
         for name, shape, dtype in shapes:
             manifest.append((name, offset, tuple(shape), str(dtype).removeprefix("torch.")))
-            numel = 1
-            for size in shape:
-                numel *= size
-            offset += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+            offset += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
         self.manifest = manifest
         self.nbytes = max(offset, _ALIGN)
         fd, self.path = tempfile.mkstemp(prefix="nebula-vllm-weights-", dir=_shm_folder())
@@ -82,10 +80,7 @@ class SharedWeights:
 def _views(buffer: mmap.mmap, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
     for name, offset, shape, dtype_name in manifest:
         dtype = getattr(torch, dtype_name)
-        numel = 1
-        for size in shape:
-            numel *= size
-        flat = torch.frombuffer(buffer, dtype=dtype, count=numel, offset=offset)
+        flat = torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape), offset=offset)
         yield name, flat.view(shape)
 
 

@@ -307,36 +307,35 @@ class VLLMEngine(Engine):
         return [self._output(state)]
 
     def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        items = list(weights)
-        if self._separate_workers and all(t.device.type == "cpu" for _, t in items):
-            segment = SharedWeights((name, tuple(t.shape), t.dtype) for name, t in items)
-            try:
-                segment.write(items)
-                self._engine.collective_rpc(
-                    "load_shared_weights", args=(segment.path, segment.manifest, False)
-                )
-            finally:
-                segment.close()
-        else:
-            self._engine.collective_rpc("load_named_weights", args=(items,))
+        self._to_workers(list(weights), keep=False)
         self._loaded_directly = True
 
-    def _load_staging(self) -> None:
-        """Load the whole staging model into vLLM's workers: as tensors to a worker in this
-        process; through the shared-memory file (:mod:`nebula_rl.rollout.shared_weights`, laid
-        out once and mapped by each worker once) to workers in processes of their own, so
-        that each reads its own slices instead of receiving the whole model."""
-        assert self.staging is not None
-        params = [(name, p.detach()) for name, p in self.staging.named_parameters()]
-        if not (self._separate_workers and all(t.device.type == "cpu" for _, t in params)):
-            self._engine.collective_rpc("load_named_weights", args=(params,))
+    def _to_workers(self, tensors: list[tuple[str, torch.Tensor]], *, keep: bool) -> None:
+        """Load `tensors` into every vLLM worker: as tensors to a worker in this process; to
+        workers in processes of their own through a shared-memory file
+        (:mod:`nebula_rl.rollout.shared_weights`), so that each reads its own slices instead of
+        receiving the whole model. With `keep` the file is the staging model's, laid out once
+        and mapped by each worker once."""
+        if not (self._separate_workers and all(t.device.type == "cpu" for _, t in tensors)):
+            self._engine.collective_rpc("load_named_weights", args=(tensors,))
             return
-        if self._staging_file is None:
-            self._staging_file = SharedWeights((n, tuple(t.shape), t.dtype) for n, t in params)
-        self._staging_file.write(params)
-        file = self._staging_file
-        self._engine.collective_rpc("load_shared_weights", args=(file.path, file.manifest, True))
-        file.unlink()  # (every worker has mapped it now)
+        shapes = ((name, tuple(t.shape), t.dtype) for name, t in tensors)
+        if not keep:
+            file = SharedWeights(shapes)
+        elif self._staging_file is None:
+            file = self._staging_file = SharedWeights(shapes)
+        else:
+            file = self._staging_file
+        try:
+            file.write(tensors)
+            self._engine.collective_rpc(
+                "load_shared_weights", args=(file.path, file.manifest, keep)
+            )
+        finally:
+            if keep:
+                file.unlink()  # (every worker has mapped it now)
+            else:
+                file.close()
 
     def _weights_written(self) -> None:
         """A push wrote into the staging model (or re-pointed its tensors at the pushed set):
@@ -346,7 +345,8 @@ class VLLMEngine(Engine):
         if self._loaded_directly or self.staging is None:
             self._loaded_directly = False
             return
-        self._load_staging()
+        params = [(name, p.detach()) for name, p in self.staging.named_parameters()]
+        self._to_workers(params, keep=True)
         self._loaded_directly = False
 
     def _on_version_change(self) -> None:

@@ -62,15 +62,15 @@ class WeightLoader:
         """Load the tensors of `manifest` from the shared-memory file at `path`
         (:mod:`nebula_rl.rollout.shared_weights`): vLLM's loaders read this worker's slices of
         them and nothing else. With `keep`, the mapping is kept for the next update of the same
-        file (the writer unlinks its name after the first); the number of tensors loaded."""
+        file, which has the same manifest (the writer unlinks its name after the first); the
+        number of tensors loaded."""
         cache = self.__dict__.setdefault("_shared_views", {})
         views = cache.get(path)
         if views is None:
             views = mapped_tensors(path, manifest)
             if keep:
                 cache[path] = views
-        wanted = {entry[0] for entry in manifest}
-        return self.load_named_weights((name, t) for name, t in views if name in wanted)
+        return self.load_named_weights(views)
 
     def load_named_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy `weights` (names as in the Hugging Face checkpoint, whole tensors) into this
