@@ -7,12 +7,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from nebula_rl.controller.client import ControllerClient
 from test_cli import CONFIG, running_controller
@@ -83,17 +85,96 @@ def controller(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]
         yield running
 
 
-def test_the_controller_of_a_language_model_job_loads_no_torch(
-    controller: tuple[subprocess.Popen[bytes], Path],
-) -> None:
-    """The scheduler's process (its dataset read, its Redis state) and the API's never load
-    torch (whose import maps libtorch): the controller stays light wherever it runs. (A
-    world-model job's controller still imports torch to list its clips: docs/architecture.md.)"""
-    process, _run_dir = controller
+def _loads_no_torch(process: subprocess.Popen[bytes]) -> None:
+    """Neither the scheduler's process nor the API's has loaded torch (whose import maps
+    libtorch)."""
     for pid in (process.pid, _api_process(process.pid)):
         maps = Path(f"/proc/{pid}/maps").read_text()
         assert "libc.so" in maps or "libc-" in maps  # (the map of a live process was read)
         assert "libtorch" not in maps, f"process {pid} loaded torch"
+
+
+def test_the_controller_of_a_language_model_job_loads_no_torch(
+    controller: tuple[subprocess.Popen[bytes], Path],
+) -> None:
+    """The scheduler's process (its dataset read, its Redis state) and the API's never load
+    torch: the controller stays light wherever it runs."""
+    _loads_no_torch(controller[0])
+
+
+def test_the_controller_package_imports_no_torch() -> None:
+    """Every module of `nebula_rl.controller`, and the world-model modules a controller uses to
+    list its rows and trajectory files, import in a fresh interpreter without loading torch."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import nebula_rl.controller as c\n"
+        "names = [m.name for m in pkgutil.walk_packages(c.__path__, 'nebula_rl.controller.')]\n"
+        "names += ['nebula_rl.flow.clips', 'nebula_rl.flow.prompts', 'nebula_rl.flow.trajectories']\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        "assert len(names) > 10, names\n"
+        "print('torch' in sys.modules, len(names))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded, count = done.stdout.split()
+    assert loaded == "False", f"importing the controller's {count} modules loaded torch"
+
+
+WORLD_MODEL_CONFIG = """
+[train]
+train_batch_per_replica = 8
+max_num_steps = 3
+[train.train_policy]
+type = "grpo"
+trainer_type = "flow_grpo"
+reward_function = "brightness"
+mini_batch = 4
+[train.train_policy.dataset]
+name = "builtin:toy_video"
+kwargs = { clips_per_prompt = 2 }
+[validation]
+enable = true
+freq = 2
+max_num_prompts = 5
+[validation.dataset]
+name = "builtin:toy_video"
+[rollout]
+n_generation = 4
+[policy]
+model_name_or_path = "tiny:dit"
+is_diffusers = true
+[policy.diffusers]
+is_video = true
+inference_size = [8, 8]
+inference_frames = 2
+train_frames = 2
+"""
+
+
+def test_the_controller_of_a_world_model_job_lists_its_clips_without_torch(
+    tmp_path: Path,
+) -> None:
+    """A world-model job's controller writes the toy dataset (and its validation set) for its
+    replicas and hands out a row per clip, listed from the files without reading a clip and
+    without loading torch; the replicas read the same clips in the same order."""
+    from nebula_rl.config import load_config
+    from nebula_rl.flow.job import flow_clips
+
+    with running_controller(tmp_path, WORLD_MODEL_CONFIG, rollout=1) as (process, run_dir):
+        _loads_no_torch(process)
+        address = (run_dir / "controller").read_text().strip()
+        client = ControllerClient(address, (run_dir / "token").read_text(), timeout=10.0)
+        num_rows = client.meta()["num_rows"]
+        client.close()
+    cfg = load_config(tmp_path / "job.toml")
+    clips = flow_clips(cfg, run_dir, create=False)  # (what a replica reads)
+    val_clips = flow_clips(cfg, run_dir, create=False, validation=True)
+    assert num_rows == len(clips) == 8 * 2  # (the toy set's 8 captions, 2 clips each)
+    assert len(val_clips) == 5  # (validation.max_num_prompts of its 32)
+    assert tuple(clips[0].video.shape) == (3, 2, 8, 8)
+    assert clips[0].caption == val_clips[0].caption  # (the same captions, other clips)
+    assert not torch.equal(clips[0].video, val_clips[0].video)
 
 
 def test_the_api_answers_while_the_scheduler_is_stopped_and_comes_back_after_dying(

@@ -18,14 +18,8 @@ from nebula_rl.algorithms.flow import (
     nft_old_decay,
     soft_update,
 )
-from nebula_rl.flow import (
-    TinyDiT,
-    TinyDiTConfig,
-    guided_velocity,
-    sample,
-    sde_step,
-    sigma_schedule,
-)
+from nebula_rl.flow.dit import TinyDiT, TinyDiTConfig
+from nebula_rl.flow.sampler import guided_velocity, sample, sde_step, sigma_schedule
 
 
 def test_noise_level_zero_is_the_euler_ode_step():

@@ -15,9 +15,9 @@ import torch
 from flow_configs import tiny_flow_config, tiny_flow_policy
 from nebula_rl.algorithms.flow import flow_grpo_kl, flow_matching_loss, masked_mean, nft_loss
 from nebula_rl.config import ConfigError, config_from_dict
-from nebula_rl.flow import TinyDiT, TinyDiTConfig
 from nebula_rl.flow.data import make_toy_dataset, read_local_dataset
 from nebula_rl.flow.diffusers_models import tiny_diffusers_flow_model
+from nebula_rl.flow.dit import TinyDiT, TinyDiTConfig
 from nebula_rl.flow.local import (
     FlowBatch,
     FlowRLSettings,

@@ -19,15 +19,10 @@ from safetensors.torch import load_file
 
 from flow_configs import tiny_flow_config, tiny_flow_policy, tiny_text_pipeline
 from nebula_rl.config import config_from_dict
-from nebula_rl.flow.data import Clip, clip_text
+from nebula_rl.flow.data import Clip, clip_text, prompt_clips
 from nebula_rl.flow.job import flow_clips
 from nebula_rl.flow.models import check_flow_model, load_flow_model
-from nebula_rl.flow.prompts import (
-    PROMPT_SETS,
-    fetch_prompt_set,
-    prompt_clips,
-    read_prompt_file,
-)
+from nebula_rl.flow.prompts import PROMPT_SETS, fetch_prompt_set, read_prompt_file
 from nebula_rl.flow.text_encoder import PipelineTextEncoder
 from nebula_rl.flow.vae import sample_shape
 

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from nebula_rl.flow import TinyDiT, TinyDiTConfig
 from nebula_rl.flow.data import (
     TOY_PROMPTS,
     make_toy_dataset,
     read_local_dataset,
     toy_text_embedding,
 )
+from nebula_rl.flow.dit import TinyDiT, TinyDiTConfig
 from nebula_rl.flow.local import FlowRLSettings, pretrain, run_flow_rl
 from nebula_rl.rewards.visual import (
     brightness,

@@ -33,6 +33,7 @@ from nebula_rl import __version__
 
 if TYPE_CHECKING:
     from nebula_rl.config import Config
+    from nebula_rl.controller.scheduler import JobRows
 
 __all__ = ["main"]
 
@@ -286,6 +287,7 @@ def _cmd_controller(args: argparse.Namespace) -> int:
             port=port,
             num_rollout=args.rollout or cfg.rollout.parallelism.n_init_replicas,
             num_policy=args.policy or cfg.policy.parallelism.n_init_replicas,
+            job_rows=_world_rows(cfg, run_dir) if cfg.policy.is_diffusers else None,
         )
     except ValueError as err:
         log.error("%s", err)
@@ -294,6 +296,19 @@ def _cmd_controller(args: argparse.Namespace) -> int:
         if redis is not None:
             redis.stop()
     return 0
+
+
+def _world_rows(cfg: Config, run_dir: Path) -> JobRows:
+    """A world-model job's rows (its clips, listed without torch) and its trajectory files."""
+    from nebula_rl.controller.scheduler import JobRows
+    from nebula_rl.flow.clips import world_rows
+    from nebula_rl.flow.trajectories import TrajectoryStore
+
+    return JobRows(
+        world_rows(cfg, run_dir),
+        world_rows(cfg, run_dir, validation=True) if cfg.validation.enable else [],
+        side_files=TrajectoryStore.for_job(run_dir),
+    )
 
 
 def _cmd_replica(args: argparse.Namespace) -> int:

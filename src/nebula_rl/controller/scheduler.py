@@ -128,6 +128,30 @@ class SideFiles(Protocol):
 
     def put_back(self, folder: Path) -> None: ...
 
+    def remove(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobRows:
+    """What a job hands out: its rows, its validation rows, and the files outside Redis its
+    groups leave (a world model's trajectories: `nebula_rl.flow.trajectories`), which the
+    scheduler deletes as steps record them and removes at the end."""
+
+    rows: list[dict[str, Any]]
+    val_rows: list[dict[str, Any]]
+    side_files: SideFiles | None = None
+
+
+def text_rows(cfg: Config, run_dir: Path) -> JobRows:
+    """A language or vision-language job's rows: its RL dataset (the rows it could not use are
+    left out, counted, and reported in `dataset.json` and the log, not fatal) and validation
+    rows."""
+    from nebula_rl.data import rl_dataset, rl_validation_rows
+
+    rows, report = rl_dataset(cfg)
+    (run_dir / "dataset.json").write_text(json.dumps(dataclasses.asdict(report), indent=1))
+    return JobRows(rows, rl_validation_rows(cfg) if cfg.validation.enable else [])
+
 
 class Scheduler:
     """Runs one RL job to its end over `state`; see the module docstring for the loop."""
@@ -812,30 +836,21 @@ def run_controller(
     port: int,
     num_rollout: int,
     num_policy: int = 1,
+    job_rows: JobRows | None = None,
 ) -> None:
     """The controller: serve the API at `host:port` from a process of its own
     (:mod:`~nebula_rl.controller.api_process`) and schedule the job to its end in this one.
-    (The replicas' process groups meet in Redis, so no replica has to run on its host.)"""
+    (The replicas' process groups meet in Redis, so no replica has to run on its host.)
+    `job_rows`: what the job hands out (default: a language model's, :func:`text_rows`)."""
     import re
 
     from nebula_rl.controller.api_process import ApiProcess, ApiSpec, lower_thread_priority
     from nebula_rl.controller.client import RESTART_ENV
     from nebula_rl.controller.redis_server import connect
-    from nebula_rl.data import num_train_steps, rl_dataset, rl_validation_rows
+    from nebula_rl.data import num_train_steps
 
-    store = None
-    if cfg.policy.is_diffusers:  # a world model: the dataset's clips, trajectories in files
-        from nebula_rl.flow.job import flow_rows
-        from nebula_rl.flow.trajectories import TrajectoryStore
-
-        rows = flow_rows(cfg, run_dir)
-        val_rows = flow_rows(cfg, run_dir, validation=True) if cfg.validation.enable else []
-        store = TrajectoryStore.for_job(run_dir)
-    else:
-        rows, report = rl_dataset(cfg)
-        val_rows = rl_validation_rows(cfg) if cfg.validation.enable else []
-        # Unusable rows are left out, counted, and reported here and in the log, not fatal.
-        (run_dir / "dataset.json").write_text(json.dumps(dataclasses.asdict(report), indent=1))
+    job_rows = job_rows or text_rows(cfg, run_dir)
+    rows, store = job_rows.rows, job_rows.side_files
     total_steps = num_train_steps(
         cfg, len(rows), items_per_step=cfg.groups_per_replica * num_policy
     )
@@ -849,7 +864,7 @@ def run_controller(
         num_rollout=num_rollout,
         num_policy=num_policy,
         run_dir=run_dir,
-        val_rows=val_rows,
+        val_rows=job_rows.val_rows,
         side_files=store,
     )
     restarted = os.environ.get(RESTART_ENV) == "1"

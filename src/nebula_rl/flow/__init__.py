@@ -6,32 +6,10 @@ log-probabilities.
   their pipeline's frozen VAE.
 - `sampler`: FlowGRPO's SDE step with its log-probability, the Euler ODE step, classifier-free
   guidance and the trajectory record.
+- `clips`, `prompts`: the datasets as files and rows, torch-free (the controller lists a job's
+  rows with them); `data`: the clips read into tensors.
 - `local`, `job`, `colocated`, `runtime`: the loops (one process, colocated ranks, replicas).
 
-The losses are in `nebula_rl.algorithms.flow`.
+The losses are in `nebula_rl.algorithms.flow`. Importing this package loads nothing else (no
+torch): import the module you need.
 """
-
-from __future__ import annotations
-
-from nebula_rl.flow.dit import TinyDiT, TinyDiTConfig
-from nebula_rl.flow.sampler import (
-    FlowStep,
-    Trajectory,
-    guided_velocity,
-    sample,
-    sde_step,
-    sigma_schedule,
-    step_log_prob,
-)
-
-__all__ = [
-    "FlowStep",
-    "TinyDiT",
-    "TinyDiTConfig",
-    "Trajectory",
-    "guided_velocity",
-    "sample",
-    "sde_step",
-    "sigma_schedule",
-    "step_log_prob",
-]

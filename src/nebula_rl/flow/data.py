@@ -1,23 +1,16 @@
-"""Video/caption datasets of world-model training, in cosmos-rl's local layout, and the toy one
-the tests and the demo generate.
-
-The layout (`datasets/<name>/`): `metas/<stem>.txt` holds a clip's caption, `videos/<stem>.mp4`
-the clip (read with PyAV; `videos/<stem>.npy`, uint8 [T, H, W, 3], where PyAV is not installed)
-and `t5_xxl/<stem>.pickle` its text embeddings, computed offline: a pickled list whose first
-element is a float array [tokens, width] (`text_embedding/` is read too). A clip's window of
-`num_frames` frames starts at frame 0 (training takes a random window; this reader is
-deterministic so that rollout and policy see the same clip).
-
-The toy dataset: :data:`TOY_PROMPTS` ("a red square", ...), each a coloured shape on a noisy dark
-background, drifting a little from frame to frame; its "text embeddings" are frozen random
-vectors per word (:func:`toy_text_embedding`), standing in for a text encoder.
+"""Video/caption datasets of world-model training read into tensors: the clips of cosmos-rl's
+local layout (`metas/<stem>.txt` captions, `videos/<stem>.mp4` clips, read with PyAV, or `.npy`
+uint8 [T, H, W, 3] where PyAV is not installed, and `t5_xxl/<stem>.pickle` text embeddings
+computed offline: a pickled list whose first element is a float array [tokens, width];
+`text_embedding/` is read too) and of its diffusers layout, listed by :mod:`nebula_rl.flow.clips`
+(which also writes the toy dataset). A clip's window of `num_frames` frames starts at frame 0
+(training takes a random window; this reader is deterministic so that rollout and policy see the
+same clip). Also the sample grids, GIFs and MP4s a run writes.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +22,17 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from nebula_rl.rewards.visual import COLOURS, shape_mask
+from nebula_rl.flow.clips import (
+    TOY_PROMPTS,
+    VIDEO_FPS,
+    Entry,
+    caption_layout,
+    local_layout,
+    make_toy_dataset,
+    prompt_entries,
+    toy_text_embedding,
+    write_mp4,
+)
 
 __all__ = [
     "TOY_PROMPTS",
@@ -41,6 +44,7 @@ __all__ = [
     "clip_text",
     "frame_grid",
     "make_toy_dataset",
+    "prompt_clips",
     "read_caption_folder",
     "read_local_dataset",
     "save_samples",
@@ -48,18 +52,6 @@ __all__ = [
     "write_gif",
     "write_mp4",
 ]
-
-TOY_PROMPTS = (
-    "a red square",
-    "a blue circle",
-    "a green bar",
-    "a yellow square",
-    "a cyan circle",
-    "a magenta bar",
-    "a red circle",
-    "a blue bar",
-)
-_EMBED_DIRS = ("t5_xxl", "text_embedding")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,67 +78,6 @@ class Clip:
         if self.video is None:
             raise ValueError(f"{self.stem}: a prompt without a clip has no data to train on")
         return self.video.float() / 127.5 - 1
-
-
-def toy_text_embedding(caption: str, *, tokens: int = 4, width: int = 32) -> np.ndarray:
-    """Frozen random embeddings [tokens, width] of a caption's words (zeros past its words):
-    each word's vector is drawn from a generator seeded by the word's hash."""
-    out = np.zeros((tokens, width), dtype=np.float32)
-    for i, word in enumerate(caption.lower().split()[:tokens]):
-        seed = int.from_bytes(hashlib.sha256(word.encode()).digest()[:8], "little")
-        out[i] = np.random.default_rng(seed).standard_normal(width).astype(np.float32)
-    return out
-
-
-def _toy_clip(caption: str, rng: np.random.Generator, *, frames: int, size: int) -> np.ndarray:
-    """uint8 [T, H, W, 3]: the caption's shape in its colour over a noisy dark background."""
-    colour = next(COLOURS[w] for w in caption.split() if w in COLOURS)
-    shape = next(w for w in caption.split() if w in ("square", "circle", "bar"))
-    centre = rng.uniform(0.4, 0.6, size=2)
-    drift = rng.uniform(-0.03, 0.03, size=2)
-    video = np.empty((frames, size, size, 3), dtype=np.uint8)
-    for t in range(frames):
-        background = rng.uniform(0, 40, size=(size, size, 3))
-        cy, cx = centre + t * drift
-        mask = shape_mask(shape, size, centre=(float(cy), float(cx))).numpy()
-        frame = background.copy()
-        frame[mask] = np.array(colour) * 220 + 20
-        video[t] = frame.round().astype(np.uint8)
-    return video
-
-
-def make_toy_dataset(
-    root: Path | str,
-    *,
-    clips_per_prompt: int = 4,
-    frames: int = 2,
-    size: int = 16,
-    seed: int = 0,
-    mp4: bool = False,
-) -> Path:
-    """Write the toy dataset under `root` (cosmos-rl's local layout); clips as `.npy`, or as MP4
-    with `mp4` (needs PyAV; at 16 x 16 pixels the codec's halved colour resolution visibly
-    smears the shapes, so the demo keeps the exact `.npy`). Returns `root`."""
-    root = Path(root)
-    for folder in ("metas", "videos", "t5_xxl"):
-        (root / folder).mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    for p, caption in enumerate(TOY_PROMPTS):
-        for k in range(clips_per_prompt):
-            stem = f"clip_{p:02d}_{k:02d}"
-            video = _toy_clip(caption, rng, frames=frames, size=size)
-            (root / "metas" / f"{stem}.txt").write_text(caption + "\n")
-            if mp4:
-                write_mp4(root / "videos" / f"{stem}.mp4", video)
-            else:
-                np.save(root / "videos" / f"{stem}.npy", video)
-            with (root / "t5_xxl" / f"{stem}.pickle").open("wb") as f:
-                pickle.dump([toy_text_embedding(caption)], f)
-    return root
-
-
-VIDEO_FPS = 16
-"""Frames per second of the videos a run writes (sample MP4s and animated grids)."""
 
 
 def write_gif(path: Path, pixels: Tensor) -> None:
@@ -185,21 +116,6 @@ def _save_whole(image: Image.Image, path: Path, **options: Any) -> None:
     partial.rename(path)
 
 
-def write_mp4(path: Path, video: np.ndarray) -> None:
-    """A lossless-ish MP4 (mpeg4 at top quality) of uint8 [T, H, W, 3] frames at
-    `VIDEO_FPS`."""
-    import av
-
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("mpeg4", rate=VIDEO_FPS)
-        stream.height, stream.width = video.shape[1:3]
-        stream.pix_fmt = "yuv420p"
-        stream.options = {"qscale": "1"}
-        for frame in video:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-
-
 def frame_grid(pixels: Tensor) -> Image.Image:
     """uint8 samples [rows, n, 3, T, H, W] as one image: a row of pixels per row, its `n`
     samples side by side and each sample's frames side by side."""
@@ -225,23 +141,15 @@ def _read_video(path: Path) -> np.ndarray:
 def read_local_dataset(root: Path | str, *, num_frames: int, key: str = "dataset") -> list[Clip]:
     """The clips of a local dataset folder, in stem order, each cut to its first `num_frames`
     frames; `key` names the config key that gave `root` in errors."""
-    root = Path(root)
-    metas = sorted((root / "metas").glob("*.txt"))
-    if not metas:
-        raise ValueError(f"{key}: {root} has no metas/*.txt (cosmos-rl's local dataset layout)")
+    return read_local_entries(local_layout(root, key=key), num_frames=num_frames, key=key)
+
+
+def read_local_entries(entries: list[Entry], *, num_frames: int, key: str) -> list[Clip]:
+    """The clips of entries of the local layout (:func:`~nebula_rl.flow.clips.local_layout`),
+    each cut to its first `num_frames` frames."""
     clips = []
-    for meta in metas:
-        stem = meta.stem
-        video_path = next(
-            (p for ext in (".mp4", ".npy") if (p := root / "videos" / f"{stem}{ext}").exists()),
-            None,
-        )
-        embed_path = next(
-            (p for d in _EMBED_DIRS if (p := root / d / f"{stem}.pickle").exists()), None
-        )
-        if video_path is None or embed_path is None:
-            missing = "videos/<stem>.mp4 or .npy" if video_path is None else "t5_xxl/<stem>.pickle"
-            raise ValueError(f"{key}: {root}: clip {stem!r} has no {missing}")
+    for entry in entries:
+        video_path, embed_path = entry.files
         video = _read_video(video_path)
         if video.shape[0] < num_frames:
             raise ValueError(
@@ -251,8 +159,8 @@ def read_local_dataset(root: Path | str, *, num_frames: int, key: str = "dataset
             embedding = np.asarray(pickle.load(f)[0], dtype=np.float32)
         clips.append(
             Clip(
-                stem,
-                meta.read_text().strip(),
+                entry.stem,
+                entry.caption,
                 torch.from_numpy(np.ascontiguousarray(video[:num_frames])).permute(3, 0, 1, 2),
                 torch.from_numpy(embedding),
             )
@@ -263,9 +171,6 @@ def read_local_dataset(root: Path | str, *, num_frames: int, key: str = "dataset
 TextEncoder = Callable[[Sequence[str]], Tensor]
 """Captions -> their embeddings [B, L, D], zero past each caption's tokens
 (:class:`nebula_rl.flow.text_encoder.PipelineTextEncoder`)."""
-
-
-_VISUALS = (".jpg", ".jpeg", ".png", ".mp4", ".npy")
 
 
 def _fit(frame: Image.Image, height: int, width: int) -> np.ndarray:
@@ -285,21 +190,20 @@ def read_caption_folder(
     `<stem>.mp4` (`.npy`, uint8 [T, H, W, 3]) the video, its first `num_frames` frames taken;
     each frame scaled to cover `height` x `width` and centre-cropped. The captions carry no
     embeddings: the model's text encoder embeds them (`flow.text_encoder`)."""
-    root = Path(root)
-    metas = sorted(root.glob("*.json"))
-    if not metas:
-        raise ValueError(
-            f"{key}: {root} has no <stem>.json captions (cosmos-rl's diffusers layout)"
-        )
+    return read_caption_entries(
+        caption_layout(root, key=key), num_frames=num_frames, height=height, width=width, key=key
+    )
+
+
+def read_caption_entries(
+    entries: list[Entry], *, num_frames: int, height: int, width: int, key: str
+) -> list[Clip]:
+    """The clips of entries of the diffusers layout (:func:`~nebula_rl.flow.clips.caption_layout`):
+    a video's first `num_frames` frames or an image, each frame scaled to cover `height` x
+    `width` and centre-cropped."""
     clips = []
-    for meta in metas:
-        try:
-            caption = str(json.loads(meta.read_text())["prompt"]).strip()
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f'{key}: {meta} must be an object with a "prompt" ({err})') from err
-        visual = next((p for ext in _VISUALS if (p := meta.with_suffix(ext)).exists()), None)
-        if visual is None:
-            raise ValueError(f"{key}: {meta.stem!r} has no {' / '.join(_VISUALS)} beside {meta}")
+    for entry in entries:
+        (visual,) = entry.files
         if visual.suffix in (".mp4", ".npy"):
             video = _read_video(visual)
             if video.shape[0] < num_frames:
@@ -317,7 +221,7 @@ def read_caption_folder(
                 frames = [image.copy()]
         pixels = np.stack([_fit(f, height, width) for f in frames])
         video_t = torch.from_numpy(np.ascontiguousarray(pixels)).permute(3, 0, 1, 2)
-        clips.append(Clip(meta.stem, caption, video_t, None))
+        clips.append(Clip(entry.stem, entry.caption, video_t, None))
     return clips
 
 
@@ -359,3 +263,14 @@ def clip_text(clips: list[Clip], encode: TextEncoder | None = None) -> tuple[Ten
         text[i, :n] = row
         mask[i, :n] = (row.abs().sum(dim=1) > 0).float()
     return text, mask
+
+
+def prompt_clips(name: str, split: str, *, shape: tuple[int, ...], key: str) -> list[Clip]:
+    """The prompts of prompt set or file `name` as clips without video or embeddings, each to be
+    sampled at pixel shape `shape` [3, T, H, W]."""
+    return prompt_entry_clips(prompt_entries(name, split, key=key), shape=shape)
+
+
+def prompt_entry_clips(entries: list[Entry], *, shape: tuple[int, ...]) -> list[Clip]:
+    """Prompt entries as clips without video or embeddings, sampled at pixel shape `shape`."""
+    return [Clip(e.stem, e.caption, None, None, size=shape) for e in entries]

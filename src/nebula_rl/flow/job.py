@@ -57,14 +57,15 @@ from torch import Tensor
 
 from nebula_rl.config import FLOW_RL_TRAINERS, Config, GrpoConfig, _reward_dict
 from nebula_rl.data import epoch_order, num_train_steps
+from nebula_rl.flow.clips import dataset_entries
 from nebula_rl.flow.colocated import run_colocated
 from nebula_rl.flow.data import (
     Clip,
     clip_text,
     frame_grid,
-    make_toy_dataset,
-    read_caption_folder,
-    read_local_dataset,
+    prompt_entry_clips,
+    read_caption_entries,
+    read_local_entries,
     save_samples,
 )
 from nebula_rl.flow.ema import FlowTrainingState, WeightEMA
@@ -78,7 +79,6 @@ from nebula_rl.flow.parallel import (
     shard_flow_model,
     sum_over,
 )
-from nebula_rl.flow.prompts import PROMPT_SETS, is_prompt_dataset, prompt_clips
 from nebula_rl.flow.sampler import guided_velocity, sample
 from nebula_rl.flow.text_encoder import flow_text_encoder
 from nebula_rl.flow.vae import sample_shape, samples_to_pixels
@@ -92,11 +92,9 @@ from nebula_rl.runs import resolve_run_dir
 from nebula_rl.validation import validation_due
 
 __all__ = [
-    "TOY_DATASET",
     "check_ranks",
     "flow_clips",
     "flow_optimizer",
-    "flow_rows",
     "flow_scorer",
     "flow_settings",
     "flow_validation_scorer",
@@ -110,64 +108,27 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-TOY_DATASET = "builtin:toy_video"
-
 
 def flow_clips(
     cfg: Config, run_dir: Path, *, create: bool = True, validation: bool = False
 ) -> list[Clip]:
     """The clips of `cfg`'s dataset (with `validation`, of `validation.dataset`, its first
-    `validation.max_num_prompts`); a toy dataset is written into the run folder when `create`
-    (once per job: the job's other processes read what the first wrote), the validation one
-    with another seed than the training one's (other clips of the same captions)."""
+    `validation.max_num_prompts`), read into tensors, in the order of the controller's rows
+    (:func:`~nebula_rl.flow.clips.dataset_entries`, which writes a toy dataset when `create`)."""
     d = cfg.policy.diffusers
-    ds = cfg.validation.dataset if validation else cfg.train.train_policy.dataset
-    key = "validation.dataset.name" if validation else "train.train_policy.dataset.name"
     frames = d.inference_frames if d.is_video else 1
-    if ds.local_dir and not validation:  # (cosmos-rl's diffusers folder: captions, no embeddings)
-        height, width = d.inference_size
-        key = "train.train_policy.dataset.local_dir"
-        return read_caption_folder(
-            ds.local_dir, num_frames=frames, height=height, width=width, key=key
+    height, width = d.inference_size
+    listed = dataset_entries(cfg, run_dir, create=create, validation=validation)
+    if listed.layout == "captions":  # (cosmos-rl's diffusers folder: captions, no embeddings)
+        clips = read_caption_entries(
+            listed.entries, num_frames=frames, height=height, width=width, key=listed.key
         )
-    name = ds.name or (ds.local_dir if validation else "")
-    if is_prompt_dataset(name):  # (captions only: the model's text encoder embeds them)
-        shape = (3, frames, d.inference_size[0], d.inference_size[1])
-        key = key if ds.name else "validation.dataset.local_dir"
-        prompts = [c for split in ds.split for c in prompt_clips(name, split, shape=shape, key=key)]
-        return prompts[: cfg.validation.max_num_prompts] if validation else prompts
-    if ds.split != ["train"]:
-        raise ValueError(
-            f"{key.replace('.name', '.split')} = {ds.split}: a clip folder ({ds.name}) has no "
-            "splits; splits name the parts of a prompt set"
-        )
-    if ds.name == TOY_DATASET:
-        seed = (cfg.train.seed or 0) + (1 if validation else 0)
-        kwargs = {"size": d.inference_size[0], "frames": frames, "seed": seed}
-        root = run_dir / ("val_dataset" if validation else "dataset")
-        if create:
-            make_toy_dataset(root, **{**kwargs, **ds.kwargs})
-    elif ds.name and Path(ds.name).is_dir():
-        root = Path(ds.name)
+    elif listed.layout == "prompts":  # (captions only: the model's text encoder embeds them)
+        clips = prompt_entry_clips(listed.entries, shape=(3, frames, height, width))
     else:
-        raise ValueError(
-            f"{key}: {ds.name!r}: a world-model run reads a local folder in cosmos-rl's layout "
-            f"(metas/, videos/, t5_xxl/), {TOY_DATASET}, a prompt file (.txt, .jsonl, .json) or "
-            f"one of cosmos-rl's prompt sets ({', '.join(PROMPT_SETS)})"
-        )
-    clips = read_local_dataset(root, num_frames=frames, key=key)
-    if validation:
-        clips = clips[: cfg.validation.max_num_prompts]
+        clips = read_local_entries(listed.entries, num_frames=frames, key=listed.key)
     keep = d.max_prompt_length
     return [dataclasses.replace(c, text=None if c.text is None else c.text[:keep]) for c in clips]
-
-
-def flow_rows(cfg: Config, run_dir: Path, *, validation: bool = False) -> list[dict[str, Any]]:
-    """The controller's rows (with `validation`, its validation rows): one per clip (its caption
-    and name), a toy dataset written into the run folder first. Prompts carry only the row's
-    index; replicas read the clips."""
-    clips = flow_clips(cfg, run_dir, create=True, validation=validation)
-    return [{"caption": c.caption, "clip": c.stem} for c in clips]
 
 
 def _ordered(cfg: Config, clips: list[Clip], per_step: int) -> Any:

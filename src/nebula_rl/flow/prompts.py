@@ -11,8 +11,9 @@ use from where cosmos-rl fetches it into nebula-rl's cache (`$NEBULA_RL_CACHE`, 
 - `.json`: a list of objects, each's `"prompt"` (cosmos-rl's diffusers validation file,
   `validation.dataset.local_dir`).
 
-Each prompt becomes a :class:`~nebula_rl.flow.data.Clip` without video or embeddings, carrying
-the shape its samples take. With no clips, a prompt dataset trains FlowGRPO and DiffusionNFT;
+Each prompt becomes an entry (:func:`~nebula_rl.flow.clips.prompt_entries`) without files, and a clip
+(:func:`~nebula_rl.flow.data.prompt_clips`) without video or embeddings, carrying the shape its
+samples take. With no clips, a prompt dataset trains FlowGRPO and DiffusionNFT;
 what needs the data (SFT, DDRL's data term, conditioning frames, the distance to the data) is
 refused or left out.
 """
@@ -25,15 +26,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from nebula_rl.flow.data import Clip
-
 __all__ = [
     "PROMPT_FILE_SUFFIXES",
     "PROMPT_SETS",
     "fetch_prompt_set",
     "is_prompt_dataset",
-    "prompt_clips",
     "read_prompt_file",
+    "read_prompts",
 ]
 
 _NFT = "https://raw.githubusercontent.com/NVlabs/DiffusionNFT/refs/heads/main/dataset"
@@ -117,11 +116,8 @@ def read_prompt_file(path: Path, *, key: str) -> list[str]:
     return prompts
 
 
-def prompt_clips(name: str, split: str, *, shape: tuple[int, ...], key: str) -> list[Clip]:
-    """The prompts of prompt set or file `name` as clips without video or embeddings, each to be
-    sampled at pixel shape `shape` [3, T, H, W]."""
+def read_prompts(name: str, split: str, *, key: str) -> list[str]:
+    """The prompts of prompt set `name`'s `split` (fetched on first use) or of prompt file
+    `name`, in file order."""
     path = fetch_prompt_set(name, split, key=key) if name in PROMPT_SETS else Path(name)
-    return [
-        Clip(f"prompt_{i:06d}", prompt, None, None, size=shape)
-        for i, prompt in enumerate(read_prompt_file(path, key=key))
-    ]
+    return read_prompt_file(path, key=key)

@@ -46,6 +46,8 @@ __all__ = [
     "sde_step",
     "sigma_schedule",
     "step_log_prob",
+    "tensors_trajectory",
+    "trajectory_tensors",
 ]
 
 VelocityFn = Callable[[Tensor, Tensor], Tensor]
@@ -230,6 +232,30 @@ class Trajectory:
     def final(self) -> Tensor:
         """The generated samples [B, ...]."""
         return self.latents[:, -1]
+
+
+def trajectory_tensors(trajectory: Trajectory) -> dict[str, Tensor]:
+    """`trajectory` as named CPU tensors (a file's, or a transfer's)."""
+    tensors = {
+        "latents": trajectory.latents,
+        "log_probs": trajectory.log_probs,
+        "sigmas": trajectory.sigmas,
+        "noise_level": torch.tensor(float(trajectory.noise_level), dtype=torch.float64),
+    }
+    if trajectory.given is not None:  # (conditioning frames)
+        tensors["given"] = trajectory.given
+    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+
+
+def tensors_trajectory(t: dict[str, Tensor]) -> Trajectory:
+    """The trajectory of :func:`trajectory_tensors`' tensors."""
+    return Trajectory(
+        latents=t["latents"],
+        log_probs=t["log_probs"],
+        sigmas=t["sigmas"],
+        noise_level=float(t["noise_level"]),
+        given=t.get("given"),
+    )
 
 
 @torch.no_grad()

@@ -27,41 +27,15 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import load_file, save_file
-from torch import Tensor
+if TYPE_CHECKING:
+    from nebula_rl.flow.sampler import Trajectory
 
-from nebula_rl.flow.sampler import Trajectory
-
-__all__ = ["TRAJECTORY_DIR_ENV", "TrajectoryStore", "tensors_trajectory", "trajectory_tensors"]
+__all__ = ["TRAJECTORY_DIR_ENV", "TrajectoryStore"]
 
 TRAJECTORY_DIR_ENV = "NEBULA_TRAJECTORY_DIR"
 """A folder every replica of the job sees, instead of the host's shared memory."""
-
-
-def trajectory_tensors(trajectory: Trajectory) -> dict[str, Tensor]:
-    """`trajectory` as named CPU tensors (a file's, or a transfer's)."""
-    tensors = {
-        "latents": trajectory.latents,
-        "log_probs": trajectory.log_probs,
-        "sigmas": trajectory.sigmas,
-        "noise_level": torch.tensor(float(trajectory.noise_level), dtype=torch.float64),
-    }
-    if trajectory.given is not None:  # (conditioning frames)
-        tensors["given"] = trajectory.given
-    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-
-
-def tensors_trajectory(t: dict[str, Tensor]) -> Trajectory:
-    """The trajectory of :func:`trajectory_tensors`' tensors."""
-    return Trajectory(
-        latents=t["latents"],
-        log_probs=t["log_probs"],
-        sigmas=t["sigmas"],
-        noise_level=float(t["noise_level"]),
-        given=t.get("given"),
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +65,10 @@ class TrajectoryStore:
     def write(self, prompt_id: str, trajectory: Trajectory) -> str:
         """Write the trajectory of the group of `prompt_id`; the file's name (unique per write:
         a group sampled twice after a crash leaves two files, one of which is trained)."""
+        from safetensors.torch import save_file
+
+        from nebula_rl.flow.sampler import trajectory_tensors
+
         self.root.mkdir(parents=True, exist_ok=True)
         name = f"{self._stem(prompt_id)}.{uuid.uuid4().hex[:12]}.safetensors"
         tensors = trajectory_tensors(trajectory)
@@ -101,6 +79,10 @@ class TrajectoryStore:
 
     def read(self, name: str) -> Trajectory:
         """The trajectory in file `name`."""
+        from safetensors.torch import load_file
+
+        from nebula_rl.flow.sampler import tensors_trajectory
+
         path = self.root / name
         if not path.is_file():
             raise FileNotFoundError(f"trajectory {path} is missing")

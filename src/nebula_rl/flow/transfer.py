@@ -42,8 +42,8 @@ import torch
 from torch import Tensor
 
 from nebula_rl.controller.state import JobState
-from nebula_rl.flow.sampler import Trajectory
-from nebula_rl.flow.trajectories import TrajectoryStore, tensors_trajectory, trajectory_tensors
+from nebula_rl.flow.sampler import Trajectory, tensors_trajectory, trajectory_tensors
+from nebula_rl.flow.trajectories import TrajectoryStore
 from nebula_rl.protocol import Prompt
 from nebula_rl.weights.group import Rendezvous, WeightGroup, build_group, leave_group
 

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from nebula_rl.rewards.shapes import COLOURS, SHAPES, shape_mask
+
 __all__ = [
     "COLOURS",
     "VISUAL_REWARDS",
@@ -34,21 +36,9 @@ __all__ = [
     "jpeg_compressibility",
     "pixels_from_samples",
     "prompt_alignment",
-    "shape_mask",
 ]
 
 VisualReward = Callable[[Tensor, Sequence[str]], list[float]]
-
-COLOURS: dict[str, tuple[int, int, int]] = {
-    "red": (1, 0, 0),
-    "green": (0, 1, 0),
-    "blue": (0, 0, 1),
-    "yellow": (1, 1, 0),
-    "cyan": (0, 1, 1),
-    "magenta": (1, 0, 1),
-}
-"""Colour words a prompt may name, as the RGB channels they light."""
-SHAPES = ("square", "circle", "bar")
 
 
 def pixels_from_samples(samples: Tensor) -> Tensor:
@@ -112,22 +102,6 @@ def jpeg_compressibility(pixels: Tensor, prompts: Sequence[str]) -> list[float]:
     return scores
 
 
-def shape_mask(shape: str, size: int, *, centre: tuple[float, float] = (0.5, 0.5)) -> Tensor:
-    """A boolean [size, size] mask of the toy dataset's `shape` ("square", "circle", "bar")
-    centred at `centre` (fractions of the frame), a third of the frame across."""
-    ys, xs = torch.meshgrid(
-        (torch.arange(size) + 0.5) / size, (torch.arange(size) + 0.5) / size, indexing="ij"
-    )
-    cy, cx = centre
-    if shape == "square":
-        return ((ys - cy).abs() <= 1 / 6) & ((xs - cx).abs() <= 1 / 6)
-    if shape == "circle":
-        return (ys - cy) ** 2 + (xs - cx) ** 2 <= (1 / 6) ** 2
-    if shape == "bar":
-        return ((ys - cy).abs() <= 1 / 12) & ((xs - cx).abs() <= 1 / 3)
-    raise ValueError(f"shape {shape!r}: one of {SHAPES}")
-
-
 def prompt_alignment(pixels: Tensor, prompts: Sequence[str]) -> list[float]:
     """`colour_match` plus, for a prompt naming a shape, the mean brightness inside the centred
     shape's mask minus outside it."""
@@ -137,7 +111,7 @@ def prompt_alignment(pixels: Tensor, prompts: Sequence[str]) -> list[float]:
         shape = next((s for s in SHAPES if s in prompt.lower()), None)
         if shape is None:
             continue
-        mask = shape_mask(shape, x.shape[-1])
+        mask = torch.from_numpy(shape_mask(shape, x.shape[-1]))
         lit = x[i].mean(dim=(0, 1))  # [H, W]
         scores[i] += float(lit[mask].mean() - lit[~mask].mean())
     return scores
