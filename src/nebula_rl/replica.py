@@ -78,6 +78,11 @@ def run_replica(
             from nebula_rl.policy.colocated import run_colocated
 
             run_colocated(session, device=device)
+        elif role == "policy" and session.cfg.policy.is_diffusers:  # a world model's policy
+            from nebula_rl.flow.runtime import flow_policy
+            from nebula_rl.policy.worker import run_policy
+
+            run_policy(session, device=device, build=flow_policy)
         elif role == "policy":
             from nebula_rl.policy.worker import run_policy
 

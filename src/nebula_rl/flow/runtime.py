@@ -100,6 +100,7 @@ from nebula_rl.flow.vae import pixels_to_samples, samples_to_pixels
 from nebula_rl.flow.validation import scored_clips
 from nebula_rl.models import resolve_dtype
 from nebula_rl.policy.replicas import GroupsLost, ReplicaGroup
+from nebula_rl.policy.worker import PolicyModel
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.weights.elastic import ElasticReceiver
 from nebula_rl.weights.group import WeightGroup, weight_backend
@@ -604,13 +605,13 @@ class FlowTrainer:
             save_samples(pixels, step_samples(self.run_dir, step))
 
 
-def flow_policy(
-    cfg: Config, *, device: torch.device, meta: dict[str, Any], state: JobState | None = None
-) -> tuple[nn.Module, FlowTrainer, Callable[[Path], Any]]:
+def flow_policy(session: ReplicaSession, device: torch.device) -> PolicyModel:
     """A world-model policy replica's model (FSDP2-sharded over the replica's ranks when it has
-    several), trainer (fetching trajectories through the job's `state` from rollout replicas on
+    several), trainer (fetching trajectories through the job's state from rollout replicas on
     other hosts), and export (`safetensors/...` folders loadable as `policy.model_name_or_path`;
-    every rank of the replica calls it, its rank 0 writes)."""
+    every rank of the replica calls it, its rank 0 writes): the policy loop's
+    :data:`~nebula_rl.policy.worker.PolicyBuilder` for world models."""
+    cfg, meta, state = session.cfg, session.meta, session.state
     run_dir = Path(meta["run_dir"])
     clips = flow_clips(cfg, run_dir, create=False)
     _check_clips(cfg, clips, meta)
@@ -635,4 +636,7 @@ def flow_policy(
         with trainer.ema.applied() if trainer.ema is not None else contextlib.nullcontext():
             save_sharded_flow_model(model, cfg, folder, mesh=mesh)
 
-    return model, trainer, export
+    # (the checkpoint holds the old weights and the averages beside the model)
+    return PolicyModel(
+        model, trainer, export, saved=trainer.checkpoint_module, resumed=trainer.resumed
+    )

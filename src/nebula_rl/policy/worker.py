@@ -62,12 +62,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
-from nebula_rl.config import Config
 from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.data import rl_rows
 from nebula_rl.data.vision import VisionInputs, VisionProcessor, vision_processor
@@ -94,15 +93,61 @@ from nebula_rl.weights.group import Generation, GroupCancelled, WeightGroup, lea
 from nebula_rl.weights.reshard import ShardedSender
 from nebula_rl.weights.transport import NamedTensors
 
-if TYPE_CHECKING:
-    from nebula_rl.flow.runtime import FlowTrainer
-
-__all__ = ["PolicyWorker", "run_policy"]
+__all__ = [
+    "PolicyBuilder",
+    "PolicyModel",
+    "PolicyWorker",
+    "Trainer",
+    "language_policy",
+    "run_policy",
+]
 
 log = logging.getLogger(__name__)
 
 POLICY_GROUP = "policy"
 """Kind of the policy replicas' data-parallel group in the job's state."""
+
+
+class Trainer(Protocol):
+    """What the policy loop asks of a modality's trainer (a language model's
+    :class:`~nebula_rl.policy.trainer.PolicyTrainer`, a world model's `FlowTrainer`)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    ema: Any
+    replicas: ReplicaGroup | None
+    planned_updates: int | None
+
+    def grpo_step(self, groups: list[RolloutGroup], media: Any = None) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyModel:
+    """What a policy replica trains, as its modality builds it: a language or vision-language
+    model (:func:`language_policy`) or a world model (`flow_policy` of the world-model runtime)."""
+
+    hf_model: torch.nn.Module
+    trainer: Trainer
+    export: Callable[[Path], Any]
+    """Writes a loadable folder of the current weights (every rank calls it)."""
+    saved: torch.nn.Module
+    """What a checkpoint holds (a world model's: with its old weights and averages)."""
+    ema: Any = None
+    """Weight averages a checkpoint holds beside `saved` (None: none, or inside it)."""
+    pushed_weights: Callable[[], NamedTensors] | None = None
+    """This rank's tensors as the weight pushes send them (default: the model's parameters)."""
+    trainable_only: bool = False
+    """Whether checkpoints hold the trainable tensors only (a LoRA policy's adapter)."""
+    resumed: Callable[[], None] | None = None
+    """Called after a checkpoint was loaded."""
+    tokenizer: Any = None
+    vision: VisionProcessor | None = None
+    """A vision-language model's processor: each prompt's media, built again here."""
+
+
+PolicyBuilder = Callable[[ReplicaSession, torch.device], PolicyModel]
+"""Builds a replica rank's :class:`PolicyModel` from the session's config and the job's meta."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,55 +164,38 @@ class PolicyWorker:
     """One policy replica (this process: one of its ranks): its model and trainer, and the loop
     over its commands."""
 
-    def __init__(self, session: ReplicaSession, *, device: torch.device) -> None:
+    def __init__(
+        self, session: ReplicaSession, *, device: torch.device, build: PolicyBuilder | None = None
+    ) -> None:
         self.session = session
         cfg, meta = self.cfg, self.meta = session.cfg, session.meta
         ranks = rank_env()
         self.local_rank, self.num_ranks = ranks.rank, ranks.world_size
         self.lead = ranks.rank == 0
         """Whether this is the replica's rank 0 (the one that talks to the controller)."""
-        path = cfg.policy.model_name_or_path
         self.backend: Literal["gloo", "nccl"] = "nccl" if device.type == "cuda" else "gloo"
         """Of the policy group (between policy replicas, which never share a GPU)."""
         self.timeout = timedelta(seconds=cfg.controller.collective_timeout)
         use_deterministic(cfg.train)
         self._rows: list[dict[str, Any]] | None = None
-        self.trainer: PolicyTrainer | FlowTrainer
-        self.tokenizer: Any = None
-        self.vision: VisionProcessor | None = None
-        self._export: Callable[[Path], Any]
-        if cfg.policy.is_diffusers:  # a world model
-            from nebula_rl.flow.runtime import flow_policy
-
-            self.hf_model, flow, self._export = flow_policy(
-                cfg, device=device, meta=meta, state=session.state
-            )
-            self.trainer = flow
-            saved = flow.checkpoint_module  # (with the old weights and the averages)
-        else:
-            self._language_model(cfg, path, device)
+        built = (build or language_policy)(session, device)
+        self.hf_model, self.trainer, self._export = built.hf_model, built.trainer, built.export
+        self.tokenizer, self.vision = built.tokenizer, built.vision
         self.model = self.trainer.model
         """This rank's modules (under PP its stages'); parameters keep their names and are
         DTensor shards where the layout shards them."""
-        llm_lora = cfg.policy.lora is not None and not cfg.policy.is_diffusers
-        self.pushed_weights: Callable[[], NamedTensors] = (
-            functools.partial(pushed_weights, self.hf_model)
-            if llm_lora
-            else self.model.named_parameters
-        )
-        """This rank's tensors as the weight pushes send them (a LoRA policy's adapter, see
-        `nebula_rl.models.lora`)."""
+        self.pushed_weights = built.pushed_weights or self.model.named_parameters
         self.siblings = dist.new_group(backend="gloo") if self.num_ranks > 1 else None
         """This replica's ranks, to agree on the outcome of each collective across replicas."""
         self.checkpointer = Checkpointer(
             cfg.train.ckpt,
             Path(meta["run_dir"]),
-            model=saved if cfg.policy.is_diffusers else self.model,
+            model=built.saved,
             optimizer=self.trainer.optimizer,
             scheduler=self.trainer.scheduler,
-            ema=self.trainer.ema if isinstance(self.trainer, PolicyTrainer) else None,
+            ema=built.ema,
             export=self._export,
-            trainable_only=llm_lora,
+            trainable_only=built.trainable_only,
         )
         profile_name = session.name if self.num_ranks == 1 else f"{session.name}-r{ranks.rank}"
         self.profiler = StepProfiler(cfg.profiler, Path(meta["run_dir"]), name=profile_name)
@@ -175,8 +203,8 @@ class PolicyWorker:
         """The last step the training state includes (its policy version)."""
         if meta["resume_from"] is not None:  # every replica loads it: they stay identical
             self.version = self.checkpointer.load(Path(meta["resume_from"])).step
-            if cfg.policy.is_diffusers:
-                flow.resumed()
+            if built.resumed is not None:
+                built.resumed()
         self.clean = True
         """False after a step failed between two of its optimiser updates."""
         self.optimizer_steps = 0
@@ -195,39 +223,6 @@ class PolicyWorker:
             all_params=cfg.rollout.broadcast_all_params,
             backend=weight_backend(cfg.mode, device),
             timeout=self.timeout,
-        )
-
-    def _language_model(self, cfg: Config, path: str, device: torch.device) -> None:
-        """The tokenizer, model, processor and trainer of a language model."""
-        revision = cfg.policy.model_revision
-        self.tokenizer = load_tokenizer(path, revision=revision)
-        # Every rank of every replica loads the same weights with the same seed, so replicas
-        # start identical; in train.master_dtype, the optimiser's copy (forward runs in
-        # param_dtype). The reference only runs forward: copied before the blocks are
-        # checkpointed, compiled or split.
-        self.hf_model = load_policy_model(cfg, device=device, seed=cfg.train.seed or 0)
-        config: Any = self.hf_model.config
-        self.vision = vision_processor(cfg, config)
-        """A vision-language model's processor: each prompt's media, built again here."""
-        ref = copy.deepcopy(self.hf_model) if cfg.grpo.kl_beta > 0 else None
-        split = parallelize_policy(self.hf_model, cfg)
-        self.trainer = PolicyTrainer(
-            split.model,
-            cfg,
-            total_steps=self.meta["total_steps"],
-            pad_id=self.tokenizer.pad_token_id,
-            ref_model=None if ref is None else parallelize_reference(ref, split, cfg),
-            data_parallel=split.data_parallel,
-        )
-        # (with train.ema_enable, the weight averages beside each export: `<folder>_ema`)
-        self._export = with_ema_export(
-            functools.partial(
-                export_hf,
-                self.hf_model,
-                self.vision or self.tokenizer,
-                parallel=self.trainer.parallel,
-            ),
-            self.trainer.ema,
         )
 
     def _count_step(self, *args: Any) -> None:
@@ -560,6 +555,50 @@ class PolicyWorker:
         self._report({"type": "stopped", "rank": self.rank})
 
 
-def run_policy(session: ReplicaSession, *, device: torch.device) -> None:
-    """Body of a policy replica process (one of its ranks)."""
-    PolicyWorker(session, device=device).run()
+def language_policy(session: ReplicaSession, device: torch.device) -> PolicyModel:
+    """The tokenizer, model, processor, trainer and export of a language or vision-language
+    policy."""
+    cfg = session.cfg
+    tokenizer = load_tokenizer(cfg.policy.model_name_or_path, revision=cfg.policy.model_revision)
+    # Every rank of every replica loads the same weights with the same seed, so replicas
+    # start identical; in train.master_dtype, the optimiser's copy (forward runs in
+    # param_dtype). The reference only runs forward: copied before the blocks are
+    # checkpointed, compiled or split.
+    hf_model = load_policy_model(cfg, device=device, seed=cfg.train.seed or 0)
+    config: Any = hf_model.config
+    vision = vision_processor(cfg, config)
+    ref = copy.deepcopy(hf_model) if cfg.grpo.kl_beta > 0 else None
+    split = parallelize_policy(hf_model, cfg)
+    trainer = PolicyTrainer(
+        split.model,
+        cfg,
+        total_steps=session.meta["total_steps"],
+        pad_id=tokenizer.pad_token_id,
+        ref_model=None if ref is None else parallelize_reference(ref, split, cfg),
+        data_parallel=split.data_parallel,
+    )
+    # (with train.ema_enable, the weight averages beside each export: `<folder>_ema`)
+    export = with_ema_export(
+        functools.partial(export_hf, hf_model, vision or tokenizer, parallel=trainer.parallel),
+        trainer.ema,
+    )
+    lora = cfg.policy.lora is not None
+    return PolicyModel(
+        hf_model,
+        trainer,
+        export,
+        saved=trainer.model,
+        ema=trainer.ema,
+        pushed_weights=functools.partial(pushed_weights, hf_model) if lora else None,
+        trainable_only=lora,
+        tokenizer=tokenizer,
+        vision=vision,
+    )
+
+
+def run_policy(
+    session: ReplicaSession, *, device: torch.device, build: PolicyBuilder | None = None
+) -> None:
+    """Body of a policy replica process (one of its ranks); `build` makes what it trains
+    (default: a language model's, :func:`language_policy`)."""
+    PolicyWorker(session, device=device, build=build).run()
