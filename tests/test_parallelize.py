@@ -32,7 +32,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from nebula_rl.config import ParallelismConfig
 from nebula_rl.models import TINY_PRESETS, load_model
-from nebula_rl.policy.parallelize import ParallelDims, shard_logits
+from nebula_rl.policy.parallelize import ParallelDims
+from nebula_rl.policy.parallelize.model import shard_logits
 from nebula_rl.weights import free_port
 
 SEED = 3
