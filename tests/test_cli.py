@@ -132,9 +132,16 @@ def test_status_and_replicas_of_a_running_job(
     client.heartbeat("rollout-0", policy_version=0, stats={"tokens_per_s": 1234.5, "groups": 7})
     run_dir = ["--run-dir", str(controller)]
 
-    code, out, _ = _run(["status", *run_dir, "--json"], capsys)
-    assert code == 0
-    status = json.loads(out)
+    # (the API answers once its first process is up; the scheduler releases the first prompts
+    # once every API process is)
+    deadline = time.monotonic() + 60
+    while True:
+        code, out, _ = _run(["status", *run_dir, "--json"], capsys)
+        assert code == 0
+        status = json.loads(out)
+        if status["ledger"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert status["step"] == 0 and status["total_steps"] == 5
     # Released so far: the prompts of steps 1 and 2 (allowed_outdated_steps = 1), 4 per step.
     assert status["ledger"]["0"]["total"] == 8

@@ -78,17 +78,23 @@ def _healthy(address: str) -> bool:
         return False
 
 
+ONE_API = "\n[controller]\napi_processes = 1\n"
+"""(The default is two API processes; the tests of one process's restarts pin one.)"""
+
+
 @pytest.fixture
 def controller(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    """A `nebula-rl controller` waiting for its replicas; yields it and its run folder."""
-    with running_controller(tmp_path, CONFIG, rollout=1) as running:
+    """A `nebula-rl controller` with one API process waiting for its replicas; yields it and
+    its run folder."""
+    with running_controller(tmp_path, CONFIG + ONE_API, rollout=1) as running:
         yield running
 
 
 def _loads_no_torch(process: subprocess.Popen[bytes]) -> None:
     """Neither the scheduler's process nor the API's has loaded torch (whose import maps
     libtorch)."""
-    for pid in (process.pid, _api_process(process.pid)):
+    _wait(lambda: bool(_api_processes(process.pid)))
+    for pid in (process.pid, *_api_processes(process.pid)):
         maps = Path(f"/proc/{pid}/maps").read_text()
         assert "libc.so" in maps or "libc-" in maps  # (the map of a live process was read)
         assert "libtorch" not in maps, f"process {pid} loaded torch"
@@ -202,7 +208,7 @@ def test_the_api_answers_while_the_scheduler_is_stopped_and_comes_back_after_dyi
 def test_the_scheduler_loop_yields_to_the_api_and_restarts_keep_the_api_priority(
     tmp_path: Path,
 ) -> None:
-    config = CONFIG + "\n[controller]\nscheduler_niceness = 10\n"
+    config = CONFIG + ONE_API + "scheduler_niceness = 10\n"
     with running_controller(tmp_path, config, rollout=1) as (process, run_dir):
         address = (run_dir / "controller").read_text().strip()
         base = os.getpriority(os.PRIO_PROCESS, 0)
@@ -215,8 +221,7 @@ def test_the_scheduler_loop_yields_to_the_api_and_restarts_keep_the_api_priority
 
 
 def test_several_api_processes_share_the_port_and_each_comes_back(tmp_path: Path) -> None:
-    config = CONFIG + "\n[controller]\napi_processes = 2\n"
-    with running_controller(tmp_path, config, rollout=1) as (process, run_dir):
+    with running_controller(tmp_path, CONFIG, rollout=1) as (process, run_dir):  # (2: the default)
         address = (run_dir / "controller").read_text().strip()
         token = (run_dir / "token").read_text()
         _wait(lambda: len(_api_processes(process.pid)) == 2)

@@ -1511,10 +1511,11 @@ class ControllerConfig(_Section):
     collective_timeout: float = Field(default=300.0, gt=0.0)
     """Seconds a collective between replicas (joining a group, a gradient sum, a weight push) may
     take before it counts as failed and the group is rebuilt."""
-    api_processes: int = Field(default=1, ge=1, le=64)
+    api_processes: int = Field(default=2, ge=1, le=64)
     """Processes serving the HTTP API, on one listening socket the controller holds (the API
     keeps no state, so any of them answers any request); more spread the heartbeats of
-    thousands of replicas over more cores."""
+    thousands of replicas over more cores (two: 1,024 simulated replicas on 2 cores got their
+    heartbeats' p99 within 2x of a no-op handler's, where one process missed: BENCHMARKS.md)."""
     scheduler_niceness: int = Field(default=0, ge=0, le=19)
     """Nice value added to the scheduler loop's thread (Linux), so that on a host whose cores are
     all busy the HTTP API's processes, at the normal priority, answer heartbeats first; 0 keeps

@@ -122,9 +122,11 @@ class ApiProcess:
         assert self._watcher is None, "already started"
         self._sock = _listen(self.spec.host, self.spec.port)
         self.port = self._sock.getsockname()[1]
-        try:
+        try:  # (all started at once: each one's imports take a second or two)
             for i in range(self.processes):
-                self._spawn(i)
+                self._launch(i)
+            for i in range(self.processes):
+                self._await_listening(i)
         except RuntimeError:
             self.stop()
             raise
@@ -135,6 +137,11 @@ class ApiProcess:
 
     def _spawn(self, i: int) -> None:
         """Start API process `i` on the listening socket; `RuntimeError` if it cannot serve."""
+        self._launch(i)
+        self._await_listening(i)
+
+    def _launch(self, i: int) -> None:
+        """Start API process `i` on the listening socket."""
         conn, child_conn = self._ctx.Pipe()
         process = self._ctx.Process(
             target=_serve, args=(self.spec, self._sock, child_conn), name=f"controller-api-{i}",
@@ -143,6 +150,13 @@ class ApiProcess:
         process.start()
         child_conn.close()  # the child's end lives in the child only: our death is its EOF
         self._children[i] = _Child(process, conn)
+
+    def _await_listening(self, i: int) -> None:
+        """Wait for API process `i` to listen; `RuntimeError` (the process ended) if it does not
+        within the start timeout or cannot serve."""
+        child = self._children[i]
+        assert child is not None
+        process, conn = child.process, child.conn
         try:
             if not conn.poll(self.start_timeout_s):
                 raise RuntimeError(
