@@ -28,8 +28,9 @@ transformers.utils.logging.set_verbosity_error()
 def solo_threads() -> int:
     """torch threads for a test's single process: two when the test run has the machine to
     itself, one beside another pytest worker (pytest-xdist). Two threads on a core the other
-    worker's jobs keep busy wait on each other at every parallel op: the VLM SFT warm start
-    took 830 s so under `-n 2`, 242 s alone."""
+    worker's jobs keep busy wait on each other at every parallel op: under `-n 2` the VLM SFT
+    warm start took 830 s so (242 s alone; 301-385 s on one thread), and the VLM GRPO demo test
+    662 s (~300 s alone; 379 s on one thread)."""
     return 1 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else 2
 
 

@@ -493,7 +493,7 @@ def test_vlm_demo_learns_to_count_with_grpo(tmp_path, vlm_demo_sft):
     (0..2) is at least 0.0006 a step: measured 0.00124 (first 20 steps 1.32, last 20 1.54),
     with a standard error of 0.00012 from the steps' noise. (The difference of the first and
     last 20 steps' means, +0.22 in that run against a bound of 0.2, was too close to call.)"""
-    from conftest import least_squares_slope
+    from conftest import least_squares_slope, solo_threads
     from nebula_rl.config import load_config
     from test_recipes import ROOT, _job
 
@@ -502,8 +502,8 @@ def test_vlm_demo_learns_to_count_with_grpo(tmp_path, vlm_demo_sft):
     assert cfg.policy.warmstart_config == "configs/vlm_demo_warmstart.toml"
     cfg.policy.parallelism.dp_shard_size = cfg.rollout.parallelism.tp_size = 1  # (one process)
     warm = vlm_demo_sft / "safetensors" / "step_300"
-    # (one process and nothing beside it: two threads)
-    rewards = [r["reward_mean"] for r in _job(tmp_path / "rl", cfg, warm, "--local", threads=2)]
+    steps = _job(tmp_path / "rl", cfg, warm, "--local", threads=solo_threads())
+    rewards = [r["reward_mean"] for r in steps]
     assert len(rewards) == 200
     assert least_squares_slope(rewards) >= 0.0006, rewards
 
