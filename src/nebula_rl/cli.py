@@ -33,7 +33,7 @@ from nebula_rl import __version__
 
 if TYPE_CHECKING:
     from nebula_rl.config import Config
-    from nebula_rl.controller.scheduler import JobRows
+    from nebula_rl.controller.run import JobRows
 
 __all__ = ["main"]
 
@@ -241,7 +241,7 @@ def _cmd_controller(args: argparse.Namespace) -> int:
         TOKEN_ENV,
         TOKEN_FILE,
     )
-    from nebula_rl.controller.scheduler import run_controller
+    from nebula_rl.controller.run import run_controller
     from nebula_rl.net import free_port
     from nebula_rl.runs import resolve_run_dir, write_private
 
@@ -300,7 +300,7 @@ def _cmd_controller(args: argparse.Namespace) -> int:
 
 def _world_rows(cfg: Config, run_dir: Path) -> JobRows:
     """A world-model job's rows (its clips, listed without torch) and its trajectory files."""
-    from nebula_rl.controller.scheduler import JobRows
+    from nebula_rl.controller.run import JobRows
     from nebula_rl.flow.clips import world_rows
     from nebula_rl.flow.trajectories import TrajectoryStore
 
