@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from flow_configs import tiny_flow_config, tiny_flow_policy, tiny_text_pipeline
 from nebula_rl.config import config_from_dict
+from nebula_rl.flow.clips import prompt_entries
 from nebula_rl.flow.data import Clip, clip_text, prompt_clips
 from nebula_rl.flow.job import flow_clips
 from nebula_rl.flow.models import check_flow_model, load_flow_model
@@ -50,7 +51,8 @@ def test_prompt_files_are_read_in_order_and_bad_ones_named(tmp_path):
     (tmp_path / "empty.txt").write_text("\n")
     with pytest.raises(ValueError, match="holds no prompt"):
         read_prompt_file(tmp_path / "empty.txt", key="k")
-    clips = prompt_clips(str(tmp_path / "p.json"), "train", shape=(3, 5, 8, 8), key="k")
+    entries = prompt_entries(str(tmp_path / "p.json"), "train", key="k")
+    clips = prompt_clips(entries, shape=(3, 5, 8, 8))
     assert [(c.caption, c.video, c.text, c.shape) for c in clips] == [
         ("one", None, None, (3, 5, 8, 8)),
         ("two", None, None, (3, 5, 8, 8)),

@@ -31,10 +31,9 @@ import numpy as np
 
 from nebula_rl.config import Config
 from nebula_rl.flow.prompts import PROMPT_SETS, is_prompt_dataset, read_prompts
-from nebula_rl.rewards.shapes import COLOURS, shape_mask
+from nebula_rl.rewards.shapes import COLOURS, SHAPES, shape_mask
 
 __all__ = [
-    "TOY_CLIPS_PER_PROMPT",
     "TOY_DATASET",
     "TOY_PROMPTS",
     "VIDEO_FPS",
@@ -45,14 +44,12 @@ __all__ = [
     "local_layout",
     "make_toy_dataset",
     "prompt_entries",
-    "toy_entries",
     "toy_text_embedding",
     "world_rows",
     "write_mp4",
 ]
 
 TOY_DATASET = "builtin:toy_video"
-TOY_CLIPS_PER_PROMPT = 4
 _EMBED_DIRS = ("t5_xxl", "text_embedding")
 
 
@@ -102,7 +99,7 @@ def toy_text_embedding(caption: str, *, tokens: int = 4, width: int = 32) -> np.
 def _toy_clip(caption: str, rng: np.random.Generator, *, frames: int, size: int) -> np.ndarray:
     """uint8 [T, H, W, 3]: the caption's shape in its colour over a noisy dark background."""
     colour = next(COLOURS[w] for w in caption.split() if w in COLOURS)
-    shape = next(w for w in caption.split() if w in ("square", "circle", "bar"))
+    shape = next(w for w in caption.split() if w in SHAPES)
     centre = rng.uniform(0.4, 0.6, size=2)
     drift = rng.uniform(-0.03, 0.03, size=2)
     video = np.empty((frames, size, size, 3), dtype=np.uint8)
@@ -119,7 +116,7 @@ def _toy_clip(caption: str, rng: np.random.Generator, *, frames: int, size: int)
 def make_toy_dataset(
     root: Path | str,
     *,
-    clips_per_prompt: int = TOY_CLIPS_PER_PROMPT,
+    clips_per_prompt: int = 4,
     frames: int = 2,
     size: int = 16,
     seed: int = 0,
@@ -132,25 +129,18 @@ def make_toy_dataset(
     for folder in ("metas", "videos", "t5_xxl"):
         (root / folder).mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    for stem, caption in toy_entries(clips_per_prompt):
-        video = _toy_clip(caption, rng, frames=frames, size=size)
-        (root / "metas" / f"{stem}.txt").write_text(caption + "\n")
-        if mp4:
-            write_mp4(root / "videos" / f"{stem}.mp4", video)
-        else:
-            np.save(root / "videos" / f"{stem}.npy", video)
-        with (root / "t5_xxl" / f"{stem}.pickle").open("wb") as f:
-            pickle.dump([toy_text_embedding(caption)], f)
+    for p, caption in enumerate(TOY_PROMPTS):
+        for k in range(clips_per_prompt):
+            stem = f"clip_{p:02d}_{k:02d}"
+            video = _toy_clip(caption, rng, frames=frames, size=size)
+            (root / "metas" / f"{stem}.txt").write_text(caption + "\n")
+            if mp4:
+                write_mp4(root / "videos" / f"{stem}.mp4", video)
+            else:
+                np.save(root / "videos" / f"{stem}.npy", video)
+            with (root / "t5_xxl" / f"{stem}.pickle").open("wb") as f:
+                pickle.dump([toy_text_embedding(caption)], f)
     return root
-
-
-def toy_entries(clips_per_prompt: int = TOY_CLIPS_PER_PROMPT) -> list[tuple[str, str]]:
-    """(stem, caption) of the toy dataset's clips, in its row (stem) order."""
-    return [
-        (f"clip_{p:02d}_{k:02d}", caption)
-        for p, caption in enumerate(TOY_PROMPTS)
-        for k in range(clips_per_prompt)
-    ]
 
 
 VIDEO_FPS = 16

@@ -29,7 +29,6 @@ from nebula_rl.flow.clips import (
     caption_layout,
     local_layout,
     make_toy_dataset,
-    prompt_entries,
     toy_text_embedding,
     write_mp4,
 )
@@ -265,12 +264,7 @@ def clip_text(clips: list[Clip], encode: TextEncoder | None = None) -> tuple[Ten
     return text, mask
 
 
-def prompt_clips(name: str, split: str, *, shape: tuple[int, ...], key: str) -> list[Clip]:
-    """The prompts of prompt set or file `name` as clips without video or embeddings, each to be
-    sampled at pixel shape `shape` [3, T, H, W]."""
-    return prompt_entry_clips(prompt_entries(name, split, key=key), shape=shape)
-
-
-def prompt_entry_clips(entries: list[Entry], *, shape: tuple[int, ...]) -> list[Clip]:
-    """Prompt entries as clips without video or embeddings, sampled at pixel shape `shape`."""
+def prompt_clips(entries: list[Entry], *, shape: tuple[int, ...]) -> list[Clip]:
+    """Prompt entries (:func:`~nebula_rl.flow.clips.prompt_entries`) as clips without video or
+    embeddings, each to be sampled at pixel shape `shape` [3, T, H, W]."""
     return [Clip(e.stem, e.caption, None, None, size=shape) for e in entries]

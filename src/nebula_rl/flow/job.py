@@ -63,7 +63,7 @@ from nebula_rl.flow.data import (
     Clip,
     clip_text,
     frame_grid,
-    prompt_entry_clips,
+    prompt_clips,
     read_caption_entries,
     read_local_entries,
     save_samples,
@@ -124,7 +124,7 @@ def flow_clips(
             listed.entries, num_frames=frames, height=height, width=width, key=listed.key
         )
     elif listed.layout == "prompts":  # (captions only: the model's text encoder embeds them)
-        clips = prompt_entry_clips(listed.entries, shape=(3, frames, height, width))
+        clips = prompt_clips(listed.entries, shape=(3, frames, height, width))
     else:
         clips = read_local_entries(listed.entries, num_frames=frames, key=listed.key)
     keep = d.max_prompt_length

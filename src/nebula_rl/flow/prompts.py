@@ -11,9 +11,9 @@ use from where cosmos-rl fetches it into nebula-rl's cache (`$NEBULA_RL_CACHE`, 
 - `.json`: a list of objects, each's `"prompt"` (cosmos-rl's diffusers validation file,
   `validation.dataset.local_dir`).
 
-Each prompt becomes an entry (:func:`~nebula_rl.flow.clips.prompt_entries`) without files, and a clip
-(:func:`~nebula_rl.flow.data.prompt_clips`) without video or embeddings, carrying the shape its
-samples take. With no clips, a prompt dataset trains FlowGRPO and DiffusionNFT;
+Each prompt becomes an entry without files (:func:`~nebula_rl.flow.clips.prompt_entries`), and
+a clip without video or embeddings (:func:`~nebula_rl.flow.data.prompt_clips`), carrying the
+shape its samples take. With no clips, a prompt dataset trains FlowGRPO and DiffusionNFT;
 what needs the data (SFT, DDRL's data term, conditioning frames, the distance to the data) is
 refused or left out.
 """
