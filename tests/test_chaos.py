@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -153,8 +154,24 @@ class Job:
         return json.loads((self.run_dir / "ledger.json").read_text())
 
 
+def _forked_name(pid: int) -> tuple[str, int | None] | None:
+    """A process the launcher forked (nebula_rl.forking): its replica's name and rank (None for a
+    replica's only or supervising process), from the process's name (`rollout-1`, `policy-1:0`)."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+    match = re.fullmatch(r"((?:policy|rollout|teacher)-\d+)(?::(\d+))?", comm)
+    if match is None:
+        return None
+    return match[1], None if match[2] is None else int(match[2])
+
+
 def _rank_of(pid: int) -> int | None:
     """RANK of a process started by `run_ranks` (None for any other)."""
+    forked = _forked_name(pid)
+    if forked is not None:
+        return forked[1]
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
@@ -185,7 +202,11 @@ def _descendants(root: int) -> dict[int, str]:
                     raw = Path(f"/proc/{pid}/cmdline").read_bytes()
                 except OSError:
                     continue
-                found[pid] = raw.replace(b"\0", b" ").decode(errors="replace")
+                forked = _forked_name(pid)  # (its command line is the launcher's)
+                if forked is not None:
+                    found[pid] = f"replica --name {forked[0]}"
+                else:
+                    found[pid] = raw.replace(b"\0", b" ").decode(errors="replace")
                 frontier.append(pid)
     return found
 

@@ -49,6 +49,7 @@ from nebula_rl.controller.client import (
     ControllerClient,
 )
 from nebula_rl.controller.redis_server import RedisServer, start_redis
+from nebula_rl.forking import ForkedProcess, fork_command, why_not_fork
 from nebula_rl.metrics_log import MetricsLogger, check_installed, open_loggers
 from nebula_rl.runs import write_private
 from nebula_rl.signals import forward_checkpoint_signals
@@ -71,7 +72,7 @@ _STOP_GRACE_S = 15.0
 @dataclass
 class _Child:
     name: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | ForkedProcess
     log_file: IO[bytes]
     role: str = ""
 
@@ -81,21 +82,40 @@ class _Child:
                 os.killpg(self.process.pid, sig)
 
 
+_CLI = [sys.executable, "-m", "nebula_rl.cli"]
+
+
 def _start(
-    name: str, argv: list[str], *, env: dict[str, str], logs: Path, role: str = ""
+    name: str,
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    logs: Path,
+    role: str = "",
+    may_fork: bool = False,
 ) -> _Child:
+    """Start `argv` with its output in `<logs>/<name>.log`. With `may_fork`, a `nebula-rl`
+    command runs in a fork of this process where that is safe (:mod:`nebula_rl.forking`: torch
+    already loaded), else in a new interpreter."""
     log_file = (logs / f"{name}.log").open("ab")
     # Own session: a Ctrl-C in the terminal reaches the launcher only, which then stops the
     # children in order instead of all of them dying at once.
-    process = subprocess.Popen(
-        argv,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    log.info("started %s (pid %d), log %s", name, process.pid, logs / f"{name}.log")
+    process: subprocess.Popen[bytes] | ForkedProcess
+    if may_fork and argv[:3] == _CLI and why_not_fork(env) is None:
+        process = fork_command(
+            argv[3:], env=env, name=name, output=log_file.fileno(), new_session=True
+        )
+    else:
+        process = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    how = "forked" if isinstance(process, ForkedProcess) else "pid"
+    log.info("started %s (%s %d), log %s", name, how, process.pid, logs / f"{name}.log")
     return _Child(name, process, log_file, role)
 
 
@@ -285,7 +305,7 @@ def run_ranks(argv: list[str], nproc: int, *, grace_s: float = _STOP_GRACE_S) ->
         "WORLD_SIZE": str(nproc),
         "LOCAL_WORLD_SIZE": str(nproc),
     }
-    ranks: list[subprocess.Popen[bytes]] = []
+    ranks: list[subprocess.Popen[bytes] | ForkedProcess] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
         for process in ranks:
@@ -299,11 +319,16 @@ def run_ranks(argv: list[str], nproc: int, *, grace_s: float = _STOP_GRACE_S) ->
     try:
         for rank in range(nproc):
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            ranks.append(
-                subprocess.Popen(
-                    argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+            if argv[:3] == _CLI and why_not_fork(env) is None:  # (nebula_rl.forking)
+                replica = argv[argv.index("--name") + 1] if "--name" in argv else "rank"
+                name = f"{replica}:{rank}"
+                ranks.append(fork_command(argv[3:], env=env, name=name, die_with_parent=True))
+            else:
+                ranks.append(
+                    subprocess.Popen(
+                        argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+                    )
                 )
-            )
         while code == 0:
             codes = [p.poll() for p in ranks]  # (every rank: `any` would stop at the first)
             if all(c is not None for c in codes):
@@ -465,12 +490,15 @@ def launch(
         forward_checkpoint_signals(cfg.train, lambda: _request_checkpoint(address, env[TOKEN_ENV]))
         replica_env = {**env, **thread_env(cfg, placement, env, cores=_cores())}
         for place in placement:
-            argv = [sys.executable, "-m", "nebula_rl.cli", "replica", "--role", place.role]
+            argv = [*_CLI, "replica", "--role", place.role]
             nproc = launched_ranks(cfg, place.role, place.nproc)
             argv += ["--controller", address, "--name", place.name, "--nproc", str(nproc)]
             devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, place.devices))}
             child_env = {**replica_env, **devices} if place.devices else replica_env
-            children.append(_start(place.name, argv, env=child_env, logs=logs, role=place.role))
+            child = _start(
+                place.name, argv, env=child_env, logs=logs, role=place.role, may_fork=True
+            )
+            children.append(child)
         total_steps = _total_steps(address, env[TOKEN_ENV])
         with open_loggers(cfg, run_dir, total_steps=total_steps, only={"console"}) as loggers:
             tail = _MetricsTail(run_dir / "metrics.jsonl", loggers)
