@@ -147,3 +147,73 @@ def test_a_rank_killed_takes_its_siblings_down(tmp_path) -> None:
     for rank in (0, 2):
         pid = int((tmp_path / f"rank{rank}").read_text())
         assert not os.path.exists(f"/proc/{pid}")  # stopped and reaped
+
+
+FORK_BODY = """
+import os, sys
+
+import torch  # (what makes a fork worth it: loaded once, here)
+
+from nebula_rl.forking import fork_command, why_not_fork
+
+config, out_path = sys.argv[1], sys.argv[2]
+env = dict(os.environ)
+assert why_not_fork(env) is None, why_not_fork(env)
+out = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+good = fork_command(["check", "--config", config], env=env, name="check-good", output=out)
+bad = fork_command(["check", "--config", "absent.toml"], env=env, name="check-bad", output=out)
+print(good.wait(120), bad.wait(120), good.pid != bad.pid != os.getpid())
+"""
+
+
+def test_a_forked_command_runs_as_an_executed_one_would(tmp_path) -> None:
+    """`fork_command` (how the launcher starts replicas where it is safe): the forked `nebula-rl
+    check` writes to the given file and exits with its own code, 0 for a valid config and 2 for
+    a missing one, as `nebula-rl check` executed would."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "job.toml"
+    config.write_text('[policy]\nmodel_name_or_path = "tiny:qwen2"\n')
+    script = tmp_path / "fork.py"
+    script.write_text(FORK_BODY)
+    out = tmp_path / "out.txt"
+    done = subprocess.run(
+        [sys.executable, str(script), str(config), str(out)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["0", "2", "True"]
+    written = out.read_text()
+    assert '"model_name_or_path": "tiny:qwen2"' in written  # the good check's values in force
+    assert "absent.toml" in written  # the bad one's error
+
+
+def test_forking_is_refused_where_it_is_not_safe(monkeypatch) -> None:
+    """A process with another thread, a child whose OpenMP settings differ from this process's
+    (OpenMP read them when torch loaded), or `NEBULA_FORK=0`: the command is executed instead."""
+    import os
+    import threading
+
+    import torch
+
+    from nebula_rl.forking import why_not_fork
+
+    env = dict(os.environ)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    gpu_build = torch.version.cuda is not None or getattr(torch.version, "hip", None)
+    assert why_not_fork({**env, "NEBULA_FORK": "0"}) == "NEBULA_FORK=0"
+    if gpu_build:
+        assert why_not_fork(env) == "a GPU build of torch"
+        return
+    reason = why_not_fork({**env, "OMP_WAIT_POLICY": "PASSIVE"})
+    assert reason is not None and ("OMP_WAIT_POLICY" in reason or "threads" in reason)
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        reason = why_not_fork(env)
+        assert reason is not None and "threads run here" in reason
+    finally:
+        stop.set()
+        thread.join()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -215,7 +216,7 @@ def test_validation_prompts_are_answered_once_and_recorded_apart_from_training(
     assert metrics == [record]
 
 
-def _run_job(tmp_path: Path, cfg: Config, *extra: str) -> Path:
+def _run_job(tmp_path: Path, cfg: Config, *extra: str, env: dict | None = None) -> Path:
     config = tmp_path / "job.json"
     config.write_text(cfg.model_dump_json())
     run_dir = Path(cfg.train.output_dir) / cfg.train.timestamp
@@ -224,6 +225,7 @@ def _run_job(tmp_path: Path, cfg: Config, *extra: str) -> Path:
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, **(env or {})},
     )
     logs = "\n".join(
         f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(run_dir.glob("logs/*.log"))
@@ -265,8 +267,12 @@ def _check_job(
 
 
 def test_async_job_end_to_end(tmp_path, grpo_job_config):
-    """Controller, Redis, a policy and a rollout replica as processes, one step of staleness."""
-    run_dir = _run_job(tmp_path, _cfg(grpo_job_config, allowed=1))
+    """Controller, Redis, a policy and a rollout replica as processes, one step of staleness.
+    The replicas are new interpreters (`NEBULA_FORK=0`), as on GPUs; the other jobs' replicas
+    are forks of the launcher (nebula_rl.forking)."""
+    run_dir = _run_job(tmp_path, _cfg(grpo_job_config, allowed=1), env={"NEBULA_FORK": "0"})
+    launcher = (run_dir / "logs" / "train.log").read_text()
+    assert "started policy-0 (pid" in launcher and "started rollout-0 (pid" in launcher
     steps = _check_job(run_dir, allowed=1)
     # The pipeline overlaps: after the first steps, batches come from the previous weights.
     assert max(m["staleness_max"] for m in steps) == 1
@@ -308,6 +314,9 @@ def test_two_policy_replicas_train_one_global_batch(tmp_path, grpo_job_config):
     """`--policy 2`: each step trains 2 x train_batch_per_replica groups, split between two
     data-parallel policy replicas; every prompt is still trained exactly once."""
     run_dir = _run_job(tmp_path, _cfg(grpo_job_config, allowed=1), "--policy", "2")
+    launcher = (run_dir / "logs" / "train.log").read_text()
+    for name in ("policy-0", "policy-1", "rollout-0"):  # (forks of the launcher)
+        assert f"started {name} (forked" in launcher
     _check_job(run_dir, allowed=1, num_policy=2)
     logs = [(run_dir / "logs" / f"policy-{r}.log").read_text() for r in range(2)]
     assert sum("exported" in log for log in logs) == 1  # policy rank 0 alone exports

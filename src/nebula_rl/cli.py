@@ -90,6 +90,13 @@ def _setup_torch() -> None:
         torch.set_num_threads(threads)
 
 
+def _preload() -> None:
+    """torch and transformers' modelling code loaded once here, where this process starts
+    several ranks: they start as forks of it that have them (nebula_rl.forking)."""
+    _setup_torch()
+    import transformers.modeling_utils  # noqa: F401
+
+
 class _RunLogHandler(logging.FileHandler):
     """A file log in the run folder, created (with the folder) by nebula-rl's first record: a
     job refused before it starts leaves no run folder behind. Other libraries' records (import-
@@ -178,6 +185,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if not distributed and RANKS_ENV not in os.environ and "WORLD_SIZE" not in os.environ:
         nproc = _sft_nproc(cfg)
         if nproc > 1:  # this process supervises the ranks that split the policy
+            _preload()
             argv = [sys.executable, "-m", "nebula_rl.cli", *args.argv]
             # (every rank writes in one run folder: fix its name now)
             return run_ranks([*argv, "--timestamp", resolve_run_dir(cfg).name], nproc)

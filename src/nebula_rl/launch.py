@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import json
 import logging
 import os
@@ -408,16 +409,18 @@ def launch(
     )
     check_installed(cfg.logging.logger)  # before anything starts
     ensure_model(cfg)
-    check_job(cfg)
-    import torch
-
     placement = plan_placement(
         cfg,
         num_policy=num_policy,
         num_rollout=num_rollout,
         num_teacher=num_teacher,
-        num_gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        num_gpus=_gpu_count(),
     )
+    # The replicas' OpenMP settings are this process's too, before its checks load torch (whose
+    # OpenMP runtime reads them once): the replicas forked from it then run with them.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(thread_env(cfg, placement, dict(os.environ), cores=_cores()))
+    check_job(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
@@ -519,6 +522,15 @@ def launch(
     if outcome == 0:
         log.info("job finished: %s", run_dir)
     return outcome
+
+
+def _gpu_count() -> int:
+    """The CUDA devices torch sees; 0 without loading torch on a machine with no GPU device."""
+    if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _cores() -> int:
