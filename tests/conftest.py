@@ -4,6 +4,8 @@
 pytest-xdist spreads the run over processes."""
 
 import copy
+import multiprocessing
+import multiprocessing.context
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +25,19 @@ from nebula_rl.controller import RedisServer, start_redis
 torch.set_num_threads(1)
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
+
+
+RANK_PRELOAD = ["torch", "torch.distributed", "transformers.modeling_utils", "nebula_rl.models"]
+
+
+def rank_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context tests start their ranks and group members from: a forkserver
+    that imported torch and transformers' modelling code once for the pytest process, where
+    'spawn' pays those imports (~5 s of CPU) in every process. Its processes get the test
+    process's environment as it was at the first use."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+    return ctx
 
 
 def solo_threads() -> int:

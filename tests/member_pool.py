@@ -8,7 +8,6 @@ its exit code; its Python stacks at the crash are in the test's captured stderr 
 """
 
 import faulthandler
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -17,6 +16,8 @@ from collections.abc import Callable, Iterable
 
 import pytest
 import torch
+
+from conftest import rank_context
 
 
 def _member(rank, inbox, out):
@@ -38,7 +39,7 @@ class MemberPool:
     """`num_procs` spawned member processes, numbered from 0."""
 
     def __init__(self, num_procs: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self.out = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(num_procs)]
         self.procs = [

@@ -155,7 +155,7 @@ class Job:
 
 
 def _forked_name(pid: int) -> tuple[str, int | None] | None:
-    """A process the launcher forked (nebula_rl.forking): its replica's name and rank (None for a
+    """A process the launcher forked (nebula_rl.launch.forking): its replica's name and rank (None for a
     replica's only or supervising process), from the process's name (`rollout-1`, `policy-1:0`)."""
     try:
         comm = Path(f"/proc/{pid}/comm").read_text().strip()

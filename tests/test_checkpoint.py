@@ -4,7 +4,6 @@ checkpoints are ignored; async saves a snapshot; a checkpoint of an FSDP2-sharde
 processes), its weight averages too, loads into one unsharded process."""
 
 import json
-import multiprocessing as mp
 import os
 import queue
 import shutil
@@ -18,6 +17,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from transformers import AutoModelForCausalLM
 
+from conftest import rank_context
 from nebula_rl import local
 from nebula_rl.config import CheckpointConfig, config_from_dict
 from nebula_rl.models import load_model
@@ -326,7 +326,7 @@ def _fsdp_rank(rank: int, port: int, run_dir: str, out) -> None:
 
 def test_fsdp_sharded_checkpoint_loads_unsharded(tmp_path):
     port = free_port()
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     procs = [
         ctx.Process(target=_fsdp_rank, args=(r, port, str(tmp_path), out), daemon=True)

@@ -154,14 +154,15 @@ import os, sys
 
 import torch  # (what makes a fork worth it: loaded once, here)
 
-from nebula_rl.forking import fork_command, why_not_fork
+from nebula_rl.launch.forking import fork_command, why_not_fork
 
 config, out_path = sys.argv[1], sys.argv[2]
 env = dict(os.environ)
 assert why_not_fork(env) is None, why_not_fork(env)
 out = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-good = fork_command(["check", "--config", config], env=env, name="check-good", output=out)
-bad = fork_command(["check", "--config", "absent.toml"], env=env, name="check-bad", output=out)
+cli = [sys.executable, "-m", "nebula_rl.cli", "check", "--config"]
+good = fork_command([*cli, config], env=env, name="check-good", output=out)
+bad = fork_command([*cli, "absent.toml"], env=env, name="check-bad", output=out)
 print(good.wait(120), bad.wait(120), good.pid != bad.pid != os.getpid())
 """
 
@@ -197,7 +198,7 @@ def test_forking_is_refused_where_it_is_not_safe(monkeypatch) -> None:
 
     import torch
 
-    from nebula_rl.forking import why_not_fork
+    from nebula_rl.launch.forking import why_not_fork
 
     env = dict(os.environ)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)

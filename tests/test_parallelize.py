@@ -18,7 +18,6 @@ round-off and far below the real gradients (1e-4 to 1e-1 here) damps only those.
 """
 
 import functools
-import multiprocessing as mp
 import os
 import queue
 import sys
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from conftest import rank_context
 from nebula_rl.config import ParallelismConfig
 from nebula_rl.models import TINY_PRESETS, load_model
 from nebula_rl.policy.parallelize import ParallelDims
@@ -153,7 +153,7 @@ def _worker(rank: int, world_size: int, port: int, settings: dict, out) -> None:
 
 def _spawn(world_size: int, settings: dict) -> dict[int, tuple[list[float], dict]]:
     """Run `_worker` on `world_size` gloo ranks; their reports by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     port = free_port()
     procs = [

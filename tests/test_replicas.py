@@ -5,7 +5,6 @@ The replicas are spawned processes joined by a group whose TCPStore this test pr
 (`Rendezvous.hosted`, as the controller serves it in a job).
 """
 
-import multiprocessing as mp
 import os
 import queue
 import traceback
@@ -13,6 +12,7 @@ import traceback
 import pytest
 import torch
 
+from conftest import rank_context
 from nebula_rl.config import config_from_dict
 from nebula_rl.models import build_char_tokenizer, load_model
 from nebula_rl.policy.replicas import ReplicaGroup
@@ -87,7 +87,7 @@ def _replica(rank: int, port: int, out) -> None:
 def test_two_replicas_step_like_one():
     port = free_port()
     store = serve_store("127.0.0.1", port)  # noqa: F841 (the rendezvous lives while it does)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=_replica, args=(r, port, out), daemon=True) for r in range(2)]
     for p in procs:
@@ -173,7 +173,7 @@ def test_a_joining_replica_takes_the_state_of_a_live_one():
     step equals the veteran's third step over the whole batch."""
     port = free_port()
     store = serve_store("127.0.0.1", port)  # noqa: F841 (the rendezvous lives while it does)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=_joiner, args=(r, port, out), daemon=True) for r in range(2)]
     for p in procs:
@@ -274,7 +274,7 @@ def _case_replica(rank: int, port: int, case: str, out) -> None:
 def _run_pair(case: str) -> tuple:
     port = free_port()
     store = serve_store("127.0.0.1", port)  # noqa: F841 (the rendezvous lives while it does)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     procs = [
         ctx.Process(target=_case_replica, args=(r, port, case, out), daemon=True) for r in range(2)

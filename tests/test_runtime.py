@@ -269,7 +269,7 @@ def _check_job(
 def test_async_job_end_to_end(tmp_path, grpo_job_config):
     """Controller, Redis, a policy and a rollout replica as processes, one step of staleness.
     The replicas are new interpreters (`NEBULA_FORK=0`), as on GPUs; the other jobs' replicas
-    are forks of the launcher (nebula_rl.forking)."""
+    are forks of the launcher (nebula_rl.launch.forking)."""
     run_dir = _run_job(tmp_path, _cfg(grpo_job_config, allowed=1), env={"NEBULA_FORK": "0"})
     launcher = (run_dir / "logs" / "train.log").read_text()
     assert "started policy-0 (pid" in launcher and "started rollout-0 (pid" in launcher

@@ -92,7 +92,7 @@ def _setup_torch() -> None:
 
 def _preload() -> None:
     """torch and transformers' modelling code loaded once here, where this process starts
-    several ranks: they start as forks of it that have them (nebula_rl.forking)."""
+    several ranks: they start as forks of it that have them (nebula_rl.launch.forking)."""
     _setup_torch()
     import transformers.modeling_utils  # noqa: F401
 

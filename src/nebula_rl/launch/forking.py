@@ -1,4 +1,5 @@
-"""Starting a `nebula-rl` command in a forked copy of this process instead of a new interpreter.
+"""Starting a `python -m nebula_rl.cli ...` command in a fork of this process instead of a new
+interpreter.
 
 A replica's process spends ~5 s of CPU importing torch and transformers before it does anything
 (measured on 2 cores: of a tiny job's ~8 s per replica). The launcher has imported both by the
@@ -28,6 +29,7 @@ import atexit
 import contextlib
 import logging
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -102,7 +104,7 @@ class ForkedProcess:
 
 
 def fork_command(
-    args: list[str],
+    argv: list[str],
     *,
     env: dict[str, str],
     name: str,
@@ -110,21 +112,26 @@ def fork_command(
     new_session: bool = False,
     die_with_parent: bool = False,
 ) -> ForkedProcess:
-    """Run `nebula-rl <args>` in a forked child (check :func:`why_not_fork` first): its
-    standard output and error go to the file descriptor `output` (else this process's); its
-    own session with `new_session`; SIGKILL when this process dies with `die_with_parent`."""
+    """Run `argv`, a `[python, "-m", module, *args]` command, in a forked child (check
+    :func:`why_not_fork` first) as `python -m` would: the module runs as `__main__` with
+    `sys.argv` set. Its standard output and error go to the file descriptor `output` (else this
+    process's); its own session with `new_session`; SIGKILL when this process dies with
+    `die_with_parent`; `name` is its process name."""
+    if argv[1:2] != ["-m"] or len(argv) < 3:
+        raise ValueError(f"fork_command runs `python -m module ...` commands, not {argv}")
+    module, args = argv[2], argv[3:]
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid:
-        return ForkedProcess(pid, ["nebula-rl", *args])
+        return ForkedProcess(pid, argv)
     code = 1
     try:
         _become_new_process(env, name, output, new_session, die_with_parent)
-        from nebula_rl.cli import main
-
-        sys.argv = ["nebula-rl", *args]
-        code = main(args)
+        sys.argv = [module, *args]
+        sys.modules.pop(module, None)  # (loaded here as a module: it runs anew as __main__)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     except BaseException:

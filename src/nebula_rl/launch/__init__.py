@@ -50,7 +50,7 @@ from nebula_rl.controller.client import (
     ControllerClient,
 )
 from nebula_rl.controller.redis_server import RedisServer, start_redis
-from nebula_rl.forking import ForkedProcess, fork_command, why_not_fork
+from nebula_rl.launch.forking import ForkedProcess, fork_command, why_not_fork
 from nebula_rl.metrics_log import MetricsLogger, check_installed, open_loggers
 from nebula_rl.runs import write_private
 from nebula_rl.signals import forward_checkpoint_signals
@@ -96,16 +96,14 @@ def _start(
     may_fork: bool = False,
 ) -> _Child:
     """Start `argv` with its output in `<logs>/<name>.log`. With `may_fork`, a `nebula-rl`
-    command runs in a fork of this process where that is safe (:mod:`nebula_rl.forking`: torch
+    command runs in a fork of this process where that is safe (:mod:`nebula_rl.launch.forking`: torch
     already loaded), else in a new interpreter."""
     log_file = (logs / f"{name}.log").open("ab")
     # Own session: a Ctrl-C in the terminal reaches the launcher only, which then stops the
     # children in order instead of all of them dying at once.
     process: subprocess.Popen[bytes] | ForkedProcess
     if may_fork and argv[:3] == _CLI and why_not_fork(env) is None:
-        process = fork_command(
-            argv[3:], env=env, name=name, output=log_file.fileno(), new_session=True
-        )
+        process = fork_command(argv, env=env, name=name, output=log_file.fileno(), new_session=True)
     else:
         process = subprocess.Popen(
             argv,
@@ -320,10 +318,10 @@ def run_ranks(argv: list[str], nproc: int, *, grace_s: float = _STOP_GRACE_S) ->
     try:
         for rank in range(nproc):
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            if argv[:3] == _CLI and why_not_fork(env) is None:  # (nebula_rl.forking)
+            if argv[:3] == _CLI and why_not_fork(env) is None:  # (nebula_rl.launch.forking)
                 replica = argv[argv.index("--name") + 1] if "--name" in argv else "rank"
                 name = f"{replica}:{rank}"
-                ranks.append(fork_command(argv[3:], env=env, name=name, die_with_parent=True))
+                ranks.append(fork_command(argv, env=env, name=name, die_with_parent=True))
             else:
                 ranks.append(
                     subprocess.Popen(
