@@ -15,8 +15,8 @@ from nebula_rl.models import load_model
 from nebula_rl.policy.setup import apply_fp8
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import GenerationRequest, SamplingParams
-from nebula_rl.rollout.torch_engine import (
-    TorchEngine,
+from nebula_rl.rollout.torch_engine import TorchEngine
+from nebula_rl.rollout.torch_engine.layers import (
     _apply,
     _Linear,
     _quantize_rows,
