@@ -44,6 +44,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from nebula_rl.net import bind_socket
+
 __all__ = ["ApiProcess", "ApiSpec", "lower_thread_priority"]
 
 log = logging.getLogger(__name__)
@@ -261,22 +263,11 @@ def _listen(host: str, port: int) -> socket.socket:
     """A TCP socket listening on `host:port` (0: any free port) for the API processes to share;
     `RuntimeError` naming the address if it cannot be bound."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn does)
-            sock.bind(address)
-            sock.listen(2048)
-        except OSError:
-            sock.close()
-            raise
+        return bind_socket(host, port, backlog=2048)
     except OSError as err:
         raise RuntimeError(
             f"the controller's API could not serve on {host}:{port}: {err}"
         ) from None
-    return sock
 
 
 def lower_thread_priority(niceness: int) -> None:

@@ -54,7 +54,7 @@ from torch.distributed import (
     Work,
 )
 
-from nebula_rl.net import free_port
+from nebula_rl.net import bind_socket, free_port
 
 __all__ = [
     "Collectives",
@@ -256,16 +256,7 @@ def _listen(host: str, port: int) -> int:
     (TCPStore's own server listens on every interface whatever host it is given, which would put
     an unauthenticated store on the network of a job that was told to stay on loopback.)
     """
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(512)
-    except OSError:
-        sock.close()
-        raise
-    return sock.detach()
+    return bind_socket(host, port, backlog=512).detach()
 
 
 def _serve(host: str, port: int, timeout: timedelta) -> TCPStore:

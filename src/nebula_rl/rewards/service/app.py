@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nebula_rl.http_server import HttpServer, bearer_matches, serve
+from nebula_rl.net import bind_socket as _bind
 from nebula_rl.rewards.service.config import RewardServiceConfig, resolve_token
 from nebula_rl.rewards.service.pool import RewardService
 from nebula_rl.rewards.service.wire import (
@@ -147,13 +148,9 @@ def create_app(service: RewardService, *, token: str) -> FastAPI:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A socket bound to `host`:`port` (0: any free port); a port in use is a `ValueError`."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock = _bind(host, port)
     except OSError as err:
-        sock.close()
         raise ValueError(
             f"cannot listen on {host}:{port} ({err.strerror}): free the port or choose another "
             "`port` (--port); the service does not move to another port by itself"
