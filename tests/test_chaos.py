@@ -466,8 +466,17 @@ def test_rank_of_a_two_rank_rollout_replica_killed(start_job):
         held = job.state.redis.xpending_range(pending, "rollout", "-", "+", 100, "rollout-1")
         return job.steps() >= 1 and len(held) > 0
 
-    job.wait_for("rollout-1 holding prompts after step 1", holds_prompts)
+    # Rank 0 (which claims and acknowledges the prompts) frozen while it holds some, so that the
+    # kill is sure to find prompts held, not raced by the replica finishing them.
+    while True:
+        job.wait_for("rollout-1 holding prompts after step 1", holds_prompts)
+        frozen = job.pid("replica", "--name rollout-1", rank=0)
+        os.kill(frozen, signal.SIGSTOP)
+        if holds_prompts():
+            break
+        os.kill(frozen, signal.SIGCONT)
     job.kill("replica", "--name rollout-1", rank=1)
+    os.kill(frozen, signal.SIGCONT)  # (its supervisor's SIGTERM then stops it)
     ledger = job.finish()
     _assert_exactly_once(ledger, num_rows)
     assert [m["step"] for m in _metrics(job)] == list(range(1, num_rows // BATCH + 1))

@@ -32,16 +32,8 @@ from nebula_rl.weights import (
     serve_store,
     shared,
 )
-from nebula_rl.weights.reshard import (
-    ShardedReceiver,
-    ShardedSender,
-    _decode,
-    _encode,
-    _Piece,
-    _plan,
-    chunk_box,
-    full_box,
-)
+from nebula_rl.weights.reshard import ShardedReceiver, ShardedSender, chunk_box, full_box
+from nebula_rl.weights.reshard.plan import _decode, _encode, _Piece, _plan
 
 TIMEOUT = timedelta(seconds=60)
 BUCKET_BYTES = 8192  # small: every pair of ranks exchanges several messages

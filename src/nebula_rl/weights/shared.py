@@ -2,7 +2,7 @@
 
 On one host over gloo, weights need not cross TCP: the sender writes them into files in
 `/dev/shm` that every receiver has mapped, and only a short header goes over the group
-(`transport.py` for full weights, `reshard.py` for slices). `share` sets those files up:
+(`transport.py` for full weights, `reshard/` for slices). `share` sets those files up:
 
 1. Rank 0 creates the files under a random name, reserving their memory (`posix_fallocate`, so
    a full `/dev/shm` makes it decline now instead of a SIGBUS on a later write), plus a probe
