@@ -40,6 +40,15 @@ def rank_context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files with a test marked `early` first (in their order), then the others: pytest-xdist
+    (`--dist loadfile --no-loadscope-reorder`, as .ci/run runs the slow suite) hands files out
+    in this order, so the longest start at once instead of one of them running alone at the
+    end (the VLM demo tests, ~10 min together, came last)."""
+    early = {item.path for item in items if item.get_closest_marker("early")}
+    items.sort(key=lambda item: item.path not in early)  # (stable: the order within stays)
+
+
 def solo_threads() -> int:
     """torch threads for a test's single process: two when the test run has the machine to
     itself, one beside another pytest worker (pytest-xdist). Two threads on a core the other

@@ -20,7 +20,7 @@ import pytest
 
 from nebula_rl.config import Config, load_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.early]
 
 ROOT = Path(__file__).parents[1]
 

@@ -460,6 +460,7 @@ def test_vision_language_packing_is_refused_and_grpo_runs_on_images(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.early
 def test_the_vlm_demo_sft_config_learns_to_count(vlm_demo_sft):
     """`configs/vlm_demo_sft.toml` as shipped (one process, ~2 minutes; run once for the
     session, conftest.py): its export reads the count off held-out images, where a model that
@@ -482,6 +483,7 @@ def test_the_vlm_demo_sft_config_learns_to_count(vlm_demo_sft):
 
 
 @pytest.mark.slow
+@pytest.mark.early
 def test_vlm_demo_learns_to_count_with_grpo(tmp_path, vlm_demo_sft):
     """`configs/vlm_demo.toml` (`make vlm-demo`: a tiny Qwen3-VL, rewards single_choice +
     format on images) from its SFT warm start (the SFT demo run above at step 300, which is
