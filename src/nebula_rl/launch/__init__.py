@@ -50,7 +50,12 @@ from nebula_rl.controller.client import (
     ControllerClient,
 )
 from nebula_rl.controller.redis_server import RedisServer, start_redis
-from nebula_rl.launch.forking import ForkedProcess, fork_command, why_not_fork
+from nebula_rl.launch.forking import (
+    ForkedProcess,
+    die_with_parent,
+    fork_command,
+    why_not_fork,
+)
 from nebula_rl.metrics_log import MetricsLogger, check_installed, open_loggers
 from nebula_rl.runs import write_private
 from nebula_rl.signals import forward_checkpoint_signals
@@ -272,16 +277,6 @@ def thread_env(
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def _die_with_parent() -> None:
-    """In a rank, before exec: be killed when the process that started it dies (Linux), so a
-    killed `run_ranks` leaves no rank behind."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def run_ranks(argv: list[str], nproc: int, *, grace_s: float = _STOP_GRACE_S) -> int:
     """Run `argv` as `nproc` ranks on this host and supervise them, as torchrun would; the exit
     code: 0 when every rank exited with 0, else the first failure's (128 + signal when one was
@@ -325,7 +320,7 @@ def run_ranks(argv: list[str], nproc: int, *, grace_s: float = _STOP_GRACE_S) ->
             else:
                 ranks.append(
                     subprocess.Popen(
-                        argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+                        argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent
                     )
                 )
         while code == 0:
@@ -414,8 +409,9 @@ def launch(
         num_teacher=num_teacher,
         num_gpus=_gpu_count(),
     )
-    # The replicas' OpenMP settings are this process's too, before its checks load torch (whose
-    # OpenMP runtime reads them once): the replicas forked from it then run with them.
+    # The replicas' OpenMP settings (they inherit this environment) are this process's too,
+    # before its checks load torch (whose OpenMP runtime reads them once): the replicas forked
+    # from it then run with them.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.update(thread_env(cfg, placement, dict(os.environ), cores=_cores()))
     check_job(cfg)
@@ -438,7 +434,6 @@ def launch(
         **os.environ,
         TOKEN_ENV: secrets.token_urlsafe(32),
         REDIS_URL_ENV: redis_url,
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "PYTHONUNBUFFERED": "1",
     }
     address = f"{host}:{port}"
@@ -454,9 +449,7 @@ def launch(
     outcome = 1
     try:
         controller_argv = [
-            sys.executable,
-            "-m",
-            "nebula_rl.cli",
+            *_CLI,
             "controller",
             "--config",
             str(config_path),
@@ -489,13 +482,12 @@ def launch(
         # A scheduler's pre-emption signal (train.save_ckpt_at_exit): a checkpoint after the
         # next step, through the controller; the job goes on.
         forward_checkpoint_signals(cfg.train, lambda: _request_checkpoint(address, env[TOKEN_ENV]))
-        replica_env = {**env, **thread_env(cfg, placement, env, cores=_cores())}
         for place in placement:
             argv = [*_CLI, "replica", "--role", place.role]
             nproc = launched_ranks(cfg, place.role, place.nproc)
             argv += ["--controller", address, "--name", place.name, "--nproc", str(nproc)]
             devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, place.devices))}
-            child_env = {**replica_env, **devices} if place.devices else replica_env
+            child_env = {**env, **devices} if place.devices else env
             child = _start(
                 place.name, argv, env=child_env, logs=logs, role=place.role, may_fork=True
             )
@@ -544,7 +536,7 @@ def ensure_model(cfg: Config) -> None:
     if warm is None or path.startswith("tiny:") or Path(path).exists():
         return
     log.info("%s is missing: building it with the warm-start config %s", path, warm)
-    argv = [sys.executable, "-m", "nebula_rl.cli", "train", "--config", warm]
+    argv = [*_CLI, "train", "--config", warm]
     done = subprocess.run(argv, stdin=subprocess.DEVNULL, check=False)
     if done.returncode != 0:
         raise RuntimeError(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import logging
 import os
 import runpy
@@ -37,7 +38,7 @@ import time
 import traceback
 from collections.abc import Sequence
 
-__all__ = ["ForkedProcess", "fork_command", "why_not_fork"]
+__all__ = ["ForkedProcess", "die_with_parent", "fork_command", "why_not_fork"]
 
 FORK_ENV = "NEBULA_FORK"
 """`0` executes every command in a new interpreter."""
@@ -150,19 +151,24 @@ def fork_command(
         os._exit(code)
 
 
-def _become_new_process(
-    env: dict[str, str], name: str, output: int | None, new_session: bool, die_with_parent: bool
-) -> None:
-    import ctypes
+def die_with_parent() -> None:
+    """Be killed when the process that started this one dies (Linux; a rank, before exec or
+    after fork), so a killed `run_ranks` leaves no rank behind."""
+    PR_SET_PDEATHSIG = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
-    libc = ctypes.CDLL(None, use_errno=True)
+
+def _become_new_process(
+    env: dict[str, str], name: str, output: int | None, new_session: bool, orphan_dies: bool
+) -> None:
     if new_session:
         os.setsid()
-    if die_with_parent:
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if orphan_dies:
+        die_with_parent()
     PR_SET_NAME = 15
-    libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
