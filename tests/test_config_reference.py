@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from nebula_rl import config_reference
 from nebula_rl.cli import main
 from nebula_rl.config import Config
+from nebula_rl.config import reference as config_reference
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "config-reference.md"
 
@@ -42,7 +42,7 @@ def test_every_key_is_documented_once_per_table() -> None:
         section = match.group(1) if match else ""
         names = re.findall(r"^\| `(\w+)` \| `[^`]+` \| `[^`]*` \| (.+) \|$", table, re.MULTILINE)
         for name, meaning in names:
-            assert meaning.strip(), f"{section}.{name} has no docstring in config.py"
+            assert meaning.strip(), f"{section}.{name} has no docstring in src/nebula_rl/config/"
             rendered.add(f"{section}.{name}" if section else name)
     # A model used by several tables (the dataset, the parallelism of the teacher, LoRA) is
     # documented at its first table and referred to from the others.

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from nebula_rl.config import ConfigError, config_from_dict, load_config
-from nebula_rl.wfm_schema import translate_wfm
+from nebula_rl.config.compat.wfm import translate_wfm
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "cosmos-rl"

@@ -350,10 +350,10 @@ def test_a_wfm_mode_config_trains_on_cosmos_rls_objective(tmp_path):
     policy term; plus `kl_beta mean((mu_ref - mu)^2)`. The policy trains from other weights than
     the rollout's (so the ratio is not 1) and the reference is a third model. With flow_grpo's
     Gaussian forms (nebula-rl's defaults) the same step's loss differs."""
+    from nebula_rl.config.compat.wfm import translate_wfm
     from nebula_rl.flow.job import flow_settings
     from nebula_rl.flow.local import FlowBatch, _velocity, flow_advantages, roll_out, train_on_batch
     from nebula_rl.flow.sampler import sde_step
-    from nebula_rl.wfm_schema import translate_wfm
 
     wfm = {
         "model": {

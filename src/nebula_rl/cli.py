@@ -476,7 +476,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _cmd_config_reference(args: argparse.Namespace) -> int:
 
-    from nebula_rl import config_reference
+    from nebula_rl.config import reference as config_reference
 
     if args.write is None and args.check is None:
         print(config_reference.render(), end="")

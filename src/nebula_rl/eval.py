@@ -36,15 +36,9 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
-from nebula_rl.config import (
-    Config,
-    ConfigError,
-    DatasetConfig,
-    RewardSpec,
-    _format_errors,
-    _Section,
-    config_from_dict,
-)
+from nebula_rl.config import Config, ConfigError, DatasetConfig, config_from_dict
+from nebula_rl.config.base import RewardSpec, Section
+from nebula_rl.config.errors import format_errors
 
 __all__ = [
     "EvalConfig",
@@ -57,7 +51,7 @@ __all__ = [
 ]
 
 
-class EvalModelConfig(_Section):
+class EvalModelConfig(Section):
     """The model evaluated (`[model]`)."""
 
     model_name: str
@@ -76,7 +70,7 @@ class EvalModelConfig(_Section):
     """Weights' dtype (`bfloat16` on GPUs)."""
 
 
-class EvalGenerationConfig(_Section):
+class EvalGenerationConfig(Section):
     """Sampling (`[generation]`)."""
 
     n: int = Field(default=1, ge=1)
@@ -97,7 +91,7 @@ class EvalGenerationConfig(_Section):
     """Rows an engine instance generates at once (and then writes)."""
 
 
-class EvaluationConfig(_Section):
+class EvaluationConfig(Section):
     """What is read and how it is scored (`[evaluation]`)."""
 
     prompt_column_name: str = "prompt"
@@ -120,7 +114,7 @@ class EvaluationConfig(_Section):
     """Times a shard that died is started again before the evaluation fails."""
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     """An eval / generate config (TOML)."""
 
     num_gpus: int = Field(default=1, ge=1)
@@ -161,7 +155,7 @@ def eval_config_from_dict(data: dict[str, Any], *, source: str = "<dict>") -> Ev
     try:
         ec = EvalConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, source)) from None
+        raise ConfigError(format_errors(err, source)) from None
     problems = []
     tp = ec.model.tp_size
     if ec.num_gpus % tp:

@@ -55,7 +55,8 @@ import torch.distributed as dist
 from PIL import Image
 from torch import Tensor
 
-from nebula_rl.config import FLOW_RL_TRAINERS, Config, GrpoConfig, _reward_dict
+from nebula_rl.config import FLOW_RL_TRAINERS, Config, GrpoConfig
+from nebula_rl.config.base import reward_weights
 from nebula_rl.data import epoch_order, num_train_steps
 from nebula_rl.flow.clips import dataset_entries
 from nebula_rl.flow.colocated import run_colocated
@@ -214,13 +215,13 @@ def flow_scorer(p: GrpoConfig) -> RewardFn:
     """The rewards of `p`: the reward service with `use_remote_reward`, else computed here."""
     if p.use_remote_reward:
         return _remote_rewards(p)
-    return _local_rewards(_reward_dict(p.reward_function), "train.train_policy.reward_function")
+    return _local_rewards(reward_weights(p.reward_function), "train.train_policy.reward_function")
 
 
 def flow_validation_scorer(cfg: Config, training: RewardFn | None) -> RewardFn | None:
     """The rewards of validation: `validation.reward_function`'s, computed here, else the
     training ones (`training`; SFT's: None)."""
-    weights = _reward_dict(cfg.validation.reward_function)
+    weights = reward_weights(cfg.validation.reward_function)
     return _local_rewards(weights, "validation.reward_function") if weights else training
 
 

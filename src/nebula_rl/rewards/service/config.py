@@ -13,7 +13,8 @@ from typing import Any
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
-from nebula_rl.config import ConfigError, _Section
+from nebula_rl.config import ConfigError
+from nebula_rl.config.base import Section
 from nebula_rl.rewards.base import REWARDS, RewardFn, get_reward
 from nebula_rl.rewards.visual import VISUAL_REWARDS, VisualReward
 
@@ -83,7 +84,7 @@ _REFUSED_ARGS: dict[str, tuple[str, frozenset[str]]] = {
 _REDIS = "results are kept in the service's memory; a Redis store is not supported yet"
 
 
-class RewardArgs(_Section):
+class RewardArgs(Section):
     """One reward the service runs (cosmos-rl's `[[reward_args]]` entry)."""
 
     reward_type: str
@@ -141,7 +142,7 @@ class RewardArgs(_Section):
         return value
 
 
-class RewardServiceConfig(_Section):
+class RewardServiceConfig(Section):
     """The reward service's settings (cosmos-rl's reward-service TOML, plus nebula-rl's keys)."""
 
     host: str = "127.0.0.1"

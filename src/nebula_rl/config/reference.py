@@ -168,7 +168,7 @@ def render() -> str:
     """The reference as Markdown, markers included."""
     intro = (
         "Every key of a job's TOML file, section by section (type, default, meaning), generated "
-        "from the docstrings in `src/nebula_rl/config.py` by `nebula-rl config-reference --write "
+        "from the docstrings in `src/nebula_rl/config/` by `nebula-rl config-reference --write "
         "docs/config-reference.md`; a test fails when this copy is stale. Keys marked nebula-rl "
         "are not "
         "cosmos-rl's; `unset` means the key is left out."

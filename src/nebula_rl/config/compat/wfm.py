@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["WFM_TABLES", "is_wfm", "translate_wfm"]
+from nebula_rl.config.base import ConfigError
+
+__all__ = ["WFM_TABLES", "check_wfm", "is_wfm", "translate_wfm"]
 
 WFM_TABLES = {"trainer", "model_parallel", "dataloader_train", "checkpoint", "optimizer"}
 """Top-level tables only the world-model schema has."""
@@ -240,3 +242,14 @@ def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if theirs in job:
             _set(out, ours, job[theirs])
     return out, problems
+
+
+def check_wfm(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """`data`, or for a cosmos-rl `--wfm-mode` config the nebula-rl config its keys translate
+    to (:func:`translate_wfm`); raises naming each key that cannot be honoured."""
+    if not is_wfm(data):
+        return data
+    translated, problems = translate_wfm(data)
+    if problems:
+        raise ConfigError("\n".join(f"{source}: {p}" for p in problems))
+    return translated
