@@ -154,7 +154,7 @@ def vlm_demo_sft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     comes from the same run (tests/test_vision.py)."""
     from nebula_rl import local
     from nebula_rl.config import load_config
-    from nebula_rl.ranks import cpu_threads
+    from nebula_rl.utils.ranks import cpu_threads
 
     root = Path(__file__).resolve().parents[1]
     cfg = load_config(root / "configs" / "vlm_demo_sft.toml")

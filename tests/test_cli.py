@@ -255,7 +255,7 @@ def test_plot_of_a_folder_without_metrics_is_a_clear_error(
 
 
 def test_plot_merges_the_records_of_a_step(tmp_path: Path) -> None:
-    from nebula_rl.plot import read_metrics
+    from nebula_rl.cli.plot import read_metrics
 
     lines = [
         {"step": 0, "val/reward_mean": 0.1},

@@ -14,8 +14,8 @@ import pytest
 
 from nebula_rl.config import Config, ConfigError, config_from_dict, load_config
 from nebula_rl.launch import launch
-from nebula_rl.preflight import preflight
-from nebula_rl.slurm import SlurmJob, render_sbatch
+from nebula_rl.launch.preflight import preflight
+from nebula_rl.launch.slurm import SlurmJob, render_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
 COSMOS = ROOT / "tests" / "data" / "cosmos-rl" / "configs" / "qwen2-5"

@@ -15,9 +15,9 @@ import pytest
 from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from nebula_rl import metrics_log
 from nebula_rl.config import Config, ConfigError, config_from_dict
-from nebula_rl.metrics_log import ConsoleLogger, TensorBoardLogger, open_loggers, wandb_mode
+from nebula_rl.utils import metrics_log
+from nebula_rl.utils.metrics_log import ConsoleLogger, TensorBoardLogger, open_loggers, wandb_mode
 
 RECORDS = [
     {
@@ -168,7 +168,7 @@ def test_console_prints_a_line_per_step_and_a_progress_bar(
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, force_interactive=True, width=160)
     sink = ConsoleLogger(total_steps=4, window=2, console=console)
-    with caplog.at_level(logging.INFO, logger="nebula_rl.metrics_log"):
+    with caplog.at_level(logging.INFO, logger="nebula_rl.utils.metrics_log"):
         for record in RECORDS:
             sink.log(record)
     sink.close()
@@ -188,7 +188,7 @@ def test_console_prints_a_line_every_log_interval_steps_with_their_means(
     console = Console(file=out, force_terminal=True, force_interactive=True, width=160)
     sink = ConsoleLogger(total_steps=5, console=console, interval=2)
     records = [{"step": s, "reward_mean": s / 10, "loss": float(s)} for s in range(1, 6)]
-    with caplog.at_level(logging.INFO, logger="nebula_rl.metrics_log"):
+    with caplog.at_level(logging.INFO, logger="nebula_rl.utils.metrics_log"):
         for record in records:
             sink.log(record)
     sink.close()
@@ -208,7 +208,7 @@ def test_console_without_a_terminal_logs_lines_and_draws_no_bar(
     out = io.StringIO()
     sink = ConsoleLogger(total_steps=2, console=Console(file=out, force_terminal=False))
     sft = {"step": 1, "loss": 2.5, "val_loss": 2.75, "num_tokens": 300, "step_time": 0.5}
-    with caplog.at_level(logging.INFO, logger="nebula_rl.metrics_log"):
+    with caplog.at_level(logging.INFO, logger="nebula_rl.utils.metrics_log"):
         sink.log(sft)
     sink.close()
     assert caplog.records[0].getMessage() == (
@@ -281,7 +281,7 @@ def test_console_takes_validation_records_before_and_between_steps(
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, force_interactive=True, width=160)
     sink = ConsoleLogger(total_steps=2, console=console)
-    with caplog.at_level(logging.INFO, logger="nebula_rl.metrics_log"):
+    with caplog.at_level(logging.INFO, logger="nebula_rl.utils.metrics_log"):
         sink.log({"step": 0, "val/reward_mean": 0.5, "val/rollout_count": 8})
         sink.log({"step": 1, "reward_mean": 0.25, "loss": 0.1})
         sink.log({"step": 1, "val/reward_mean": 0.625})
@@ -304,7 +304,7 @@ def test_video_sample_grids_go_out_as_images_and_animations(
     from PIL import Image, ImageSequence
 
     from nebula_rl.flow.data import frame_grid, save_samples
-    from nebula_rl.metrics_log import log_image_file
+    from nebula_rl.utils.metrics_log import log_image_file
 
     for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
         monkeypatch.delenv(name, raising=False)

@@ -17,7 +17,6 @@ import pytest
 from conftest import arithmetic_grpo_config
 from nebula_rl import local
 from nebula_rl.config import ConfigError
-from nebula_rl.net import free_port
 from nebula_rl.rewards import RemoteScorer, Scorer, scorer
 from nebula_rl.rewards.remote import RemoteRewardClient
 from nebula_rl.rewards.service import (
@@ -27,6 +26,7 @@ from nebula_rl.rewards.service import (
     service_config_from_dict,
     start_service,
 )
+from nebula_rl.utils.net import free_port
 
 TOKEN = "remote-text-test-token"
 TEXT_REWARDS = ["arithmetic", "gsm8k"]

@@ -24,7 +24,6 @@ import torch
 
 from nebula_rl.cli import main
 from nebula_rl.config import ConfigError
-from nebula_rl.net import free_port
 from nebula_rl.rewards.remote import RemoteRewardClient
 from nebula_rl.rewards.service import (
     TOKEN_ENV,
@@ -41,6 +40,7 @@ from nebula_rl.rewards.visual import (
     pixels_from_samples,
     prompt_alignment,
 )
+from nebula_rl.utils.net import free_port
 from reward_helpers import CRASH_ENV, RECORD_ENV
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import pytest
 from nebula_rl.cli import main
 from nebula_rl.config import Config, config_from_dict
 from nebula_rl.controller.client import REDIS_URL_ENV, TOKEN_ENV
-from nebula_rl.slurm import SlurmJob, place_on_nodes, render_sbatch
+from nebula_rl.launch.slurm import SlurmJob, place_on_nodes, render_sbatch
 
 
 def _gpu_job(tmp_path: Path, policy: dict, rollout: dict, mode: str = "disaggregated") -> Config:

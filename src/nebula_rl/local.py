@@ -49,7 +49,6 @@ from nebula_rl.data import (
 )
 from nebula_rl.data.sft_loader import SftBatches
 from nebula_rl.data.vision import VisionProcessor, vision_processor
-from nebula_rl.metrics_log import open_loggers
 from nebula_rl.models import load_tokenizer
 from nebula_rl.models.export import export_hf
 from nebula_rl.policy.batching import rollout_media
@@ -64,9 +63,7 @@ from nebula_rl.policy.setup import (
     use_deterministic,
 )
 from nebula_rl.policy.trainer import PolicyTrainer, SftExample
-from nebula_rl.profiling import StepProfiler
 from nebula_rl.protocol import Prompt, RolloutGroup
-from nebula_rl.ranks import cpu_threads, init_ranks
 from nebula_rl.rewards import RemoteScorer, Scorer, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
@@ -81,8 +78,11 @@ from nebula_rl.rollout.worker import (
     validation_sampling_params,
 )
 from nebula_rl.runs import drop_steps_after, resolve_run_dir
-from nebula_rl.signals import CheckpointSignal
 from nebula_rl.teacher import Teacher
+from nebula_rl.utils.metrics_log import open_loggers
+from nebula_rl.utils.profiling import StepProfiler
+from nebula_rl.utils.ranks import cpu_threads, init_ranks
+from nebula_rl.utils.signals import CheckpointSignal
 from nebula_rl.validation import validation_due, validation_metrics, validation_seed
 
 __all__ = ["run"]

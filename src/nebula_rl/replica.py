@@ -2,7 +2,7 @@
 
 A replica of several ranks (`[policy.parallelism]`, `[rollout.parallelism]`) is that many
 processes, started by :func:`nebula_rl.launch.run_ranks`. They first build their own process
-group (:func:`nebula_rl.ranks.init_ranks`); rank 0 then registers the replica with the controller
+group (:func:`nebula_rl.utils.ranks.init_ranks`); rank 0 then registers the replica with the controller
 (with its number of ranks, so weight groups give each rank a place) and sends the heartbeats; the
 other ranks read the job's config and state from the same controller and Redis, and take their
 orders from rank 0 (see the policy and rollout workers).
@@ -18,8 +18,8 @@ from typing import Literal
 import torch
 
 from nebula_rl.controller.client import ReplicaSession
-from nebula_rl.ranks import Ranks, broadcast_object, close_ranks, init_ranks, rank_env
-from nebula_rl.signals import forward_checkpoint_signals
+from nebula_rl.utils.ranks import Ranks, broadcast_object, close_ranks, init_ranks, rank_env
+from nebula_rl.utils.signals import forward_checkpoint_signals
 
 __all__ = ["exit_now", "run_replica"]
 

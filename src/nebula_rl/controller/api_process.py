@@ -44,7 +44,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from nebula_rl.net import bind_socket
+from nebula_rl.utils.net import bind_socket
 
 __all__ = ["ApiProcess", "ApiSpec", "lower_thread_priority"]
 

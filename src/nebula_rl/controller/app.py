@@ -36,10 +36,10 @@ from redis.asyncio import Redis as AsyncRedis
 from redis.asyncio import UnixDomainSocketConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from nebula_rl import http_server
 from nebula_rl.controller import panel
 from nebula_rl.controller.state import JobState
-from nebula_rl.http_server import HttpServer, bearer_matches
+from nebula_rl.utils import http_server
+from nebula_rl.utils.http_server import HttpServer, bearer_matches
 
 __all__ = [
     "MAX_BODY_BYTES",

@@ -23,7 +23,7 @@ from urllib.parse import quote
 
 import redis
 
-from nebula_rl.net import free_port
+from nebula_rl.utils.net import free_port
 
 __all__ = ["RedisServer", "connect", "redis_executable", "start_redis"]
 

@@ -103,8 +103,8 @@ from typing import Any, Protocol
 from nebula_rl.config import Config
 from nebula_rl.controller.state import JobState
 from nebula_rl.data import epoch_order, rl_prompt, rl_validation_rows
-from nebula_rl.metrics_log import FILE_LOGGERS, log_image_file, open_loggers
 from nebula_rl.protocol import Prompt
+from nebula_rl.utils.metrics_log import FILE_LOGGERS, log_image_file, open_loggers
 from nebula_rl.validation import validation_due, validation_metrics
 
 __all__ = ["Scheduler"]

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from nebula_rl.config import Config, DatasetConfig
 from nebula_rl.data.formats import UNUSABLE, conversation_rows, prompt_rows
-from nebula_rl.hub import is_hub_id
 from nebula_rl.protocol import Prompt
+from nebula_rl.utils.hub import is_hub_id
 
 if TYPE_CHECKING:  # (the controller imports this module: no transformers at run time)
     from transformers import PreTrainedTokenizerBase

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from nebula_rl.config import DatasetConfig
-from nebula_rl.hub import is_hub_id
+from nebula_rl.utils.hub import is_hub_id
 
 __all__ = [
     "CHOICE_INSTRUCTION",

@@ -35,7 +35,7 @@ from nebula_rl.flow.local import (
 )
 from nebula_rl.flow.parallel import dp_mesh, sample_seed, sum_over
 from nebula_rl.flow.vae import samples_to_pixels
-from nebula_rl.ranks import cpu_threads
+from nebula_rl.utils.ranks import cpu_threads
 
 __all__ = ["run_colocated"]
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from nebula_rl.sequence_split import GatheredAttention, gather_shares, token_share
+from nebula_rl.utils.sequence_split import GatheredAttention, gather_shares, token_share
 
 __all__ = ["CP_CLASSES", "split_diffusers_transformer"]
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nebula_rl.sequence_split import gather_shares, token_share
+from nebula_rl.utils.sequence_split import gather_shares, token_share
 
 __all__ = ["TinyDiT", "TinyDiTConfig"]
 

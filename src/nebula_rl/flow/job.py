@@ -84,12 +84,12 @@ from nebula_rl.flow.sampler import guided_velocity, sample
 from nebula_rl.flow.text_encoder import flow_text_encoder
 from nebula_rl.flow.vae import sample_shape, samples_to_pixels
 from nebula_rl.flow.validation import validate_generation, validate_loss, validate_samples
-from nebula_rl.metrics_log import log_image_file, open_loggers
 from nebula_rl.policy.checkpoint import Checkpointer, resume_checkpoint
 from nebula_rl.policy.optim import build_optimizer, lr_lambda
-from nebula_rl.ranks import close_ranks, init_ranks, rank_env
 from nebula_rl.rewards.visual import VISUAL_REWARDS, pixels_from_samples
 from nebula_rl.runs import resolve_run_dir
+from nebula_rl.utils.metrics_log import log_image_file, open_loggers
+from nebula_rl.utils.ranks import close_ranks, init_ranks, rank_env
 from nebula_rl.validation import validation_due
 
 __all__ = [

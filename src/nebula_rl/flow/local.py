@@ -62,7 +62,7 @@ from nebula_rl.flow.sampler import (
 )
 from nebula_rl.flow.text_encoder import flow_text_encoder
 from nebula_rl.flow.vae import pixels_to_samples, sample_shape, samples_to_pixels
-from nebula_rl.ranks import cpu_threads
+from nebula_rl.utils.ranks import cpu_threads
 
 __all__ = [
     "FlowBatch",

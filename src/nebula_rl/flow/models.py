@@ -46,8 +46,8 @@ from nebula_rl.flow.lora import apply_lora, lora_adapter_state, merged_copy, sav
 from nebula_rl.flow.prompts import is_prompt_dataset
 from nebula_rl.flow.text_encoder import TEXT_PIPELINES, PipelineTextEncoder, text_pipeline
 from nebula_rl.flow.vae import check_vae_shape, flow_vae, vae_factors
-from nebula_rl.hub import is_hub_id
 from nebula_rl.models import resolve_dtype
+from nebula_rl.utils.hub import is_hub_id
 
 __all__ = [
     "FLOW_MODEL_TYPE",

@@ -56,9 +56,9 @@ from nebula_rl.launch.forking import (
     fork_command,
     why_not_fork,
 )
-from nebula_rl.metrics_log import MetricsLogger, check_installed, open_loggers
 from nebula_rl.runs import write_private
-from nebula_rl.signals import forward_checkpoint_signals
+from nebula_rl.utils.metrics_log import MetricsLogger, check_installed, open_loggers
+from nebula_rl.utils.signals import forward_checkpoint_signals
 
 __all__ = [
     "Placement",
@@ -161,7 +161,7 @@ def plan_placement(
 
     On CPU (`num_gpus` = 0) ranks are processes without devices, in either mode, and
     `dp_shard_size = -1` is 1."""
-    from nebula_rl.preflight import replica_world_size
+    from nebula_rl.launch.preflight import replica_world_size
 
     policy, rollout = cfg.policy.parallelism, cfg.rollout.parallelism
     colocated = cfg.mode == "colocated_separated"
@@ -282,7 +282,7 @@ def run_ranks(argv: list[str], nproc: int, *, grace_s: float = _STOP_GRACE_S) ->
     code: 0 when every rank exited with 0, else the first failure's (128 + signal when one was
     killed).
 
-    The ranks meet in a `FileStore` in a private temporary folder (:mod:`nebula_rl.ranks`), so no
+    The ranks meet in a `FileStore` in a private temporary folder (:mod:`nebula_rl.utils.ranks`), so no
     port is opened for them. When one rank fails, the others get SIGTERM and, `grace_s` later,
     SIGKILL: a replica never keeps running with a rank missing (its peers would hang in their
     next collective). SIGINT, SIGTERM and SIGUSR1/2 sent to this process are passed on to every
@@ -290,7 +290,7 @@ def run_ranks(argv: list[str], nproc: int, *, grace_s: float = _STOP_GRACE_S) ->
     """
     import tempfile
 
-    from nebula_rl.ranks import RANKS_ENV
+    from nebula_rl.utils.ranks import RANKS_ENV
 
     folder = tempfile.mkdtemp(prefix="nebula-ranks-")  # (mode 0700)
     base = {
@@ -426,7 +426,7 @@ def launch(
     if not redis_url:
         redis = start_redis(host="127.0.0.1", data_dir=run_dir / "redis")
         redis_url = redis.url
-    from nebula_rl.net import free_port
+    from nebula_rl.utils.net import free_port
 
     host = cfg.controller.host
     port = cfg.controller.port or free_port(host)
@@ -555,10 +555,10 @@ def check_job(cfg: Config) -> None:
     (pipeline micro-batches, CP without CUDA). A Hub model is fetched into the Hugging Face
     cache here, once, so that the replicas find it there."""
 
+    from nebula_rl.launch.preflight import replica_world_size
     from nebula_rl.models import load_model_config, load_tokenizer
     from nebula_rl.policy.parallelize import ParallelDims
     from nebula_rl.policy.setup import check_pipeline_micro_batches
-    from nebula_rl.preflight import replica_world_size
     from nebula_rl.rollout.build import check_backend
 
     if cfg.policy.is_diffusers:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nebula_rl.hub import is_hub_id
+from nebula_rl.utils.hub import is_hub_id
 
 __all__ = ["MODEL_FILES", "is_hub_id", "resolve_model"]
 

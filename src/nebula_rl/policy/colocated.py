@@ -47,7 +47,6 @@ from nebula_rl.models import load_model, resolve_dtype
 from nebula_rl.policy.setup import rollout_weights
 from nebula_rl.policy.worker import PolicyWorker
 from nebula_rl.protocol import Completion, Prompt
-from nebula_rl.ranks import cpu_threads
 from nebula_rl.rewards import Scored, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import GenerationRequest, RequestOutput
@@ -64,6 +63,7 @@ from nebula_rl.rollout.worker import (
     submit_scoring,
     validation_sampling_params,
 )
+from nebula_rl.utils.ranks import cpu_threads
 from nebula_rl.validation import validation_seed
 from nebula_rl.weights.transport import NamedTensors
 

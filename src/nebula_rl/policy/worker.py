@@ -84,9 +84,9 @@ from nebula_rl.policy.setup import (
     use_deterministic,
 )
 from nebula_rl.policy.trainer import PolicyTrainer
-from nebula_rl.profiling import StepProfiler
 from nebula_rl.protocol import RolloutGroup
-from nebula_rl.ranks import broadcast_object, control_group, rank_env
+from nebula_rl.utils.profiling import StepProfiler
+from nebula_rl.utils.ranks import broadcast_object, control_group, rank_env
 from nebula_rl.weights import build_group, weight_backend
 from nebula_rl.weights.elastic import KIND, ElasticSender, current_generation
 from nebula_rl.weights.group import Generation, GroupCancelled, WeightGroup, leave_group

@@ -66,7 +66,6 @@ from nebula_rl.data import prompt_token_ids, rl_rows, rl_validation_rows
 from nebula_rl.data.vision import VisionInputs, VisionProcessor, vision_processor
 from nebula_rl.models import load_model, load_tokenizer, resolve_dtype
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
-from nebula_rl.ranks import Ranks, broadcast_object, rank_env
 from nebula_rl.rewards import RemoteScorer, Scored, Scorer, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
@@ -76,6 +75,7 @@ from nebula_rl.rollout.multiturn import Conversation, MultiTurn, loss_mask, with
 from nebula_rl.rollout.tensor_parallel import TensorParallel
 from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.rollout.vllm_engine import VLLMEngine
+from nebula_rl.utils.ranks import Ranks, broadcast_object, rank_env
 from nebula_rl.validation import validation_seed
 from nebula_rl.weights.elastic import ElasticReceiver
 from nebula_rl.weights.group import WeightGroup, weight_backend

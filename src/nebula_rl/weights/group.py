@@ -54,7 +54,7 @@ from torch.distributed import (
     Work,
 )
 
-from nebula_rl.net import bind_socket, free_port
+from nebula_rl.utils.net import bind_socket, free_port
 
 __all__ = [
     "Collectives",

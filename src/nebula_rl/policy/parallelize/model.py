@@ -38,7 +38,7 @@ from nebula_rl.policy.parallelize.wrap import (
     shard_vision_over_tp,
     sum_gradients,
 )
-from nebula_rl.sequence_split import GatheredAttention
+from nebula_rl.utils.sequence_split import GatheredAttention
 
 # Composition
 

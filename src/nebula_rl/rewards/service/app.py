@@ -18,8 +18,6 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from nebula_rl.http_server import HttpServer, bearer_matches, serve
-from nebula_rl.net import bind_socket as _bind
 from nebula_rl.rewards.service.config import RewardServiceConfig, resolve_token
 from nebula_rl.rewards.service.pool import RewardService
 from nebula_rl.rewards.service.wire import (
@@ -32,6 +30,8 @@ from nebula_rl.rewards.service.wire import (
     bad_request,
     parse_enqueue,
 )
+from nebula_rl.utils.http_server import HttpServer, bearer_matches, serve
+from nebula_rl.utils.net import bind_socket as _bind
 
 log = logging.getLogger(__name__)
 

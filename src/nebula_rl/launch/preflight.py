@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nebula_rl.config import Config, DatasetConfig, GrpoConfig, ParallelismConfig
-from nebula_rl.hub import is_hub_id
+from nebula_rl.utils.hub import is_hub_id
 
 __all__ = ["Preflight", "preflight", "replica_world_size", "visible_gpus"]
 

@@ -349,7 +349,7 @@ trap 'log "SIGTERM: stopping the job"; exit 143' TERM
 trap 'log "SIGINT: stopping the job"; exit 130' INT
 
 # --- Before anything starts: the warm-start model and the checks `nebula-rl train` makes ---
-"$PYTHON" -m nebula_rl.slurm prepare "$CONFIG" || fail "the job cannot start (see above)" 2
+"$PYTHON" -m nebula_rl.launch.slurm prepare "$CONFIG" || fail "the job cannot start (see above)" 2
 
 # --- Secrets, made here: environment and private files only ---
 export NEBULA_TOKEN
@@ -463,7 +463,7 @@ def prepare(config_path: str) -> int:
     code (2 with the error for what the config gets wrong)."""
     from nebula_rl.config import ConfigError, load_config
     from nebula_rl.launch import check_job, ensure_model
-    from nebula_rl.metrics_log import check_installed
+    from nebula_rl.utils.metrics_log import check_installed
 
     try:
         cfg = load_config(config_path)
@@ -476,8 +476,10 @@ def prepare(config_path: str) -> int:
     return 0
 
 
-if __name__ == "__main__":  # `python -m nebula_rl.slurm prepare CONFIG` (the script's first step)
+if (
+    __name__ == "__main__"
+):  # `python -m nebula_rl.launch.slurm prepare CONFIG` (the script's first step)
     if sys.argv[1:2] != ["prepare"] or len(sys.argv) != 3:
-        print("usage: python -m nebula_rl.slurm prepare CONFIG", file=sys.stderr)
+        print("usage: python -m nebula_rl.launch.slurm prepare CONFIG", file=sys.stderr)
         raise SystemExit(2)
     raise SystemExit(prepare(sys.argv[2]))

@@ -66,7 +66,7 @@ def _load(path: str):
 def _cmd_check(args: argparse.Namespace) -> int:
     """Validate, print the values in force (JSON on stdout), then what `train` would find: notes
     and errors on stderr; exit 2 when the job cannot run."""
-    from nebula_rl.preflight import preflight
+    from nebula_rl.launch.preflight import preflight
 
     cfg = _load(args.config)
     print(json.dumps(cfg.model_dump(mode="json"), indent=2))
@@ -152,7 +152,7 @@ def _sft_nproc(cfg: Config) -> int:
     """Ranks of an SFT job's policy (`[policy.parallelism]`; `dp_shard_size = -1` takes every
     visible GPU, 1 on CPU)."""
     from nebula_rl.launch import replica_nproc
-    from nebula_rl.preflight import visible_gpus
+    from nebula_rl.launch.preflight import visible_gpus
 
     return replica_nproc(cfg, "policy", num_gpus=visible_gpus() or 0)
 
@@ -167,8 +167,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg.train.timestamp = args.timestamp
     from nebula_rl.config import GrpoConfig
     from nebula_rl.launch import run_ranks
-    from nebula_rl.ranks import RANKS_ENV
     from nebula_rl.runs import resolve_run_dir
+    from nebula_rl.utils.ranks import RANKS_ENV
 
     # (a colocated world model samples and trains on the policy's ranks, in this job)
     colocated = cfg.policy.is_diffusers and cfg.mode == "colocated"
@@ -250,8 +250,8 @@ def _cmd_controller(args: argparse.Namespace) -> int:
         TOKEN_FILE,
     )
     from nebula_rl.controller.run import run_controller
-    from nebula_rl.net import free_port
     from nebula_rl.runs import resolve_run_dir, write_private
+    from nebula_rl.utils.net import free_port
 
     cfg = _load(args.config)
     log = logging.getLogger("nebula_rl")
@@ -326,8 +326,8 @@ def _cmd_replica(args: argparse.Namespace) -> int:
         args.parser.error("starting a replica needs --role and --controller (or use ls / show)")
     import socket
 
-    from nebula_rl.ranks import RANKS_ENV
     from nebula_rl.replica import exit_now, run_replica
+    from nebula_rl.utils.ranks import RANKS_ENV
 
     name = args.name or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
     if RANKS_ENV not in os.environ and "WORLD_SIZE" not in os.environ:  # not a rank yet
@@ -354,7 +354,7 @@ def _replica_nproc(role: str, controller: str) -> int:
     from nebula_rl.config import config_from_dict
     from nebula_rl.controller.client import ControllerClient, read_token
     from nebula_rl.launch import replica_nproc
-    from nebula_rl.preflight import visible_gpus
+    from nebula_rl.launch.preflight import visible_gpus
 
     client = ControllerClient(controller, read_token())
     try:
@@ -394,7 +394,7 @@ def _inspect(args: argparse.Namespace) -> int:
     import httpx
     from rich.console import Console
 
-    from nebula_rl import tables
+    from nebula_rl.cli import tables
     from nebula_rl.controller.client import ControllerClient
 
     try:
@@ -439,7 +439,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _cmd_plot(args: argparse.Namespace) -> int:
 
-    from nebula_rl.plot import plot_run
+    from nebula_rl.cli.plot import plot_run
 
     try:
         out = plot_run(Path(args.run_dir), out=Path(args.out) if args.out else None)
@@ -504,7 +504,7 @@ def _cmd_config_reference(args: argparse.Namespace) -> int:
 def _cmd_slurm(args: argparse.Namespace) -> int:
     """Render the job's sbatch script to --out (or stdout); with --submit, submit it and print
     the job id. A layout or flag that cannot run exits 2, naming it."""
-    from nebula_rl.slurm import SlurmJob, render_sbatch, submit
+    from nebula_rl.launch.slurm import SlurmJob, render_sbatch, submit
 
     cfg = _load(args.config)
     job = SlurmJob(
@@ -755,7 +755,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = argv
     _setup_logging(args.log_level)
     return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,2 @@
+"""Helpers with no place of their own: sockets, the HTTP server thread, metric sinks, profiling,
+a replica's ranks, exit signals, Hub names and sequence splitting for context parallelism."""
