@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 
 from nebula_rl.controller.client import ReplicaSession
+from nebula_rl.modality import for_config
 from nebula_rl.utils.ranks import Ranks, broadcast_object, close_ranks, init_ranks, rank_env
 from nebula_rl.utils.signals import forward_checkpoint_signals
 
@@ -70,35 +71,15 @@ def run_replica(
     # replica goes on (SIGUSR1 would otherwise end it).
     forward_checkpoint_signals(session.cfg.train, session.client.request_checkpoint)
     try:
-        if (
-            role == "policy"
-            and session.cfg.mode == "colocated"
-            and not session.cfg.policy.is_diffusers
-        ):
-            from nebula_rl.policy.colocated import run_colocated
-
-            run_colocated(session, device=device)
-        elif role == "policy" and session.cfg.policy.is_diffusers:  # a world model's policy
-            from nebula_rl.flow.runtime import flow_policy
-            from nebula_rl.policy.worker import run_policy
-
-            run_policy(session, device=device, build=flow_policy)
-        elif role == "policy":
-            from nebula_rl.policy.worker import run_policy
-
-            run_policy(session, device=device)
+        modality = for_config(session.cfg)
+        if role == "policy":
+            modality.run_policy(session, device=device)
         elif role == "teacher":
             from nebula_rl.teacher import run_teacher
 
             run_teacher(session, device=device)
-        elif session.cfg.policy.is_diffusers:  # a world model's rollouts
-            from nebula_rl.flow.runtime import run_flow_rollout
-
-            run_flow_rollout(session, device=device)
         else:
-            from nebula_rl.rollout.worker import run_rollout
-
-            run_rollout(session, device=device)
+            modality.run_rollout(session, device=device)
     finally:
         session.leave()
     if ranks.world_size > 1:

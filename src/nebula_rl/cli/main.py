@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nebula_rl import __version__
+from nebula_rl.modality import for_config
 
 if TYPE_CHECKING:
     from nebula_rl.config import Config
-    from nebula_rl.controller.run import JobRows
 
 __all__ = ["main"]
 
@@ -152,7 +152,7 @@ def _sft_nproc(cfg: Config) -> int:
     """Ranks of an SFT job's policy (`[policy.parallelism]`; `dp_shard_size = -1` takes every
     visible GPU, 1 on CPU)."""
     from nebula_rl.launch import replica_nproc
-    from nebula_rl.launch.preflight import visible_gpus
+    from nebula_rl.utils.devices import visible_gpus
 
     return replica_nproc(cfg, "policy", num_gpus=visible_gpus() or 0)
 
@@ -170,15 +170,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from nebula_rl.runs import resolve_run_dir
     from nebula_rl.utils.ranks import RANKS_ENV
 
+    modality = for_config(cfg)
     # (a colocated world model samples and trains on the policy's ranks, in this job)
-    colocated = cfg.policy.is_diffusers and cfg.mode == "colocated"
+    colocated = cfg.mode == "colocated" and modality.colocated_in_one_job
     distributed = isinstance(cfg.train.train_policy, GrpoConfig) and not args.local
     distributed = distributed and not colocated
-    if cfg.policy.is_diffusers and not distributed:
-        from nebula_rl.flow.job import check_ranks
-
+    if not distributed:
         try:
-            check_ranks(cfg)  # (before any rank starts)
+            modality.check_single(cfg)  # (before any rank starts)
         except ValueError as err:
             logging.getLogger("nebula_rl").error("%s", err)
             return 2
@@ -203,16 +202,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             ensure_model(cfg)
         elif cfg.policy.warmstart_config is not None:
             _wait_for_model(cfg.policy.model_name_or_path)
-        if cfg.policy.is_diffusers and not distributed:  # SFT, or RL with --local
-            from nebula_rl.flow import job
-
-            run_dir = job.run(cfg)
-            log.info("run finished: %s", run_dir)
-            return 0
-        if not distributed:
-            from nebula_rl import local
-
-            run_dir = local.run(cfg)
+        if not distributed:  # SFT, RL with --local, a colocated world model
+            run_dir = modality.run_single(cfg)
             log.info("run finished: %s", run_dir)
             return 0
         from nebula_rl.launch import launch
@@ -295,7 +286,7 @@ def _cmd_controller(args: argparse.Namespace) -> int:
             port=port,
             num_rollout=args.rollout or cfg.rollout.parallelism.n_init_replicas,
             num_policy=args.policy or cfg.policy.parallelism.n_init_replicas,
-            job_rows=_world_rows(cfg, run_dir) if cfg.policy.is_diffusers else None,
+            job_rows=for_config(cfg).job_rows(cfg, run_dir),
         )
     except ValueError as err:
         log.error("%s", err)
@@ -304,19 +295,6 @@ def _cmd_controller(args: argparse.Namespace) -> int:
         if redis is not None:
             redis.stop()
     return 0
-
-
-def _world_rows(cfg: Config, run_dir: Path) -> JobRows:
-    """A world-model job's rows (its clips, listed without torch) and its trajectory files."""
-    from nebula_rl.controller.run import JobRows
-    from nebula_rl.flow.clips import world_rows
-    from nebula_rl.flow.trajectories import TrajectoryStore
-
-    return JobRows(
-        world_rows(cfg, run_dir),
-        world_rows(cfg, run_dir, validation=True) if cfg.validation.enable else [],
-        side_files=TrajectoryStore.for_job(run_dir),
-    )
 
 
 def _cmd_replica(args: argparse.Namespace) -> int:
@@ -354,7 +332,7 @@ def _replica_nproc(role: str, controller: str) -> int:
     from nebula_rl.config import config_from_dict
     from nebula_rl.controller.client import ControllerClient, read_token
     from nebula_rl.launch import replica_nproc
-    from nebula_rl.launch.preflight import visible_gpus
+    from nebula_rl.utils.devices import visible_gpus
 
     client = ControllerClient(controller, read_token())
     try:

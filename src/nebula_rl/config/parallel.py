@@ -48,6 +48,15 @@ class ParallelismConfig(Section):
     pp_layers_per_stage: int = Field(default=2, ge=1)
     """Decoder layers per pipeline stage for `Interleaved1F1B` (the number of stages follows)."""
 
+    @property
+    def world_size(self) -> int | None:
+        """Processes (devices) of one replica; None when `dp_shard_size = -1` leaves it open."""
+        if self.dp_shard_size == -1:
+            return None
+        return (
+            self.pp_size * self.dp_replicate_size * self.dp_shard_size * self.cp_size * self.tp_size
+        )
+
     @field_validator("dp_shard_size")
     @classmethod
     def _nonzero(cls, v: int) -> int:

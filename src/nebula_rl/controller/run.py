@@ -30,6 +30,11 @@ class JobRows:
     rows: list[dict[str, Any]]
     val_rows: list[dict[str, Any]]
     side_files: SideFiles | None = None
+    with_text: bool = True
+    """Whether prompts carry their row's text to the rollouts (false where every replica reads
+    the rows from its own copy, as a world model's clips)."""
+    sample_lengths: bool = True
+    """Whether samples have a length to report (a world model's clips have none)."""
 
 
 def text_rows(cfg: Config, run_dir: Path) -> JobRows:
@@ -83,6 +88,8 @@ def run_controller(
         run_dir=run_dir,
         val_rows=job_rows.val_rows,
         side_files=store,
+        with_text=job_rows.with_text,
+        sample_lengths=job_rows.sample_lengths,
     )
     restarted = os.environ.get(RESTART_ENV) == "1"
     # A restart continues from Redis, which is newer than any checkpoint.

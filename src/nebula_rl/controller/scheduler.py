@@ -144,6 +144,8 @@ class Scheduler:
         num_policy: int = 1,
         val_rows: list[dict[str, Any]] | None = None,
         side_files: SideFiles | None = None,
+        with_text: bool = True,
+        sample_lengths: bool = True,
     ) -> None:
         p = cfg.grpo
         self.cfg, self.state, self.rows = cfg, state, rows
@@ -164,8 +166,9 @@ class Scheduler:
         self.max_retry = p.max_retry_for_on_policy if p.dynamic_sampling_enabled else 0
         self._filtered_at_batch = state.filtered_total()
         """Groups dropped by dynamic sampling before the last batch was taken."""
-        # (a world model's prompts are clips: every replica reads them from its own copy)
-        self.with_text = not (cfg.train.local_dataset or cfg.policy.is_diffusers)
+        # (with a local dataset, or a world model's clips, every replica reads its own copy)
+        self.with_text = with_text and not cfg.train.local_dataset
+        self.sample_lengths = sample_lengths
         if val_rows is None and cfg.validation.enable:
             val_rows = rl_validation_rows(cfg)
         self.val_rows = val_rows or []
@@ -443,9 +446,8 @@ class Scheduler:
             lengths = [n for result in results for n in result["lengths"]]
             versions = [v for result in results for v in result["versions"]]
             distances = [d for result in results for d in result.get("distances", [])]
-            world = self.cfg.policy.is_diffusers  # (its samples have no length)
             metrics = validation_metrics(
-                rewards, None if world else lengths, versions, distances=distances
+                rewards, lengths if self.sample_lengths else None, versions, distances=distances
             )
             record = {"step": step, **metrics}
             if self.state.finish_validation(step, record):

@@ -56,6 +56,7 @@ from nebula_rl.launch.forking import (
     fork_command,
     why_not_fork,
 )
+from nebula_rl.modality import for_config
 from nebula_rl.runs import write_private
 from nebula_rl.utils.metrics_log import MetricsLogger, check_installed, open_loggers
 from nebula_rl.utils.signals import forward_checkpoint_signals
@@ -161,12 +162,11 @@ def plan_placement(
 
     On CPU (`num_gpus` = 0) ranks are processes without devices, in either mode, and
     `dp_shard_size = -1` is 1."""
-    from nebula_rl.launch.preflight import replica_world_size
 
     policy, rollout = cfg.policy.parallelism, cfg.rollout.parallelism
     colocated = cfg.mode == "colocated_separated"
     rollout_world = rollout.tp_size * rollout.pp_size
-    policy_world = replica_world_size(policy)
+    policy_world = policy.world_size
     if policy_world is None:  # dp_shard_size = -1
         others = policy.pp_size * policy.dp_replicate_size * policy.cp_size * policy.tp_size
         taken = 0 if colocated else num_rollout * rollout_world
@@ -555,32 +555,7 @@ def check_job(cfg: Config) -> None:
     (pipeline micro-batches, CP without CUDA). A Hub model is fetched into the Hugging Face
     cache here, once, so that the replicas find it there."""
 
-    from nebula_rl.launch.preflight import replica_world_size
-    from nebula_rl.models import load_model_config, load_tokenizer
-    from nebula_rl.policy.parallelize import ParallelDims
-    from nebula_rl.policy.setup import check_pipeline_micro_batches
-    from nebula_rl.rollout.build import check_backend
-
-    if cfg.policy.is_diffusers:
-        from nebula_rl.flow.runtime import check_flow_job
-
-        check_flow_job(cfg)
-        return
-    check_backend(cfg)
-    # (raises naming the key and the path)
-    load_tokenizer(cfg.policy.model_name_or_path, revision=cfg.policy.model_revision)
-    if cfg.distillation.enable:
-        from nebula_rl.teacher import check_teacher
-
-        check_teacher(cfg)
-    par = cfg.policy.parallelism
-    others = par.pp_size * par.dp_replicate_size * par.cp_size * par.tp_size
-    dims = ParallelDims.from_config(par, world_size=replica_world_size(par) or others)
-    check_pipeline_micro_batches(cfg, dims)
-    config = load_model_config(cfg.policy.model_name_or_path, revision=cfg.policy.model_revision)
-    # (tp_size must divide the heads, pp_size not exceed the layers; models load with SDPA)
-    config._attn_implementation = config._attn_implementation or "sdpa"
-    dims.check_model(config)
+    for_config(cfg).check_job(cfg)
 
 
 def _request_checkpoint(address: str, token: str) -> None:

@@ -1,2 +1,3 @@
 """Helpers with no place of their own: sockets, the HTTP server thread, metric sinks, profiling,
-a replica's ranks, exit signals, Hub names and sequence splitting for context parallelism."""
+a replica's ranks, exit signals, visible GPUs, Hub names and sequence splitting for context
+parallelism."""
