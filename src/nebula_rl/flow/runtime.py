@@ -102,6 +102,7 @@ from nebula_rl.models import resolve_dtype
 from nebula_rl.policy.replicas import GroupsLost, ReplicaGroup
 from nebula_rl.policy.worker import PolicyModel
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
+from nebula_rl.rollout.loop import RolloutLoop, serve
 from nebula_rl.weights.elastic import ElasticReceiver
 from nebula_rl.weights.group import WeightGroup, weight_backend
 from nebula_rl.weights.reshard import ShardedReceiver, full_box
@@ -162,12 +163,12 @@ def _check_clips(cfg: Config, clips: list[Clip], meta: dict[str, Any]) -> None:
 # -- rollout -------------------------------------------------------------------------------------
 
 
-class FlowRolloutWorker:
+class FlowRolloutWorker(RolloutLoop):
     """One world-model rollout replica: claim prompts, sample, score, store, push."""
 
     def __init__(self, session: ReplicaSession, *, device: torch.device) -> None:
-        self.session = session
-        cfg = self.cfg = session.cfg
+        super().__init__(session)
+        cfg = self.cfg
         run_dir = Path(session.meta["run_dir"])
         self.clips = flow_clips(cfg, run_dir, create=False)
         _check_clips(cfg, self.clips, session.meta)
@@ -203,18 +204,11 @@ class FlowRolloutWorker:
         """Held while sampling and while new weights are written."""
         self.version = 0
         self.damaged = False
-        self.num_groups = 0
-        self.start_time = time.monotonic()
-        self._weight_errors: list[BaseException] = []
-        """What the weight thread raised (the main loop fails with it)."""
-        self._closing = False
-        session.policy_version = lambda: self.version
-        session.stats = self.stats
+        self.publish()
 
-    def stats(self) -> dict[str, float]:
-        """Heartbeat numbers."""
-        elapsed = max(time.monotonic() - self.start_time, 1e-9)
-        return {"groups": float(self.num_groups), "groups_per_s": self.num_groups / elapsed}
+    @property
+    def policy_version(self) -> int:
+        return self.version
 
     def start_weight_thread(self) -> None:
         """Follow the weight group and take every push between two batches."""
@@ -250,16 +244,7 @@ class FlowRolloutWorker:
             backend=weight_backend(cfg.mode, next(self.model.parameters()).device),
             timeout=timedelta(seconds=cfg.controller.collective_timeout),
         )
-        self._weight_errors = receiver.run_in_background(
-            stopped=lambda: self._closing or self.session.finished() is not None
-        )
-
-    def run(self) -> None:
-        """Sample until the controller ends the job."""
-        while self.session.finished() is None:
-            if self._weight_errors:
-                raise RuntimeError("the weight thread failed") from self._weight_errors[0]
-            self.step()
+        self.follow(receiver)
 
     def step(self) -> None:
         """Claim prompts up to `rollout.batch_size` held, validation prompts first; sample
@@ -363,7 +348,7 @@ class FlowRolloutWorker:
         self.num_groups += 1
 
     def close(self) -> None:
-        self._closing = True
+        super().close()
         self.server.stop(job_ended=self.session.finished() is not None)
 
 
@@ -371,13 +356,7 @@ def run_flow_rollout(session: ReplicaSession, *, device: torch.device) -> None:
     """Body of a world-model rollout replica's process."""
     worker = FlowRolloutWorker(session, device=device)
     worker.server.start()
-    worker.start_weight_thread()
-    session.start_heartbeats()
-    session.mark_ready()  # the controller adds it to the weight group now
-    try:
-        worker.run()
-    finally:
-        worker.close()
+    serve(worker)
 
 
 # -- policy --------------------------------------------------------------------------------------

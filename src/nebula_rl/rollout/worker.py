@@ -70,6 +70,7 @@ from nebula_rl.rewards import RemoteScorer, Scored, Scorer, filter_values, score
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
 from nebula_rl.rollout.lockstep import LockstepEngine
+from nebula_rl.rollout.loop import RolloutLoop, serve
 from nebula_rl.rollout.lora_merge import LoraMerge
 from nebula_rl.rollout.multiturn import Conversation, MultiTurn, loss_mask, with_turn_rewards
 from nebula_rl.rollout.tensor_parallel import TensorParallel
@@ -206,7 +207,7 @@ class _Claimed:
     """Its token ids and media, prepared in a loader thread (`dataloader_num_workers`)."""
 
 
-class RolloutWorker:
+class RolloutWorker(RolloutLoop):
     """One rollout replica's generation loop (see the module docstring)."""
 
     def __init__(
@@ -216,8 +217,8 @@ class RolloutWorker:
         device: torch.device,
         tensor_parallel: TensorParallel | None = None,
     ) -> None:
-        self.session = session
-        cfg = self.cfg = session.cfg
+        super().__init__(session)
+        cfg = self.cfg
         self.tokenizer, self.engine = _engine(session, device, tensor_parallel)
         config: Any = self._model.config
         self.vision = vision_processor(cfg, config)
@@ -262,13 +263,11 @@ class RolloutWorker:
         self.generating: dict[Future[RequestOutput], _Claimed] = {}
         self.scoring: dict[Future[list[Scored]], tuple[_Claimed, RequestOutput, list[str]]] = {}
         self.num_tokens = 0
-        self.num_groups = 0
-        self.start_time = time.monotonic()
-        self._weight_errors: list[BaseException] = []
-        """What the weight thread raised (the main loop fails with it)."""
-        self._closing = False
-        session.policy_version = lambda: self.engine.policy_version
-        session.stats = self.stats
+        self.publish()
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
 
     def stats(self) -> dict[str, float]:
         """Heartbeat numbers."""
@@ -326,9 +325,7 @@ class RolloutWorker:
                 )
 
         receiver = _receiver(self.session, engine, lora, apply=apply)
-        self._weight_errors = receiver.run_in_background(
-            stopped=lambda: self._closing or self.session.finished() is not None
-        )
+        self.follow(receiver)
 
     @property
     def _model(self) -> torch.nn.Module:
@@ -346,10 +343,7 @@ class RolloutWorker:
     def run(self) -> None:
         """Generate until the controller ends the job."""
         self.engine.start()
-        while self.session.finished() is None:
-            if self._weight_errors:
-                raise RuntimeError("the weight thread failed") from self._weight_errors[0]
-            self.step()
+        super().run()
 
     def step(self) -> None:
         """One pass: claim prompts, submit those the engine's weights allow, handle finished
@@ -510,7 +504,7 @@ class RolloutWorker:
     def close(self) -> None:
         """Stop the weight thread, the engine loop (and the other ranks') and the reward
         processes."""
-        self._closing = True
+        super().close()
         self.engine.shutdown()
         if self.loader is not None:
             self.loader.shutdown(wait=False, cancel_futures=True)
@@ -691,15 +685,8 @@ def run_rollout(session: ReplicaSession, *, device: torch.device) -> None:
         _follow(session, device, tensor_parallel, ranks)
         return
     worker = RolloutWorker(session, device=device, tensor_parallel=tensor_parallel)
-    worker.start_weight_thread()
-    if ranks.world_size > 1:
-        broadcast_object("loaded")  # every rank holds its shards
-    session.start_heartbeats()
-    session.mark_ready()  # the controller adds it to the weight group now
-    try:
-        worker.run()
-    finally:
-        worker.close()
+    # (with tensor parallelism: ready once every rank holds its shards)
+    serve(worker, loaded=(lambda: broadcast_object("loaded")) if ranks.world_size > 1 else None)
 
 
 def _follow(
