@@ -346,49 +346,111 @@ def check_ranks(cfg: Config) -> None:
 
 def run(cfg: Config) -> Path:
     """Run the world-model config `cfg` in this process (one of its ranks); its run folder."""
-    p = cfg.train.train_policy
     check_ranks(cfg)
-    ranks = rank_env()
-    cuda = torch.cuda.is_available()
-    if ranks.world_size > 1:
-        init_ranks("nccl" if cuda else "gloo")
-    lead = ranks.rank == 0
-    device = torch.device("cuda", ranks.local_rank) if cuda else torch.device("cpu")
-    run_dir = resolve_run_dir(cfg)
-    if lead:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-    seed = cfg.train.seed or 0
-    torch.manual_seed(seed)
-    validating = cfg.validation.enable
-    if lead:
-        clips = flow_clips(cfg, run_dir, create=True)
-        val_clips = flow_clips(cfg, run_dir, validation=True) if validating else []
-    if ranks.world_size > 1:
-        dist.barrier()  # (the toy datasets are written)
-    if not lead:
-        clips = flow_clips(cfg, run_dir, create=False)
-        val_clips = flow_clips(cfg, run_dir, create=False, validation=True) if validating else []
-    model = load_flow_model(cfg, seed=seed).to(device)
-    if cfg.policy.model_gradient_checkpointing:
-        checkpoint_blocks(model)
-    par = cfg.policy.parallelism
-    mesh = shard_flow_model(model, device, replicate=par.dp_replicate_size, cp=par.cp_size)
-    dp = None if mesh is None else dp_mesh(mesh)
-    rank, world = (0, 1) if dp is None else (dp.get_local_rank(), dp.size())
-    d = cfg.policy.diffusers
-    generator = torch.Generator().manual_seed(seed + 1000 * rank)  # (each rank its own noise)
-    every = cfg.logging.multi_modal_log_interval
+    return _FlowRun(cfg).run()
 
-    def grid() -> Tensor:  # (every rank: the forward of a sharded model is collective)
-        return sample_pixels(
-            model, clips, num_steps=d.sample.eval_num_steps, shift=d.train_flow_shift
-        )
 
-    batch = cfg.train.train_batch_per_replica
+@dataclasses.dataclass
+class _Plan:
+    """How many steps a run takes, of how many clips (prompts for RL), and its RL settings."""
+
+    steps: int
+    per_step: int
+    updates: int
+    """Optimiser updates (the LR schedule's length)."""
     settings: FlowRLSettings | None = None
-    old = reference = reset_reference = None
-    if isinstance(p, GrpoConfig):
+    """RL only."""
+    old: Any = None
+    """DiffusionNFT's old policy."""
+    reference: Any = None
+    """The KL reference (kl_beta > 0)."""
+    reset_reference: Any = None
+    """The reference, when it is reset during the run (then checkpoints hold it)."""
+
+
+class _FlowRun:
+    """One world-model run in this process (one rank of it): the data, the model (sharded over
+    the ranks), the optimiser, checkpoints, validation and the metric sinks."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        ranks = rank_env()
+        cuda = torch.cuda.is_available()
+        if ranks.world_size > 1:
+            init_ranks("nccl" if cuda else "gloo")
+        self.lead = lead = ranks.rank == 0
+        device = torch.device("cuda", ranks.local_rank) if cuda else torch.device("cpu")
+        self.run_dir = run_dir = resolve_run_dir(cfg)
+        if lead:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+        seed = cfg.train.seed or 0
+        torch.manual_seed(seed)
+        self.clips, self.val_clips = self._clips(ranks.world_size)
+        model = self.model = load_flow_model(cfg, seed=seed).to(device)
+        if cfg.policy.model_gradient_checkpointing:
+            checkpoint_blocks(model)
+        par = cfg.policy.parallelism
+        self.mesh = shard_flow_model(model, device, replicate=par.dp_replicate_size, cp=par.cp_size)
+        self.dp = None if self.mesh is None else dp_mesh(self.mesh)
+        self.rank, self.world = (
+            (0, 1) if self.dp is None else (self.dp.get_local_rank(), self.dp.size())
+        )
+        self.generator = torch.Generator().manual_seed(seed + 1000 * self.rank)  # (own noise)
+        self.plan = self._plan()
+        self.optimizer, self.scheduler = flow_optimizer(cfg, model, self.plan.updates)
+        self.ema = weight_ema(cfg, model, self.optimizer)
+        p = cfg.train.train_policy
+        self.score = flow_scorer(p) if isinstance(p, GrpoConfig) else None
+        self.val_score = flow_validation_scorer(cfg, self.score) if cfg.validation.enable else None
+        self.val_prompts = bool(self.val_clips) and all(c.video is None for c in self.val_clips)
+        self.checkpointer = Checkpointer(
+            cfg.train.ckpt,
+            run_dir,
+            model=FlowTrainingState(
+                model, self.plan.old, self.ema, reference=self.plan.reset_reference
+            ),
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            export=self.export,
+        )
+        self.start = 1
+        restored = resume_checkpoint(cfg, run_dir, self.checkpointer)
+        if restored is not None:
+            self.start = restored.step + 1
+            self.generator.set_state(restored.data["generators"][self.rank])
+            if self.ema is not None:
+                self.ema.steps = self.scheduler.last_epoch  # (the optimiser steps it has seen)
+        self.metrics, self.sinks = self._open_metrics(None if restored is None else restored.step)
+
+    def _clips(self, world_size: int) -> tuple[list[Clip], list[Clip]]:
+        """The training and validation clips (the lead rank writes a toy dataset first)."""
+        cfg, run_dir, validating = self.cfg, self.run_dir, self.cfg.validation.enable
+        if self.lead:
+            clips = flow_clips(cfg, run_dir, create=True)
+            val_clips = flow_clips(cfg, run_dir, validation=True) if validating else []
+        if world_size > 1:
+            dist.barrier()  # (the toy datasets are written)
+        if not self.lead:
+            clips = flow_clips(cfg, run_dir, create=False)
+            val_clips = (
+                flow_clips(cfg, run_dir, create=False, validation=True) if validating else []
+            )
+        return clips, val_clips
+
+    def _plan(self) -> _Plan:
+        """The run's length and, for RL, its settings and frozen copies (old policy, reference:
+        the starting weights, copied before a checkpoint is loaded)."""
+        cfg, world, p = self.cfg, self.world, self.cfg.train.train_policy
+        batch = cfg.train.train_batch_per_replica
+        if not isinstance(p, GrpoConfig):
+            if batch % world:
+                raise ValueError(
+                    f"policy.parallelism's data-parallel ranks ({world}: dp_shard_size * "
+                    f"dp_replicate_size) must divide train.train_batch_per_replica ({batch})"
+                )
+            steps = num_train_steps(cfg, len(self.clips), items_per_step=batch)
+            return _Plan(steps, batch, steps)
         n = cfg.rollout.n_generation
         if batch % n or batch % p.mini_batch:
             raise ValueError(
@@ -403,154 +465,174 @@ def run(cfg: Config) -> Path:
                 f"dp_replicate_size) must divide the prompts of a step "
                 f"(train_batch_per_replica / n_generation = {prompts})"
             )
-        per_step = prompts
-        steps = num_train_steps(cfg, len(clips), items_per_step=prompts)
+        steps = num_train_steps(cfg, len(self.clips), items_per_step=prompts)
         settings = flow_settings(cfg, num_iterations=steps, prompts=prompts // world)
-        updates = steps * settings.num_minibatches
-        # (the KL reference is the starting weights, copied before a checkpoint is loaded,
-        # unless it is reset during the run: then the checkpoint restores it)
+        model, mesh = self.model, self.mesh
         old = frozen_copy(model, cfg, mesh=mesh) if settings.algorithm == "nft" else None
         reference = frozen_copy(model, cfg, mesh=mesh) if settings.kl_beta > 0 else None
-        if settings.reference_reset_interval:  # (then checkpoints hold it)
-            reset_reference = reference
-    else:
-        if batch % world:
-            raise ValueError(
-                f"policy.parallelism's data-parallel ranks ({world}: dp_shard_size * "
-                f"dp_replicate_size) must divide train.train_batch_per_replica ({batch})"
-            )
-        per_step = batch
-        steps = updates = num_train_steps(cfg, len(clips), items_per_step=batch)
-    optimizer, scheduler = flow_optimizer(cfg, model, updates)
-    ema = weight_ema(cfg, model, optimizer)
-    score = flow_scorer(p) if isinstance(p, GrpoConfig) else None
-    val_score = flow_validation_scorer(cfg, score) if validating else None
-    val_prompts = bool(val_clips) and all(c.video is None for c in val_clips)
+        return _Plan(
+            steps,
+            prompts,
+            steps * settings.num_minibatches,
+            settings,
+            old,
+            reference,
+            reference if settings.reference_reset_interval else None,
+        )
 
-    def validate(step: int) -> dict[str, float]:  # (every rank: a sharded model's forwards)
-        if not validation_due(cfg, step, total_steps=steps):
+    def _open_metrics(self, restored_step: int | None) -> tuple[Any, Any]:
+        """The lead rank's metrics file (cut back to a restored step: the steps after it run
+        again) and sinks; (None, None) on the other ranks."""
+        if not self.lead:
+            return None, None
+        path = self.run_dir / "metrics.jsonl"
+        if restored_step is not None and path.exists():
+            kept = [
+                line
+                for line in path.read_text().splitlines(keepends=True)
+                if line.endswith("\n") and json.loads(line)["step"] <= restored_step
+            ]
+            path.write_text("".join(kept))
+        return path.open("a"), open_loggers(self.cfg, self.run_dir, total_steps=self.plan.steps)
+
+    def _averaged(self) -> contextlib.AbstractContextManager[Any]:
+        """The weights' averages in place, with `train.ema_enable`."""
+        return self.ema.applied() if self.ema is not None else contextlib.nullcontext()
+
+    def grid(self) -> Tensor:
+        """Samples of the training clips (every rank: a sharded model's forward is collective)."""
+        d = self.cfg.policy.diffusers
+        return sample_pixels(
+            self.model, self.clips, num_steps=d.sample.eval_num_steps, shift=d.train_flow_shift
+        )
+
+    def validate(self, step: int) -> dict[str, float]:
+        """Validation's metrics at `step` when due (every rank: a sharded model's forwards)."""
+        cfg, model, dp = self.cfg, self.model, self.dp
+        if not validation_due(cfg, step, total_steps=self.plan.steps):
             return {}
-        with ema.applied() if ema is not None else contextlib.nullcontext():
-            if settings is None and val_prompts:  # (SFT on captions: samples to look at)
+        with self._averaged():
+            if self.plan.settings is None and self.val_prompts:  # (SFT on captions: samples)
                 metrics, grid = validate_samples(
-                    model, val_clips, cfg, step=step, run_dir=run_dir, score=val_score, dp=dp,
-                    write=lead,
+                    model, self.val_clips, cfg, step=step, run_dir=self.run_dir,
+                    score=self.val_score, dp=dp, write=self.lead,
                 )  # fmt: skip
-                if grid is not None and sinks is not None:
-                    log_image_file(sinks, "val_samples", step, grid)
+                if grid is not None and self.sinks is not None:
+                    log_image_file(self.sinks, "val_samples", step, grid)
                 return metrics
-            if settings is None:
-                return validate_loss(model, val_clips, cfg, dp=dp)
-            assert val_score is not None
-            return validate_generation(model, val_clips, settings, cfg, val_score, step=step, dp=dp)
+            if self.plan.settings is None:
+                return validate_loss(model, self.val_clips, cfg, dp=dp)
+            assert self.val_score is not None
+            return validate_generation(
+                model, self.val_clips, self.plan.settings, cfg, self.val_score, step=step, dp=dp
+            )
 
-    def export(folder: Path) -> None:  # (every rank; the weights' averages with ema_enable)
-        with ema.applied() if ema is not None else contextlib.nullcontext():
-            save_sharded_flow_model(model, cfg, folder, mesh=mesh)
+    def export(self, folder: Path) -> None:
+        """Save the model (every rank; the weights' averages with ema_enable)."""
+        with self._averaged():
+            save_sharded_flow_model(self.model, self.cfg, folder, mesh=self.mesh)
 
-    checkpointer = Checkpointer(
-        cfg.train.ckpt,
-        run_dir,
-        model=FlowTrainingState(model, old, ema, reference=reset_reference),
-        optimizer=optimizer,
-        scheduler=scheduler,
-        export=export,
-    )
-    start = 1
-    restored = resume_checkpoint(cfg, run_dir, checkpointer)
-    if restored is not None:
-        start = restored.step + 1
-        generator.set_state(restored.data["generators"][rank])
-        if ema is not None:
-            ema.steps = scheduler.last_epoch  # (the optimiser steps the averages have seen)
-    metrics_path = run_dir / "metrics.jsonl"
-    if lead and restored is not None and metrics_path.exists():  # (steps after it run again)
-        kept = [
-            line
-            for line in metrics_path.read_text().splitlines(keepends=True)
-            if line.endswith("\n") and json.loads(line)["step"] <= restored.step
-        ]
-        metrics_path.write_text("".join(kept))
-    metrics = metrics_path.open("a") if lead else None
-    sinks = open_loggers(cfg, run_dir, total_steps=steps) if lead else None
+    def write(self, values: dict[str, float]) -> None:
+        """A metrics record to the file and the sinks (the lead rank)."""
+        assert self.metrics is not None and self.sinks is not None
+        self.metrics.write(json.dumps(values) + "\n")
+        self.metrics.flush()
+        self.sinks.log(values)
 
-    def write(values: dict[str, float]) -> None:  # (the lead rank)
-        assert metrics is not None and sinks is not None
-        metrics.write(json.dumps(values) + "\n")
-        metrics.flush()
-        sinks.log(values)
-
-    def record(values: dict[str, float]) -> None:
+    def record(self, values: dict[str, float]) -> None:
+        """After a step: its metrics with validation's, sample grids, the checkpoint if due."""
         step = int(values.get("iteration", values.get("step", 0)))
         values = {"step": step, **{k: v for k, v in values.items() if k != "step"}}
-        values |= validate(step)
-        image = grid() if every and step % every == 0 else None
-        if lead:
-            write(values)
+        values |= self.validate(step)
+        every = self.cfg.logging.multi_modal_log_interval
+        image = self.grid() if every and step % every == 0 else None
+        if self.lead:
+            self.write(values)
             if image is not None:
-                assert sinks is not None
-                saved = save_samples(image, step_samples(run_dir, step))
-                log_image_file(sinks, "samples", step, saved)
-        if checkpointer.due(step, last=step == steps, steps_per_epoch=len(clips) // per_step):
-            states: list[Any] = [generator.get_state()]
-            if dp is not None:  # (every rank's noise generator)
-                states = [None] * world
-                dist.all_gather_object(states, generator.get_state(), group=dp.get_group())
-            checkpointer.save(step, data={"generators": states})
+                assert self.sinks is not None
+                saved = save_samples(image, step_samples(self.run_dir, step))
+                log_image_file(self.sinks, "samples", step, saved)
+        plan = self.plan
+        per_epoch = len(self.clips) // plan.per_step
+        if self.checkpointer.due(step, last=step == plan.steps, steps_per_epoch=per_epoch):
+            states: list[Any] = [self.generator.get_state()]
+            if self.dp is not None:  # (every rank's noise generator)
+                states = [None] * self.world
+                dist.all_gather_object(
+                    states, self.generator.get_state(), group=self.dp.get_group()
+                )
+            self.checkpointer.save(step, data={"generators": states})
 
-    if start == 1 and (initial := validate(0)) and lead:  # (the weights before training)
-        write({"step": 0, **initial})
-    ordered = _ordered(cfg, clips, per_step)
-    if settings is not None:
-        assert isinstance(p, GrpoConfig) and score is not None
+    def run(self) -> Path:
+        """Train to the end, export; the run folder."""
+        if self.start == 1 and (initial := self.validate(0)) and self.lead:  # (before training)
+            self.write({"step": 0, **initial})
+        ordered = _ordered(self.cfg, self.clips, self.plan.per_step)
+        if self.plan.settings is not None:
+            self._train_rl(ordered)
+        else:
+            self._train_sft(ordered)
+        self.checkpointer.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.sinks is not None:
+            self.sinks.close()
+        final = self.run_dir / "safetensors" / "final"
+        with self._averaged():  # (cosmos-rl's export)
+            save_sharded_flow_model(self.model, self.cfg, final, mesh=self.mesh)
+            image = self.grid()
+        if self.lead:
+            save_samples(image, self.run_dir / "samples.png")
+            log.info("exported %s", final)
+        if self.mesh is not None:
+            close_ranks()
+        return self.run_dir
+
+    def _train_rl(self, ordered: Any) -> None:
+        p, plan = self.cfg.train.train_policy, self.plan
+        settings = plan.settings
+        assert isinstance(p, GrpoConfig) and settings is not None and self.score is not None
         log.info(
             "world-model %s: %d iterations of %d prompts x %d samples, %d clips%s%s",
-            p.trainer_type, steps, per_step, settings.group_size, len(clips),
-            f", colocated on {world} ranks" if mesh is not None else "",
-            f", from step {start}" if start > 1 else "",
+            p.trainer_type, plan.steps, plan.per_step, settings.group_size, len(self.clips),
+            f", colocated on {self.world} ranks" if self.mesh is not None else "",
+            f", from step {self.start}" if self.start > 1 else "",
         )  # fmt: skip
-        if mesh is None:
+        if self.mesh is None:
             run_flow_rl(
-                model, clips, settings, score=score, on_iteration=record, prompt_clips=ordered,
-                optimizer=optimizer, scheduler=scheduler, start=start, generator=generator,
-                old=old, reference=reference,
+                self.model, self.clips, settings, score=self.score, on_iteration=self.record,
+                prompt_clips=ordered, optimizer=self.optimizer, scheduler=self.scheduler,
+                start=self.start, generator=self.generator, old=plan.old,
+                reference=plan.reference,
             )  # fmt: skip
         else:
             run_colocated(
-                model, clips, settings, mesh=mesh, score=score, prompt_clips=ordered,
-                optimizer=optimizer, scheduler=scheduler, generator=generator, old=old,
-                reference=reference, on_iteration=record, start=start,
+                self.model, self.clips, settings, mesh=self.mesh, score=self.score,
+                prompt_clips=ordered, optimizer=self.optimizer, scheduler=self.scheduler,
+                generator=self.generator, old=plan.old, reference=plan.reference,
+                on_iteration=self.record, start=self.start,
             )  # fmt: skip
-    else:
-        log.info("world-model SFT: %d steps of %d clips, %d clips", steps, batch, len(clips))
+
+    def _train_sft(self, ordered: Any) -> None:
+        cfg, dp, world, rank = self.cfg, self.dp, self.world, self.rank
+        d = cfg.policy.diffusers
+        log.info(
+            "world-model SFT: %d steps of %d clips, %d clips",
+            self.plan.steps, cfg.train.train_batch_per_replica, len(self.clips),
+        )  # fmt: skip
 
         def on_step(values: dict[str, float]) -> None:
             if dp is not None:  # (the loss of the whole batch: the mean of the ranks')
                 loss = torch.tensor([values["loss"]], dtype=torch.float64)
                 sum_over(loss, dp)
                 values = {**values, "loss": float(loss) / world}
-            record(values)
+            self.record(values)
 
         pretrain(
-            model, clips, steps=steps, batches=lambda step: ordered(step)[rank::world],
-            optimizer=optimizer, scheduler=scheduler, sigma_scheme=d.weighting_scheme,
-            sigma_mean=d.logit_mean, sigma_std=d.logit_std,
-            grad_clip=cfg.train.optm_grad_norm_clip, on_step=on_step, start=start,
-            generator=generator,
+            self.model, self.clips, steps=self.plan.steps,
+            batches=lambda step: ordered(step)[rank::world], optimizer=self.optimizer,
+            scheduler=self.scheduler, sigma_scheme=d.weighting_scheme, sigma_mean=d.logit_mean,
+            sigma_std=d.logit_std, grad_clip=cfg.train.optm_grad_norm_clip, on_step=on_step,
+            start=self.start, generator=self.generator,
             conditional_frames=(d.min_num_conditional_frames, d.max_num_conditional_frames),
         )  # fmt: skip
-    checkpointer.close()
-    if metrics is not None:
-        metrics.close()
-    if sinks is not None:
-        sinks.close()
-    final = run_dir / "safetensors" / "final"
-    with ema.applied() if ema is not None else contextlib.nullcontext():  # (cosmos-rl's export)
-        save_sharded_flow_model(model, cfg, final, mesh=mesh)
-        image = grid()
-    if lead:
-        save_samples(image, run_dir / "samples.png")
-        log.info("exported %s", final)
-    if mesh is not None:
-        close_ranks()
-    return run_dir
