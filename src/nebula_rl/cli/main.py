@@ -578,6 +578,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
+    _add_job_commands(sub)
+    _add_run_commands(sub)
+    _add_other_commands(sub)
+    return parser
+
+
+def _add_job_commands(sub: Any) -> None:
+    """`check`, `train`, `controller`, `replica` (and `replica ls` / `show`)."""
     check = sub.add_parser(
         "check",
         help="validate a config, print the values in force, and what a job would find here "
@@ -645,6 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--controller", default=argparse.SUPPRESS, help="HOST:PORT")
         _add_connection_flags(p, address=False)
 
+
+def _add_run_commands(sub: Any) -> None:
+    """`slurm`, `status`, `plot`: a job on a cluster, a running job, a finished run."""
     slurm = sub.add_parser(
         "slurm",
         help="write (and with --submit, submit) an sbatch script that runs the RL job on the "
@@ -684,6 +695,9 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", help="PNG file to write (default: RUN_DIR/curves.png)")
     plot.set_defaults(func=_cmd_plot)
 
+
+def _add_other_commands(sub: Any) -> None:
+    """`eval`, `generate`, `config-reference`, `reward-service`."""
     for name, text in (
         ("eval", "score a model (or, with --run, each checkpoint of a run) on a dataset: "
                  "mean reward and pass@k over num_gpus / tp_size engine shards"),
@@ -723,7 +737,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--port", type=int, help="port to listen on (overrides port; 0: any free one)"
     )
     reward_service.set_defaults(func=_cmd_reward_service)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
