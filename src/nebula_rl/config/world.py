@@ -84,6 +84,12 @@ subkeys); any other key it is given is refused, naming it."""
 
 def world_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
     """Why a world-model config cannot run: keys it does not read, and rules between keys."""
+    return _unread_keys(cfg, user_keys) + _rules(cfg, user_keys)
+
+
+def _unread_keys(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
+    """The keys the user set, at other values than their defaults, that a world-model run does
+    not read (`FLOW_KEYS`)."""
     out = []
     for key in sorted(user_keys):
         if any(key == k or key.startswith(k + ".") for k in FLOW_KEYS):
@@ -107,6 +113,12 @@ def world_refusals(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
         )
         shown = f" = {format_value(value)}" if found else ""
         out.append(f"{key}{shown}: {why}")
+    return out
+
+
+def _rules(cfg: Config, user_keys: dict[str, Any]) -> list[str]:
+    """The rules between a world-model run's keys."""
+    out: list[str] = []
     p = cfg.train.train_policy
     d = cfg.policy.diffusers
     sft = isinstance(p, SftConfig)
