@@ -385,20 +385,8 @@ def launch(
     """Run the RL job `cfg` with its controller and replicas as processes; the exit code.
     Teacher replicas (`num_teacher`, else `distillation.parallelism.n_init_replicas`) start
     only with `distillation.enable`."""
-    num_policy = num_policy or cfg.policy.parallelism.n_init_replicas
-    if cfg.mode == "colocated":  # every policy replica generates: no rollout replicas
-        if num_rollout:
-            raise ValueError(
-                f'--rollout {num_rollout}: mode = "colocated" starts no rollout replicas (each '
-                "policy replica generates on its own ranks); scale with --policy"
-            )
-        num_rollout = 0
-    else:
-        num_rollout = num_rollout or cfg.rollout.parallelism.n_init_replicas
-    num_teacher = (
-        (num_teacher or cfg.distillation.parallelism.n_init_replicas)
-        if cfg.distillation.enable
-        else 0
+    num_policy, num_rollout, num_teacher = _replica_counts(
+        cfg, num_policy, num_rollout, num_teacher
     )
     check_installed(cfg.logging.logger)  # before anything starts
     ensure_model(cfg)
@@ -449,21 +437,10 @@ def launch(
     outcome = 1
     try:
         controller_argv = [
-            *_CLI,
-            "controller",
-            "--config",
-            str(config_path),
-            "--run-dir",
-            str(run_dir),
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--rollout",
-            str(num_rollout),
-            "--policy",
-            str(num_policy),
-        ]
+            *_CLI, "controller", "--config", str(config_path), "--run-dir", str(run_dir),
+            "--host", host, "--port", str(port), "--rollout", str(num_rollout),
+            "--policy", str(num_policy),
+        ]  # fmt: skip
 
         def start_controller(*, restart: bool) -> _Child:
             extra = {RESTART_ENV: "1"} if restart else {}
@@ -482,16 +459,7 @@ def launch(
         # A scheduler's pre-emption signal (train.save_ckpt_at_exit): a checkpoint after the
         # next step, through the controller; the job goes on.
         forward_checkpoint_signals(cfg.train, lambda: _request_checkpoint(address, env[TOKEN_ENV]))
-        for place in placement:
-            argv = [*_CLI, "replica", "--role", place.role]
-            nproc = launched_ranks(cfg, place.role, place.nproc)
-            argv += ["--controller", address, "--name", place.name, "--nproc", str(nproc)]
-            devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, place.devices))}
-            child_env = {**env, **devices} if place.devices else env
-            child = _start(
-                place.name, argv, env=child_env, logs=logs, role=place.role, may_fork=True
-            )
-            children.append(child)
+        _start_replicas(cfg, placement, address, env, logs, into=children)
         total_steps = _total_steps(address, env[TOKEN_ENV])
         with open_loggers(cfg, run_dir, total_steps=total_steps, only={"console"}) as loggers:
             tail = _MetricsTail(run_dir / "metrics.jsonl", loggers)
@@ -512,6 +480,50 @@ def launch(
     if outcome == 0:
         log.info("job finished: %s", run_dir)
     return outcome
+
+
+def _replica_counts(
+    cfg: Config, num_policy: int | None, num_rollout: int | None, num_teacher: int | None
+) -> tuple[int, int, int]:
+    """Policy, rollout and teacher replicas to start: the flags', else the config's."""
+    num_policy = num_policy or cfg.policy.parallelism.n_init_replicas
+    if cfg.mode == "colocated":  # every policy replica generates: no rollout replicas
+        if num_rollout:
+            raise ValueError(
+                f'--rollout {num_rollout}: mode = "colocated" starts no rollout replicas (each '
+                "policy replica generates on its own ranks); scale with --policy"
+            )
+        num_rollout = 0
+    else:
+        num_rollout = num_rollout or cfg.rollout.parallelism.n_init_replicas
+    num_teacher = (
+        (num_teacher or cfg.distillation.parallelism.n_init_replicas)
+        if cfg.distillation.enable
+        else 0
+    )
+    return num_policy, num_rollout, num_teacher
+
+
+def _start_replicas(
+    cfg: Config,
+    placement: list[Placement],
+    address: str,
+    env: dict[str, str],
+    logs: Path,
+    *,
+    into: list[_Child],
+) -> None:
+    """Start every placed replica, forked where it can be (each on its devices), into `into`
+    as each starts (so that a failed start stops those already running)."""
+    for place in placement:
+        argv = [*_CLI, "replica", "--role", place.role]
+        nproc = launched_ranks(cfg, place.role, place.nproc)
+        argv += ["--controller", address, "--name", place.name, "--nproc", str(nproc)]
+        devices = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, place.devices))}
+        child_env = {**env, **devices} if place.devices else env
+        into.append(
+            _start(place.name, argv, env=child_env, logs=logs, role=place.role, may_fork=True)
+        )
 
 
 def _gpu_count() -> int:
