@@ -291,6 +291,22 @@ def create_app(
         _Guard, token=token, max_body_bytes=max_body_bytes, cookie=panel.cookie_name(state.job)
     )
 
+    _add_error_handlers(app)
+    _add_replica_routes(app, state, config_json, on_register)
+    _add_job_routes(app, state, meta)
+    panel.add_panel_routes(
+        app,
+        state=state,
+        meta=meta,
+        metrics_path=metrics_path,
+        heartbeat_timeout=heartbeat_timeout,
+    )
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Bad requests answer 4xx with no internals; Redis down, 503."""
+
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         # Only loc/msg/type: the default also echoes the input, up to a megabyte of it.
@@ -306,6 +322,15 @@ def create_app(
     async def server_error(request: Request, exc: Exception) -> JSONResponse:
         # Starlette logs the traceback; the caller gets no internals.
         return JSONResponse({"detail": "internal server error"}, status_code=500)
+
+
+def _add_replica_routes(
+    app: FastAPI,
+    state: JobState,
+    config_json: dict[str, Any],
+    on_register: Callable[[RegisterRequest], dict[str, Any]] | None,
+) -> None:
+    """Health, and what replicas call: register, heartbeat, unregister."""
 
     @app.get("/health")
     def health() -> dict[str, str]:
@@ -360,6 +385,10 @@ def create_app(
             raise HTTPException(404, f"replica {req.name} is not registered")
         return {"ok": True}
 
+
+def _add_job_routes(app: FastAPI, state: JobState, meta: dict[str, Any]) -> None:
+    """What people and tools ask: checkpoint, meta, status, replicas."""
+
     @app.post("/api/checkpoint")
     def request_checkpoint() -> dict[str, Any]:
         """Save a checkpoint after the next training step (what a scheduler's pre-emption
@@ -401,15 +430,6 @@ def create_app(
         if info is None:
             raise HTTPException(404, f"replica {name} is not registered")
         return _replica_view(name, info, now=state.clock())
-
-    panel.add_panel_routes(
-        app,
-        state=state,
-        meta=meta,
-        metrics_path=metrics_path,
-        heartbeat_timeout=heartbeat_timeout,
-    )
-    return app
 
 
 def _replica_view(name: str, info: dict[str, Any], *, now: float) -> dict[str, Any]:
