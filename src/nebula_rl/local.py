@@ -455,13 +455,7 @@ def _run_grpo(
             if teacher is not None:
                 batch = teacher.score(batch)
             teacher_time = time.perf_counter() - t_teacher
-            media = None
-            if vision is not None:
-                texts = [g.prompt.prompt for g in batch]
-                assert all(t is not None for t in texts), "local prompts carry their text"
-                media = rollout_media(
-                    vision, batch, cast(list[Any], texts), system_prompt=p.system_prompt
-                )
+            media = None if vision is None else _batch_media(vision, batch, p)
             t_train = time.perf_counter()
             with cpu_threads(cfg.policy.cpu_threads):
                 metrics = trainer.grpo_step(batch, media)
@@ -470,23 +464,14 @@ def _run_grpo(
             engine.update_weights(rollout_weights(model), policy_version=step)
             update_time = time.perf_counter() - t_update
             trained = trained + [g.prompt.prompt_id for g in batch]
-            num_gen_tokens = sum(len(c.token_ids) for g in batch for c in g.completions)
-            record = {
-                "step": step,
-                "policy_version": step,
-                **metrics,
-                "staleness_mean": 0.0,
-                "staleness_max": 0,
-                "groups_dropped": dropped,
+            times = {
                 "step_time": time.perf_counter() - t0,
                 "generate_time": gen_time,
                 **({"teacher_time": teacher_time} if teacher is not None else {}),
                 "train_time": t_update - t_train,
                 "weight_update_time": update_time,
-                "rollout_tokens_per_s": num_gen_tokens / max(gen_time, 1e-9),
             }
-            if torch.cuda.is_available():  # (policy, optimiser and engine: this process)
-                record["gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+            record = _step_record(step, metrics, batch, dropped, times)
             if validation_due(cfg, step, total_steps=total):
                 record |= validate(step)
                 validated = step
@@ -509,6 +494,38 @@ def _run_grpo(
                 s.close()
     (run_dir / "trained_prompts.json").write_text(json.dumps(trained))
     return trainer
+
+
+def _batch_media(vision: VisionProcessor, batch: list[RolloutGroup], p: GrpoConfig) -> Any:
+    """The media of a vision-language batch's prompts, for the policy's forward."""
+    texts = [g.prompt.prompt for g in batch]
+    assert all(t is not None for t in texts), "local prompts carry their text"
+    return rollout_media(vision, batch, cast(list[Any], texts), system_prompt=p.system_prompt)
+
+
+def _step_record(
+    step: int,
+    metrics: dict[str, float],
+    batch: list[RolloutGroup],
+    dropped: int,
+    times: dict[str, float],
+) -> dict[str, Any]:
+    """A step's metrics record: the trainer's, the (zero) staleness, the times (seconds) and
+    the rollout's throughput."""
+    num_gen_tokens = sum(len(c.token_ids) for g in batch for c in g.completions)
+    record: dict[str, Any] = {
+        "step": step,
+        "policy_version": step,
+        **metrics,
+        "staleness_mean": 0.0,
+        "staleness_max": 0,
+        "groups_dropped": dropped,
+        **times,
+        "rollout_tokens_per_s": num_gen_tokens / max(times["generate_time"], 1e-9),
+    }
+    if torch.cuda.is_available():  # (policy, optimiser and engine: this process)
+        record["gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    return record
 
 
 class _SftTokenize:
