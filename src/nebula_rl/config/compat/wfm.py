@@ -21,6 +21,7 @@ the rest of its keys describe, a start for the port. One whose model is a `[poli
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from nebula_rl.config.base import ConfigError
@@ -128,6 +129,17 @@ def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
     model = dict(data.get("model", {}))
     rl = dict(model.pop("rl", {}))
+    _rl_keys(rl, out, refuse)
+    _model_keys(data, model, out, problems)
+    _training_keys(data, out, problems, refuse)
+    return out, problems
+
+
+Refuse = Callable[[str, Any, str], None]
+
+
+def _rl_keys(rl: dict[str, Any], out: dict[str, Any], refuse: Refuse) -> None:
+    """`[model.rl]`: the RL algorithm, its sampler and its rewards."""
     steps = int(rl.pop("sample_steps", 10))
     _set(out, "policy.diffusers.sample.num_steps", steps)
     _set(out, "rollout.n_generation", int(rl.pop("num_rollout", 8)))
@@ -173,6 +185,11 @@ def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     for key, value in rl.items():
         refuse(f"model.rl.{key}", value, "not read by nebula-rl")
 
+
+def _model_keys(
+    data: dict[str, Any], model: dict[str, Any], out: dict[str, Any], problems: list[str]
+) -> None:
+    """The model (a diffusers model from `[policy]`) and its parallel layout."""
     # The schema's model is cosmos-rl's own network; a diffusers model comes from [policy].
     named = [f"model.{k}" for k in ("net", "tokenizer", "text_encoder_config") if k in model]
     named += ["checkpoint.load_path"] if "load_path" in data.get("checkpoint", {}) else []
@@ -191,6 +208,11 @@ def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         cp = int(data["model_parallel"]["context_parallel_size"])
         _set(out, "policy.parallelism.cp_size", cp)
 
+
+def _training_keys(
+    data: dict[str, Any], out: dict[str, Any], problems: list[str], refuse: Refuse
+) -> None:
+    """The optimiser, schedule, trainer callbacks, dataset and logging."""
     optimizer = data.get("optimizer", {})
     if "lr" in optimizer:
         _set(out, "train.optm_lr", float(optimizer["lr"]))
@@ -241,7 +263,6 @@ def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     ):
         if theirs in job:
             _set(out, ours, job[theirs])
-    return out, problems
 
 
 def check_wfm(data: dict[str, Any], source: str) -> dict[str, Any]:
