@@ -77,9 +77,9 @@ from nebula_rl.rollout.worker import (
     sampling_params,
     validation_sampling_params,
 )
-from nebula_rl.runs import drop_steps_after, resolve_run_dir
+from nebula_rl.runs import resolve_run_dir
 from nebula_rl.teacher import Teacher
-from nebula_rl.utils.metrics_log import open_loggers
+from nebula_rl.utils.metrics_log import MetricsWriter
 from nebula_rl.utils.profiling import StepProfiler
 from nebula_rl.utils.ranks import cpu_threads, init_ranks
 from nebula_rl.utils.signals import CheckpointSignal
@@ -88,27 +88,6 @@ from nebula_rl.validation import validation_due, validation_metrics, validation_
 __all__ = ["run"]
 
 log = logging.getLogger(__name__)
-
-
-class _MetricsWriter:
-    """Appends one JSON line per step to `metrics.jsonl` (after dropping lines of steps later
-    than `after_step`) and hands the record to the `[logging]` sinks (console, TensorBoard,
-    W&B)."""
-
-    def __init__(self, cfg: Config, run_dir: Path, *, after_step: int, total_steps: int) -> None:
-        path = run_dir / "metrics.jsonl"
-        drop_steps_after(path, after_step)
-        self.loggers = open_loggers(cfg, run_dir, total_steps=total_steps)
-        self.file = path.open("a")
-
-    def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        self.loggers.log(record)
-
-    def close(self) -> None:
-        self.file.close()
-        self.loggers.close()
 
 
 def run(cfg: Config) -> Path:
@@ -432,7 +411,7 @@ def _run_grpo(
         done, trained = restored.step, restored.data["trained_prompts"]
         prompts.epoch, prompts.position = restored.data["epoch"], restored.data["position"]
         engine.update_weights(rollout_weights(model), policy_version=done)
-    writer = _MetricsWriter(cfg, run_dir, after_step=done, total_steps=total)
+    writer = MetricsWriter(cfg, run_dir, after_step=done, total_steps=total)
 
     def validate(step: int) -> dict[str, float]:
         return _validate(engine, tokenizer, cfg, val_rows, val_score, step, vision)
@@ -648,7 +627,7 @@ def _run_sft(
         step = restored.step
         first_epoch, first_position = restored.data["epoch"], restored.data["position"]
     lead = not dist.is_initialized() or dist.get_rank() == 0  # (TP ranks share dp_rank 0)
-    writer = _MetricsWriter(cfg, run_dir, after_step=step, total_steps=total) if lead else None
+    writer = MetricsWriter(cfg, run_dir, after_step=step, total_steps=total) if lead else None
     rank = dist.get_rank() if dist.is_initialized() else 0
     profiler = StepProfiler(cfg.profiler, run_dir, name="sft", rank=rank)
     stop_signal = CheckpointSignal(cfg.train)

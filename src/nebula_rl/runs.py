@@ -78,10 +78,15 @@ def resolve_run_dir(cfg: Config) -> Path:
 
 def drop_steps_after(path: Path, step: int) -> None:
     """Keep only the `metrics.jsonl` lines of steps up to `step` (later ones came from an earlier
-    attempt of this run that got past the checkpoint it resumes from)."""
-    lines = path.read_text().splitlines() if path.exists() else []
-    kept = [line for line in lines if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    attempt of this run that got past the checkpoint it resumes from; a last line cut short by a
+    crash is dropped too)."""
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    kept = [
+        line
+        for line in lines
+        if line.strip() and line.endswith("\n") and json.loads(line)["step"] <= step
+    ]
+    path.write_text("".join(kept))
 
 
 def write_private(path: Path, text: str) -> None:

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,7 +87,7 @@ from nebula_rl.policy.checkpoint import Checkpointer, resume_checkpoint
 from nebula_rl.policy.optim import build_optimizer, lr_lambda
 from nebula_rl.rewards.visual import VISUAL_REWARDS, pixels_from_samples
 from nebula_rl.runs import resolve_run_dir
-from nebula_rl.utils.metrics_log import log_image_file, open_loggers
+from nebula_rl.utils.metrics_log import MetricsWriter, log_image_file
 from nebula_rl.utils.ranks import close_ranks, init_ranks, rank_env
 from nebula_rl.validation import validation_due
 
@@ -421,7 +420,17 @@ class _FlowRun:
             self.generator.set_state(restored.data["generators"][self.rank])
             if self.ema is not None:
                 self.ema.steps = self.scheduler.last_epoch  # (the optimiser steps it has seen)
-        self.metrics, self.sinks = self._open_metrics(None if restored is None else restored.step)
+        self.writer = (
+            MetricsWriter(
+                cfg,
+                run_dir,
+                total_steps=self.plan.steps,
+                after_step=None if restored is None else restored.step,
+            )
+            if lead
+            else None
+        )
+        self.sinks = None if self.writer is None else self.writer.loggers
 
     def _clips(self, world_size: int) -> tuple[list[Clip], list[Clip]]:
         """The training and validation clips (the lead rank writes a toy dataset first)."""
@@ -480,21 +489,6 @@ class _FlowRun:
             reference if settings.reference_reset_interval else None,
         )
 
-    def _open_metrics(self, restored_step: int | None) -> tuple[Any, Any]:
-        """The lead rank's metrics file (cut back to a restored step: the steps after it run
-        again) and sinks; (None, None) on the other ranks."""
-        if not self.lead:
-            return None, None
-        path = self.run_dir / "metrics.jsonl"
-        if restored_step is not None and path.exists():
-            kept = [
-                line
-                for line in path.read_text().splitlines(keepends=True)
-                if line.endswith("\n") and json.loads(line)["step"] <= restored_step
-            ]
-            path.write_text("".join(kept))
-        return path.open("a"), open_loggers(self.cfg, self.run_dir, total_steps=self.plan.steps)
-
     def _averaged(self) -> contextlib.AbstractContextManager[Any]:
         """The weights' averages in place, with `train.ema_enable`."""
         return self.ema.applied() if self.ema is not None else contextlib.nullcontext()
@@ -534,10 +528,8 @@ class _FlowRun:
 
     def write(self, values: dict[str, float]) -> None:
         """A metrics record to the file and the sinks (the lead rank)."""
-        assert self.metrics is not None and self.sinks is not None
-        self.metrics.write(json.dumps(values) + "\n")
-        self.metrics.flush()
-        self.sinks.log(values)
+        assert self.writer is not None
+        self.writer.write(values)
 
     def record(self, values: dict[str, float]) -> None:
         """After a step: its metrics with validation's, sample grids, the checkpoint if due."""
@@ -573,10 +565,8 @@ class _FlowRun:
         else:
             self._train_sft(ordered)
         self.checkpointer.close()
-        if self.metrics is not None:
-            self.metrics.close()
-        if self.sinks is not None:
-            self.sinks.close()
+        if self.writer is not None:
+            self.writer.close()
         final = self.run_dir / "safetensors" / "final"
         with self._averaged():  # (cosmos-rl's export)
             save_sharded_flow_model(self.model, self.cfg, final, mesh=self.mesh)

@@ -22,6 +22,7 @@ wandb) are imported only when their sink is selected.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import math
 import netrc
@@ -45,12 +46,14 @@ from rich.progress import (
 )
 
 from nebula_rl.config import Config
+from nebula_rl.runs import drop_steps_after
 
 __all__ = [
     "FILE_LOGGERS",
     "LOGGERS",
     "ConsoleLogger",
     "MetricsLogger",
+    "MetricsWriter",
     "StepLogger",
     "TensorBoardLogger",
     "WandbLogger",
@@ -454,3 +457,27 @@ def log_image_file(sinks: MetricsLogger, tag: str, step: int, path: Path) -> Non
         with Image.open(video) as image:
             width, height = image.size
         sinks.log_video(f"{tag}_video", step, video, height=height, width=width)
+
+
+class MetricsWriter:
+    """A run's `metrics.jsonl`, one JSON line per step, each record also handed to the
+    `[logging]` sinks (console, TensorBoard, W&B). `after_step`: a resumed run's step; the lines
+    of later steps (an earlier attempt got past the checkpoint) are dropped first."""
+
+    def __init__(
+        self, cfg: Config, run_dir: Path, *, total_steps: int, after_step: int | None = None
+    ) -> None:
+        path = run_dir / "metrics.jsonl"
+        if after_step is not None:
+            drop_steps_after(path, after_step)
+        self.loggers = open_loggers(cfg, run_dir, total_steps=total_steps)
+        self.file = path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        self.loggers.log(record)
+
+    def close(self) -> None:
+        self.file.close()
+        self.loggers.close()
