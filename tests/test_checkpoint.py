@@ -29,6 +29,7 @@ from nebula_rl.policy.checkpoint import (
     latest_checkpoint,
 )
 from nebula_rl.policy.ema import WeightEMA
+from nebula_rl.runs import drop_steps_after
 from nebula_rl.weights import free_port
 
 # DCP notes each save/load without a process group; that is the single-process case tested here.
@@ -406,3 +407,15 @@ def test_epoch_checkpoints_come_after_every_nth_epoch(tmp_path):
     assert [s for s in range(1, 14) if every.due(s, last=s == 13, steps_per_epoch=3)] == [6, 12, 13]
     every.save_freq_in_epoch = 0
     assert [s for s in range(1, 4) if every.due(s, last=False, steps_per_epoch=3)] == [1, 2, 3]
+
+
+def test_a_resumed_run_keeps_the_metrics_of_its_steps_up_to_the_checkpoint(tmp_path):
+    """Lines of later steps (an earlier attempt got past the checkpoint) and a last line a crash
+    cut short are dropped; the others stay as written."""
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)]
+    path.write_text("".join(lines) + '{"step": 4, "lo')
+    drop_steps_after(path, 2)
+    assert path.read_text() == "".join(lines[:2])
+    drop_steps_after(path, 5)  # (nothing later: unchanged)
+    assert path.read_text() == "".join(lines[:2])
