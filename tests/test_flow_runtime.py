@@ -243,6 +243,14 @@ def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora, sha
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
+def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Until `pid` is stopped by a signal (state T in /proc)."""
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.005)
+
+
 @pytest.mark.slow
 def test_a_rollout_replica_killed_mid_run_loses_nothing(tmp_path):
     """kill -9 one of two rollout replicas while it holds prompts: its prompts go back to the
@@ -253,18 +261,29 @@ def test_a_rollout_replica_killed_mid_run_loses_nothing(tmp_path):
         state = JobState(connect(redis_server.url), "wfm")
         pending = state.key("prompts")
         deadline = time.monotonic() + 180
+
+        def held() -> bool:
+            return bool(state.redis.xpending_range(pending, "rollout", "-", "+", 100, "rollout-1"))
+
+        victim = None
         while True:
             assert process.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "rollout-1 never held prompts after step 1"
-            held = state.redis.xpending_range(pending, "rollout", "-", "+", 100, "rollout-1")
-            if state.step() >= 1 and held:
-                break
+            if victim is None:
+                found = [
+                    pid
+                    for pid, argv in _descendants(process.pid).items()
+                    if "replica" in argv and "--name rollout-1" in argv
+                ]
+                victim = found[0] if found else None
+            if victim is not None and state.step() >= 1 and held():
+                # Frozen, it cannot acknowledge what it holds between this check and the kill.
+                os.kill(victim, signal.SIGSTOP)
+                _wait_stopped(victim)
+                if held():
+                    break
+                os.kill(victim, signal.SIGCONT)
             time.sleep(0.02)
-        [victim] = [
-            pid
-            for pid, argv in _descendants(process.pid).items()
-            if "replica" in argv and "--name rollout-1" in argv
-        ]
         os.kill(victim, signal.SIGKILL)
         run_dir = _finish(process, tmp_path)
     _assert_every_row_trained_once(run_dir)
