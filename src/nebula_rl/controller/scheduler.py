@@ -12,15 +12,12 @@ The controller never touches a tensor. One pass of `Scheduler.run` does, in orde
 5. `schedule_step`: when a full batch is buffered and no step runs, send each policy replica a
    `train` command for its share.
 
-Several policy replicas train as one data-parallel policy: the global batch of a step is
-`train_batch_per_replica` groups per initial replica (`num_policy`), split between the replicas
-of the policy group's current generation; the replicas sum their gradients
-(:mod:`nebula_rl.policy.replicas`) and take the same optimiser step, and rank 0 pushes the new
-weights to the rollouts. A step is recorded when every member reported it.
+Several policy replicas train as one data-parallel policy: a step's `train_batch_per_replica`
+groups per initial replica are split between the current members, which sum their gradients
+(:mod:`nebula_rl.policy.replicas`); a step is recorded when every member reported it.
 
-Elasticity. Replicas join (`nebula-rl replica ...` at any time) and leave (they exit, or miss
-heartbeats for `controller.heartbeat_timeout` seconds) while the job runs. Two groups follow the
-membership, each as numbered generations in Redis (`JobState.publish_group`):
+Elasticity. Replicas join (`nebula-rl replica ...`) and leave (they exit, or miss heartbeats for
+`controller.heartbeat_timeout` s) while the job runs; two groups follow, each as generations:
 
 - the policy group (policy replicas, data parallel): on a change each member gets a `regroup`
   command; the members build the new group and agree on one training state (a joining replica
@@ -46,9 +43,8 @@ Staleness. With `A = allowed_outdated_steps`, the batch of step `s` is trained w
 prompts of step `V + 1 + A` are released, tagged `min_version = V` (a rollout replica holds a
 prompt until it has those weights). `A = 0` is synchronous on-policy RL: the prompts of a step go
 out only after the previous step's weights. Groups that still end up too old (a slow replica)
-are dropped when judged or when batched, and their prompts requeued: trained samples are never
-staler than `A`. Weights reach the rollouts every `sync_weight_interval` steps, so prompts are
-tagged with the last synced version.
+are dropped when judged or batched, their prompts requeued. Weights reach the rollouts every
+`sync_weight_interval` steps, so prompts are tagged with the last synced version.
 
 In-flight ceiling. With `train_policy.max_inflight_steps = M`, the prompts handed out and not yet
 resolved (trained, or dropped by dynamic sampling) never exceed `M` global batches: a hard
