@@ -430,7 +430,6 @@ class _FlowRun:
             if lead
             else None
         )
-        self.sinks = None if self.writer is None else self.writer.loggers
 
     def _clips(self, world_size: int) -> tuple[list[Clip], list[Clip]]:
         """The training and validation clips (the lead rank writes a toy dataset first)."""
@@ -488,6 +487,11 @@ class _FlowRun:
             reference,
             reference if settings.reference_reset_interval else None,
         )
+
+    @property
+    def sinks(self) -> Any:
+        """The lead rank's metric sinks (None on the others)."""
+        return None if self.writer is None else self.writer.loggers
 
     def _averaged(self) -> contextlib.AbstractContextManager[Any]:
         """The weights' averages in place, with `train.ema_enable`."""

@@ -63,7 +63,11 @@ _REMOTE: dict[str, Any] = {
 """cosmos-rl's `model.rl.reward_config.remote_reward` defaults."""
 
 
-def _rewards(config: dict[str, Any], out: dict[str, Any], refuse: Any) -> None:
+Refuse = Callable[[str, Any, str], None]
+"""Records a key that cannot be honoured: (key, value, why)."""
+
+
+def _rewards(config: dict[str, Any], out: dict[str, Any], refuse: Refuse) -> None:
     """`model.rl.reward_config`: its remote reward (on by default: `dance_grpo`'s
     `overall_reward` from the reward service, clipped, then scaled) becomes
     `use_remote_reward` with one `reward_fns` entry; the in-process reward models are refused."""
@@ -133,9 +137,6 @@ def translate_wfm(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     _model_keys(data, model, out, problems)
     _training_keys(data, out, problems, refuse)
     return out, problems
-
-
-Refuse = Callable[[str, Any, str], None]
 
 
 def _rl_keys(rl: dict[str, Any], out: dict[str, Any], refuse: Refuse) -> None:
