@@ -28,8 +28,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,7 @@ from nebula_rl.models.export import export_hf
 from nebula_rl.policy.batching import rollout_media
 from nebula_rl.policy.checkpoint import Checkpointer, resume_checkpoint
 from nebula_rl.policy.ema import with_ema_export
+from nebula_rl.policy.loop import train_steps
 from nebula_rl.policy.setup import (
     load_policy_model,
     parallelize_policy,
@@ -82,8 +84,7 @@ from nebula_rl.teacher import Teacher
 from nebula_rl.utils.metrics_log import MetricsWriter
 from nebula_rl.utils.profiling import StepProfiler
 from nebula_rl.utils.ranks import cpu_threads, init_ranks
-from nebula_rl.utils.signals import CheckpointSignal
-from nebula_rl.validation import validation_due, validation_metrics, validation_seed
+from nebula_rl.validation import validation_metrics, validation_seed
 
 __all__ = ["run"]
 
@@ -377,102 +378,127 @@ def _run_grpo(
 ) -> PolicyTrainer:
     """RL in this process, by the trainer it returns; `vision`: a vision-language model's
     processor."""
-    rows = rl_rows(cfg)
-    total = num_train_steps(cfg, len(rows), items_per_step=cfg.groups_per_replica)
-    per_epoch = len(rows) // cfg.groups_per_replica  # (steps; epoch-based checkpoints)
-    score = scorer(cfg)
-    val_rows = rl_validation_rows(cfg) if cfg.validation.enable else []
-    val_score = scorer(cfg, validation=True) if cfg.validation.enable else score
-    # The reference is the starting model, also when resuming: copy it before a checkpoint loads
-    # (and before the blocks are checkpointed or compiled: it only runs forward).
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if p.kl_beta > 0 else None
-    # The engine decodes its own copy, in param_dtype; after each step it takes the new weights
-    # in place.
-    engine = build_engine(
-        cfg,
-        model=rollout_copy(model, cfg),
-        tokenizer=tokenizer,
-        seed=cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed or 0,
-    )
-    prepare_single_process(model, cfg)
-    # On-policy distillation: the teacher scores each step's groups in this process.
-    teacher = (
-        Teacher(cfg, device=next(model.parameters()).device) if cfg.distillation.enable else None
-    )
-    trainer = PolicyTrainer(
-        model, cfg, total_steps=total, pad_id=tokenizer.pad_token_id, ref_model=ref
-    )
-    checkpointer = _checkpointer(cfg, run_dir, model, vision or tokenizer, trainer, engine)
-    prompts = _PromptStream(rows, cfg)
-    trained: list[str] = []
-    done = 0
-    restored = resume_checkpoint(cfg, run_dir, checkpointer)
-    if restored is not None:
-        done, trained = restored.step, restored.data["trained_prompts"]
-        prompts.epoch, prompts.position = restored.data["epoch"], restored.data["position"]
-        engine.update_weights(rollout_weights(model), policy_version=done)
-    writer = MetricsWriter(cfg, run_dir, after_step=done, total_steps=total)
-
-    def validate(step: int) -> dict[str, float]:
-        return _validate(engine, tokenizer, cfg, val_rows, val_score, step, vision)
-
-    profiler = StepProfiler(cfg.profiler, run_dir, name="local")
-    save_signal = CheckpointSignal(cfg.train)
+    steps = _GrpoSteps(cfg, p, model, tokenizer, run_dir, vision=vision)
     try:
-        if done == 0 and validation_due(cfg, 0, total_steps=total):
-            writer.write({"step": 0, **validate(0)})
-        step = validated = done
-        for step in range(done + 1, total + 1):
-            t0 = time.perf_counter()
-            batch, gen_time, dropped = _collect_batch(
-                engine, tokenizer, prompts, cfg, score, vision
-            )
-            if not batch:
-                step -= 1
-                break
-            t_teacher = time.perf_counter()
-            if teacher is not None:
-                batch = teacher.score(batch)
-            teacher_time = time.perf_counter() - t_teacher
-            media = None if vision is None else _batch_media(vision, batch, p)
-            t_train = time.perf_counter()
-            with cpu_threads(cfg.policy.cpu_threads):
-                metrics = trainer.grpo_step(batch, media)
-            profiler.step()
-            t_update = time.perf_counter()
-            engine.update_weights(rollout_weights(model), policy_version=step)
-            update_time = time.perf_counter() - t_update
-            trained = trained + [g.prompt.prompt_id for g in batch]
-            times = {
-                "step_time": time.perf_counter() - t0,
-                "generate_time": gen_time,
-                **({"teacher_time": teacher_time} if teacher is not None else {}),
-                "train_time": t_update - t_train,
-                "weight_update_time": update_time,
-            }
-            record = _step_record(step, metrics, batch, dropped, times)
-            if validation_due(cfg, step, total_steps=total):
-                record |= validate(step)
-                validated = step
-            writer.write(record)
-            # A signal of train.signal_to_handle (save_ckpt_at_exit) asks for a checkpoint now;
-            # RL goes on, as in cosmos-rl.
-            due = checkpointer.due(step, last=step == total, steps_per_epoch=per_epoch)
-            if due or save_signal.take():
-                position = {"epoch": prompts.epoch, "position": prompts.position}
-                checkpointer.save(step, data={**position, "trained_prompts": trained})
-        if cfg.validation.enable and validated < step:  # the prompts ran out before `total`
-            writer.write({"step": step, **validate(step)})
+        train_steps(
+            steps,
+            cfg,
+            start=steps.start,
+            checkpointer=steps.checkpointer,
+            writer=MetricsWriter(cfg, run_dir, after_step=steps.start, total_steps=steps.total),
+            profiler=StepProfiler(cfg.profiler, run_dir, name="local"),
+        )
     finally:
-        profiler.close()
-        save_signal.release()
-        checkpointer.close()
-        writer.close()
-        for s in {id(score): score, id(val_score): val_score}.values():
+        steps.close()
+    (run_dir / "trained_prompts.json").write_text(json.dumps(steps.trained))
+    return steps.trainer
+
+
+class _GrpoSteps:
+    """RL steps in this process: generate and score a batch with the engine, step the
+    trainer, load its weights into the engine."""
+
+    on_signal: Literal["stop", "continue"] | None = (
+        "continue"  # (RL goes on after the checkpoint, as in cosmos-rl)
+    )
+
+    def __init__(
+        self,
+        cfg: Config,
+        p: GrpoConfig,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        run_dir: Path,
+        *,
+        vision: VisionProcessor | None,
+    ) -> None:
+        self.cfg, self.p, self.model, self.tokenizer, self.vision = cfg, p, model, tokenizer, vision
+        rows = rl_rows(cfg)
+        self.total = num_train_steps(cfg, len(rows), items_per_step=cfg.groups_per_replica)
+        self.steps_per_epoch = len(rows) // cfg.groups_per_replica
+        self.score = scorer(cfg)
+        self.val_rows = rl_validation_rows(cfg) if cfg.validation.enable else []
+        self.val_score = scorer(cfg, validation=True) if cfg.validation.enable else self.score
+        # The reference is the starting model, also when resuming: copy it before a checkpoint
+        # loads (and before the blocks are checkpointed or compiled: it only runs forward).
+        ref = copy.deepcopy(model).eval().requires_grad_(False) if p.kl_beta > 0 else None
+        # The engine decodes its own copy, in param_dtype; after each step it takes the new
+        # weights in place.
+        self.engine = build_engine(
+            cfg,
+            model=rollout_copy(model, cfg),
+            tokenizer=tokenizer,
+            seed=cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed or 0,
+        )
+        prepare_single_process(model, cfg)
+        # On-policy distillation: the teacher scores each step's groups in this process.
+        self.teacher = (
+            Teacher(cfg, device=next(model.parameters()).device)
+            if cfg.distillation.enable
+            else None
+        )
+        self.trainer = PolicyTrainer(
+            model, cfg, total_steps=self.total, pad_id=tokenizer.pad_token_id, ref_model=ref
+        )
+        self.checkpointer = _checkpointer(
+            cfg, run_dir, model, vision or tokenizer, self.trainer, self.engine
+        )
+        self.prompts = _PromptStream(rows, cfg)
+        self.trained: list[str] = []
+        self.start = 0
+        restored = resume_checkpoint(cfg, run_dir, self.checkpointer)
+        if restored is not None:
+            self.start, self.trained = restored.step, restored.data["trained_prompts"]
+            self.prompts.epoch = restored.data["epoch"]
+            self.prompts.position = restored.data["position"]
+            self.engine.update_weights(rollout_weights(model), policy_version=self.start)
+
+    def step(self, step: int) -> dict[str, Any] | None:
+        cfg, p, vision = self.cfg, self.p, self.vision
+        t0 = time.perf_counter()
+        batch, gen_time, dropped = _collect_batch(
+            self.engine, self.tokenizer, self.prompts, cfg, self.score, vision
+        )
+        if not batch:
+            return None
+        t_teacher = time.perf_counter()
+        if self.teacher is not None:
+            batch = self.teacher.score(batch)
+        teacher_time = time.perf_counter() - t_teacher
+        media = None if vision is None else _batch_media(vision, batch, p)
+        t_train = time.perf_counter()
+        with cpu_threads(cfg.policy.cpu_threads):
+            metrics = self.trainer.grpo_step(batch, media)
+        t_update = time.perf_counter()
+        self.engine.update_weights(rollout_weights(self.model), policy_version=step)
+        update_time = time.perf_counter() - t_update
+        self.trained = self.trained + [g.prompt.prompt_id for g in batch]
+        times = {
+            "step_time": time.perf_counter() - t0,
+            "generate_time": gen_time,
+            **({"teacher_time": teacher_time} if self.teacher is not None else {}),
+            "train_time": t_update - t_train,
+            "weight_update_time": update_time,
+        }
+        return _step_record(step, metrics, batch, dropped, times)
+
+    def validate(self, step: int) -> dict[str, float]:
+        return _validate(
+            self.engine, self.tokenizer, self.cfg, self.val_rows, self.val_score, step, self.vision
+        )
+
+    def recorded(self, step: int) -> None:
+        pass
+
+    def state(self) -> dict[str, Any]:
+        position = {"epoch": self.prompts.epoch, "position": self.prompts.position}
+        return {**position, "trained_prompts": self.trained}
+
+    def close(self) -> None:
+        """Close the reward service's clients."""
+        for s in {id(self.score): self.score, id(self.val_score): self.val_score}.values():
             if isinstance(s, RemoteScorer):
                 s.close()
-    (run_dir / "trained_prompts.json").write_text(json.dumps(trained))
-    return trainer
 
 
 def _batch_media(vision: VisionProcessor, batch: list[RolloutGroup], p: GrpoConfig) -> Any:
@@ -570,20 +596,11 @@ def _sft_rows(cfg: Config, p: SftConfig) -> tuple[list[dict[str, Any]], list[dic
     return train, held_out[: v.max_num_prompts]
 
 
-def _agree(flag: bool) -> bool:
-    """Whether any rank's `flag` is set (every rank must take the same branch after it)."""
-    if not dist.is_initialized():
-        return flag
-    value = torch.tensor([int(flag)], device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
-
-
 def _run_sft(
     cfg: Config,
     p: SftConfig,
-    model,
-    tokenizer,
+    model: torch.nn.Module,
+    tokenizer: Any,
     run_dir: Path,
     *,
     vision: VisionProcessor | None = None,
@@ -591,85 +608,112 @@ def _run_sft(
     """The SFT loop, by the trainer it returns (its `parallel`: the ParallelModel the model
     became under torchrun, None in one process). `vision`: a vision-language model's processor
     (conversations with images and videos)."""
-    train_rows, val_rows = _sft_rows(cfg, p)
-    tokenize = _SftTokenize(cfg, p, tokenizer, vision)
-    batches = SftBatches(
-        train_rows,
-        tokenize,
-        num_workers=p.dataloader_num_workers,
-        prefetch_factor=p.dataloader_prefetch_factor,
-    )
-    val_examples = [tokenize(row) for row in val_rows]
-    # Split by [policy.parallelism] under torchrun (data parallel ranks take shares of every
-    # batch; TP, PP and CP ranks of one data-parallel rank take the same).
-    policy = parallelize_policy(model, cfg)
-    dp_rank, dp_size = policy.dp_rank, policy.dp_size
-    # `train_batch_per_replica` conversations per data-parallel rank (as in cosmos-rl): a step
-    # takes dp_size times that, each rank every dp_size-th of them; the trainer normalises by the
-    # global token count, so the step is that of the whole batch.
-    size = cfg.train.train_batch_per_replica * dp_size
-    num_rows = len(train_rows)
-    per_epoch = num_rows // size if p.dataloader_drop_last else -(-num_rows // size)
-    total = num_train_steps(cfg, per_epoch * size, items_per_step=size)
-    val_examples = val_examples[dp_rank::dp_size]
-    trainer = PolicyTrainer(
-        policy.model,
-        cfg,
-        total_steps=total,
-        pad_id=tokenizer.pad_token_id,
-        data_parallel=policy.data_parallel,
-    )
-    checkpointer = _checkpointer(cfg, run_dir, model, vision or tokenizer, trainer)
-    val_rows_per_forward = cfg.validation.batch_size or p.mini_batch
-    step, first_epoch, first_position = 0, 0, 0
-    restored = resume_checkpoint(cfg, run_dir, checkpointer)
-    if restored is not None:
-        step = restored.step
-        first_epoch, first_position = restored.data["epoch"], restored.data["position"]
+    steps = _SftSteps(cfg, p, model, tokenizer, run_dir, vision=vision)
     lead = not dist.is_initialized() or dist.get_rank() == 0  # (TP ranks share dp_rank 0)
-    writer = MetricsWriter(cfg, run_dir, after_step=step, total_steps=total) if lead else None
     rank = dist.get_rank() if dist.is_initialized() else 0
-    profiler = StepProfiler(cfg.profiler, run_dir, name="sft", rank=rank)
-    stop_signal = CheckpointSignal(cfg.train)
-    try:
-        if val_examples and step == 0 and cfg.validation.val_before_train:
-            val_loss = trainer.sft_eval(val_examples, rows_per_forward=val_rows_per_forward)
-            if writer is not None:
-                writer.write({"step": 0, "val_loss": val_loss})
+    train_steps(
+        steps,
+        cfg,
+        start=steps.start,
+        checkpointer=steps.checkpointer,
+        writer=(
+            MetricsWriter(cfg, run_dir, after_step=steps.start, total_steps=steps.total)
+            if lead
+            else None
+        ),
+        profiler=StepProfiler(cfg.profiler, run_dir, name="sft", rank=rank),
+    )
+    return steps.trainer
+
+
+class _SftSteps:
+    """SFT steps: `train_batch_per_replica` conversations per data-parallel rank (as in
+    cosmos-rl), split by [policy.parallelism] under torchrun (data-parallel ranks take shares of
+    every batch; TP, PP and CP ranks of one data-parallel rank take the same); the trainer
+    normalises by the global token count, so a step is that of the whole batch."""
+
+    on_signal: Literal["stop", "continue"] | None = (
+        "stop"  # (save, then stop, as cosmos-rl's SFT does)
+    )
+
+    def __init__(
+        self,
+        cfg: Config,
+        p: SftConfig,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        run_dir: Path,
+        *,
+        vision: VisionProcessor | None,
+    ) -> None:
+        self.cfg, self.p = cfg, p
+        train_rows, val_rows = _sft_rows(cfg, p)
+        tokenize = _SftTokenize(cfg, p, tokenizer, vision)
+        self.batches = SftBatches(
+            train_rows,
+            tokenize,
+            num_workers=p.dataloader_num_workers,
+            prefetch_factor=p.dataloader_prefetch_factor,
+        )
+        val_examples = [tokenize(row) for row in val_rows]
+        policy = parallelize_policy(model, cfg)
+        self.dp_rank, self.dp_size = policy.dp_rank, policy.dp_size
+        self.size = size = cfg.train.train_batch_per_replica * self.dp_size
+        self.num_rows = len(train_rows)
+        self.steps_per_epoch = (
+            self.num_rows // size if p.dataloader_drop_last else -(-self.num_rows // size)
+        )
+        self.total = num_train_steps(cfg, self.steps_per_epoch * size, items_per_step=size)
+        self.val_examples = val_examples[self.dp_rank :: self.dp_size]
+        self.trainer = PolicyTrainer(
+            policy.model,
+            cfg,
+            total_steps=self.total,
+            pad_id=tokenizer.pad_token_id,
+            data_parallel=policy.data_parallel,
+        )
+        self.checkpointer = _checkpointer(cfg, run_dir, model, vision or tokenizer, self.trainer)
+        self.start, first_epoch, first_position = 0, 0, 0
+        restored = resume_checkpoint(cfg, run_dir, self.checkpointer)
+        if restored is not None:
+            self.start = restored.step
+            first_epoch, first_position = restored.data["epoch"], restored.data["position"]
+        self.epoch, self.position = first_epoch, first_position
+        self._next = self._batches(first_epoch, first_position)
+
+    def _batches(self, first_epoch: int, first_position: int) -> Iterator[tuple[int, int, Any]]:
+        """(epoch, position after the batch, batch) of the steps after `start`."""
+        cfg, p, size, taken = self.cfg, self.p, self.size, self.start
         for epoch in range(first_epoch, cfg.train.epoch):
             order = epoch_order(
-                num_rows, epoch=epoch, shuffle=p.dataloader_shuffle, seed=p.dataloader_seed
+                self.num_rows, epoch=epoch, shuffle=p.dataloader_shuffle, seed=p.dataloader_seed
             )
             first = first_position if epoch == first_epoch else 0
-            last = min(per_epoch * size, first + (total - step) * size)
-            steps = batches.epoch(
-                order, start=first, stop=last, size=size, dp_rank=dp_rank, dp_size=dp_size
-            )
-            for position, batch in steps:
-                step += 1
-                t0 = time.perf_counter()
-                metrics = trainer.sft_step(batch)
-                step_time = time.perf_counter() - t0
-                profiler.step()
-                if val_examples and (step % cfg.validation.freq == 0 or step == total):
-                    metrics["val_loss"] = trainer.sft_eval(
-                        val_examples, rows_per_forward=val_rows_per_forward
-                    )
-                if writer is not None:
-                    writer.write({"step": step, "epoch": epoch, **metrics, "step_time": step_time})
-                # A signal of train.signal_to_handle (save_ckpt_at_exit): save, then stop, as
-                # cosmos-rl's SFT does.
-                signalled = _agree(stop_signal.take())
-                due = checkpointer.due(step, last=step == total, steps_per_epoch=per_epoch)
-                if due or signalled:
-                    checkpointer.save(step, data={"epoch": epoch, "position": position})
-                if signalled:
-                    log.warning("stopping after step %d: a checkpoint is saved", step)
-                    return trainer
-    finally:
-        profiler.close()
-        stop_signal.release()
-        checkpointer.close()
-        if writer is not None:
-            writer.close()
-    return trainer
+            last = min(self.steps_per_epoch * size, first + (self.total - taken) * size)
+            for position, batch in self.batches.epoch(
+                order, start=first, stop=last, size=size, dp_rank=self.dp_rank,
+                dp_size=self.dp_size,
+            ):  # fmt: skip
+                taken += 1
+                yield epoch, position, batch
+
+    def step(self, step: int) -> dict[str, Any] | None:
+        taken = next(self._next, None)
+        if taken is None:
+            return None
+        self.epoch, self.position, batch = taken
+        t0 = time.perf_counter()
+        metrics = self.trainer.sft_step(batch)
+        return {"step": step, "epoch": self.epoch, **metrics, "step_time": time.perf_counter() - t0}
+
+    def validate(self, step: int) -> dict[str, float]:
+        if not self.val_examples:  # (a data-parallel rank without a share of them)
+            return {}
+        rows = self.cfg.validation.batch_size or self.p.mini_batch
+        return {"val_loss": self.trainer.sft_eval(self.val_examples, rows_per_forward=rows)}
+
+    def recorded(self, step: int) -> None:
+        pass
+
+    def state(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position}

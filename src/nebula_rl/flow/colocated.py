@@ -16,8 +16,6 @@ iteration.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,95 +31,89 @@ from nebula_rl.flow.local import (
     roll_out,
     train_on_batch,
 )
-from nebula_rl.flow.parallel import dp_mesh, sample_seed, sum_over
+from nebula_rl.flow.parallel import sample_seed, sum_over
 from nebula_rl.flow.vae import samples_to_pixels
 from nebula_rl.utils.ranks import cpu_threads
 
-__all__ = ["run_colocated"]
+__all__ = ["colocated_iteration"]
 
 
-def run_colocated(
+def colocated_iteration(
     model: nn.Module,
+    everyone: list[Clip],
     clips: list[Clip],
-    settings: FlowRLSettings,
+    s: FlowRLSettings,
+    iteration: int,
     *,
-    mesh: DeviceMesh,
+    dp: DeviceMesh,
     score: RewardFn,
-    prompt_clips: Callable[[int], list[Clip]],
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     generator: torch.Generator,
     old: nn.Module | None,
     reference: nn.Module | None,
-    on_iteration: Callable[[dict[str, float]], None] | None = None,
-    start: int = 1,
-) -> None:
-    """Train `model` (sharded over `mesh`) with `settings.algorithm`; `prompt_clips(iteration)`
-    gives the iteration's prompts (all ranks', the same list on every rank); `on_iteration`
-    gets each iteration's record on every rank. Iterations `start`.. run, with this rank's
-    noise from `generator`; `old` is DiffusionNFT's old weights and `reference` the KL's
+) -> dict[str, float]:
+    """One iteration of `model` (sharded over the data-parallel mesh `dp`) with
+    `s.algorithm` on this rank's share of the prompts `everyone` (all ranks', the same list on
+    every rank), this rank's noise from `generator`; the iteration's record, the same on every
+    rank. `old` is DiffusionNFT's old weights and `reference` the KL's
     (`flow.parallel.frozen_copy`: sharded like `model`), each None where not used."""
-    s = settings
-    dp = dp_mesh(mesh)
     rank, ranks = dp.get_local_rank(), dp.size()
     device = next(model.parameters()).device
-    for iteration in range(start, s.num_iterations + 1):
-        everyone = prompt_clips(iteration)
-        mine = everyone[rank::ranks]
-        if not mine:
-            raise ValueError(
-                f"iteration {iteration}: {len(everyone)} prompts for {ranks} ranks; "
-                "policy.parallelism.dp_shard_size must not exceed the prompts of a step"
-            )
-        real = [c for c in mine for _ in range(s.group_size)]
-        prompts = [c.caption for c in real]
-        with cpu_threads(s.rollout_threads):
-            x0, text, mask, trajectory = roll_out(model, real, s, generator)
-        pixels = samples_to_pixels(model, trajectory.final).float().cpu()
-        scored = score(pixels, prompts)
-        rewards = torch.tensor(scored if scored is not None else [0.0] * len(prompts))
-        stats = torch.tensor(
-            [float(rewards.sum()), float(rewards.square().sum()), float(len(rewards))],
-            dtype=torch.float64,
+    mine = everyone[rank::ranks]
+    if not mine:
+        raise ValueError(
+            f"iteration {iteration}: {len(everyone)} prompts for {ranks} ranks; "
+            "policy.parallelism.dp_shard_size must not exceed the prompts of a step"
         )
-        sum_over(stats, dp)
-        total, squares, n = stats.tolist()
-        batch_std = pooled_std(total, squares, n, population=s.population_std)
-        advantages = flow_advantages(rewards, s.group_size, s, batch_std=batch_std).to(device)
-        seeds = [
-            sample_seed(s.seed, iteration, f"{(rank + ranks * i)}:{c.stem}", k)
-            for i, c in enumerate(mine)
-            for k in range(s.group_size)
-        ]
-        batch = FlowBatch(prompts, x0, text, mask, trajectory, advantages, noise_seeds=seeds)
-        with cpu_threads(s.train_threads):
-            losses, clipped = train_on_batch(
-                model, optimizer, batch, s, generator, iteration=iteration, reference=reference,
-                old=old, scheduler=scheduler,
-            )  # fmt: skip
-        count = float(len(rewards))
-        near = data_distance(pixels, prompts, clips)  # (None for a prompt dataset: on every rank)
-        sums = torch.tensor(
-            [
-                sum(losses) / len(losses) * count,
-                clipped * count,
-                (near or 0.0) * count,
-                float(scored is None),
-            ],
-            dtype=torch.float64,
-        )
-        sum_over(sums, dp)
-        loss, clip, distance, lost = sums.tolist()
-        mean = total / n
-        record = {
-            "iteration": float(iteration),
-            "reward_mean": mean,
-            "reward_std": batch_std,
-            "rewards_lost": lost / ranks,
-            "loss": loss / n,
-            "clip_fraction": clip / n,
-        }
-        if near is not None:  # (a prompt dataset's samples have no data to be near)
-            record["data_distance"] = distance / n
-        if on_iteration is not None:
-            on_iteration(record)
+    real = [c for c in mine for _ in range(s.group_size)]
+    prompts = [c.caption for c in real]
+    with cpu_threads(s.rollout_threads):
+        x0, text, mask, trajectory = roll_out(model, real, s, generator)
+    pixels = samples_to_pixels(model, trajectory.final).float().cpu()
+    scored = score(pixels, prompts)
+    rewards = torch.tensor(scored if scored is not None else [0.0] * len(prompts))
+    stats = torch.tensor(
+        [float(rewards.sum()), float(rewards.square().sum()), float(len(rewards))],
+        dtype=torch.float64,
+    )
+    sum_over(stats, dp)
+    total, squares, n = stats.tolist()
+    batch_std = pooled_std(total, squares, n, population=s.population_std)
+    advantages = flow_advantages(rewards, s.group_size, s, batch_std=batch_std).to(device)
+    seeds = [
+        sample_seed(s.seed, iteration, f"{(rank + ranks * i)}:{c.stem}", k)
+        for i, c in enumerate(mine)
+        for k in range(s.group_size)
+    ]
+    batch = FlowBatch(prompts, x0, text, mask, trajectory, advantages, noise_seeds=seeds)
+    with cpu_threads(s.train_threads):
+        losses, clipped = train_on_batch(
+            model, optimizer, batch, s, generator, iteration=iteration, reference=reference,
+            old=old, scheduler=scheduler,
+        )  # fmt: skip
+    count = float(len(rewards))
+    near = data_distance(pixels, prompts, clips)  # (None for a prompt dataset: on every rank)
+    sums = torch.tensor(
+        [
+            sum(losses) / len(losses) * count,
+            clipped * count,
+            (near or 0.0) * count,
+            float(scored is None),
+        ],
+        dtype=torch.float64,
+    )
+    sum_over(sums, dp)
+    loss, clip, distance, lost = sums.tolist()
+    mean = total / n
+    record = {
+        "iteration": float(iteration),
+        "reward_mean": mean,
+        "reward_std": batch_std,
+        "rewards_lost": lost / ranks,
+        "loss": loss / n,
+        "clip_fraction": clip / n,
+    }
+    if near is not None:  # (a prompt dataset's samples have no data to be near)
+        record["data_distance"] = distance / n
+    return record

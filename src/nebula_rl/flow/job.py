@@ -47,7 +47,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ from nebula_rl.config import FLOW_RL_TRAINERS, Config, GrpoConfig
 from nebula_rl.config.base import reward_weights
 from nebula_rl.data import epoch_order, num_train_steps
 from nebula_rl.flow.clips import dataset_entries
-from nebula_rl.flow.colocated import run_colocated
+from nebula_rl.flow.colocated import colocated_iteration
 from nebula_rl.flow.data import (
     Clip,
     clip_text,
@@ -69,7 +69,7 @@ from nebula_rl.flow.data import (
     save_samples,
 )
 from nebula_rl.flow.ema import FlowTrainingState, WeightEMA
-from nebula_rl.flow.local import FlowRLSettings, RewardFn, pretrain, run_flow_rl
+from nebula_rl.flow.local import FlowRLSettings, RewardFn, rl_iteration, sft_step
 from nebula_rl.flow.models import load_flow_model
 from nebula_rl.flow.parallel import (
     checkpoint_blocks,
@@ -84,6 +84,7 @@ from nebula_rl.flow.text_encoder import flow_text_encoder
 from nebula_rl.flow.vae import sample_shape, samples_to_pixels
 from nebula_rl.flow.validation import validate_generation, validate_loss, validate_samples
 from nebula_rl.policy.checkpoint import Checkpointer, resume_checkpoint
+from nebula_rl.policy.loop import train_steps
 from nebula_rl.policy.optim import build_optimizer, lr_lambda
 from nebula_rl.rewards.visual import VISUAL_REWARDS, pixels_from_samples
 from nebula_rl.runs import resolve_run_dir
@@ -369,7 +370,11 @@ class _Plan:
 
 class _FlowRun:
     """One world-model run in this process (one rank of it): the data, the model (sharded over
-    the ranks), the optimiser, checkpoints, validation and the metric sinks."""
+    the ranks), the optimiser, checkpoints, validation and the metric sinks; its steps
+    (`policy.loop.Steps`) are RL iterations or SFT steps."""
+
+    # (train.save_ckpt_at_exit is the language models' for now)
+    on_signal: Literal["stop", "continue"] | None = None
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -397,6 +402,8 @@ class _FlowRun:
         )
         self.generator = torch.Generator().manual_seed(seed + 1000 * self.rank)  # (own noise)
         self.plan = self._plan()
+        self.total = self.plan.steps
+        self.steps_per_epoch = len(self.clips) // self.plan.per_step
         self.optimizer, self.scheduler = flow_optimizer(cfg, model, self.plan.updates)
         self.ema = weight_ema(cfg, model, self.optimizer)
         p = cfg.train.train_policy
@@ -413,10 +420,10 @@ class _FlowRun:
             scheduler=self.scheduler,
             export=self.export,
         )
-        self.start = 1
+        self.start = 0
         restored = resume_checkpoint(cfg, run_dir, self.checkpointer)
         if restored is not None:
-            self.start = restored.step + 1
+            self.start = restored.step
             self.generator.set_state(restored.data["generators"][self.rank])
             if self.ema is not None:
                 self.ema.steps = self.scheduler.last_epoch  # (the optimiser steps it has seen)
@@ -530,47 +537,69 @@ class _FlowRun:
         with self._averaged():
             save_sharded_flow_model(self.model, self.cfg, folder, mesh=self.mesh)
 
-    def write(self, values: dict[str, float]) -> None:
-        """A metrics record to the file and the sinks (the lead rank)."""
-        assert self.writer is not None
-        self.writer.write(values)
+    def step(self, step: int) -> dict[str, Any]:
+        """Take step (RL: iteration) `step` on this rank; its record."""
+        plan, settings, clips = self.plan, self.plan.settings, self.ordered(step)
+        if settings is None:
+            return {"step": step, "loss": self._sft_step(clips)}
+        assert self.score is not None
+        if self.dp is None:
+            record = rl_iteration(
+                self.model, [c for c in clips for _ in range(settings.group_size)], self.clips,
+                settings, step, score=self.score, optimizer=self.optimizer,
+                scheduler=self.scheduler, generator=self.generator, old=plan.old,
+                reference=plan.reference,
+            )  # fmt: skip
+        else:
+            record = colocated_iteration(
+                self.model, clips, self.clips, settings, step, dp=self.dp, score=self.score,
+                optimizer=self.optimizer, scheduler=self.scheduler, generator=self.generator,
+                old=plan.old, reference=plan.reference,
+            )  # fmt: skip
+        return {"step": step, **record}
 
-    def record(self, values: dict[str, float]) -> None:
-        """After a step: its metrics with validation's, sample grids, the checkpoint if due."""
-        step = int(values.get("iteration", values.get("step", 0)))
-        values = {"step": step, **{k: v for k, v in values.items() if k != "step"}}
-        values |= self.validate(step)
+    def _sft_step(self, clips: list[Clip]) -> float:
+        """A flow-matching step on this rank's share of `clips`; the loss of the whole batch."""
+        cfg, dp, world = self.cfg, self.dp, self.world
+        d = cfg.policy.diffusers
+        loss = sft_step(
+            self.model, clips[self.rank :: world], self.optimizer, self.generator,
+            scheduler=self.scheduler, sigma_scheme=d.weighting_scheme, sigma_mean=d.logit_mean,
+            sigma_std=d.logit_std, grad_clip=cfg.train.optm_grad_norm_clip,
+            conditional_frames=(d.min_num_conditional_frames, d.max_num_conditional_frames),
+        )  # fmt: skip
+        if dp is None:
+            return loss
+        total = torch.tensor([loss], dtype=torch.float64)  # (the mean of the ranks')
+        sum_over(total, dp)
+        return float(total) / world
+
+    def recorded(self, step: int) -> None:
+        """Sample grids every `logging.multi_modal_log_interval` steps."""
         every = self.cfg.logging.multi_modal_log_interval
-        image = self.grid() if every and step % every == 0 else None
+        if not every or step % every:
+            return
+        image = self.grid()
         if self.lead:
-            self.write(values)
-            if image is not None:
-                assert self.sinks is not None
-                saved = save_samples(image, step_samples(self.run_dir, step))
-                log_image_file(self.sinks, "samples", step, saved)
-        plan = self.plan
-        per_epoch = len(self.clips) // plan.per_step
-        if self.checkpointer.due(step, last=step == plan.steps, steps_per_epoch=per_epoch):
-            states: list[Any] = [self.generator.get_state()]
-            if self.dp is not None:  # (every rank's noise generator)
-                states = [None] * self.world
-                dist.all_gather_object(
-                    states, self.generator.get_state(), group=self.dp.get_group()
-                )
-            self.checkpointer.save(step, data={"generators": states})
+            assert self.sinks is not None
+            saved = save_samples(image, step_samples(self.run_dir, step))
+            log_image_file(self.sinks, "samples", step, saved)
+
+    def state(self) -> dict[str, Any]:
+        """Every rank's noise generator, for a checkpoint."""
+        states: list[Any] = [self.generator.get_state()]
+        if self.dp is not None:
+            states = [None] * self.world
+            dist.all_gather_object(states, self.generator.get_state(), group=self.dp.get_group())
+        return {"generators": states}
 
     def run(self) -> Path:
         """Train to the end, export; the run folder."""
-        if self.start == 1 and (initial := self.validate(0)) and self.lead:  # (before training)
-            self.write({"step": 0, **initial})
-        ordered = _ordered(self.cfg, self.clips, self.plan.per_step)
-        if self.plan.settings is not None:
-            self._train_rl(ordered)
-        else:
-            self._train_sft(ordered)
-        self.checkpointer.close()
-        if self.writer is not None:
-            self.writer.close()
+        self.ordered = _ordered(self.cfg, self.clips, self.plan.per_step)
+        self._announce()
+        train_steps(
+            self, self.cfg, start=self.start, checkpointer=self.checkpointer, writer=self.writer
+        )
         final = self.run_dir / "safetensors" / "final"
         with self._averaged():  # (cosmos-rl's export)
             save_sharded_flow_model(self.model, self.cfg, final, mesh=self.mesh)
@@ -582,51 +611,17 @@ class _FlowRun:
             close_ranks()
         return self.run_dir
 
-    def _train_rl(self, ordered: Any) -> None:
-        p, plan = self.cfg.train.train_policy, self.plan
-        settings = plan.settings
-        assert isinstance(p, GrpoConfig) and settings is not None and self.score is not None
+    def _announce(self) -> None:
+        cfg, plan, settings = self.cfg, self.plan, self.plan.settings
+        if settings is None:
+            log.info(
+                "world-model SFT: %d steps of %d clips, %d clips",
+                plan.steps, cfg.train.train_batch_per_replica, len(self.clips),
+            )  # fmt: skip
+            return
         log.info(
             "world-model %s: %d iterations of %d prompts x %d samples, %d clips%s%s",
-            p.trainer_type, plan.steps, plan.per_step, settings.group_size, len(self.clips),
-            f", colocated on {self.world} ranks" if self.mesh is not None else "",
-            f", from step {self.start}" if self.start > 1 else "",
-        )  # fmt: skip
-        if self.mesh is None:
-            run_flow_rl(
-                self.model, self.clips, settings, score=self.score, on_iteration=self.record,
-                prompt_clips=ordered, optimizer=self.optimizer, scheduler=self.scheduler,
-                start=self.start, generator=self.generator, old=plan.old,
-                reference=plan.reference,
-            )  # fmt: skip
-        else:
-            run_colocated(
-                self.model, self.clips, settings, mesh=self.mesh, score=self.score,
-                prompt_clips=ordered, optimizer=self.optimizer, scheduler=self.scheduler,
-                generator=self.generator, old=plan.old, reference=plan.reference,
-                on_iteration=self.record, start=self.start,
-            )  # fmt: skip
-
-    def _train_sft(self, ordered: Any) -> None:
-        cfg, dp, world, rank = self.cfg, self.dp, self.world, self.rank
-        d = cfg.policy.diffusers
-        log.info(
-            "world-model SFT: %d steps of %d clips, %d clips",
-            self.plan.steps, cfg.train.train_batch_per_replica, len(self.clips),
-        )  # fmt: skip
-
-        def on_step(values: dict[str, float]) -> None:
-            if dp is not None:  # (the loss of the whole batch: the mean of the ranks')
-                loss = torch.tensor([values["loss"]], dtype=torch.float64)
-                sum_over(loss, dp)
-                values = {**values, "loss": float(loss) / world}
-            self.record(values)
-
-        pretrain(
-            self.model, self.clips, steps=self.plan.steps,
-            batches=lambda step: ordered(step)[rank::world], optimizer=self.optimizer,
-            scheduler=self.scheduler, sigma_scheme=d.weighting_scheme, sigma_mean=d.logit_mean,
-            sigma_std=d.logit_std, grad_clip=cfg.train.optm_grad_norm_clip, on_step=on_step,
-            start=self.start, generator=self.generator,
-            conditional_frames=(d.min_num_conditional_frames, d.max_num_conditional_frames),
+            cfg.train.train_policy.trainer_type, plan.steps, plan.per_step, settings.group_size,
+            len(self.clips), f", colocated on {self.world} ranks" if self.mesh is not None else "",
+            f", from step {self.start + 1}" if self.start else "",
         )  # fmt: skip

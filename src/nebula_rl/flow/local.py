@@ -72,9 +72,11 @@ __all__ = [
     "flow_advantages",
     "pooled_std",
     "pretrain",
+    "rl_iteration",
     "roll_out",
     "run_flow_rl",
     "sft_sigmas",
+    "sft_step",
     "train_on_batch",
     "validation_loss",
     "validation_samples",
@@ -203,7 +205,6 @@ def pretrain(
     `conditional_frames` (fewest, most), each clip's first frames, their count drawn per clip,
     are given clean and the model told so; the loss runs over the other frames."""
     generator = generator or torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
     if optimizer is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
@@ -214,34 +215,56 @@ def pretrain(
         else:
             picks = torch.randint(len(clips), (batch_size,), generator=generator)
             chosen = [clips[int(i)] for i in picks]
-        x0, text, mask = (t.to(device) for t in clip_batch(chosen, flow_text_encoder(model)))
-        x0 = pixels_to_samples(model, x0)
-        noise = torch.randn(x0.shape, generator=generator).to(device)
-        sigma = sft_sigmas(
-            len(chosen), generator, scheme=sigma_scheme, mean=sigma_mean, std=sigma_std
-        ).to(device)
-        s = sigma.view(-1, *[1] * (x0.dim() - 1))
-        noised = (1 - s) * x0 + s * noise
-        given = _given_frames(x0.shape[2], len(chosen), conditional_frames, generator, device)
-        free = context_frames(given)
-        extra: tuple[Tensor, ...] = ()
-        if given is not None:  # (passed even when none is: every FSDP2 rank runs the same)
-            noised = keep_given(noised, x0, free)
-            extra = (given.float(),)
-        loss = flow_matching_loss(
-            model(noised, sigma, text, mask, *extra), x0, noise, sigma, free=free
-        )
-        optimizer.zero_grad()
-        loss.backward()
-        if grad_clip:
-            nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        losses.append(loss.item())
+        loss = sft_step(
+            model, chosen, optimizer, generator, scheduler=scheduler, sigma_scheme=sigma_scheme,
+            sigma_mean=sigma_mean, sigma_std=sigma_std, grad_clip=grad_clip,
+            conditional_frames=conditional_frames,
+        )  # fmt: skip
+        losses.append(loss)
         if on_step is not None:
-            on_step({"step": float(step), "loss": loss.item()})
+            on_step({"step": float(step), "loss": loss})
     return losses
+
+
+def sft_step(
+    model: nn.Module,
+    chosen: list[Clip],
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator,
+    *,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    sigma_scheme: str = "uniform",
+    sigma_mean: float = 0.0,
+    sigma_std: float = 1.0,
+    grad_clip: float | None = None,
+    conditional_frames: tuple[int, int] = (0, 0),
+) -> float:
+    """One flow-matching optimiser step on the clips `chosen` (see :func:`pretrain`); its
+    loss."""
+    device = next(model.parameters()).device
+    x0, text, mask = (t.to(device) for t in clip_batch(chosen, flow_text_encoder(model)))
+    x0 = pixels_to_samples(model, x0)
+    noise = torch.randn(x0.shape, generator=generator).to(device)
+    sigma = sft_sigmas(
+        len(chosen), generator, scheme=sigma_scheme, mean=sigma_mean, std=sigma_std
+    ).to(device)
+    s = sigma.view(-1, *[1] * (x0.dim() - 1))
+    noised = (1 - s) * x0 + s * noise
+    given = _given_frames(x0.shape[2], len(chosen), conditional_frames, generator, device)
+    free = context_frames(given)
+    extra: tuple[Tensor, ...] = ()
+    if given is not None:  # (passed even when none is: every FSDP2 rank runs the same)
+        noised = keep_given(noised, x0, free)
+        extra = (given.float(),)
+    loss = flow_matching_loss(model(noised, sigma, text, mask, *extra), x0, noise, sigma, free=free)
+    optimizer.zero_grad()
+    loss.backward()
+    if grad_clip:
+        nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    return loss.item()
 
 
 def _drawn(
@@ -538,33 +561,57 @@ def run_flow_rl(
                 for p in chosen
                 for _ in range(s.group_size)
             ]
-        prompts = [c.caption for c in real]
-        with cpu_threads(s.rollout_threads):
-            x0, text, mask, trajectory = roll_out(model, real, s, generator)
-        pixels = samples_to_pixels(model, trajectory.final)
-        scored = score(pixels, prompts)
-        rewards = torch.tensor(scored if scored is not None else [0.0] * len(prompts))
-        advantages = flow_advantages(rewards, s.group_size, s).to(trajectory.final.device)
-        with cpu_threads(s.train_threads):
-            losses, clip_fraction = train_on_batch(
-                model, optimizer, FlowBatch(prompts, x0, text, mask, trajectory, advantages), s,
-                generator, iteration=iteration, reference=reference, old=old, scheduler=scheduler,
-            )  # fmt: skip
-        record = {
-            "iteration": float(iteration),
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "rewards_lost": float(scored is None),
-            "loss": sum(losses) / len(losses),
-            "clip_fraction": clip_fraction,
-        }
-        distance = data_distance(pixels, prompts, clips)
-        if distance is not None:  # (a prompt dataset has no data to be near)
-            record["data_distance"] = distance
+        record = rl_iteration(
+            model, real, clips, s, iteration, score=score, optimizer=optimizer,
+            scheduler=scheduler, generator=generator, old=old, reference=reference,
+        )  # fmt: skip
         records.append(record)
         if on_iteration is not None:
             on_iteration(record)
     return records
+
+
+def rl_iteration(
+    model: nn.Module,
+    real: list[Clip],
+    clips: list[Clip],
+    s: FlowRLSettings,
+    iteration: int,
+    *,
+    score: RewardFn,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    generator: torch.Generator,
+    old: nn.Module | None,
+    reference: nn.Module | None,
+) -> dict[str, float]:
+    """One RL iteration on the captions of `real`, one entry per sample (`group_size` in a row
+    per prompt; DDRL's real clip of a sample is its entry): sample, score, train; its record
+    (reward mean, data distance to `clips`, loss, the fraction of clipped ratios)."""
+    prompts = [c.caption for c in real]
+    with cpu_threads(s.rollout_threads):
+        x0, text, mask, trajectory = roll_out(model, real, s, generator)
+    pixels = samples_to_pixels(model, trajectory.final)
+    scored = score(pixels, prompts)
+    rewards = torch.tensor(scored if scored is not None else [0.0] * len(prompts))
+    advantages = flow_advantages(rewards, s.group_size, s).to(trajectory.final.device)
+    with cpu_threads(s.train_threads):
+        losses, clip_fraction = train_on_batch(
+            model, optimizer, FlowBatch(prompts, x0, text, mask, trajectory, advantages), s,
+            generator, iteration=iteration, reference=reference, old=old, scheduler=scheduler,
+        )  # fmt: skip
+    record = {
+        "iteration": float(iteration),
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "rewards_lost": float(scored is None),
+        "loss": sum(losses) / len(losses),
+        "clip_fraction": clip_fraction,
+    }
+    distance = data_distance(pixels, prompts, clips)
+    if distance is not None:  # (a prompt dataset has no data to be near)
+        record["data_distance"] = distance
+    return record
 
 
 def _velocity(
