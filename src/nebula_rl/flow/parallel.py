@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from nebula_rl.config import Config
 from nebula_rl.flow.models import load_flow_model, save_flow_model
+from nebula_rl.policy.parallelize.dims import ParallelDims
 
 __all__ = [
     "BLOCK_LISTS",
@@ -61,7 +62,7 @@ def shard_flow_model(
         mesh = _replica_mesh(device, replicate=replicate, cp=cp)
     from torch.distributed.fsdp import fully_shard
 
-    if "cp" in (mesh.mesh_dim_names or ()) and mesh["cp"].size() > 1:
+    if mesh["cp"].size() > 1:
         split = getattr(model, "context_parallel", None)
         if split is None:
             raise ValueError(
@@ -78,30 +79,23 @@ def shard_flow_model(
 
 
 def _replica_mesh(device: torch.device, *, replicate: int, cp: int) -> DeviceMesh:
-    """The mesh of every rank: 1-D ("dp_shard") for plain FSDP2, else (dp_replicate, dp_shard,
-    cp) with the flat axes "dp" (data-parallel ranks) and "dp_shard_cp" (the FSDP2 shards)."""
+    """The mesh of every rank, as a language policy replica's (`ParallelDims.build_mesh`,
+    without pipeline or tensor parallel): "dp_replicate" x "dp_shard" x "cp", with the flat
+    axes "dp" (data-parallel ranks) and "dp_shard_cp" (the FSDP2 shards)."""
     world = dist.get_world_size()
     if world % (replicate * cp):
         raise ValueError(
             f"policy.parallelism.dp_replicate_size ({replicate}) * cp_size ({cp}) must divide "
             f"the replica's ranks ({world})"
         )
-    if replicate == cp == 1:
-        return init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
-    mesh = init_device_mesh(
-        device.type,
-        (replicate, world // (replicate * cp), cp),
-        mesh_dim_names=("dp_replicate", "dp_shard", "cp"),
+    dims = ParallelDims(
+        pp=1, dp_replicate=replicate, dp_shard=world // (replicate * cp), cp=cp, tp=1
     )
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    return mesh
+    return dims.build_mesh(device.type)
 
 
 def _fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 shards over: 1-D, or 2-D (replicate, shard) for HSDP."""
-    if mesh.ndim == 1:
-        return mesh
+    """The mesh FSDP2 shards over: the shards, or (replicate, shard) for HSDP."""
     if mesh["dp_replicate"].size() == 1:
         return mesh["dp_shard_cp"]
     return mesh["dp_replicate", "dp_shard_cp"]
@@ -111,7 +105,7 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The flat mesh of the data-parallel ranks of `mesh` (a replica's mesh from
     `shard_flow_model`), each with samples of its own: ranks, size and the group that sums
     their metrics (a context-parallel group's ranks share one data-parallel rank)."""
-    return mesh if mesh.ndim == 1 else mesh["dp"]
+    return mesh["dp"]
 
 
 def _block_lists(model: nn.Module) -> list[nn.ModuleList]:
