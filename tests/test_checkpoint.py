@@ -29,7 +29,7 @@ from nebula_rl.policy.checkpoint import (
     latest_checkpoint,
 )
 from nebula_rl.policy.ema import WeightEMA
-from nebula_rl.runs import drop_steps_after
+from nebula_rl.utils.runs import drop_steps_after
 from nebula_rl.weights import free_port
 
 # DCP notes each save/load without a process group; that is the single-process case tested here.
@@ -158,7 +158,7 @@ def test_resumed_run_repeats_the_uninterrupted_run(tmp_path, policy, save_mode, 
 
 
 def test_resume_true_without_a_timestamp_takes_the_newest_resumable_run(tmp_path):
-    from nebula_rl.runs import resolve_run_dir
+    from nebula_rl.utils.runs import resolve_run_dir
 
     cfg = _cfg(tmp_path, SFT, max_num_steps=1, resume=True, timestamp="")
     fresh = resolve_run_dir(cfg)

@@ -23,9 +23,9 @@ from nebula_rl.algorithms import (
 from nebula_rl.config import ConfigError, config_from_dict, load_config, refusals
 from nebula_rl.controller import JobState, connect
 from nebula_rl.models import load_model, load_tokenizer
+from nebula_rl.policy.teacher import Teacher, check_same_tokenizer
 from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.protocol import Completion, GroupHeader, Prompt, RolloutGroup, from_json
-from nebula_rl.teacher import Teacher, check_same_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "cosmos-rl"

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from nebula_rl import local
 from nebula_rl.config import config_from_dict
 from nebula_rl.launch import ensure_model
-from nebula_rl.validation import VALIDATION_KEYS
+from nebula_rl.utils.validation import VALIDATION_KEYS
 
 
 def _rl_cfg(tmp_path, model, **train):

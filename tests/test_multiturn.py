@@ -22,7 +22,7 @@ from nebula_rl.protocol import Completion, Prompt, RolloutGroup, from_json, to_j
 from nebula_rl.rollout.engine import GenerationRequest, SamplingParams
 from nebula_rl.rollout.multiturn import ArithmeticEnvironment, MultiTurn
 from nebula_rl.rollout.torch_engine import TorchEngine
-from nebula_rl.tools import ToolLimits, calculator, parse_tool_calls, run_tool, tool_schema
+from nebula_rl.utils.tools import ToolLimits, calculator, parse_tool_calls, run_tool, tool_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 COSMOS_MULTITURN = (

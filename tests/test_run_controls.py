@@ -14,7 +14,7 @@ from pathlib import Path
 
 from nebula_rl import local
 from nebula_rl.config import config_from_dict
-from nebula_rl.runs import complete_checkpoints
+from nebula_rl.utils.runs import complete_checkpoints
 
 
 def _sft(tmp_path: Path, name: str, **train: object) -> dict:

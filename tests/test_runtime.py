@@ -390,7 +390,7 @@ def test_a_preemption_signal_checkpoints_the_job_which_goes_on(tmp_path, grpo_jo
     import signal
     import time
 
-    from nebula_rl.runs import complete_checkpoints
+    from nebula_rl.utils.runs import complete_checkpoints
 
     cfg = _cfg(grpo_job_config, allowed=1)
     assert not cfg.train.ckpt.enable_checkpoint and cfg.train.save_ckpt_at_exit

@@ -1,15 +1,15 @@
-"""Single-process training: the same algorithm code as the distributed runtime, in one loop.
+"""A language model's run inside one job: RL in this process (`--local`) and SFT (one process or
+its ranks), as steps of `policy.loop.train_steps`, the loop world models' runs share.
 
-`run(cfg)` trains one model in this process: for RL it alternates generation (the rollout
-engine), scoring (the reward functions) and a policy step; for SFT it steps over tokenised
-conversations. It writes `metrics.jsonl` (one object per step) and a Hugging Face export under
+`run(cfg)` trains one model: for RL each step generates (the rollout engine), scores (the reward
+functions) and trains; for SFT each step trains on tokenised conversations. It writes `metrics.jsonl` (one object per step) and a Hugging Face export under
 the run folder. It is the quickest way to try a config, and the reference the multi-process run
 is compared against. Simplification: rollouts here are always on-policy (generation waits for
 the step), so `allowed_outdated_steps` has no effect in this mode.
 
 SFT validation computes the loss on the validation rows (`val_loss`) every `validation.freq`
 steps, after the last, and with `val_before_train` before the first (a record of its own, step 0).
-RL validation (`[validation]`, see `nebula_rl.validation`) runs on the engine after the step's
+RL validation (`[validation]`, see `nebula_rl.utils.validation`) runs on the engine after the step's
 weights are loaded into it; its `val/*` numbers go into that step's record (before the first
 step, with `val_before_train`, into a record of its own with `"step": 0`). When dynamic sampling
 runs the prompts out before the last planned step, the last trained step is validated too.
@@ -64,6 +64,7 @@ from nebula_rl.policy.setup import (
     rollout_weights,
     use_deterministic,
 )
+from nebula_rl.policy.teacher import Teacher
 from nebula_rl.policy.trainer import PolicyTrainer, SftExample
 from nebula_rl.protocol import Prompt, RolloutGroup
 from nebula_rl.rewards import RemoteScorer, Scorer, filter_values, scorer
@@ -79,12 +80,11 @@ from nebula_rl.rollout.worker import (
     sampling_params,
     validation_sampling_params,
 )
-from nebula_rl.runs import resolve_run_dir
-from nebula_rl.teacher import Teacher
 from nebula_rl.utils.metrics_log import MetricsWriter
 from nebula_rl.utils.profiling import StepProfiler
 from nebula_rl.utils.ranks import cpu_threads, init_ranks
-from nebula_rl.validation import validation_metrics, validation_seed
+from nebula_rl.utils.runs import resolve_run_dir
+from nebula_rl.utils.validation import validation_metrics, validation_seed
 
 __all__ = ["run"]
 

@@ -167,8 +167,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg.train.timestamp = args.timestamp
     from nebula_rl.config import GrpoConfig
     from nebula_rl.launch import run_ranks
-    from nebula_rl.runs import resolve_run_dir
     from nebula_rl.utils.ranks import RANKS_ENV
+    from nebula_rl.utils.runs import resolve_run_dir
 
     modality = for_config(cfg)
     # (a colocated world model samples and trains on the policy's ranks, in this job)
@@ -241,8 +241,8 @@ def _cmd_controller(args: argparse.Namespace) -> int:
         TOKEN_FILE,
     )
     from nebula_rl.controller.run import run_controller
-    from nebula_rl.runs import resolve_run_dir, write_private
     from nebula_rl.utils.net import free_port
+    from nebula_rl.utils.runs import resolve_run_dir, write_private
 
     cfg = _load(args.config)
     log = logging.getLogger("nebula_rl")
@@ -304,7 +304,7 @@ def _cmd_replica(args: argparse.Namespace) -> int:
         args.parser.error("starting a replica needs --role and --controller (or use ls / show)")
     import socket
 
-    from nebula_rl.replica import exit_now, run_replica
+    from nebula_rl.launch.replica import exit_now, run_replica
     from nebula_rl.utils.ranks import RANKS_ENV
 
     name = args.name or f"{args.role}-{socket.gethostname()}-{os.getpid()}"

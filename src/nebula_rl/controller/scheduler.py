@@ -54,7 +54,7 @@ batch fills need more than `max_retry_for_on_policy` batches' worth of replaceme
 job fails with an error naming that key.
 
 Validation. With `validation.enable`, the weights of step `s` are validated at the steps
-`nebula_rl.validation.validation_due` names (0 with `val_before_train`, every `freq`, the last).
+`nebula_rl.utils.validation.validation_due` names (0 with `val_before_train`, every `freq`, the last).
 The train command of such a step always pushes its weights; when the step is recorded, one
 validation prompt per validation row goes out on the `val_prompts` stream with `min_version = s`
 (`JobState.enqueue_validation`; with step 0 at the start). Rollout replicas generate them first,
@@ -101,7 +101,7 @@ from nebula_rl.controller.state import JobState
 from nebula_rl.data import epoch_order, rl_prompt, rl_validation_rows
 from nebula_rl.protocol import Prompt
 from nebula_rl.utils.metrics_log import FILE_LOGGERS, log_image_file, open_loggers
-from nebula_rl.validation import validation_due, validation_metrics
+from nebula_rl.utils.validation import validation_due, validation_metrics
 
 __all__ = ["Scheduler"]
 
@@ -692,7 +692,7 @@ class Scheduler:
     def _save_snapshot(self, step: int) -> None:
         """The job's Redis state after `step`, next to the policy's checkpoint of that step;
         snapshots older than every complete policy checkpoint are deleted."""
-        from nebula_rl.runs import complete_checkpoints
+        from nebula_rl.utils.runs import complete_checkpoints
 
         self.snapshots.mkdir(parents=True, exist_ok=True)
         path = self.snapshots / f"step_{step}.json"
@@ -711,7 +711,7 @@ class Scheduler:
     def restore(self) -> Path | None:
         """Put the job back at the checkpoint `train.resume` names; returns the policy's
         checkpoint folder (None: nothing to resume, the job starts at step 1)."""
-        from nebula_rl.runs import complete_checkpoints, drop_steps_after, is_checkpoint
+        from nebula_rl.utils.runs import complete_checkpoints, drop_steps_after, is_checkpoint
 
         resume = self.cfg.train.resume
         if resume is False:

@@ -87,10 +87,10 @@ from nebula_rl.policy.checkpoint import Checkpointer, resume_checkpoint
 from nebula_rl.policy.loop import train_steps
 from nebula_rl.policy.optim import build_optimizer, lr_lambda
 from nebula_rl.rewards.visual import VISUAL_REWARDS, pixels_from_samples
-from nebula_rl.runs import resolve_run_dir
 from nebula_rl.utils.metrics_log import MetricsWriter, log_image_file
 from nebula_rl.utils.ranks import close_ranks, init_ranks, rank_env
-from nebula_rl.validation import validation_due
+from nebula_rl.utils.runs import resolve_run_dir
+from nebula_rl.utils.validation import validation_due
 
 __all__ = [
     "check_ranks",

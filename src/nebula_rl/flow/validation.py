@@ -1,7 +1,7 @@
 """World-model validation (`[validation]` of a `policy.is_diffusers` run): held-out clips,
 sampled or noised with draws fixed per sample, reported in the record of the validated step.
 
-When: as for language models (`nebula_rl.validation.validation_due`): the initial weights with
+When: as for language models (`nebula_rl.utils.validation.validation_due`): the initial weights with
 `val_before_train`, every `validation.freq` steps, and after the last step. With
 `train.ema_enable` the weights' averages are validated (cosmos-rl's rule).
 
@@ -61,7 +61,7 @@ from nebula_rl.flow.local import (
 )
 from nebula_rl.flow.parallel import sum_over
 from nebula_rl.rewards.visual import pixels_from_samples
-from nebula_rl.validation import validation_metrics, validation_seed
+from nebula_rl.utils.validation import validation_metrics, validation_seed
 
 __all__ = [
     "FLOW_VALIDATION_KEYS",

@@ -1,4 +1,4 @@
-"""The launcher: the only place that starts processes.
+"""The launcher: the only place that starts processes, and the entry of a replica's processes.
 
 `launch(cfg, ...)` runs a whole RL job on this machine:
 
@@ -57,8 +57,8 @@ from nebula_rl.launch.forking import (
     why_not_fork,
 )
 from nebula_rl.modality import for_config
-from nebula_rl.runs import write_private
 from nebula_rl.utils.metrics_log import MetricsLogger, check_installed, open_loggers
+from nebula_rl.utils.runs import write_private
 from nebula_rl.utils.signals import forward_checkpoint_signals
 
 __all__ = [

@@ -42,7 +42,7 @@ class Text(Modality):
         # (raises naming the key and the path)
         load_tokenizer(cfg.policy.model_name_or_path, revision=cfg.policy.model_revision)
         if cfg.distillation.enable:
-            from nebula_rl.teacher import check_teacher
+            from nebula_rl.policy.teacher import check_teacher
 
             check_teacher(cfg)
         par = cfg.policy.parallelism

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from nebula_rl.config import CheckpointConfig, Config
 from nebula_rl.policy.ema import WeightEMA, ema_folder
-from nebula_rl.runs import (
+from nebula_rl.utils.runs import (
     MANIFEST,
     checkpoint_path,
     complete_checkpoints,

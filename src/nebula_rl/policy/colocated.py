@@ -64,7 +64,7 @@ from nebula_rl.rollout.worker import (
     validation_sampling_params,
 )
 from nebula_rl.utils.ranks import cpu_threads
-from nebula_rl.validation import validation_seed
+from nebula_rl.utils.validation import validation_seed
 from nebula_rl.weights.transport import NamedTensors
 
 __all__ = ["ColocatedWorker", "run_colocated"]

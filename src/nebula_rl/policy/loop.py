@@ -16,7 +16,7 @@ from nebula_rl.policy.checkpoint import Checkpointer
 from nebula_rl.utils.metrics_log import MetricsWriter
 from nebula_rl.utils.profiling import StepProfiler
 from nebula_rl.utils.signals import CheckpointSignal
-from nebula_rl.validation import validation_due
+from nebula_rl.utils.validation import validation_due
 
 __all__ = ["Steps", "train_steps"]
 

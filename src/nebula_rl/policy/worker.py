@@ -33,7 +33,7 @@ A `train` command may ask for a checkpoint after its step (policy rank 0 writes 
 replicas are identical). With `meta["resume_from"]` every replica loads that checkpoint first.
 
 A replica of several ranks (`[policy.parallelism]`: dp_replicate x dp_shard x cp x tp x pp
-processes, see `nebula_rl.replica`) splits the model over its ranks (`parallelize_policy`:
+processes, see `nebula_rl.launch.replica`) splits the model over its ranks (`parallelize_policy`:
 FSDP2/HSDP, TP+SP, PP, CP, activation checkpointing, compile). Its rank 0 alone talks to the
 controller: each loop tick it reads whether the job finished, the weight group's generation and
 the commands, and hands them to the other ranks (`broadcast_object` on the replica's gloo control

@@ -37,7 +37,7 @@ from nebula_rl.config import Config, MultiTurnRolloutConfig
 from nebula_rl.data import prompt_messages
 from nebula_rl.rewards import Scored
 from nebula_rl.rollout.engine import Completion, GenerationRequest, SamplingParams
-from nebula_rl.tools import ToolLimits, parse_tool_calls, run_tool, tool_schema
+from nebula_rl.utils.tools import ToolLimits, parse_tool_calls, run_tool, tool_schema
 
 __all__ = [
     "ENVIRONMENTS",

@@ -77,7 +77,7 @@ from nebula_rl.rollout.tensor_parallel import TensorParallel
 from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.rollout.vllm_engine import VLLMEngine
 from nebula_rl.utils.ranks import Ranks, broadcast_object, rank_env
-from nebula_rl.validation import validation_seed
+from nebula_rl.utils.validation import validation_seed
 from nebula_rl.weights.elastic import ElasticReceiver
 from nebula_rl.weights.group import WeightGroup, weight_backend
 from nebula_rl.weights.reshard import ShardedReceiver

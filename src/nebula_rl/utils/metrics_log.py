@@ -46,7 +46,7 @@ from rich.progress import (
 )
 
 from nebula_rl.config import Config
-from nebula_rl.runs import drop_steps_after
+from nebula_rl.utils.runs import drop_steps_after
 
 __all__ = [
     "FILE_LOGGERS",

@@ -260,7 +260,7 @@ def resolve_token(cfg: RewardServiceConfig) -> str:
     token = os.environ.get(TOKEN_ENV, "") or cfg.token
     if token:
         return token
-    from nebula_rl.runs import write_private
+    from nebula_rl.utils.runs import write_private
 
     token = secrets.token_urlsafe(32)
     path = Path(cfg.token_file).resolve()

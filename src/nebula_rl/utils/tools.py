@@ -8,7 +8,7 @@ the sandbox every tool call runs in.
   :data:`TOOLS`), with type hints and a Google-style docstring, from which transformers'
   `get_json_schema` builds the schema the chat template shows the model.
 - Sandbox. :func:`run_tool` runs one call in a fresh Python process (`python -m
-  nebula_rl.tools`) that first limits itself (CPU seconds and address space by `setrlimit`),
+  nebula_rl.utils.tools`) that first limits itself (CPU seconds and address space by `setrlimit`),
   leaves the network (a new network namespace, where the kernel lets an unprivileged process
   make one, and in every case `socket.socket` refuses), then imports the tool and calls it. A
   call past its wall-clock timeout is killed with its process group. Whatever goes wrong (an
@@ -134,7 +134,7 @@ def calculator(expression: str) -> str:
     return str(round(value, 6) if isinstance(value, float) else value)
 
 
-TOOLS: dict[str, str] = {"calculator": "nebula_rl.tools:calculator"}
+TOOLS: dict[str, str] = {"calculator": "nebula_rl.utils.tools:calculator"}
 """Built-in tools by name -> `"module:function"`."""
 
 
@@ -203,7 +203,7 @@ def run_tool(spec: str, arguments: dict[str, Any], limits: ToolLimits) -> ToolRe
     env = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}
     env |= {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "nebula_rl.tools"],
+        [sys.executable, "-m", "nebula_rl.utils.tools"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -75,7 +75,7 @@ def run_replica(
         if role == "policy":
             modality.run_policy(session, device=device)
         elif role == "teacher":
-            from nebula_rl.teacher import run_teacher
+            from nebula_rl.policy.teacher import run_teacher
 
             run_teacher(session, device=device)
         else:
