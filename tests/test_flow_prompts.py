@@ -494,7 +494,7 @@ def test_guidance_conditions_its_unconditional_branch_on_the_negative_prompt(tmp
     from diffusers.pipelines.cosmos.pipeline_cosmos2_5_predict import DEFAULT_NEGATIVE_PROMPT
 
     from nebula_rl.flow.job import flow_settings
-    from nebula_rl.flow.local import _velocity
+    from nebula_rl.flow.local import rollout_velocity
 
     frames = 1 if kind == "sd3" else 5
     folder = tiny_text_pipeline(tmp_path / kind, kind=kind)
@@ -512,10 +512,10 @@ def test_guidance_conditions_its_unconditional_branch_on_the_negative_prompt(tmp
     assert null.abs().sum() > 0
     x, sigma = torch.randn(2, *sample_shape(model, size)), torch.tensor([0.3, 0.7])
     with torch.no_grad():
-        guided = _velocity(model, text, mask, s, given=None)(x, sigma)
+        guided = rollout_velocity(model, text, mask, s, given=None)(x, sigma)
         v_c, v_u = model(x, sigma, text, mask), model(x, sigma, null, null_mask)
         assert (v_c - v_u).abs().max() > 1e-3  # (the text matters)
-        unguided = _velocity(model, text, mask, replace(s, guidance_scale=1.0), given=None)
+        unguided = rollout_velocity(model, text, mask, replace(s, guidance_scale=1.0), given=None)
     expected = v_u + 3.0 * (v_c - v_u) if kind == "sd3" else v_c + 3.0 * (v_c - v_u)
     torch.testing.assert_close(guided, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(unguided(x, sigma), v_c)

@@ -352,7 +352,13 @@ def test_a_wfm_mode_config_trains_on_cosmos_rls_objective(tmp_path):
     Gaussian forms (nebula-rl's defaults) the same step's loss differs."""
     from nebula_rl.config.compat.wfm import translate_wfm
     from nebula_rl.flow.job import flow_settings
-    from nebula_rl.flow.local import FlowBatch, _velocity, flow_advantages, roll_out, train_on_batch
+    from nebula_rl.flow.local import (
+        FlowBatch,
+        flow_advantages,
+        roll_out,
+        rollout_velocity,
+        train_on_batch,
+    )
     from nebula_rl.flow.sampler import sde_step
 
     wfm = {
@@ -394,7 +400,7 @@ def test_a_wfm_mode_config_trains_on_cosmos_rls_objective(tmp_path):
 
     def mean_of(model: torch.nn.Module) -> torch.Tensor:
         with torch.no_grad():
-            v = _velocity(model, text, mask, s, given=None)(x, sigma)
+            v = rollout_velocity(model, text, mask, s, given=None)(x, sigma)
             return sde_step(x, v, trajectory.sigmas, j, noise_level=s.noise_level).mean
 
     mu, mu_old, mu_ref = mean_of(policy), mean_of(rollout_model), mean_of(reference)

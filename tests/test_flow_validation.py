@@ -16,9 +16,14 @@ from flow_configs import tiny_flow_config, tiny_flow_policy
 from nebula_rl.config import ConfigError, config_from_dict, load_config
 from nebula_rl.flow import job
 from nebula_rl.flow.job import flow_clips, flow_scorer, flow_settings
-from nebula_rl.flow.local import validation_loss, validation_samples
 from nebula_rl.flow.models import load_flow_model
-from nebula_rl.flow.validation import FLOW_VALIDATION_KEYS, validate_generation, validate_loss
+from nebula_rl.flow.validation import (
+    FLOW_VALIDATION_KEYS,
+    validate_generation,
+    validate_loss,
+    validation_loss,
+    validation_samples,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_flow_parallel import COLOCATED_SFT, _job, _train_cli

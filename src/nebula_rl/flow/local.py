@@ -70,16 +70,16 @@ __all__ = [
     "RewardFn",
     "data_distance",
     "flow_advantages",
+    "given_frames",
     "pooled_std",
     "pretrain",
     "rl_iteration",
     "roll_out",
+    "rollout_velocity",
     "run_flow_rl",
     "sft_sigmas",
     "sft_step",
     "train_on_batch",
-    "validation_loss",
-    "validation_samples",
 ]
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,7 @@ def sft_step(
     ).to(device)
     s = sigma.view(-1, *[1] * (x0.dim() - 1))
     noised = (1 - s) * x0 + s * noise
-    given = _given_frames(x0.shape[2], len(chosen), conditional_frames, generator, device)
+    given = given_frames(x0.shape[2], len(chosen), conditional_frames, generator, device)
     free = context_frames(given)
     extra: tuple[Tensor, ...] = ()
     if given is not None:  # (passed even when none is: every FSDP2 rank runs the same)
@@ -265,92 +265,6 @@ def sft_step(
     if scheduler is not None:
         scheduler.step()
     return loss.item()
-
-
-def _drawn(
-    model: nn.Module, real: list[Clip], seeds: Sequence[int], conditional_frames: tuple[int, int]
-) -> tuple[Tensor | None, Tensor, Tensor, Tensor, list[torch.Generator], Tensor | None]:
-    """`real`'s pixels (None for prompts without clips), text and mask, with noise and given
-    frames drawn per sample from its own seed, so that a sample's draws do not depend on its
-    batch: (pixels, text, mask, noise, a generator per sample, given)."""
-    device = next(model.parameters()).device
-    text, mask = (t.to(device) for t in clip_text(real, flow_text_encoder(model)))
-    pixels = None
-    if all(c.video is not None for c in real):
-        pixels = clip_pixels(real).to(device)
-    shape = sample_shape(model, real[0].shape)
-    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-    noise = torch.stack([torch.randn(shape, generator=g) for g in generators]).to(device)
-    drawn = [_given_frames(shape[1], 1, conditional_frames, g, device) for g in generators]
-    given = None if drawn[0] is None else torch.cat(drawn)  # type: ignore[arg-type]
-    return pixels, text, mask, noise, generators, given
-
-
-def validation_samples(
-    model: nn.Module, real: list[Clip], seeds: Sequence[int], s: FlowRLSettings, *, num_steps: int
-) -> Tensor:
-    """Deterministic samples of `real`'s captions (one per entry) as pixels [B, 3, T, H, W] in
-    [-1, 1]: the ODE in `num_steps` steps with the rollouts' guidance, shift and solver, from
-    noise (and given frames, with `conditional_frames`) drawn from each sample's seed."""
-    pixels, text, mask, noise, _, given = _drawn(model, real, seeds, s.conditional_frames)
-    training = model.training
-    model.eval()
-    with torch.no_grad():
-        clean = None if given is None else pixels_to_samples(model, _data(pixels, real))
-        final = sample(
-            _velocity(model, text, mask, s, given=given), noise, num_steps=num_steps,
-            noise_level=0.0, shift=s.shift, solver=s.solver, given=given, clean=clean,
-        ).final  # fmt: skip
-        pixels = samples_to_pixels(model, final)
-    model.train(training)
-    return pixels
-
-
-def validation_loss(
-    model: nn.Module,
-    clips: list[Clip],
-    seeds: Sequence[int],
-    *,
-    sigma_scheme: str = "uniform",
-    sigma_mean: float = 0.0,
-    sigma_std: float = 1.0,
-    conditional_frames: tuple[int, int] = (0, 0),
-) -> list[float]:
-    """The flow-matching loss of :func:`pretrain` of each of `clips`, without gradients: each
-    clip's noise level, noise and given frames drawn from its seed in `seeds`."""
-    pixels, text, mask, noise, generators, given = _drawn(model, clips, seeds, conditional_frames)
-    with torch.no_grad():
-        x0 = pixels_to_samples(model, _data(pixels, clips))
-    sigma = torch.cat(
-        [sft_sigmas(1, g, scheme=sigma_scheme, mean=sigma_mean, std=sigma_std) for g in generators]
-    ).to(x0.device)
-    s = sigma.view(-1, *[1] * (x0.dim() - 1))
-    free = context_frames(given)
-    noised = (1 - s) * x0 + s * noise
-    extra: tuple[Tensor, ...] = ()
-    if given is not None:
-        noised = keep_given(noised, x0, free)
-        extra = (given.float(),)
-    training = model.training
-    model.eval()
-    with torch.no_grad():
-        velocity = model(noised, sigma, text, mask, *extra)
-    model.train(training)
-    return [
-        float(flow_matching_loss(velocity[k : k + 1], x0[k : k + 1], noise[k : k + 1],
-            sigma[k : k + 1], free=None if free is None else free[k : k + 1]))
-        for k in range(len(clips))
-    ]  # fmt: skip
-
-
-def _data(pixels: Tensor | None, clips: list[Clip]) -> Tensor:
-    """`pixels`, which only clips (not prompts alone) have."""
-    if pixels is None:
-        raise ValueError(
-            f"{clips[0].stem}: a prompt dataset has no clips for this (SFT, DDRL's data term, "
-            "conditioning frames)"
-        )
-    return pixels
 
 
 def data_distance(pixels: Tensor, prompts: Sequence[str], clips: list[Clip]) -> float | None:
@@ -421,7 +335,7 @@ def _nft_noise(batch: FlowBatch, part: Tensor, step: int, generator: torch.Gener
     )
 
 
-def _given_frames(
+def given_frames(
     frames: int,
     draws: int,
     conditional_frames: tuple[int, int],
@@ -463,7 +377,7 @@ def roll_out(
         noise = noise.repeat_interleave(s.group_size, dim=0).to(device)
     else:
         noise = torch.randn(shape, generator=generator, device=generator.device).to(device)
-    given = _given_frames(
+    given = given_frames(
         shape[2], groups, s.conditional_frames, generator, device, repeat=s.group_size
     )
     x0 = None  # (the clips as samples: the given frames' and DDRL's data)
@@ -474,7 +388,7 @@ def roll_out(
     model.eval()
     with torch.no_grad():
         trajectory = sample(
-            _velocity(model, text, mask, s, given=given), noise,
+            rollout_velocity(model, text, mask, s, given=given), noise,
             num_steps=s.sample_steps, noise_level=s.noise_level, shift=s.shift,
             generator=generator, solver=s.solver, given=given, clean=clean,
         )  # fmt: skip
@@ -614,7 +528,7 @@ def rl_iteration(
     return record
 
 
-def _velocity(
+def rollout_velocity(
     model: nn.Module, text: Tensor, mask: Tensor, s: FlowRLSettings, *, given: Tensor | None
 ) -> Callable[[Tensor, Tensor], Tensor]:
     # (a conditioning run passes the mask even where nothing is given: every rank's model
@@ -719,7 +633,7 @@ def _train_flow_grpo(
     for part in torch.tensor_split(order, s.num_minibatches):
         optimizer.zero_grad()
         given, free = _given(trajectory, part)
-        velocity = _velocity(model, batch.text[part], batch.mask[part], s, given=given)
+        velocity = rollout_velocity(model, batch.text[part], batch.mask[part], s, given=given)
         total = 0.0
         for j in steps:
             x = trajectory.latents[part, j]
@@ -740,7 +654,7 @@ def _train_flow_grpo(
             kl = None
             if reference is not None:
                 with torch.no_grad():
-                    v_ref = _velocity(
+                    v_ref = rollout_velocity(
                         reference, batch.text[part], batch.mask[part], s, given=given
                     )(x, sigma)
                     ref_mean = sde_step(

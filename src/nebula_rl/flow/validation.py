@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,16 +50,21 @@ from PIL import Image
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from nebula_rl.algorithms.flow import flow_matching_loss
 from nebula_rl.config import Config
-from nebula_rl.flow.data import Clip, save_samples, write_mp4
+from nebula_rl.flow.data import Clip, clip_pixels, clip_text, save_samples, write_mp4
 from nebula_rl.flow.local import (
     FlowRLSettings,
     RewardFn,
     data_distance,
-    validation_loss,
-    validation_samples,
+    given_frames,
+    rollout_velocity,
+    sft_sigmas,
 )
 from nebula_rl.flow.parallel import sum_over
+from nebula_rl.flow.sampler import context_frames, keep_given, sample
+from nebula_rl.flow.text_encoder import flow_text_encoder
+from nebula_rl.flow.vae import pixels_to_samples, sample_shape, samples_to_pixels
 from nebula_rl.rewards.visual import pixels_from_samples
 from nebula_rl.utils.validation import validation_metrics, validation_seed
 
@@ -70,6 +75,8 @@ __all__ = [
     "validate_generation",
     "validate_loss",
     "validate_samples",
+    "validation_loss",
+    "validation_samples",
 ]
 
 FLOW_VALIDATION_KEYS = (
@@ -82,6 +89,92 @@ FLOW_VALIDATION_KEYS = (
     "val/data_distance",
 )
 """The metrics a world model's RL validation adds to its step's record."""
+
+
+def _drawn(
+    model: nn.Module, real: list[Clip], seeds: Sequence[int], conditional_frames: tuple[int, int]
+) -> tuple[Tensor | None, Tensor, Tensor, Tensor, list[torch.Generator], Tensor | None]:
+    """`real`'s pixels (None for prompts without clips), text and mask, with noise and given
+    frames drawn per sample from its own seed, so that a sample's draws do not depend on its
+    batch: (pixels, text, mask, noise, a generator per sample, given)."""
+    device = next(model.parameters()).device
+    text, mask = (t.to(device) for t in clip_text(real, flow_text_encoder(model)))
+    pixels = None
+    if all(c.video is not None for c in real):
+        pixels = clip_pixels(real).to(device)
+    shape = sample_shape(model, real[0].shape)
+    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+    noise = torch.stack([torch.randn(shape, generator=g) for g in generators]).to(device)
+    drawn = [given_frames(shape[1], 1, conditional_frames, g, device) for g in generators]
+    given = None if drawn[0] is None else torch.cat(drawn)  # type: ignore[arg-type]
+    return pixels, text, mask, noise, generators, given
+
+
+def validation_samples(
+    model: nn.Module, real: list[Clip], seeds: Sequence[int], s: FlowRLSettings, *, num_steps: int
+) -> Tensor:
+    """Deterministic samples of `real`'s captions (one per entry) as pixels [B, 3, T, H, W] in
+    [-1, 1]: the ODE in `num_steps` steps with the rollouts' guidance, shift and solver, from
+    noise (and given frames, with `conditional_frames`) drawn from each sample's seed."""
+    pixels, text, mask, noise, _, given = _drawn(model, real, seeds, s.conditional_frames)
+    training = model.training
+    model.eval()
+    with torch.no_grad():
+        clean = None if given is None else pixels_to_samples(model, _data(pixels, real))
+        final = sample(
+            rollout_velocity(model, text, mask, s, given=given), noise, num_steps=num_steps,
+            noise_level=0.0, shift=s.shift, solver=s.solver, given=given, clean=clean,
+        ).final  # fmt: skip
+        pixels = samples_to_pixels(model, final)
+    model.train(training)
+    return pixels
+
+
+def validation_loss(
+    model: nn.Module,
+    clips: list[Clip],
+    seeds: Sequence[int],
+    *,
+    sigma_scheme: str = "uniform",
+    sigma_mean: float = 0.0,
+    sigma_std: float = 1.0,
+    conditional_frames: tuple[int, int] = (0, 0),
+) -> list[float]:
+    """The flow-matching loss of :func:`pretrain` of each of `clips`, without gradients: each
+    clip's noise level, noise and given frames drawn from its seed in `seeds`."""
+    pixels, text, mask, noise, generators, given = _drawn(model, clips, seeds, conditional_frames)
+    with torch.no_grad():
+        x0 = pixels_to_samples(model, _data(pixels, clips))
+    sigma = torch.cat(
+        [sft_sigmas(1, g, scheme=sigma_scheme, mean=sigma_mean, std=sigma_std) for g in generators]
+    ).to(x0.device)
+    s = sigma.view(-1, *[1] * (x0.dim() - 1))
+    free = context_frames(given)
+    noised = (1 - s) * x0 + s * noise
+    extra: tuple[Tensor, ...] = ()
+    if given is not None:
+        noised = keep_given(noised, x0, free)
+        extra = (given.float(),)
+    training = model.training
+    model.eval()
+    with torch.no_grad():
+        velocity = model(noised, sigma, text, mask, *extra)
+    model.train(training)
+    return [
+        float(flow_matching_loss(velocity[k : k + 1], x0[k : k + 1], noise[k : k + 1],
+            sigma[k : k + 1], free=None if free is None else free[k : k + 1]))
+        for k in range(len(clips))
+    ]  # fmt: skip
+
+
+def _data(pixels: Tensor | None, clips: list[Clip]) -> Tensor:
+    """`pixels`, which only clips (not prompts alone) have."""
+    if pixels is None:
+        raise ValueError(
+            f"{clips[0].stem}: a prompt dataset has no clips for this (SFT, DDRL's data term, "
+            "conditioning frames)"
+        )
+    return pixels
 
 
 def sample_seeds(cfg: Config, index: int, n: int) -> list[int]:
@@ -253,8 +346,8 @@ def _write_samples(samples: list[tuple[int, Tensor]], clips: list[Clip], folder:
     mp4 = importlib.util.find_spec("av") is not None  # (without PyAV: `.npy` frames)
     for i, part in samples:
         slug = re.sub(r"[^A-Za-z0-9]+", "_", clips[i].caption).strip("_")[:40]
-        for j, sample in enumerate(part):
-            frames = sample.permute(1, 2, 3, 0).numpy()  # [T, H, W, 3]
+        for j, clip in enumerate(part):
+            frames = clip.permute(1, 2, 3, 0).numpy()  # [T, H, W, 3]
             stem = folder / f"{i:04d}_{j}_{slug}"
             if len(frames) == 1:
                 Image.fromarray(frames[0]).save(stem.with_suffix(".png"))
