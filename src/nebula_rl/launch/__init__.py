@@ -388,27 +388,8 @@ def launch(
     num_policy, num_rollout, num_teacher = _replica_counts(
         cfg, num_policy, num_rollout, num_teacher
     )
-    check_installed(cfg.logging.logger)  # before anything starts
-    ensure_model(cfg)
-    placement = plan_placement(
-        cfg,
-        num_policy=num_policy,
-        num_rollout=num_rollout,
-        num_teacher=num_teacher,
-        num_gpus=_gpu_count(),
-    )
-    # The replicas' OpenMP settings (they inherit this environment) are this process's too,
-    # before its checks load torch (whose OpenMP runtime reads them once): the replicas forked
-    # from it then run with them.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.update(thread_env(cfg, placement, dict(os.environ), cores=_cores()))
-    check_job(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    logs = run_dir / "logs"
-    logs.mkdir(exist_ok=True)
-    config_path = run_dir / "config.json"
-    config_path.write_text(cfg.model_dump_json(indent=2))
-
+    placement = _prepare(cfg, run_dir, num_policy, num_rollout, num_teacher)
+    logs, config_path = run_dir / "logs", run_dir / "config.json"
     redis: RedisServer | None = None
     redis_url = cfg.redis
     if not redis_url:
@@ -480,6 +461,31 @@ def launch(
     if outcome == 0:
         log.info("job finished: %s", run_dir)
     return outcome
+
+
+def _prepare(
+    cfg: Config, run_dir: Path, num_policy: int, num_rollout: int, num_teacher: int
+) -> list[Placement]:
+    """Before anything starts: the checks, the warm-start model, the replicas' placement and
+    thread settings, the run folder with its `logs/` and `config.json`."""
+    check_installed(cfg.logging.logger)
+    ensure_model(cfg)
+    placement = plan_placement(
+        cfg,
+        num_policy=num_policy,
+        num_rollout=num_rollout,
+        num_teacher=num_teacher,
+        num_gpus=_gpu_count(),
+    )
+    # The replicas' OpenMP settings (they inherit this environment) are this process's too,
+    # before its checks load torch (whose OpenMP runtime reads them once): the replicas forked
+    # from it then run with them.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(thread_env(cfg, placement, dict(os.environ), cores=_cores()))
+    check_job(cfg)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    return placement
 
 
 def _replica_counts(
