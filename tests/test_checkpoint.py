@@ -161,7 +161,7 @@ def test_resume_true_without_a_timestamp_takes_the_newest_resumable_run(tmp_path
     from nebula_rl.utils.runs import resolve_run_dir
 
     cfg = _cfg(tmp_path, SFT, max_num_steps=1, resume=True, timestamp="")
-    fresh = resolve_run_dir(cfg)
+    fresh = resolve_run_dir(cfg.train)
     assert fresh.parent == tmp_path and not fresh.exists()  # nothing to resume: a new folder
     for run, complete in (("20260101000000", True), ("20260102000000", True), ("20260103", False)):
         folder = checkpoint_path(tmp_path / run, 1)
@@ -169,7 +169,9 @@ def test_resume_true_without_a_timestamp_takes_the_newest_resumable_run(tmp_path
         if complete:
             (folder / MANIFEST).write_text("{}")
     cfg = _cfg(tmp_path, SFT, max_num_steps=1, resume=True, timestamp="")
-    assert resolve_run_dir(cfg) == tmp_path / "20260102000000"  # (the newest one is half-written)
+    assert (
+        resolve_run_dir(cfg.train) == tmp_path / "20260102000000"
+    )  # (the newest one is half-written)
     assert cfg.train.timestamp == "20260102000000"
 
 

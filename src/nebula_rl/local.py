@@ -97,7 +97,7 @@ def run(cfg: Config) -> Path:
     lead = not distributed or dist.get_rank() == 0
     seed = cfg.train.seed or 0
     torch.manual_seed(seed)
-    run_dir = resolve_run_dir(cfg)
+    run_dir = resolve_run_dir(cfg.train)
     if distributed:  # one folder for all ranks: rank 0's start time names it
         names = [str(run_dir)]
         dist.broadcast_object_list(names, src=0)

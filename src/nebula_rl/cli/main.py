@@ -187,13 +187,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
             _preload()
             argv = [sys.executable, "-m", "nebula_rl.cli", *args.argv]
             # (every rank writes in one run folder: fix its name now)
-            return run_ranks([*argv, "--timestamp", resolve_run_dir(cfg).name], nproc)
+            return run_ranks([*argv, "--timestamp", resolve_run_dir(cfg.train).name], nproc)
     _setup_torch()
     from nebula_rl.launch import ensure_model
 
     log = logging.getLogger("nebula_rl")
     rank = int(os.environ.get("RANK", "0"))
-    run_dir = resolve_run_dir(cfg)
+    run_dir = resolve_run_dir(cfg.train)
     trace, file_log = _file_log(
         run_dir / "logs" / (f"train-rank{rank}.log" if rank else "train.log")
     )
@@ -246,7 +246,7 @@ def _cmd_controller(args: argparse.Namespace) -> int:
 
     cfg = _load(args.config)
     log = logging.getLogger("nebula_rl")
-    run_dir = Path(args.run_dir) if args.run_dir else resolve_run_dir(cfg)
+    run_dir = Path(args.run_dir) if args.run_dir else resolve_run_dir(cfg.train)
     run_dir.mkdir(parents=True, exist_ok=True)
     token = os.environ.get(TOKEN_ENV, "")
     if not token:  # started by hand: make a token and leave it where only this user can read it

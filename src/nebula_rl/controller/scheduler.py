@@ -412,7 +412,7 @@ class Scheduler:
         the start: step 0 with `val_before_train`, or a step recorded by a controller that died
         before it could)."""
         step = self.state.step()
-        if validation_due(self.cfg, step, total_steps=self.total_steps):
+        if validation_due(self.cfg.validation, step, total_steps=self.total_steps):
             self._start_validation(step)
 
     def _start_validation(self, step: int) -> None:
@@ -483,7 +483,7 @@ class Scheduler:
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": max(staleness),
             "push": (step % self.sync_interval == 0 and step < self.total_steps)
-            or validation_due(self.cfg, step, total_steps=self.total_steps),
+            or validation_due(self.cfg.validation, step, total_steps=self.total_steps),
             "checkpoint": ckpt.due(
                 step, last=step == self.total_steps, steps_per_epoch=self.steps_per_epoch
             )
@@ -650,7 +650,7 @@ class Scheduler:
             self.side_files.discard(plan["prompt_ids"])
         self._plan, self._sent = None, None
         self._last_step_end = now
-        if validation_due(self.cfg, step, total_steps=self.total_steps):
+        if validation_due(self.cfg.validation, step, total_steps=self.total_steps):
             self._start_validation(step)  # (before the snapshot: a resume validates it again)
         if plan["checkpoint"]:
             self._save_snapshot(step)

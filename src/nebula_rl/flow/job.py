@@ -384,7 +384,7 @@ class _FlowRun:
             init_ranks("nccl" if cuda else "gloo")
         self.lead = lead = ranks.rank == 0
         device = torch.device("cuda", ranks.local_rank) if cuda else torch.device("cpu")
-        self.run_dir = run_dir = resolve_run_dir(cfg)
+        self.run_dir = run_dir = resolve_run_dir(cfg.train)
         if lead:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
@@ -514,7 +514,7 @@ class _FlowRun:
     def validate(self, step: int) -> dict[str, float]:
         """Validation's metrics at `step` when due (every rank: a sharded model's forwards)."""
         cfg, model, dp = self.cfg, self.model, self.dp
-        if not validation_due(cfg, step, total_steps=self.plan.steps):
+        if not validation_due(cfg.validation, step, total_steps=self.plan.steps):
             return {}
         with self._averaged():
             if self.plan.settings is None and self.val_prompts:  # (SFT on captions: samples)

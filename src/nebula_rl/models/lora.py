@@ -49,7 +49,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from nebula_rl.config import Config, LoraConfig
+from nebula_rl.config import LoraConfig, PolicyConfig
 
 __all__ = [
     "KEY",
@@ -100,16 +100,16 @@ def _peft_config(lora: LoraConfig, base: str) -> Any:
     )
 
 
-def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
+def apply_lora(model: nn.Module, policy: PolicyConfig) -> nn.Module:
     """Inject `policy.lora`'s adapter into `model` in place, train only it (and
     `modules_to_save`), and load `lora_path` into it when given; `model`."""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
 
-    lora = cfg.policy.lora
+    lora = policy.lora
     assert lora is not None
     name = lora.lora_names[0]
-    config = _peft_config(lora, cfg.policy.model_name_or_path)
+    config = _peft_config(lora, policy.model_name_or_path)
     # (read before injecting: a module_to_save replaces the module get_input_embeddings finds)
     embedding = model.get_input_embeddings().weight  # type: ignore[operator]
     tied = bool(getattr(model.config, "tie_word_embeddings", False))

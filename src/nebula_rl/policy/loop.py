@@ -70,7 +70,7 @@ def train_steps(
             writer.write(record)
 
     try:
-        if start == 0 and validation_due(cfg, 0, total_steps=total):
+        if start == 0 and validation_due(cfg.validation, 0, total_steps=total):
             write({"step": 0, **steps.validate(0)})
         step = validated = start
         ran_out = False
@@ -81,7 +81,7 @@ def train_steps(
                 break
             if profiler is not None:
                 profiler.step()
-            if validation_due(cfg, step, total_steps=total):
+            if validation_due(cfg.validation, step, total_steps=total):
                 record |= steps.validate(step)
                 validated = step
             write(record)

@@ -90,7 +90,7 @@ def load_policy_model(cfg: Config, *, device: torch.device | str, seed: int) -> 
         revision=cfg.policy.model_revision,
     )
     if cfg.policy.lora is not None:
-        apply_lora(model, cfg)
+        apply_lora(model, cfg.policy)
     apply_trainable(model, cfg.policy)
     return model
 

@@ -13,7 +13,7 @@ import os
 from datetime import datetime
 from pathlib import Path
 
-from nebula_rl.config import Config
+from nebula_rl.config import TrainingConfig
 
 __all__ = [
     "MANIFEST",
@@ -59,12 +59,11 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def resolve_run_dir(cfg: Config) -> Path:
-    """`train.output_dir/train.timestamp`, fixing `train.timestamp` in `cfg` when it is empty
+def resolve_run_dir(t: TrainingConfig) -> Path:
+    """`train.output_dir/train.timestamp`, fixing `train.timestamp` in `t` when it is empty
     (so that every later call, and every process given the resolved config, agrees): with
     `train.resume = true`, the newest run folder under `output_dir` that has a complete
     checkpoint (a new one if none has); otherwise the start time."""
-    t = cfg.train
     if not t.timestamp:
         output = Path(t.output_dir)
         runs = sorted(p for p in output.glob("*") if p.is_dir()) if output.is_dir() else []

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from nebula_rl.config import Config
+from nebula_rl.config import Config, ValidationConfig
 
 __all__ = ["VALIDATION_KEYS", "validation_due", "validation_metrics", "validation_seed"]
 
@@ -32,9 +32,8 @@ VALIDATION_KEYS = (
 `nebula_rl.flow.validation.FLOW_VALIDATION_KEYS`)."""
 
 
-def validation_due(cfg: Config, step: int, *, total_steps: int) -> bool:
-    """Whether the weights after step `step` (0: the initial ones) are validated."""
-    v = cfg.validation
+def validation_due(v: ValidationConfig, step: int, *, total_steps: int) -> bool:
+    """Whether `[validation]` validates the weights after step `step` (0: the initial ones)."""
     if not v.enable:
         return False
     if step == 0:
