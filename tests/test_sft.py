@@ -262,10 +262,11 @@ def _arithmetic_sft(tmp_path: Path, name: str, **parallelism: int) -> Path:
     "parallelism",
     [
         {"dp_shard_size": 2},
-        {"dp_replicate_size": 2},
-        {"tp_size": 2},
-        {"pp_size": 2, "pp_schedule": "1F1B"},
-        # (the other schedules in the slow suite: test_parallel_grpo runs all three fast)
+        # (the others in the slow suite: test_parallelize and test_parallel_grpo step each
+        # layout, and every pipeline schedule, like one process fast)
+        pytest.param({"dp_replicate_size": 2}, marks=pytest.mark.slow),
+        pytest.param({"tp_size": 2}, marks=pytest.mark.slow),
+        pytest.param({"pp_size": 2, "pp_schedule": "1F1B"}, marks=pytest.mark.slow),
         pytest.param(
             {"pp_size": 2, "pp_schedule": "GPipe", "pp_micro_batch_size": 2},
             marks=pytest.mark.slow,

@@ -549,9 +549,14 @@ _FOUR_RANKS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "layout", [{"dp_shard_size": 2}, {"tp_size": 2}, *_FOUR_RANKS], ids=lambda d: "-".join(d)
-)
+# (two ranks in the slow suite too: the next test takes both splits fast, with videos as well)
+_TWO_RANKS = [
+    pytest.param(layout, id=next(iter(layout)), marks=pytest.mark.slow)
+    for layout in ({"dp_shard_size": 2}, {"tp_size": 2})
+]
+
+
+@pytest.mark.parametrize("layout", [*_TWO_RANKS, *_FOUR_RANKS])
 def test_multi_rank_sft_of_a_vision_language_model_steps_like_one_process(tmp_path, layout):
     """`nebula-rl train` with `dp_shard_size = 2`: FSDP2 shards the vision blocks and the
     decoder layers; each rank trains half of every batch (with its own images). With
