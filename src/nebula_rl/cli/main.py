@@ -181,7 +181,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
         except ValueError as err:
             logging.getLogger("nebula_rl").error("%s", err)
             return 2
-    if not distributed and RANKS_ENV not in os.environ and "WORLD_SIZE" not in os.environ:
+    first = RANKS_ENV not in os.environ and "WORLD_SIZE" not in os.environ  # (of the job)
+    if first:
+        from nebula_rl.utils.object_store import StorageError
+        from nebula_rl.utils.runs import fetch_s3_checkpoint
+
+        try:  # (train.ckpt.upload_s3: the bucket answers; resume from it on a fresh machine)
+            fetched = fetch_s3_checkpoint(cfg.train)
+        except StorageError as err:
+            logging.getLogger("nebula_rl").error("%s", err)
+            return 2
+        if fetched is not None:
+            logging.getLogger("nebula_rl").info("resuming from the uploaded %s", fetched)
+    if not distributed and first:
         nproc = _sft_nproc(cfg)
         if nproc > 1:  # this process supervises the ranks that split the policy
             _preload()

@@ -36,7 +36,10 @@ WORLD_LORA = (
 NO_WORLD = "world-model (diffusers) training is not supported yet"
 NO_VLA = "vision-language-action (robot policy) training is not supported yet"
 NO_LOAD_BALANCE = "load-balanced SFT batching is not supported yet"
-NO_UPLOAD = "uploading checkpoints is not supported yet; copy `safetensors/` yourself"
+NO_UPLOAD = (
+    "uploading to the Hugging Face Hub is not supported yet; push `safetensors/` with "
+    "huggingface_hub's `hf upload`"
+)
 
 
 Dtype = Literal["float32", "bfloat16", "float16"]

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import (
     Field,
     field_validator,
+    model_validator,
 )
 
 from nebula_rl.config.algorithm import GrpoConfig, TrainPolicy
@@ -33,14 +34,15 @@ class CheckpointConfig(Section):
     """Upload exports to the Hugging Face Hub."""
     hf_repo_name: str = Field(default="Comos-Reason1", json_schema_extra=refused(NO_UPLOAD))
     """Hub repository of the uploads."""
-    upload_s3: bool | Literal["final", "all"] = Field(
-        default=False, json_schema_extra=refused(NO_UPLOAD)
-    )
-    """Upload checkpoints to S3 (`final` or `all`)."""
-    s3_bucket: str | None = Field(default=None, json_schema_extra=refused(NO_UPLOAD))
+    upload_s3: bool | Literal["final", "all"] = False
+    """Upload checkpoints with their safetensors exports to S3-compatible storage, in the
+    background: `all` (or true) every checkpoint (and remove what `max_keep` removes), `final`
+    the last one. Credentials from `PROD_S3_CHECKPOINT_*` or `AWS_*` (docs/storage.md);
+    `resume = true` with no local run resumes from the newest uploaded checkpoint."""
+    s3_bucket: str | None = None
     """S3 bucket of the uploads."""
-    s3_prefix: str = Field(default="outputs", json_schema_extra=refused(NO_UPLOAD))
-    """S3 prefix of the uploads."""
+    s3_prefix: str = "outputs"
+    """S3 prefix of the uploads (a run's under `<prefix>/<run folder name>/`)."""
 
     @field_validator("max_keep")
     @classmethod
@@ -48,6 +50,14 @@ class CheckpointConfig(Section):
         if v == 0:
             raise ValueError("must be -1 (keep all) or at least 1")
         return v
+
+    @model_validator(mode="after")
+    def _upload_needs(self) -> CheckpointConfig:
+        if self.upload_s3 and not self.s3_bucket:
+            raise ValueError("upload_s3 needs s3_bucket (the bucket the checkpoints go to)")
+        if self.upload_s3 and not self.enable_checkpoint:
+            raise ValueError("upload_s3 uploads checkpoints: set enable_checkpoint = true too")
+        return self
 
     def due(self, step: int, *, last: bool, steps_per_epoch: int) -> bool:
         """Whether to checkpoint after `step` (1-based) with `enable_checkpoint`: every

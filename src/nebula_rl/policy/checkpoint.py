@@ -50,12 +50,14 @@ from torch.distributed.checkpoint.state_dict import (
 
 from nebula_rl.config import CheckpointConfig, Config
 from nebula_rl.policy.ema import WeightEMA, ema_folder
+from nebula_rl.utils.object_store import Uploader
 from nebula_rl.utils.runs import (
     MANIFEST,
     checkpoint_path,
     complete_checkpoints,
     is_checkpoint,
     latest_checkpoint,
+    s3_store,
 )
 
 __all__ = [
@@ -177,6 +179,12 @@ class Checkpointer:
         )
         self._pending: tuple[Future, threading.Event] | None = None
         self._error: BaseException | None = None
+        # `upload_s3`: rank 0 uploads each checkpoint (`all`) or the last (`final`) with its
+        # export, in the background, and removes what rotation removes here.
+        store = s3_store(cfg) if cfg.enable_checkpoint and self.rank == 0 else None
+        if store is not None:
+            store.check()  # (a wrong key fails now, naming the bucket)
+        self._uploader = None if store is None else Uploader(store)
 
     def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's and the optimiser's state dicts as DCP saves and loads them."""
@@ -260,6 +268,8 @@ class Checkpointer:
         tmp.write_text(json.dumps(manifest))
         os.replace(tmp, path / MANIFEST)
         log.info("checkpoint saved: %s", path)
+        if self._uploader is not None and self.cfg.upload_s3 in (True, "all"):
+            self._upload(step)
         if self.cfg.max_keep < 0:
             return
         for old_step, old in complete_checkpoints(self.run_dir)[: -self.cfg.max_keep]:
@@ -269,6 +279,27 @@ class Checkpointer:
             for folder in (export, ema_folder(export)):
                 if folder.exists():
                     shutil.rmtree(folder)
+            if self._uploader is not None and self.cfg.upload_s3 in (True, "all"):
+                for name in self._uploads(old_step):
+                    self._uploader.delete(name)
+
+    def _uploads(self, step: int) -> dict[str, Path]:
+        """The storage names of step `step`'s checkpoint and exports, with their folders."""
+        run = self.run_dir.name
+        export = self.run_dir / "safetensors" / f"step_{step}"
+        folders = {
+            f"{run}/checkpoints/step_{step}": checkpoint_path(self.run_dir, step),
+            f"{run}/safetensors/step_{step}": export,
+            f"{run}/safetensors/{ema_folder(export).name}": ema_folder(export),
+        }
+        return {name: folder for name, folder in folders.items() if folder.exists()}
+
+    def _upload(self, step: int) -> None:
+        """Queue step `step`'s exports, then its checkpoint (committed last, so a committed
+        checkpoint's exports are there)."""
+        assert self._uploader is not None
+        for name, folder in reversed(self._uploads(step).items()):
+            self._uploader.upload(folder, name)
 
     def wait(self) -> None:
         """Block until the pending async save is written, its manifest included."""
@@ -283,8 +314,16 @@ class Checkpointer:
             raise err
 
     def close(self) -> None:
-        """Wait for the pending save; call once training is over."""
+        """Wait for the pending save and the uploads (`upload_s3 = "final"`: the last
+        checkpoint's); call once training is over."""
         self.wait()
+        if self._uploader is None:
+            return
+        latest = complete_checkpoints(self.run_dir)
+        if self.cfg.upload_s3 == "final" and latest:
+            self._upload(latest[-1][0])
+        self._uploader.close()
+        self._uploader = None
 
     def load(self, path: Path) -> Restored:
         """Restore model, optimiser, schedule and RNGs from the checkpoint at `path` in place."""

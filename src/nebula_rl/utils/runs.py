@@ -12,8 +12,12 @@ import json
 import os
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from nebula_rl.config import TrainingConfig
+from nebula_rl.config import CheckpointConfig, TrainingConfig
+
+if TYPE_CHECKING:
+    from nebula_rl.utils.object_store import ObjectStore
 
 __all__ = [
     "MANIFEST",
@@ -21,9 +25,11 @@ __all__ = [
     "checkpoint_path",
     "complete_checkpoints",
     "drop_steps_after",
+    "fetch_s3_checkpoint",
     "is_checkpoint",
     "latest_checkpoint",
     "resolve_run_dir",
+    "s3_store",
     "write_private",
 ]
 
@@ -94,3 +100,42 @@ def write_private(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         os.fchmod(fd, 0o600)
         f.write(text)
+
+
+def s3_store(ckpt: CheckpointConfig) -> ObjectStore | None:
+    """`train.ckpt`'s object storage (`upload_s3`: `s3://<s3_bucket>/<s3_prefix>/`, a run's
+    uploads under `<run folder name>/`), None without `upload_s3`."""
+    if not ckpt.upload_s3:
+        return None
+    from nebula_rl.utils.object_store import ObjectStore
+
+    assert ckpt.s3_bucket is not None  # (the config requires it with upload_s3)
+    return ObjectStore(ckpt.s3_bucket, ckpt.s3_prefix, key="train.ckpt.s3_bucket")
+
+
+def fetch_s3_checkpoint(t: TrainingConfig) -> Path | None:
+    """With `upload_s3`: check that the bucket answers these credentials (a StorageError names
+    it otherwise); with `resume = true` too and no run under `output_dir` to resume, download
+    the newest committed checkpoint of the storage into `output_dir/<its run>/` and fix
+    `train.timestamp` to that run, so that the job resumes from it as from a local one (and
+    goes on uploading under the same name); that checkpoint's folder, or None."""
+    store = s3_store(t.ckpt)
+    if store is None:
+        return None
+    store.check()
+    output = Path(t.output_dir)
+    local = [p for p in output.glob("*") if p.is_dir() and complete_checkpoints(p)]
+    if t.resume is not True or t.timestamp or local:
+        return None
+    found = []
+    for name in store.committed():
+        run, _, number = name.rpartition("/checkpoints/step_")
+        if run and "/" not in run and number.isdigit():
+            found.append((run, int(number)))
+    if not found:
+        return None
+    run, step = max(found)
+    folder = checkpoint_path(output / run, step)
+    store.download_folder(f"{run}/checkpoints/step_{step}", folder)
+    t.timestamp = run
+    return folder
