@@ -209,6 +209,10 @@ def test_a_run_uploads_its_checkpoints_and_a_fresh_folder_resumes_from_them(s3_e
     ]  # fmt: skip
     export = store.download_folder(f"{run}/safetensors/step_4", tmp_path / "export")
     assert _files(export) == _files(run_dir / "safetensors" / "step_4")
+    # The run's other files beside them, as they were when training ended.
+    for name in ("config.json", "metrics.jsonl"):
+        got = store._client.get_object(Bucket=BUCKET, Key=f"jobs/{run}/{name}")["Body"].read()
+        assert got == (run_dir / name).read_bytes(), name
 
     # A fresh machine (a new output folder, nothing local) after the run died past step 2.
     store.delete_folder(f"{run}/checkpoints/step_4")

@@ -300,6 +300,9 @@ class Checkpointer:
         assert self._uploader is not None
         for name, folder in reversed(self._uploads(step).items()):
             self._uploader.upload(folder, name)
+        # The rest of the run folder (config, metrics.jsonl, logs, TensorBoard events, samples)
+        # is copied as it is now, as plain objects beside them.
+        self._uploader.sync(self.run_dir, self.run_dir.name, skip=("checkpoints", "safetensors"))
 
     def wait(self) -> None:
         """Block until the pending async save is written, its manifest included."""
@@ -322,6 +325,10 @@ class Checkpointer:
         latest = complete_checkpoints(self.run_dir)
         if self.cfg.upload_s3 == "final" and latest:
             self._upload(latest[-1][0])
+        else:  # (the logs as they are at the end)
+            self._uploader.sync(
+                self.run_dir, self.run_dir.name, skip=("checkpoints", "safetensors")
+            )
         self._uploader.close()
         self._uploader = None
 

@@ -179,6 +179,33 @@ class ObjectStore:
         os.replace(partial, local)
         return local
 
+    def sync_files(
+        self,
+        local: Path,
+        name: str,
+        *,
+        skip: tuple[str, ...] = (),
+        seen: dict[str, tuple[int, int]] | None = None,
+    ) -> int:
+        """Copy the files under `local` (but its top-level folders `skip`) to `<name>/...` as
+        plain objects, not committed (logs and metrics that grow); with `seen`, only the files
+        whose size or modification time changed since it recorded them. How many were copied."""
+        seen = {} if seen is None else seen
+        copied = 0
+        for path in sorted(p for p in local.rglob("*") if p.is_file()):
+            relative = path.relative_to(local)
+            if relative.parts[0] in skip:
+                continue
+            stat = path.stat()
+            stamp = (stat.st_size, stat.st_mtime_ns)
+            key = relative.as_posix()
+            if seen.get(key) == stamp:
+                continue
+            self._client.upload_file(str(path), self.bucket, self._object(f"{name}/{key}"))
+            seen[key] = stamp
+            copied += 1
+        return copied
+
     def delete_folder(self, name: str) -> None:
         """Remove the folder `name`: its marker first, so that it is never half there and
         listed."""
@@ -198,6 +225,7 @@ class Uploader:
         self.store, self.retry_s, self.max_retry_s = store, retry_s, max_retry_s
         self.uploaded: list[str] = []
         """Names committed so far, in order."""
+        self._seen: dict[str, tuple[int, int]] = {}  # (the synced files' size and mtime)
         self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="s3-uploader", daemon=True)
         self._thread.start()
@@ -209,6 +237,10 @@ class Uploader:
     def delete(self, name: str) -> None:
         """Queue the removal of `name` (after the uploads queued before it)."""
         self._jobs.put(("delete", name))
+
+    def sync(self, local: Path, name: str, *, skip: tuple[str, ...] = ()) -> None:
+        """Queue a copy of `local`'s changed files (`ObjectStore.sync_files`) to `<name>/`."""
+        self._jobs.put(("sync", (local, name, skip)))
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -223,6 +255,9 @@ class Uploader:
                         self.store.upload_folder(*arg)
                         self.uploaded.append(arg[1])
                         log.info("uploaded %s to %s", arg[0], self.store)
+                    elif kind == "sync":
+                        local, name, skip = arg
+                        self.store.sync_files(local, name, skip=skip, seen=self._seen)
                     else:
                         self.store.delete_folder(arg)
                     break
