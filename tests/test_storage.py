@@ -45,7 +45,9 @@ class _Weed:
         weed = Path(sys.executable).parent / "weed"
         argv = [str(weed), "server", f"-dir={self.folder / 'data'}", "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1", "-s3", f"-s3.config={self.folder / 's3.json'}",
-                "-volume.max=8", "-master.volumeSizeLimitMB=64"]  # fmt: skip
+                "-volume.max=8", "-master.volumeSizeLimitMB=64",
+                # (the S3 gateway's catalogs listen on fixed ports unless turned off)
+                "-s3.port.iceberg=0", "-s3.port.lance=0"]  # fmt: skip
         for name, port in self.ports.items():
             argv += [f"-{name}.port={port}", f"-{name}.port.grpc={self.grpc[name]}"]
         log = (self.folder / "weed.log").open("a")
