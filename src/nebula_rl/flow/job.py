@@ -90,7 +90,6 @@ from nebula_rl.rewards.visual import VISUAL_REWARDS, pixels_from_samples
 from nebula_rl.utils.metrics_log import MetricsWriter, log_image_file
 from nebula_rl.utils.ranks import close_ranks, init_ranks, rank_env
 from nebula_rl.utils.runs import resolve_run_dir
-from nebula_rl.utils.validation import validation_due
 
 __all__ = [
     "check_ranks",
@@ -512,10 +511,9 @@ class _FlowRun:
         )
 
     def validate(self, step: int) -> dict[str, float]:
-        """Validation's metrics at `step` when due (every rank: a sharded model's forwards)."""
+        """Validation's metrics at `step` (every rank: a sharded model's forwards; the loop
+        calls it when `[validation]` is due)."""
         cfg, model, dp = self.cfg, self.model, self.dp
-        if not validation_due(cfg.validation, step, total_steps=self.plan.steps):
-            return {}
         with self._averaged():
             if self.plan.settings is None and self.val_prompts:  # (SFT on captions: samples)
                 metrics, grid = validate_samples(

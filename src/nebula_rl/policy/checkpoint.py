@@ -185,6 +185,7 @@ class Checkpointer:
         if store is not None:
             store.check()  # (a wrong key fails now, naming the bucket)
         self._uploader = None if store is None else Uploader(store)
+        self._upload_each = cfg.upload_s3 in (True, "all")
 
     def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's and the optimiser's state dicts as DCP saves and loads them."""
@@ -268,7 +269,7 @@ class Checkpointer:
         tmp.write_text(json.dumps(manifest))
         os.replace(tmp, path / MANIFEST)
         log.info("checkpoint saved: %s", path)
-        if self._uploader is not None and self.cfg.upload_s3 in (True, "all"):
+        if self._uploader is not None and self._upload_each:
             self._upload(step)
         if self.cfg.max_keep < 0:
             return
@@ -279,7 +280,7 @@ class Checkpointer:
             for folder in (export, ema_folder(export)):
                 if folder.exists():
                     shutil.rmtree(folder)
-            if self._uploader is not None and self.cfg.upload_s3 in (True, "all"):
+            if self._uploader is not None and self._upload_each:
                 for name in self._uploads(old_step):
                     self._uploader.delete(name)
 
@@ -300,8 +301,12 @@ class Checkpointer:
         assert self._uploader is not None
         for name, folder in reversed(self._uploads(step).items()):
             self._uploader.upload(folder, name)
-        # The rest of the run folder (config, metrics.jsonl, logs, TensorBoard events, samples)
-        # is copied as it is now, as plain objects beside them.
+        self._sync_logs()
+
+    def _sync_logs(self) -> None:
+        """Queue a copy of the rest of the run folder (config, metrics.jsonl, logs, TensorBoard
+        events, samples) as it is now, as plain objects beside the uploads."""
+        assert self._uploader is not None
         self._uploader.sync(self.run_dir, self.run_dir.name, skip=("checkpoints", "safetensors"))
 
     def wait(self) -> None:
@@ -326,9 +331,7 @@ class Checkpointer:
         if self.cfg.upload_s3 == "final" and latest:
             self._upload(latest[-1][0])
         else:  # (the logs as they are at the end)
-            self._uploader.sync(
-                self.run_dir, self.run_dir.name, skip=("checkpoints", "safetensors")
-            )
+            self._sync_logs()
         self._uploader.close()
         self._uploader = None
 

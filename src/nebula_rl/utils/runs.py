@@ -71,14 +71,18 @@ def resolve_run_dir(t: TrainingConfig) -> Path:
     `train.resume = true`, the newest run folder under `output_dir` that has a complete
     checkpoint (a new one if none has); otherwise the start time."""
     if not t.timestamp:
-        output = Path(t.output_dir)
-        runs = sorted(p for p in output.glob("*") if p.is_dir()) if output.is_dir() else []
-        resumable = [p for p in runs if complete_checkpoints(p)]
+        resumable = _resumable_runs(Path(t.output_dir))
         if t.resume is True and resumable:
             t.timestamp = resumable[-1].name
         else:
             t.timestamp = datetime.now().strftime(TIMESTAMP_FORMAT)
     return Path(t.output_dir) / t.timestamp
+
+
+def _resumable_runs(output: Path) -> list[Path]:
+    """The run folders under `output` with a complete checkpoint, oldest first."""
+    runs = sorted(p for p in output.glob("*") if p.is_dir()) if output.is_dir() else []
+    return [p for p in runs if complete_checkpoints(p)]
 
 
 def drop_steps_after(path: Path, step: int) -> None:
@@ -124,8 +128,7 @@ def fetch_s3_checkpoint(t: TrainingConfig) -> Path | None:
         return None
     store.check()
     output = Path(t.output_dir)
-    local = [p for p in output.glob("*") if p.is_dir() and complete_checkpoints(p)]
-    if t.resume is not True or t.timestamp or local:
+    if t.resume is not True or t.timestamp or _resumable_runs(output):
         return None
     found = []
     for name in store.committed():
