@@ -270,3 +270,14 @@ model_name_or_path = "tiny:qwen2"
     config.write_text(body.replace('s3_bucket = "bucket"\n', ""))
     with pytest.raises(ConfigError, match=r"train\.ckpt.*upload_s3 needs s3_bucket"):
         load_config(config)
+
+
+def test_final_uploads_only_the_last_checkpoint_when_training_ends(s3_env, tmp_path):
+    upload = {"upload_s3": "final", "s3_bucket": BUCKET, "s3_prefix": "final", "max_keep": -1}
+    run_dir = local.run(_grpo(tmp_path, **upload))
+    run = run_dir.name
+    assert (run_dir / "checkpoints" / "step_2" / "manifest.json").is_file()  # (kept locally)
+    store = _store(s3_env.endpoint, "final")
+    assert store.committed(run) == [f"{run}/checkpoints/step_4", f"{run}/safetensors/step_4"]
+    got = store._client.get_object(Bucket=BUCKET, Key=f"final/{run}/metrics.jsonl")["Body"].read()
+    assert got == (run_dir / "metrics.jsonl").read_bytes()
