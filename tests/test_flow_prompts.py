@@ -339,6 +339,36 @@ def test_cosmos_predict_embeds_as_its_pipeline_does_and_trains_on_prompts(tmp_pa
     torch.testing.assert_close(again.text_encoder(CAPTIONS), start.text_encoder(CAPTIONS))
 
 
+def test_world_model_clips_read_from_webdataset_shards_as_from_their_folder(
+    tmp_path, pipeline, monkeypatch
+):
+    """WebDataset shards of cosmos-rl's diffusers layout (`dataset.name` a brace pattern of
+    `.tar` files; a caption as `<key>.json` or `<key>.txt`) give the clips their folder gives, in
+    the same order, unpacked once into nebula-rl's cache."""
+    import webdataset as wds
+
+    monkeypatch.setenv("NEBULA_RL_CACHE", str(tmp_path / "cache"))
+    folder = _caption_folder(tmp_path / "folder")
+    for shard in (0, 1):
+        with wds.TarWriter(str(tmp_path / f"clips-{shard}.tar")) as tar:
+            for i in (2 * shard, 2 * shard + 1):
+                members = {p.suffix[1:]: p.read_bytes() for p in folder.glob(f"s{i}.*")}
+                if i == 1:  # (a plain-text caption)
+                    members["txt"] = json.loads(members.pop("json"))["prompt"].encode()
+                tar.write({"__key__": f"s{i}", **members})
+    data = _prompt_run(tmp_path, str(pipeline), frames=1)
+    data["train"]["train_policy"] = {"type": "sft", "trainer_type": "diffusers_sft"}
+    data["train"]["train_policy"]["dataset"] = {"local_dir": str(folder)}
+    want = flow_clips(config_from_dict(data), tmp_path)
+    data["train"]["train_policy"]["dataset"] = {"name": str(tmp_path / "clips-{0..1}.tar")}
+    got = flow_clips(config_from_dict(data), tmp_path)
+    assert [(c.stem, c.caption) for c in got] == [(c.stem, c.caption) for c in want]
+    assert [c.caption for c in got] == CAPTIONS
+    for mine, theirs in zip(got, want, strict=True):
+        assert torch.equal(mine.video, theirs.video)
+    assert len(list((tmp_path / "cache" / "shards").iterdir())) == 2  # (the folder, its lock)
+
+
 def _caption_folder(root: Path, size: tuple[int, int] = (8, 12)) -> Path:
     """cosmos-rl's diffusers SFT layout: `<stem>.json` captions beside `<stem>.jpg` / `.png`
     images of `size` (height, width), each red in its middle third and blue at the sides."""

@@ -267,6 +267,11 @@ model_name_or_path = "tiny:qwen2"
 """
     config.write_text(body)
     assert main(["check", "--config", str(config)]) == 0  # (no storage is asked: no credentials)
+    config.write_text(body.replace("builtin:arithmetic", "s3://bucket/data/"))  # (shards)
+    assert main(["check", "--config", str(config)]) == 0
+    config.write_text(body.replace("builtin:arithmetic", str(tmp_path / "d-{0..1}.tar")))
+    assert main(["check", "--config", str(config)]) == 2
+    assert f"dataset.name: shard {tmp_path / 'd-0.tar'} does not exist" in capsys.readouterr().err
     config.write_text(body.replace('s3_bucket = "bucket"\n', ""))
     with pytest.raises(ConfigError, match=r"train\.ckpt.*upload_s3 needs s3_bucket"):
         load_config(config)
@@ -281,3 +286,95 @@ def test_final_uploads_only_the_last_checkpoint_when_training_ends(s3_env, tmp_p
     assert store.committed(run) == [f"{run}/checkpoints/step_4", f"{run}/safetensors/step_4"]
     got = store._client.get_object(Bucket=BUCKET, Key=f"final/{run}/metrics.jsonl")["Body"].read()
     assert got == (run_dir / "metrics.jsonl").read_bytes()
+
+
+def _shards(store: ObjectStore, rows: list[dict], per_shard: int, tmp_path: Path, **media) -> None:
+    """`rows` written as WebDataset shards of `per_shard` samples (`<key>.json`, and the sample
+    `media` names: {index: (extension, bytes)}), uploaded under `data/` of the bucket."""
+    import webdataset as wds
+
+    for shard in range(0, len(rows), per_shard):
+        path = tmp_path / f"train-{shard // per_shard:04d}.tar"
+        with wds.TarWriter(str(path)) as tar:
+            for i in range(shard, min(shard + per_shard, len(rows))):
+                sample = {"__key__": f"{i:05d}", "json": json.dumps(rows[i]).encode()}
+                if str(i) in media:
+                    ext, data = media[str(i)]
+                    sample[ext] = data
+                tar.write(sample)
+        store._client.upload_file(str(path), BUCKET, f"data/{path.name}")
+
+
+def test_webdataset_shards_on_the_server_are_read_as_rows_with_their_media(
+    s3_env, tmp_path, monkeypatch
+):
+    """`dataset.name = "s3://<bucket>/data/"`: every shard under the prefix, streamed once into
+    nebula-rl's cache, gives its rows in shard order; a sample's image fills the row's `image`
+    and is found by name; a wrong key is refused naming the dataset key and the bucket."""
+    from nebula_rl.config import DatasetConfig
+    from nebula_rl.data import load_rows
+    from nebula_rl.data.formats import MediaFinder
+    from nebula_rl.data.shards import unpack_datasets
+
+    monkeypatch.setenv("NEBULA_RL_CACHE", str(tmp_path / "cache"))
+    rows = [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(7)]
+    png = b"\x89PNG not really an image"
+    _shards(_store(s3_env.endpoint), rows, 3, tmp_path, **{"4": ("png", png)})
+    ds = DatasetConfig(name=f"s3://{BUCKET}/data/")
+    got = load_rows(ds)
+    assert got == [{**r, "image": "00004.png"} if i == 4 else r for i, r in enumerate(rows)]
+    assert Path(MediaFinder(ds, "dataset.name")(got[4]["image"])).read_bytes() == png
+
+    cfg = _grpo(tmp_path / "out")
+    cfg.train.train_policy.dataset.name = f"s3://{BUCKET}/other/"
+    monkeypatch.setenv("PROD_S3_CHECKPOINT_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(ValueError, match=rf"train_policy\.dataset\.name: s3://{BUCKET}/other/: "
+                       rf".*'{BUCKET}'.*access denied"):  # fmt: skip
+        unpack_datasets(cfg)
+    assert load_rows(ds) == got  # (from the cache: the server is not asked again)
+
+
+@pytest.mark.slow
+def test_an_sft_job_on_two_ranks_trains_on_shards_from_the_server_like_one_on_their_rows(
+    s3_env, tmp_path, monkeypatch
+):
+    """An SFT epoch over WebDataset shards on the S3 server, on two data-parallel ranks (FSDP2):
+    each rank takes half of every batch, no sample twice, so the losses, token counts and
+    weights are those of one process reading the same rows from a JSONL file."""
+    from nebula_rl.data import arithmetic_task
+    from sft_runs import assert_two_like_one, train
+
+    monkeypatch.setenv("NEBULA_RL_CACHE", str(tmp_path / "cache"))
+    rows = arithmetic_task(num_samples=16, seed=3)
+    _shards(_store(s3_env.endpoint), rows, 5, tmp_path)
+    local_rows = tmp_path / "rows.jsonl"
+    local_rows.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name, dataset, dp in (("one", str(local_rows), 1), ("two", f"s3://{BUCKET}/data/", 2)):
+        cfg = config_from_dict(
+            {
+                "train": {
+                    "output_dir": str(tmp_path / "runs"),
+                    "timestamp": name,
+                    "optm_lr": 1e-3,
+                    "optm_warmup_steps": 0,
+                    "train_batch_per_replica": 8 // dp,
+                    "max_num_steps": 2,  # (one epoch of 16 rows)
+                    "train_policy": {
+                        "type": "sft",
+                        "mini_batch": 4,
+                        "prompt_column_name": "prompt",
+                        "response_column_name": "answer",
+                        "dataset": {"name": dataset},
+                    },
+                },
+                "policy": {
+                    "model_name_or_path": "tiny:qwen2",
+                    "model_max_length": 48,
+                    "parallelism": {"dp_shard_size": dp},
+                },
+            }
+        )
+        path = tmp_path / f"{name}.json"
+        path.write_text(cfg.model_dump_json())
+        train(path)
+    assert_two_like_one(tmp_path / "runs", 2, atol=3e-5)

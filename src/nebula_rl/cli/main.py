@@ -193,6 +193,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
             return 2
         if fetched is not None:
             logging.getLogger("nebula_rl").info("resuming from the uploaded %s", fetched)
+        from nebula_rl.data.shards import unpack_datasets
+
+        try:  # (WebDataset shards: streamed once into the cache, where every process reads)
+            unpack_datasets(cfg)
+        except ValueError as err:
+            logging.getLogger("nebula_rl").error("%s", err)
+            return 2
     if not distributed and first:
         nproc = _sft_nproc(cfg)
         if nproc > 1:  # this process supervises the ranks that split the policy

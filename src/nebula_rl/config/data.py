@@ -28,13 +28,15 @@ VISION_OPTIONS = frozenset(
 
 
 class DatasetConfig(Section):
-    """Where a dataset comes from: a Hugging Face Hub dataset, a local file or folder, or a
-    built-in task."""
+    """Where a dataset comes from: a Hugging Face Hub dataset, a local file or folder,
+    WebDataset shards, or a built-in task."""
 
     name: str = ""
     """A Hub dataset id (`openai/gsm8k`, fetched with `datasets` into the usual cache), a local
-    JSONL/JSON/Parquet/CSV file, a folder of such files or a saved `datasets` folder, or
-    `builtin:<task>` for a procedurally generated task (e.g. `builtin:arithmetic`)."""
+    JSONL/JSON/Parquet/CSV file, a folder of such files or a saved `datasets` folder,
+    WebDataset tar shards (`s3://bucket/prefix/`, `s3://bucket/train-{0000..0031}.tar`, a local
+    `.tar`, pattern or folder of them; docs/storage.md), or `builtin:<task>` for a procedurally
+    generated task (e.g. `builtin:arithmetic`)."""
     subset: str = ""
     """Hub dataset configuration name (e.g. `main` for openai/gsm8k); "" for the default."""
     revision: str = ""

@@ -1,10 +1,11 @@
-"""Datasets: local files and folders, Hugging Face Hub datasets, built-in verifiable tasks, chat
-templating.
+"""Datasets: local files and folders, Hugging Face Hub datasets, WebDataset shards, built-in
+verifiable tasks, chat templating.
 
 Rows are plain dicts. JSON lines files are read line by line here; other local sources with
 Hugging Face `datasets` (JSON, Parquet, CSV, or a folder written by `Dataset.save_to_disk`); a Hub
 dataset id (`openai/gsm8k`) with `datasets.load_dataset`, which caches it in the Hugging Face
-cache; `builtin:<task>` names a procedurally generated task from :data:`BUILTIN_TASKS`. Rows a mode cannot
+cache; WebDataset shards (local or `s3://`) from the folder :mod:`nebula_rl.data.shards` unpacks
+them into; `builtin:<task>` names a procedurally generated task from :data:`BUILTIN_TASKS`. Rows a mode cannot
 use (a line that is not a JSON object, a missing column, an empty prompt, a prompt that is neither
 text nor chat messages) are counted and reported by :func:`validate_rows` (the log, and
 `RowReport`), never silently dropped and never fatal.
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from nebula_rl.config import Config, DatasetConfig
 from nebula_rl.data.formats import UNUSABLE, conversation_rows, prompt_rows
+from nebula_rl.data.shards import ROWS, is_shards, unpacked
 from nebula_rl.protocol import Prompt
 from nebula_rl.utils.hub import is_hub_id
 
@@ -180,7 +182,8 @@ def _local_files(path: Path, splits: Sequence[str], *, key: str) -> tuple[str, l
 def load_rows(ds: DatasetConfig, *, seed: int = 0) -> list[dict[str, Any]]:
     """All rows of the configured splits, in file (or split) order.
 
-    `dataset.name` is a built-in task, a local file or folder, or a Hugging Face Hub dataset id;
+    `dataset.name` is a built-in task, a local file or folder, a Hugging Face Hub dataset id, or
+    WebDataset shards (local or `s3://`, :mod:`nebula_rl.data.shards`);
     a non-empty `dataset.local_dir` is the local folder holding the dataset, read instead of
     `name` (see :func:`load_hub_rows`).
     """
@@ -196,6 +199,13 @@ def load_rows(ds: DatasetConfig, *, seed: int = 0) -> list[dict[str, Any]]:
     splits = [ds.split] if isinstance(ds.split, str) else list(ds.split)
     # `local_dir` is being added to DatasetConfig alongside this code; until then it is absent.
     local_dir: str = getattr(ds, "local_dir", "")
+    if not local_dir and is_shards(ds.name):
+        if splits != ["train"]:
+            raise ValueError(
+                f"dataset.split = {splits}: WebDataset shards ({ds.name}) have no splits; name "
+                "each split's shards as its own dataset"
+            )
+        return _json_lines(unpacked(ds.name, key="dataset.name") / ROWS)
     if local_dir or is_hub_id(ds.name):
         return load_hub_rows(
             ds.name, subset=ds.subset, revision=ds.revision, splits=splits, local_dir=local_dir

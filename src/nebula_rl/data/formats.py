@@ -21,7 +21,8 @@ Three forms are recognised, by their shape, whatever the column names:
 Media names are found under a media folder: `dataset.media_dir` when set; for a Hub dataset (or
 one read from `local_dir`) the folder cosmos-rl extracts its clips to,
 `$COSMOS_CACHE/datasets/<name>/<subset>/video_clips` (filled from the dataset's
-`<subset>/clips/*.tar.gz` archives on first use, see :func:`prepare_clips`); for a local file, its
+`<subset>/clips/*.tar.gz` archives on first use, see :func:`prepare_clips`); for WebDataset
+shards, the folder they unpack into (:mod:`nebula_rl.data.shards`); for a local file, its
 folder. A name is tried as a path below the folder, then by its file name anywhere in it (as
 cosmos-reason's scripts look clips up). URLs and `data:` URIs pass as they are. A row whose media
 cannot be found is unusable and counted (never fatal, never silently dropped).
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from nebula_rl.config import DatasetConfig
+from nebula_rl.data.shards import is_shards, unpacked
 from nebula_rl.utils.hub import is_hub_id
 
 __all__ = [
@@ -157,6 +159,8 @@ class MediaFinder:
             ds = self.ds
             if ds.media_dir:
                 self._root = Path(ds.media_dir)
+            elif not ds.local_dir and is_shards(ds.name):
+                self._root = unpacked(ds.name, key=self.key)
             elif ds.local_dir or is_hub_id(ds.name):
                 self._root = prepare_clips(ds, self.key)
             else:

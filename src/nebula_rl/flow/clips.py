@@ -13,8 +13,9 @@ same rows in the same order.
   `.png`, `.mp4` or `.npy`).
 - :func:`prompt_entries`: a prompt set or file (:mod:`nebula_rl.flow.prompts`) as entries.
 - :func:`dataset_entries`: the entries of a config's dataset (or validation dataset): one of
-  the two layouts, the toy dataset (written into the run folder first), or a prompt set or file
-  (:mod:`nebula_rl.flow.prompts`); :func:`world_rows`: the controller's rows of them, listed
+  the two layouts (from a folder, or from WebDataset shards unpacked into one,
+  :mod:`nebula_rl.data.shards`), the toy dataset (written into the run folder first), or a
+  prompt set or file (:mod:`nebula_rl.flow.prompts`); :func:`world_rows`: the controller's rows of them, listed
   without reading a clip.
 """
 
@@ -30,6 +31,7 @@ from typing import Literal
 import numpy as np
 
 from nebula_rl.config import Config
+from nebula_rl.data.shards import is_shards, unpacked
 from nebula_rl.flow.prompts import PROMPT_SETS, is_prompt_dataset, read_prompts
 from nebula_rl.rewards.shapes import COLOURS, SHAPES, shape_mask
 
@@ -242,6 +244,11 @@ def dataset_entries(
             f"{key.replace('.name', '.split')} = {ds.split}: a clip folder ({ds.name}) has no "
             "splits; splits name the parts of a prompt set"
         )
+    if is_shards(ds.name):  # (WebDataset shards, unpacked into a folder of either layout)
+        root = unpacked(ds.name, key=key)
+        if not (root / "metas").is_dir():
+            return Entries("captions", _first(caption_layout(root, key=key), cfg, validation), key)
+        return Entries("local", _first(local_layout(root, key=key), cfg, validation), key)
     if ds.name == TOY_DATASET:
         seed = (cfg.train.seed or 0) + (1 if validation else 0)
         frames = d.inference_frames if d.is_video else 1

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nebula_rl.config import Config, DatasetConfig, GrpoConfig
+from nebula_rl.data.shards import is_shards, shard_urls
 from nebula_rl.modality import for_config
 from nebula_rl.utils.hub import is_hub_id
 
@@ -50,6 +51,17 @@ def _check_dataset(
     if ds.local_dir:
         if not Path(ds.local_dir).exists():
             errors.append(f"{key}.local_dir: {ds.local_dir} does not exist")
+        return
+    if ds.name.startswith("s3://"):
+        return  # (WebDataset shards in object storage: asked for when the job starts)
+    if is_shards(ds.name):
+        try:
+            missing = [u for u in shard_urls(ds.name, key=f"{key}.name") if not Path(u).is_file()]
+        except ValueError as err:
+            errors.append(str(err))
+            return
+        if missing:
+            errors.append(f"{key}.name: shard {missing[0]} does not exist")
         return
     _check_name(ds.name, f"{key}.name", errors, allow_builtin=True)
 

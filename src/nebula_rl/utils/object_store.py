@@ -130,6 +130,28 @@ class ObjectStore:
             "else the AWS_* variables)"
         )
 
+    def list_objects(self, under: str) -> list[str]:
+        """The keys of the bucket's objects below `under` (a key prefix; the store's prefix is
+        not applied), sorted."""
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=under
+        )
+        return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
+
+    def open_object(self, key: str) -> Any:
+        """The object `key` of the bucket (the store's prefix is not applied) as a stream of
+        bytes (`read`, `close`), read as it arrives."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return self._client.get_object(Bucket=self.bucket, Key=key)["Body"]
+        except ClientError as err:
+            code = err.response.get("Error", {}).get("Code", "")
+            why = {"403": "access denied: check the credentials", "NoSuchKey": "no such object"}
+            raise StorageError(self._message(f"{key}: {why.get(code, str(err))}")) from err
+        except BotoCoreError as err:
+            raise StorageError(self._message(f"unreachable: {err}")) from err
+
     def upload_folder(self, local: Path, name: str) -> None:
         """Upload every file under `local` to `<name>/...`, then commit it."""
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
