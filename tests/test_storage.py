@@ -202,7 +202,9 @@ def test_a_run_uploads_its_checkpoints_and_a_fresh_folder_resumes_from_them(s3_e
     run_dir = local.run(_grpo(tmp_path / "first", **upload))
     full = _records(run_dir)
     assert [r["step"] for r in full] == [1, 2, 3, 4]
-    assert len({r["loss"] for r in full}) == 4  # (the steps differ: a replay is a real check)
+    # (steps 3 and 4 move the weights, decay at least: matching them is a real check)
+    step_2 = _files(run_dir / "safetensors" / "step_2")
+    assert step_2 != _files(run_dir / "safetensors" / "final")
     store = _store(s3_env.endpoint, "jobs")
     run = run_dir.name
     assert store.committed(run) == [
@@ -378,3 +380,39 @@ def test_an_sft_job_on_two_ranks_trains_on_shards_from_the_server_like_one_on_th
         path.write_text(cfg.model_dump_json())
         train(path)
     assert_two_like_one(tmp_path / "runs", 2, atol=3e-5)
+
+
+def test_logs_are_copied_on_a_clock_while_training_runs(weed, tmp_path):
+    """`train.ckpt.s3_log_interval_s`: the uploader copies the run folder's changed files every
+    interval by itself (no checkpoint needed), the files that changed again at the next one."""
+    store = _store(weed.endpoint, "clock")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_1").mkdir(parents=True)
+    (run / "checkpoints" / "step_1" / "x").write_text("not copied with the logs")
+    metrics = run / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n')
+    uploader = Uploader(store)
+    uploader.sync_every(0.2, run, "run", skip=("checkpoints",))
+
+    def copied() -> bytes | None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                return store._client.get_object(Bucket=BUCKET, Key="clock/run/metrics.jsonl")[
+                    "Body"
+                ].read()
+            except Exception:
+                time.sleep(0.1)
+        return None
+
+    try:
+        assert copied() == b'{"step": 1}\n'
+        metrics.write_text('{"step": 1}\n{"step": 2}\n')
+        deadline = time.monotonic() + 30
+        while copied() != metrics.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert copied() == metrics.read_bytes()
+        assert uploader.uploaded == []  # (nothing committed: plain copies)
+    finally:
+        uploader.close()
+    assert store.list_objects("clock/") == ["clock/run/metrics.jsonl"]

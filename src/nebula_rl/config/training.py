@@ -43,6 +43,11 @@ class CheckpointConfig(Section):
     """S3 bucket of the uploads."""
     s3_prefix: str = "outputs"
     """S3 prefix of the uploads (a run's under `<prefix>/<run folder name>/`)."""
+    s3_log_interval_s: float = Field(default=300.0, ge=0.0)
+    """With `upload_s3`: seconds between copies of the run folder's logs and metrics
+    (metrics.jsonl, logs/, TensorBoard events, samples; the files that changed) to the store
+    while training runs, besides the copies made with each upload and at the end (0: only
+    those)."""
 
     @field_validator("max_keep")
     @classmethod

@@ -128,6 +128,10 @@ def _set_rng_states(states: dict[str, Any], engine: SamplingRng | None) -> None:
         engine.set_rng_state(states["engine"])
 
 
+_OWN = ("checkpoints", "safetensors")
+"""The run folder's folders uploaded as committed folders, not copied with the logs."""
+
+
 class Checkpointer:
     """Saves a run's training state under `<run_dir>/checkpoints/` and restores it.
 
@@ -186,6 +190,8 @@ class Checkpointer:
             store.check()  # (a wrong key fails now, naming the bucket)
         self._uploader = None if store is None else Uploader(store)
         self._upload_each = cfg.upload_s3 in (True, "all")
+        if self._uploader is not None and cfg.s3_log_interval_s > 0:
+            self._uploader.sync_every(cfg.s3_log_interval_s, run_dir, run_dir.name, skip=_OWN)
 
     def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's and the optimiser's state dicts as DCP saves and loads them."""
@@ -307,7 +313,7 @@ class Checkpointer:
         """Queue a copy of the rest of the run folder (config, metrics.jsonl, logs, TensorBoard
         events, samples) as it is now, as plain objects beside the uploads."""
         assert self._uploader is not None
-        self._uploader.sync(self.run_dir, self.run_dir.name, skip=("checkpoints", "safetensors"))
+        self._uploader.sync(self.run_dir, self.run_dir.name, skip=_OWN)
 
     def wait(self) -> None:
         """Block until the pending async save is written, its manifest included."""

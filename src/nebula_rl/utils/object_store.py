@@ -9,7 +9,8 @@ Credentials come from the environment, never from a config file: the seeds' and 
 `..._REGION_NAME`, else boto3's own chain (`AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT_URL`, a profile...).
 
 :class:`Uploader` uploads in a background thread (training does not wait) and retries a failed
-upload until it succeeds, so a storage server that goes away and comes back loses nothing.
+upload until it succeeds, so a storage server that goes away and comes back loses nothing, and
+copies a folder's changed files on a clock of its own (logs and metrics that grow).
 """
 
 from __future__ import annotations
@@ -247,7 +248,11 @@ class Uploader:
         self.store, self.retry_s, self.max_retry_s = store, retry_s, max_retry_s
         self.uploaded: list[str] = []
         """Names committed so far, in order."""
+        self.synced = 0
+        """Files copied by `sync` so far."""
         self._seen: dict[str, tuple[int, int]] = {}  # (the synced files' size and mtime)
+        self._every: tuple[float, tuple[Path, str, tuple[str, ...]]] | None = None
+        self._due = 0.0
         self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="s3-uploader", daemon=True)
         self._thread.start()
@@ -264,8 +269,30 @@ class Uploader:
         """Queue a copy of `local`'s changed files (`ObjectStore.sync_files`) to `<name>/`."""
         self._jobs.put(("sync", (local, name, skip)))
 
+    def sync_every(
+        self, interval_s: float, local: Path, name: str, *, skip: tuple[str, ...] = ()
+    ) -> None:
+        """`sync` `local` now, and again every `interval_s` seconds (when no other job is
+        queued) until `close`."""
+        self._every = (interval_s, (local, name, skip))
+        self._due = time.monotonic() + interval_s
+        self.sync(local, name, skip=skip)  # (which also wakes the thread to the clock)
+
+    def _next(self) -> tuple[str, Any] | None:
+        """The next queued job, or a periodic sync when it falls due first."""
+        while True:
+            if self._every is None:
+                return self._jobs.get()
+            try:
+                return self._jobs.get(timeout=max(0.0, self._due - time.monotonic()))
+            except queue.Empty:
+                every = self._every  # (close may clear it meanwhile)
+                if every is not None:
+                    self._due = time.monotonic() + every[0]
+                    self._jobs.put(("sync", every[1]))
+
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while (job := self._next()) is not None:
             kind, arg = job
             wait = self.retry_s
             while True:
@@ -279,7 +306,9 @@ class Uploader:
                         log.info("uploaded %s to %s", arg[0], self.store)
                     elif kind == "sync":
                         local, name, skip = arg
-                        self.store.sync_files(local, name, skip=skip, seen=self._seen)
+                        self.synced += self.store.sync_files(
+                            local, name, skip=skip, seen=self._seen
+                        )
                     else:
                         self.store.delete_folder(arg)
                     break
@@ -293,5 +322,6 @@ class Uploader:
 
     def close(self) -> None:
         """Wait until everything queued is uploaded (or removed), then stop the thread."""
+        self._every = None
         self._jobs.put(None)
         self._thread.join()
