@@ -398,7 +398,8 @@ def _train_cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     ("trainer", "cp", "model"),
     [
         ("flow_grpo", 1, "tiny:dit"),
-        ("diffusion_nft", 1, "tiny:dit"),
+        # (DiffusionNFT in the slow suite: test_flow_prompts runs it colocated on two ranks fast)
+        pytest.param("diffusion_nft", 1, "tiny:dit", marks=pytest.mark.slow),
         ("diffusers_sft", 1, "tiny:dit"),
         # (context parallel in the slow suite: a CP policy replica steps like one process fast)
         pytest.param("flow_grpo", 2, "tiny:dit", marks=pytest.mark.slow),

@@ -308,6 +308,9 @@ def test_a_world_model_job_with_conditioning_frames_runs_with_rollout_replicas(t
         assert 0.0 <= s["reward_mean"] <= 1.0 and s["rewards_lost"] == 0.0
 
 
+# (slow: test_runtime resumes a language job through the same controller fast, and
+# test_flow_training resumes world-model runs bit-exact fast)
+@pytest.mark.slow
 def test_a_world_model_job_resumes_from_its_checkpoint(tmp_path):
     """A DiffusionNFT job with weight averages stopped after step 3 (checkpoints at steps 2 and
     3: the model, its old weights, the averages, the optimiser) and run again from step 2

@@ -549,22 +549,13 @@ _FOUR_RANKS = [
 ]
 
 
-# (two ranks in the slow suite too: the next test takes both splits fast, with videos as well)
-_TWO_RANKS = [
-    pytest.param(layout, id=next(iter(layout)), marks=pytest.mark.slow)
-    for layout in ({"dp_shard_size": 2}, {"tp_size": 2})
-]
-
-
-@pytest.mark.parametrize("layout", [*_TWO_RANKS, *_FOUR_RANKS])
+# (two ranks: the next test, with images, videos and text)
+@pytest.mark.parametrize("layout", _FOUR_RANKS)
 def test_multi_rank_sft_of_a_vision_language_model_steps_like_one_process(tmp_path, layout):
-    """`nebula-rl train` with `dp_shard_size = 2`: FSDP2 shards the vision blocks and the
-    decoder layers; each rank trains half of every batch (with its own images). With
-    `tp_size = 2`: the language model is split by heads and columns (sequence parallel between
-    its layers, DeepStack features added where the sequence is whole), the vision tower is
-    FSDP2-sharded over the two ranks, which run the same rows. With both (4 ranks), FSDP2 or DDP
-    splits the rows, and the tower is sharded over the TP and FSDP ranks. Each way the losses, gradient
-    norms and exported weights are one process's."""
+    """`nebula-rl train` with `tp_size = 2` and two FSDP2 or DDP ranks (4 ranks): FSDP2 or DDP
+    splits the rows, the language model is split by heads and columns, and the tower is sharded
+    over the TP and FSDP ranks. Each way the losses, gradient norms and exported weights are one
+    process's."""
     from sft_runs import assert_two_like_one, train
 
     for name, parallelism in (("one", {}), ("two", layout)):
@@ -573,13 +564,21 @@ def test_multi_rank_sft_of_a_vision_language_model_steps_like_one_process(tmp_pa
     assert any(k.startswith("model.visual.") for k in weights)
 
 
-@pytest.mark.parametrize("split", ["dp_shard_size", "tp_size"])
+@pytest.mark.parametrize(
+    "split",
+    # (TP in the slow suite: test_vision_rl steps a vision-language model under TP fast)
+    ["dp_shard_size", pytest.param("tp_size", marks=pytest.mark.slow)],
+)
 def test_two_rank_sft_with_images_videos_and_text_steps_like_one_process(tmp_path, split):
-    """Rows with an image, with a video (two frames) or text only. FSDP: in a seeded order that
-    gives the two ranks passes with different kinds of media, every rank still runs the vision
-    tower on images and then on videos (blank ones where its rows have none), so FSDP's
-    collectives pair up. TP: passes without images or videos leave the tower (sharded over the
-    TP ranks) alone on both ranks. Either way the job steps like one process."""
+    """`nebula-rl train` with two ranks, on rows with an image, with a video (two frames) or text
+    only. FSDP2 (`dp_shard_size = 2`) shards the vision blocks and the decoder layers and each
+    rank trains half of every batch: in a seeded order that gives the two ranks passes with
+    different kinds of media, every rank still runs the vision tower on images and then on
+    videos (blank ones where its rows have none), so FSDP's collectives pair up. TP
+    (`tp_size = 2`) splits the language model by heads and columns (sequence parallel between its
+    layers, DeepStack features added where the sequence is whole), the tower FSDP2-sharded over
+    the two ranks, which run the same rows; passes without images or videos leave the tower
+    alone on both ranks. Either way the job steps like one process."""
     import json
 
     from nebula_rl.data import squares_task
