@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup setup-vllm lock demo vlm-demo wfm-demo vllm-demo test test-all test-vllm lint format typecheck bench bench-vllm clean
+.PHONY: setup setup-vllm lock demo vlm-demo cosmos3-demo wfm-demo vllm-demo test test-all test-vllm lint format typecheck bench bench-vllm clean
 
 # The versions the tests and CI install: every package of `.[dev]` pinned (torch apart: it is
 # TORCH_VERSION, or the build a GPU user installed). pyproject.toml keeps loose bounds for users;
@@ -70,6 +70,10 @@ demo: setup
 # GRPO of a tiny vision-language model on images (see configs/vlm_demo.toml; ~5 min on 2 cores).
 vlm-demo: setup
 	$(BIN)/nebula-rl train --config configs/vlm_demo.toml
+
+# Cosmos 3's reasoner (the tiny preset) on the counting task: SFT warm start, then GRPO.
+cosmos3-demo: setup
+	$(BIN)/nebula-rl train --config configs/cosmos3/reason_rl_cpu.toml
 
 wfm-demo: setup
 	$(BIN)/python -m nebula_rl.flow.demo --output-dir outputs/wfm-demo

@@ -22,7 +22,7 @@ from nebula_rl.models import (
     load_model,
 )
 
-PRESETS = ["tiny:qwen3_vl", "tiny:qwen2_5_vl"]
+PRESETS = ["tiny:qwen3_vl", "tiny:qwen2_5_vl", "tiny:cosmos3_omni"]  # (Cosmos 3's reasoner)
 
 
 def _image(seed: int, size: tuple[int, int] = (64, 64)) -> Image.Image:
@@ -53,8 +53,8 @@ def _batch(processor: VisionProcessor, samples, tok):
         image_token_id=config.image_token_id,
         video_token_id=config.video_token_id,
     )
-    if config.model_type == "qwen3_vl":
-        batch.pop("second_per_grid_ts", None)  # (time comes from the text timestamps)
+    if config.model_type != "qwen2_5_vl":
+        batch.pop("second_per_grid_ts", None)  # (Qwen3-VL: time comes from text timestamps)
     return batch
 
 
@@ -104,7 +104,10 @@ def _image_only_processor(family: str):
     from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
-    base = {"qwen3_vl": Qwen3VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}[family]
+    # (Cosmos 3's reasoner ships Qwen3-VL's processor: transformers maps its image processor
+    # to Qwen2-VL's and its video processor to Qwen3-VL's)
+    base = {"qwen3_vl": Qwen3VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor,
+            "cosmos3_omni": Qwen3VLProcessor}[family]  # fmt: skip
 
     class ImageOnly(base):  # type: ignore[misc, valid-type]
         @classmethod
@@ -351,7 +354,7 @@ def test_sft_labels_cover_the_assistant_and_never_media(tok):
         processor.sft_example(conversation, max_length=20)
 
 
-def _squares_sft(tmp_path, **train_policy):
+def _squares_sft(tmp_path, model: str = "tiny:qwen3_vl", **train_policy):
     from nebula_rl.config import config_from_dict
 
     return config_from_dict(
@@ -377,7 +380,7 @@ def _squares_sft(tmp_path, **train_policy):
                 },
             },
             "policy": {
-                "model_name_or_path": "tiny:qwen3_vl",
+                "model_name_or_path": model,
                 "model_max_length": 128,
                 "freeze_pattern": [r"^model\.visual\."],
             },
@@ -386,22 +389,34 @@ def _squares_sft(tmp_path, **train_policy):
     )
 
 
-def test_sft_of_a_vision_language_model_trains_and_exports(tmp_path):
-    """`nebula-rl train`'s SFT loop on image conversations (the built-in squares task): the
-    validation loss falls, the frozen vision tower keeps its weights while the language model's
-    change, and the export loads with transformers' auto class and its processor."""
+@pytest.mark.parametrize(
+    ("model", "cls"),
+    [
+        ("tiny:qwen3_vl", "Qwen3VLForConditionalGeneration"),
+        ("tiny:cosmos3_omni", "Cosmos3OmniForConditionalGeneration"),
+    ],
+    ids=["qwen3_vl", "cosmos3_omni"],
+)
+def test_sft_of_a_vision_language_model_trains_and_exports(tmp_path, model, cls):
+    """`nebula-rl train`'s SFT loop on image conversations (the built-in squares task), of
+    Qwen3-VL and of Cosmos 3's reasoner: the validation loss falls, the frozen vision tower keeps
+    its weights while the language model's change, and the export loads with its class's
+    `from_pretrained` (and the auto class) and its processor."""
     import json
+
+    import transformers
 
     from nebula_rl import local
     from nebula_rl.data import squares_task
 
-    run_dir = local.run(_squares_sft(tmp_path))
+    run_dir = local.run(_squares_sft(tmp_path, model))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in records if "val_loss" in r]
     assert len(val) == 3 and val[-1] < 0.5 * val[0], val
     export = run_dir / "safetensors" / "final"
-    trained = AutoModelForImageTextToText.from_pretrained(export)
-    initial = load_model("tiny:qwen3_vl", seed=3)
+    trained = getattr(transformers, cls).from_pretrained(export)
+    assert type(AutoModelForImageTextToText.from_pretrained(export)) is type(trained)
+    initial = load_model(model, seed=3)
     before = dict(initial.named_parameters())
     changed = {n: not torch.equal(p, before[n]) for n, p in trained.named_parameters()}
     assert not any(v for n, v in changed.items() if n.startswith("model.visual."))

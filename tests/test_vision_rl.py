@@ -26,7 +26,7 @@ from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.rollout.worker import prompt_inputs
 from nebula_rl.weights import free_port
 
-PRESETS = ["tiny:qwen3_vl", "tiny:qwen2_5_vl"]
+PRESETS = ["tiny:qwen3_vl", "tiny:qwen2_5_vl", "tiny:cosmos3_omni"]  # (Cosmos 3's reasoner)
 
 
 def _frames(num: int) -> list[Image.Image]:

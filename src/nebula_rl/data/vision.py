@@ -61,7 +61,9 @@ __all__ = [
 ]
 
 
-_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "cosmos3_omni")
+"""The families built here; Cosmos 3's reasoner (`cosmos3_omni`) is Qwen3-VL's architecture and
+preprocessing under its own name."""
 # Preprocessing of the presets (a real model's folder has its own preprocessor_config.json):
 # pixel bounds in language tokens of patch x merge pixels squared, and each family's
 # normalisation (Qwen2.5-VL keeps CLIP's mean and std, Qwen3-VL uses 0.5).
@@ -227,7 +229,7 @@ class _Layout:
 
 
 class VisionProcessor:
-    """Conversations -> model inputs for a Qwen2.5-VL or Qwen3-VL model.
+    """Conversations -> model inputs for a Qwen2.5-VL, Qwen3-VL or Cosmos 3 reasoner model.
 
     Args:
         tokenizer: the model's tokenizer, with its chat template and the vision tokens.
@@ -306,7 +308,7 @@ class VisionProcessor:
         pixel bounds of 4 to 256 language tokens."""
         vision = config.vision_config
         factor = int(vision.patch_size) * int(vision.spatial_merge_size)
-        qwen3 = str(config.model_type) == "qwen3_vl"
+        qwen3 = str(config.model_type) != "qwen2_5_vl"  # (Qwen3-VL's, Cosmos 3's)
         return Qwen2VLImageProcessorPil(
             patch_size=int(vision.patch_size),
             merge_size=int(vision.spatial_merge_size),

@@ -3,7 +3,7 @@ or the Hub, or a tiny preset.
 
 A name is a local folder, a Hub repo id fetched into the Hugging Face cache (see
 :mod:`nebula_rl.models.hub`), or a preset. A preset (`tiny:qwen2`, `tiny:llama`, and the
-vision-language `tiny:qwen3_vl`, `tiny:qwen2_5_vl`) is a
+vision-language `tiny:qwen3_vl`, `tiny:qwen2_5_vl`, and Cosmos 3's reasoner `tiny:cosmos3_omni`) is a
 few-million-parameter model of that architecture with random initialisation and a byte-level
 tokenizer without merges built locally with the `tokenizers` library. `tiny:qwen2_gsm8k` is a
 larger one (~14M parameters, the GSM8K-shaped benchmark's) with a byte-level BPE tokenizer of 4096
@@ -203,6 +203,9 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True,
     ),
 }
+# Cosmos 3's reasoner (Cosmos3-Nano, -Super: `Cosmos3OmniForConditionalGeneration`) is Qwen3-VL's
+# architecture under its own model type: its preset is the Qwen3-VL one's.
+TINY_PRESETS["cosmos3_omni"] = {**TINY_PRESETS["qwen3_vl"], "model_type": "cosmos3_omni"}
 
 
 def _byte_symbols() -> dict[int, str]:
@@ -298,6 +301,7 @@ def _tiny_config(
         raise ValueError(f"unknown tiny preset {preset!r}; choose from {sorted(TINY_PRESETS)}")
     settings = dict(TINY_PRESETS[preset])
     model_type = settings.pop("model_type")
+
     ids = dict(
         vocab_size=(vocab_size + 63) // 64 * 64,
         pad_token_id=pad_token_id,
