@@ -416,3 +416,51 @@ def test_logs_are_copied_on_a_clock_while_training_runs(weed, tmp_path):
     finally:
         uploader.close()
     assert store.list_objects("clock/") == ["clock/run/metrics.jsonl"]
+
+
+@pytest.mark.slow
+def test_a_run_whose_server_goes_down_mid_run_uploads_everything_once_it_is_back(
+    s3_env, tmp_path, caplog
+):
+    """The S3 server killed as soon as the first checkpoint is on disk, and started again a few
+    seconds later, while training goes on (it does not wait for uploads): the run takes all its
+    steps, and when it ends every checkpoint and export it saved is committed on the server,
+    each the same files as on disk."""
+    import threading
+
+    upload = {"upload_s3": "all", "s3_bucket": BUCKET, "s3_prefix": "outage", "max_keep": -1}
+    cfg = _grpo(tmp_path / "out", **upload)
+    cfg.train.max_num_steps = 6
+    outage: list[float] = []
+
+    def cut() -> None:
+        deadline = time.monotonic() + 300
+        while not list((tmp_path / "out").glob("*/checkpoints/step_2/manifest.json")):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+        s3_env.stop()
+        outage.append(time.monotonic())
+        time.sleep(3)
+        s3_env.start()
+        outage.append(time.monotonic())
+
+    cutter = threading.Thread(target=cut)
+    cutter.start()
+    try:
+        run_dir = local.run(cfg)
+    finally:
+        cutter.join()
+    assert len(outage) == 2  # (the server was down mid-run, and came back)
+    retried = [
+        r for r in caplog.records if "failed" in r.getMessage() and "retrying" in r.getMessage()
+    ]
+    assert retried  # (an upload met the outage)
+    assert [r["step"] for r in _records(run_dir)] == [1, 2, 3, 4, 5, 6]
+    store = _store(s3_env.endpoint, "outage")
+    run = run_dir.name
+    folders = [f"{kind}/step_{s}" for kind in ("checkpoints", "safetensors") for s in (2, 4, 6)]
+    assert store.committed(run) == [f"{run}/{f}" for f in folders]
+    for folder in folders:
+        got = store.download_folder(f"{run}/{folder}", tmp_path / "back" / folder)
+        assert _files(got) == _files(run_dir / folder), folder
