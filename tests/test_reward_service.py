@@ -606,7 +606,15 @@ def test_shipped_config_loads() -> None:
         ("redis_port = 6380", "redis_port: 6380: results are kept in the service's memory"),
         (
             '[[reward_args]]\nreward_type = "brightness"\nmodel_path = "m/x"',
-            "reward_args[0].model_path: 'm/x': model-based rewards are not supported yet",
+            "reward_args[0].model_path: 'm/x': only a model-based reward (reasoner_judge) loads",
+        ),
+        (
+            '[[reward_args]]\nreward_type = "reasoner_judge"',
+            "reward_args[0]: reasoner_judge needs model_path",
+        ),
+        (
+            '[[reward_args]]\nreward_type = "reasoner_judge"\nmodel_path = "m/x"\ndtype = "int8"',
+            "reward_args[0].dtype: 'int8': one of bfloat16, float16, float32",
         ),
         (
             '[[reward_args]]\nreward_type = "brightness"\nvenv_python = "/v/bin/python"',
@@ -725,3 +733,40 @@ def test_cli_serves_until_sigterm_then_stops_its_workers(tmp_path: Path) -> None
     assert process.returncode == 0, output
     assert "reward service stopped" in output
     assert pids and not any(_alive(p) for p in pids)
+
+
+def test_a_reasoner_judges_clips_and_images_through_the_service() -> None:
+    """`reasoner_judge` with `model_path` (here Cosmos 3's tiny reasoner preset): the worker
+    loads the model once and scores each sample by the probability of "yes" against "no" to
+    whether it shows its prompt; the service's scores for a clip batch and an image batch equal
+    the judge's own in this process, and a sample's score does not depend on its batch."""
+    from nebula_rl.rewards.judge import ReasonerJudge
+
+    config = service_config_from_dict(
+        {
+            "port": 0,
+            "reward_args": [{"reward_type": "reasoner_judge", "model_path": "tiny:cosmos3_omni"}],
+        },
+        source="test",
+    )
+    judge = ReasonerJudge("tiny:cosmos3_omni")
+    g = torch.Generator().manual_seed(3)
+    clips = torch.rand(3, 3, 2, 32, 32, generator=g) * 2 - 1  # (samples in [-1, 1])
+    prompts = ["a red square", "a blue circle", "a green bar"]
+    want = judge(pixels_from_samples(clips), prompts)
+    assert all(0.0 < w < 1.0 for w in want) and len(set(want)) == 3
+    assert judge(pixels_from_samples(clips[1:2]), prompts[1:2]) == want[1:2]
+    images = clips[:, :, :1]
+    running = start_service(config, token=TOKEN)
+    try:
+        with httpx.Client(base_url=running.url, headers=AUTH, timeout=10) as client:
+            for x, expected in ((clips, want), (images, None)):
+                uuid = _enqueue(client, x.numpy(), prompts, {"reasoner_judge": 1.0})
+                response = _pull(client, uuid, "reasoner_judge", timeout=120.0)
+                assert response.status_code == 200, response.text
+                scores = response.json()["scores"]["reasoner_judge"]
+                if expected is None:
+                    expected = judge(pixels_from_samples(x), prompts)
+                assert scores == pytest.approx(expected, abs=1e-6)
+    finally:
+        _stop_and_check(running)

@@ -11,11 +11,12 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from nebula_rl.config import ConfigError
 from nebula_rl.config.base import Section
 from nebula_rl.rewards.base import REWARDS, RewardFn, get_reward
+from nebula_rl.rewards.judge import MODEL_REWARDS
 from nebula_rl.rewards.visual import VISUAL_REWARDS, VisualReward
 
 log = logging.getLogger(__name__)
@@ -32,13 +33,16 @@ def resolve_reward(spec: str, *, text: bool = False) -> VisualReward | RewardFn:
     (`nebula_rl.rewards.REWARDS`), or a `module.path:function` (of a text reward with `text`)."""
     if spec in VISUAL_REWARDS:
         return VISUAL_REWARDS[spec]
+    if spec in MODEL_REWARDS:
+        raise ValueError(f"{spec} loads a model: build it with build_reward (its model_path)")
     if spec in REWARDS or (text and ":" in spec):
         return get_reward(spec)
     if ":" not in spec:
         raise ValueError(
             f"unknown reward {spec!r}: one of {', '.join(sorted(VISUAL_REWARDS))} (images and "
-            f"videos), {', '.join(sorted(REWARDS))} (text), or a 'module.path:function' import "
-            "path"
+            f"videos), {', '.join(sorted(MODEL_REWARDS))} (images and videos, with a "
+            f"model_path), {', '.join(sorted(REWARDS))} (text), or a 'module.path:function' "
+            "import path"
         )
     module_name, _, attr = spec.partition(":")
     try:
@@ -50,6 +54,15 @@ def resolve_reward(spec: str, *, text: bool = False) -> VisualReward | RewardFn:
     return fn  # type: ignore[no-any-return]
 
 
+def build_reward(args: RewardArgs) -> VisualReward | RewardFn:
+    """The callable that scores for `args` (a model-based reward's, with its model loaded)."""
+    if args.reward_type in MODEL_REWARDS:
+        return MODEL_REWARDS[args.reward_type](
+            args.model_path, dtype=args.dtype, device=args.device
+        )
+    return resolve_reward(args.reward_type, text=args.text)
+
+
 def is_text_reward(spec: str, *, text: bool = False) -> bool:
     """Whether the reward `spec` scores text (a registered text reward, or an import path
     declared `text`) rather than pixels."""
@@ -58,7 +71,7 @@ def is_text_reward(spec: str, *, text: bool = False) -> bool:
 
 # What each cosmos-rl key of a `[[reward_args]]` entry would ask for, and the values that ask for
 # nothing here (empty, or cosmos-rl's own default where that means "the service's environment").
-_MODEL = "model-based rewards are not supported yet: the built-in rewards load no model"
+_MODEL = "only a model-based reward (reasoner_judge) loads a model"
 _REFUSED_ARGS: dict[str, tuple[str, frozenset[str]]] = {
     "venv_python": (
         "per-reward virtualenvs are not supported yet: every reward runs in the service's own "
@@ -66,7 +79,10 @@ _REFUSED_ARGS: dict[str, tuple[str, frozenset[str]]] = {
         frozenset({"", "python"}),
     ),
     "model_path": (_MODEL, frozenset({""})),
-    "download_path": (_MODEL, frozenset({""})),
+    "download_path": (
+        "models are fetched into the Hugging Face cache (HF_HOME), not a folder of the reward's",
+        frozenset({""}),
+    ),
     "dtype": (_MODEL, frozenset({""})),
     "device": (_MODEL + " (they run on the CPU)", frozenset({"", "cpu"})),
     "endpoint_url": (
@@ -78,9 +94,12 @@ _REFUSED_ARGS: dict[str, tuple[str, frozenset[str]]] = {
         frozenset({""}),
     ),
     "setup_script": ("per-reward setup scripts are not supported yet", frozenset({""})),
-    "work_dir": (_MODEL + " (no reward writes files)", frozenset({""})),
-    "tmp_dir": (_MODEL + " (no reward writes files)", frozenset({""})),
+    "work_dir": ("no reward writes files", frozenset({""})),
+    "tmp_dir": ("no reward writes files", frozenset({""})),
 }
+_MODEL_ARGS = ("model_path", "dtype", "device")
+"""The keys a model-based reward (`MODEL_REWARDS`) reads."""
+_DTYPES = frozenset({"", "float32", "bfloat16", "float16"})
 _REDIS = "results are kept in the service's memory; a Redis store is not supported yet"
 
 
@@ -101,13 +120,14 @@ class RewardArgs(Section):
     venv_python: str = ""
     """cosmos-rl: the interpreter of the reward's own virtualenv; empty or "python" only."""
     model_path: str = ""
-    """cosmos-rl: the reward model; empty only."""
+    """cosmos-rl: the reward model: a model-based reward's (`reasoner_judge`: a vision-language
+    model's folder, Hub id or preset), which it needs; empty for the others."""
     download_path: str = ""
-    """cosmos-rl: where to download the reward model; empty only."""
+    """cosmos-rl: where to download the reward model; empty only (the Hugging Face cache)."""
     dtype: str = ""
-    """cosmos-rl: the reward model's dtype; empty only."""
+    """cosmos-rl: the reward model's dtype (float32, bfloat16, float16; empty: float32)."""
     device: str = ""
-    """cosmos-rl: the reward model's device; empty or "cpu" only."""
+    """cosmos-rl: the reward model's device (`cpu`, `cuda`, `cuda:1`; empty: cpu)."""
     endpoint_url: str = ""
     """cosmos-rl: an external endpoint serving the reward; empty only."""
     endpoint_api_key: str = ""
@@ -122,7 +142,8 @@ class RewardArgs(Section):
     @field_validator("reward_type")
     @classmethod
     def _known_reward(cls, value: str) -> str:
-        resolve_reward(value)  # imports a `module:function` now, so a typo fails at load
+        if value not in MODEL_REWARDS:  # (whose model loads in the workers)
+            resolve_reward(value)  # imports a `module:function` now, so a typo fails at load
         return value
 
     @field_validator("text")
@@ -136,10 +157,26 @@ class RewardArgs(Section):
     @field_validator(*_REFUSED_ARGS)
     @classmethod
     def _not_supported(cls, value: str, info: ValidationInfo) -> str:
-        reason, accepted = _REFUSED_ARGS[str(info.field_name)]
+        field = str(info.field_name)
+        if field in _MODEL_ARGS and info.data.get("reward_type") in MODEL_REWARDS:
+            if field == "dtype" and value not in _DTYPES:
+                raise ValueError(f"{value!r}: one of {', '.join(sorted(_DTYPES - {''}))}")
+            if field == "device" and value and value.split(":")[0] not in ("cpu", "cuda"):
+                raise ValueError(f"{value!r}: cpu, cuda or cuda:<index>")
+            return value
+        reason, accepted = _REFUSED_ARGS[field]
         if value not in accepted:
             raise ValueError(f"{value!r}: {reason}")
         return value
+
+    @model_validator(mode="after")
+    def _model_given(self) -> RewardArgs:
+        if self.reward_type in MODEL_REWARDS and not self.model_path:
+            raise ValueError(
+                f"{self.reward_type} needs model_path (its vision-language model: a folder, a "
+                "Hub id or a tiny: preset)"
+            )
+        return self
 
 
 class RewardServiceConfig(Section):

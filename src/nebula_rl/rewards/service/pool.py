@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nebula_rl.rewards.service.config import RewardServiceConfig, resolve_reward
+from nebula_rl.rewards.service.config import RewardArgs, RewardServiceConfig, build_reward
 from nebula_rl.rewards.service.wire import (
     EnqueueRequest,
     RequestError,
@@ -111,14 +111,14 @@ def _score_batch(fn: Any, name: str, items: list[tuple[Samples, list[str]]]) -> 
 
 
 def _worker_main(
-    rewards: dict[str, bool], inbox: Any, results: Connection, parent_pid: int
+    rewards: list[RewardArgs], inbox: Any, results: Connection, parent_pid: int
 ) -> None:
-    """A scoring process: import the rewards (name -> declared `text`), then score the batches
-    of `inbox` until None."""
+    """A scoring process: import the rewards (and load a model-based reward's model), then
+    score the batches of `inbox` until None."""
     # Ctrl-C reaches the whole process group; the service stops its workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # several processes on few cores slow each other down otherwise
-    fns = {name: resolve_reward(name, text=text) for name, text in rewards.items()}
+    fns = {args.reward_type: build_reward(args) for args in rewards}
     results.send(("ready", os.getpid()))
     while True:
         try:
@@ -345,7 +345,7 @@ class RewardService:
         slot.process = self._ctx.Process(
             target=_worker_main,
             args=(
-                {a.reward_type: a.text for a in self.cfg.reward_args if a.enable},
+                [a for a in self.cfg.reward_args if a.enable],
                 slot.inbox,
                 writer,
                 os.getpid(),

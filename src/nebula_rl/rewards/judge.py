@@ -1,0 +1,92 @@
+"""A vision-language reasoner as the judge of generated images and videos: the reward service's
+model-based reward `reasoner_judge` (`[[reward_args]] reward_type = "reasoner_judge"`,
+`model_path = ...`), as cosmos-rl's DDRL configs score clips with Cosmos-Reason.
+
+The judge is any vision-language model nebula-rl reads (Qwen2.5-VL, Qwen3-VL, Cosmos-Reason,
+Cosmos 3's reasoner), from a folder, the Hub or a preset. For each sample it is shown the frames
+(an image, or the clip as a video at :data:`JUDGE_FPS` frames a second) and asked
+:data:`QUESTION`; the score is the probability of "yes" against "no" at the answer's first
+token, `softmax(logit_yes, logit_no)[0]` in [0, 1]. One forward pass per sample, no sampling, so
+a sample's score does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["JUDGE_FPS", "MODEL_REWARDS", "QUESTION", "ReasonerJudge"]
+
+QUESTION = 'Does this {kind} show the following? "{prompt}" Answer yes or no.'
+"""What the judge is asked of each sample (`kind`: image or video)."""
+JUDGE_FPS = 2.0
+"""The frame rate a generated clip is shown to the judge at."""
+
+
+class ReasonerJudge:
+    """`reasoner_judge`: scores uint8 RGB pixels [B, 3, T, H, W] against their prompts with the
+    vision-language model `model_path` (loaded once, in `dtype` on `device`)."""
+
+    def __init__(self, model_path: str, *, dtype: str = "", device: str = "") -> None:
+        from nebula_rl.data.vision import VisionProcessor
+        from nebula_rl.models import load_model, resolve_dtype
+
+        self.device = torch.device(device or "cpu")
+        self.model = load_model(
+            model_path, dtype=resolve_dtype(dtype or "float32"), device=self.device
+        ).eval()
+        self.processor = VisionProcessor.from_pretrained(model_path)
+        tok = self.processor.tokenizer
+        self.yes, self.no = (
+            tok.encode(word, add_special_tokens=False)[0] for word in ("yes", "no")
+        )
+        if self.yes == self.no:
+            raise ValueError(f"model_path = {model_path!r}: its tokenizer starts yes and no alike")
+
+    def _inputs(self, sample: Tensor, prompt: str) -> dict[str, Tensor]:
+        from PIL import Image
+
+        from nebula_rl.data.vision import collate
+
+        frames = [Image.fromarray(f.permute(1, 2, 0).numpy()) for f in sample.unbind(1)]
+        kind = "image" if len(frames) == 1 else "video"
+        media: dict[str, Any] = (
+            {"type": "image", "image": frames[0]}
+            if kind == "image"
+            else {"type": "video", "video": frames, "fps": JUDGE_FPS}
+        )
+        text = {"type": "text", "text": QUESTION.format(kind=kind, prompt=prompt)}
+        inputs = self.processor([{"role": "user", "content": [media, text]}],
+                                add_generation_prompt=True)  # fmt: skip
+        layout = self.processor.layout
+        batch = collate(
+            [inputs],
+            pad_token_id=int(self.processor.tokenizer.pad_token_id or 0),
+            image_token_id=layout.image_token_id,
+            video_token_id=layout.video_token_id,
+        )
+        if layout.model_type != "qwen2_5_vl":  # (Qwen3-VL: time comes from text timestamps)
+            batch.pop("second_per_grid_ts", None)
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    @torch.no_grad()
+    def __call__(self, pixels: Tensor, prompts: Sequence[str]) -> list[float]:
+        if pixels.dtype != torch.uint8 or pixels.dim() != 5 or pixels.shape[1] != 3:
+            raise ValueError(
+                f"reasoner_judge takes uint8 RGB pixels [B, 3, T, H, W], got {pixels.dtype} "
+                f"{tuple(pixels.shape)}"
+            )
+        if len(prompts) != pixels.shape[0]:
+            raise ValueError(f"{pixels.shape[0]} samples but {len(prompts)} prompts")
+        scores = []
+        for sample, prompt in zip(pixels, prompts, strict=True):
+            logits = self.model(**self._inputs(sample, prompt)).logits[0, -1].float()
+            scores.append(float(logits[[self.yes, self.no]].softmax(-1)[0]))
+        return scores
+
+
+MODEL_REWARDS: dict[str, type[ReasonerJudge]] = {"reasoner_judge": ReasonerJudge}
+"""Rewards that load a model (`model_path`), by the name a reward-service config gives."""
