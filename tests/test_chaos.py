@@ -274,13 +274,20 @@ def test_rollout_killed_mid_generation(start_job):
     num_rows = 48
     job = start_job(num_rows=num_rows, rollout=2)
     pending = job.state.key("prompts")
+    job.wait_for("step 1", lambda: job.steps() >= 1)
+    replica = job.pid("replica", "--name rollout-1")
 
-    def holds_prompts() -> bool:
-        held = job.state.redis.xpending_range(pending, "rollout", "-", "+", 100, "rollout-1")
-        return job.steps() >= 1 and len(held) > 0
+    def frozen_holding_prompts() -> bool:
+        # (frozen before the look: a running replica could hand its prompts in between the look
+        # and the kill, and then none would go back to the queue)
+        os.kill(replica, signal.SIGSTOP)
+        if job.state.redis.xpending_range(pending, "rollout", "-", "+", 100, "rollout-1"):
+            return True
+        os.kill(replica, signal.SIGCONT)
+        return False
 
-    job.wait_for("rollout-1 holding prompts after step 1", holds_prompts)
-    job.kill("replica", "--name rollout-1")
+    job.wait_for("rollout-1 holding prompts after step 1", frozen_holding_prompts)
+    os.kill(replica, signal.SIGKILL)
     ledger = job.finish()
     _assert_exactly_once(ledger, num_rows)
     steps = _metrics(job)
