@@ -50,33 +50,9 @@ def test_grpo_trains_the_reasoner_on_images_and_its_class_loads_the_export(tmp_p
     from transformers import Cosmos3OmniForConditionalGeneration
 
     from nebula_rl import local
-    from nebula_rl.config import config_from_dict
+    from test_vision import squares_grpo
 
-    grpo = config_from_dict(
-        {
-            "train": {
-                "output_dir": str(tmp_path),
-                "max_num_steps": 2,
-                "train_batch_per_replica": 8,
-                "optm_lr": 1e-3,
-                "train_policy": {
-                    "type": "grpo",
-                    "prompt_column_name": "prompt",
-                    "response_column_name": "answer",
-                    "reward_function": ["single_choice", "format"],
-                    "dataset": {"name": "builtin:squares", "kwargs": {"num_samples": 16}},
-                },
-            },
-            "policy": {"model_name_or_path": "tiny:cosmos3_omni", "model_max_length": 96},
-            "rollout": {
-                "backend": "torch",
-                "n_generation": 4,
-                "batch_size": 2,
-                "max_response_length": 8,
-            },
-        }
-    )
-    run = local.run(grpo)
+    run = local.run(squares_grpo(tmp_path, "tiny:cosmos3_omni", optm_lr=1e-3))
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["num_sequences"] == 8 and r["response_length_mean"] > 0 for r in records)

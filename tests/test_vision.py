@@ -428,26 +428,18 @@ def test_sft_of_a_vision_language_model_trains_and_exports(tmp_path, model, cls)
         assert torch.isfinite(trained(**batch).logits).all()
 
 
-def test_vision_language_packing_is_refused_and_grpo_runs_on_images(tmp_path):
-    """Packing conversations with media is refused by name; GRPO in one process generates from
-    the images, trains on them and exports a model that loads with its processor."""
-    import json
-
-    from transformers import AutoModelForImageTextToText
-
-    from nebula_rl import local
+def squares_grpo(tmp_path, model: str = "tiny:qwen3_vl", **train):
+    """Two GRPO steps in one process on the counting task's images (8 completions a step, the
+    Cosmos-Reason recipe's rewards), of `model`, with `train`'s extra `[train]` keys."""
     from nebula_rl.config import config_from_dict
 
-    with pytest.raises(ValueError, match=r"train\.sequence_packing is not supported for conv"):
-        cfg = _squares_sft(tmp_path)
-        cfg.train.sequence_packing = True
-        local.run(cfg)
-    grpo = config_from_dict(
+    return config_from_dict(
         {
             "train": {
                 "output_dir": str(tmp_path),
                 "max_num_steps": 2,
                 "train_batch_per_replica": 8,
+                **train,
                 "train_policy": {
                     "type": "grpo",
                     "prompt_column_name": "prompt",
@@ -456,7 +448,7 @@ def test_vision_language_packing_is_refused_and_grpo_runs_on_images(tmp_path):
                     "dataset": {"name": "builtin:squares", "kwargs": {"num_samples": 16}},
                 },
             },
-            "policy": {"model_name_or_path": "tiny:qwen3_vl", "model_max_length": 96},
+            "policy": {"model_name_or_path": model, "model_max_length": 96},
             "rollout": {
                 "backend": "torch",
                 "n_generation": 4,
@@ -465,7 +457,22 @@ def test_vision_language_packing_is_refused_and_grpo_runs_on_images(tmp_path):
             },
         }
     )
-    run = local.run(grpo)
+
+
+def test_vision_language_packing_is_refused_and_grpo_runs_on_images(tmp_path):
+    """Packing conversations with media is refused by name; GRPO in one process generates from
+    the images, trains on them and exports a model that loads with its processor."""
+    import json
+
+    from transformers import AutoModelForImageTextToText
+
+    from nebula_rl import local
+
+    with pytest.raises(ValueError, match=r"train\.sequence_packing is not supported for conv"):
+        cfg = _squares_sft(tmp_path)
+        cfg.train.sequence_packing = True
+        local.run(cfg)
+    run = local.run(squares_grpo(tmp_path))
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["num_sequences"] == 8 and r["response_length_mean"] > 0 for r in records)

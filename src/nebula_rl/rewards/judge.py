@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nebula_rl.rewards.visual import check_pixels
+
 __all__ = ["JUDGE_FPS", "MODEL_REWARDS", "QUESTION", "ReasonerJudge"]
 
 QUESTION = 'Does this {kind} show the following? "{prompt}" Answer yes or no.'
@@ -74,13 +76,7 @@ class ReasonerJudge:
 
     @torch.no_grad()
     def __call__(self, pixels: Tensor, prompts: Sequence[str]) -> list[float]:
-        if pixels.dtype != torch.uint8 or pixels.dim() != 5 or pixels.shape[1] != 3:
-            raise ValueError(
-                f"reasoner_judge takes uint8 RGB pixels [B, 3, T, H, W], got {pixels.dtype} "
-                f"{tuple(pixels.shape)}"
-            )
-        if len(prompts) != pixels.shape[0]:
-            raise ValueError(f"{pixels.shape[0]} samples but {len(prompts)} prompts")
+        check_pixels(pixels, prompts, who="the reasoner judge and the visual rewards")
         scores = []
         for sample, prompt in zip(pixels, prompts, strict=True):
             logits = self.model(**self._inputs(sample, prompt)).logits[0, -1].float()

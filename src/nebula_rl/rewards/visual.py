@@ -32,6 +32,7 @@ __all__ = [
     "VISUAL_REWARDS",
     "VisualReward",
     "brightness",
+    "check_pixels",
     "colour_match",
     "jpeg_compressibility",
     "pixels_from_samples",
@@ -46,14 +47,19 @@ def pixels_from_samples(samples: Tensor) -> Tensor:
     return ((samples.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
 
-def _check(pixels: Tensor, prompts: Sequence[str]) -> Tensor:
+def check_pixels(pixels: Tensor, prompts: Sequence[str], *, who: str = "visual rewards") -> None:
+    """Raise unless `pixels` are uint8 RGB [B, 3, T, H, W] with one prompt per sample (`who`
+    names the reward in the error)."""
     if pixels.dtype != torch.uint8 or pixels.dim() != 5 or pixels.shape[1] != 3:
         raise ValueError(
-            f"visual rewards take uint8 RGB pixels [B, 3, T, H, W], got {pixels.dtype} "
-            f"{tuple(pixels.shape)}"
+            f"{who} take uint8 RGB pixels [B, 3, T, H, W], got {pixels.dtype} {tuple(pixels.shape)}"
         )
     if len(prompts) != pixels.shape[0]:
         raise ValueError(f"{pixels.shape[0]} samples but {len(prompts)} prompts")
+
+
+def _check(pixels: Tensor, prompts: Sequence[str]) -> Tensor:
+    check_pixels(pixels, prompts)
     return pixels.float() / 255
 
 
