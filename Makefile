@@ -74,6 +74,7 @@ vlm-demo: setup
 # Cosmos 3's reasoner (the tiny preset) on the counting task: SFT warm start, then GRPO.
 cosmos3-demo: setup
 	$(BIN)/nebula-rl train --config configs/cosmos3/reason_rl_cpu.toml
+	$(BIN)/python -m nebula_rl.flow.cosmos3_demo
 
 wfm-demo: setup
 	$(BIN)/python -m nebula_rl.flow.demo --output-dir outputs/wfm-demo

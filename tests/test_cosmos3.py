@@ -70,5 +70,5 @@ def test_check_accepts_the_cosmos3_configs(path, capsys):
     fetched) and their CPU twins."""
     from nebula_rl.cli import main
 
-    assert len(CONFIGS) == 4
+    assert len(CONFIGS) == 6
     assert main(["check", "--config", str(path)]) == 0, capsys.readouterr().err

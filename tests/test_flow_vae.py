@@ -289,12 +289,14 @@ def test_the_reward_service_scores_a_latent_models_decoded_pixels(tmp_path, monk
 def test_a_hub_pipeline_fetch_takes_only_the_parts_the_run_needs():
     from nebula_rl.flow.models import pipeline_file
 
+    # (the scheduler and Cosmos 3's text_tokenizer are small: an export is a whole pipeline)
     wanted = ["model_index.json", "transformer/config.json",
               "transformer/diffusion_pytorch_model-00001-of-00002.safetensors",
               "vae/config.json", "vae/diffusion_pytorch_model.safetensors",
-              "config.json", "diffusion_pytorch_model.safetensors"]  # fmt: skip
+              "config.json", "diffusion_pytorch_model.safetensors",
+              "scheduler/scheduler_config.json", "text_tokenizer/tokenizer.json"]  # fmt: skip
     unwanted = ["text_encoder/model.safetensors", "text_encoder/config.json",
-                "tokenizer/tokenizer.json", "scheduler/scheduler_config.json",
+                "tokenizer/tokenizer.json",
                 "transformer/extra/weights.safetensors", "README.md"]  # fmt: skip
     assert all(pipeline_file(f) for f in wanted)
     assert not any(pipeline_file(f) for f in unwanted)

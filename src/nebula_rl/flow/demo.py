@@ -42,16 +42,16 @@ FRAMES, SIZE = 2, 16
 
 
 @contextmanager
-def reward_service(workdir: Path) -> Iterator[RewardFn]:
-    """Start `nebula-rl reward-service` with the brightness reward on a free local port; yield
-    a scorer that goes through it with the service's client; stop it after."""
+def served_rewards(workdir: Path, reward: str = "brightness") -> Iterator[tuple[str, str]]:
+    """Start `nebula-rl reward-service` scoring with `reward` on a free local port (its log in
+    `workdir`); yield (its `/api/reward` address, its token) once it answers; stop it after."""
     from nebula_rl.rewards.remote import RemoteRewardClient
     from nebula_rl.weights import free_port
 
     port, token = free_port(), secrets.token_urlsafe(24)
     config = workdir / "rewards.toml"
     config.write_text(
-        f'host = "127.0.0.1"\nport = {port}\n\n[[reward_args]]\nreward_type = "brightness"\n'
+        f'host = "127.0.0.1"\nport = {port}\n\n[[reward_args]]\nreward_type = "{reward}"\n'
     )
     env = {**os.environ, "NEBULA_REWARD_TOKEN": token, "OMP_NUM_THREADS": "1"}
     logfile = (workdir / "reward_service.log").open("wb")
@@ -62,14 +62,9 @@ def reward_service(workdir: Path) -> Iterator[RewardFn]:
         stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}/api/reward"
-    client = RemoteRewardClient(f"{base}/enqueue", f"{base}/pull", token, deadline_s=60.0)
     try:
-        client.wait_ready(timeout_s=60.0)
-
-        def score(samples: Tensor, prompts: Sequence[str]) -> list[float] | None:
-            return client.score(samples, list(prompts), {"brightness": 1.0})
-
-        yield score
+        RemoteRewardClient(f"{base}/enqueue", f"{base}/pull", token).wait_ready(timeout_s=60.0)
+        yield base, token
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -77,6 +72,21 @@ def reward_service(workdir: Path) -> Iterator[RewardFn]:
         except subprocess.TimeoutExpired:
             process.kill()
         logfile.close()
+
+
+@contextmanager
+def reward_service(workdir: Path) -> Iterator[RewardFn]:
+    """The brightness reward of the reward service (:func:`served_rewards`) as a scorer that
+    goes through it with the service's client."""
+    from nebula_rl.rewards.remote import RemoteRewardClient
+
+    with served_rewards(workdir) as (base, token):
+        client = RemoteRewardClient(f"{base}/enqueue", f"{base}/pull", token, deadline_s=60.0)
+
+        def score(samples: Tensor, prompts: Sequence[str]) -> list[float] | None:
+            return client.score(samples, list(prompts), {"brightness": 1.0})
+
+        yield score
 
 
 def _save_grid(model: TinyDiT, clips: list[Clip], path: Path) -> None:

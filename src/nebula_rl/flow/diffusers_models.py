@@ -40,6 +40,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from nebula_rl.flow.context_parallel import split_diffusers_transformer
+from nebula_rl.flow.cosmos3 import (
+    COSMOS3_CLASS,
+    COSMOS3_PIPELINE,
+    Cosmos3Prompts,
+    cosmos3_velocity,
+    tiny_cosmos3_transformer,
+)
 from nebula_rl.flow.dit import autocast
 from nebula_rl.flow.vae import FlowVAE, vae_factors
 
@@ -49,6 +56,7 @@ __all__ = [
     "IMAGE_CLASSES",
     "PRESET_VAES",
     "TI2V_PRESETS",
+    "TRAINED_VAE_PRESETS",
     "DiffusersFlowModel",
     "DiffusersFolder",
     "check_diffusers_folder",
@@ -65,6 +73,7 @@ DIFFUSERS_CLASSES = (
     "SD3Transformer2DModel",
     "SanaTransformer2DModel",
     "SanaVideoTransformer3DModel",
+    COSMOS3_CLASS,
 )
 """The diffusers transformer classes nebula-rl trains."""
 
@@ -82,6 +91,7 @@ DIFFUSERS_PRESETS = {
     "tiny:sd3_transformer2d_latent": "SD3Transformer2DModel",
     "tiny:sana_transformer2d_latent": "SanaTransformer2DModel",
     "tiny:sana_video_transformer3d_latent": "SanaVideoTransformer3DModel",
+    "tiny:cosmos3_omni_generator": COSMOS3_CLASS,
 }
 """Random-init miniatures of each class (two blocks, width 64) for CPU tests and demos; the
 `_latent` ones with a miniature VAE (:data:`PRESET_VAES`)."""
@@ -92,9 +102,11 @@ PRESET_VAES = {
     "tiny:sd3_transformer2d_latent": "AutoencoderKL",
     "tiny:sana_transformer2d_latent": "AutoencoderDC",
     "tiny:sana_video_transformer3d_latent": "AutoencoderKLWan",
+    "tiny:cosmos3_omni_generator": "AutoencoderKLWan",
 }
 """The latent-space presets' VAE classes (:func:`tiny_vae_config`: 4 latent channels, frames
-halved in size, Wan's also in time; a fixed random init)."""
+halved in size, Wan's also in time; a fixed random init, or trained:
+:data:`TRAINED_VAE_PRESETS`)."""
 
 PIPELINES = {
     "CosmosTransformer3DModel": "Cosmos2_5_PredictBasePipeline",
@@ -102,8 +114,13 @@ PIPELINES = {
     "SD3Transformer2DModel": "StableDiffusion3Pipeline",
     "SanaTransformer2DModel": "SanaPipeline",
     "SanaVideoTransformer3DModel": "SanaVideoPipeline",
+    COSMOS3_CLASS: COSMOS3_PIPELINE,
 }
 """The pipeline class an export's `model_index.json` names, by transformer class."""
+
+TRAINED_VAE_PRESETS = {"tiny:cosmos3_omni_generator"}
+"""Presets whose miniature VAE is the trained one (`flow.tiny_vae`: same architecture, decodes
+what the transformer makes); the others' is at a fixed random init."""
 
 TI2V_PRESETS = {"tiny:wan_transformer3d_latent"}
 """Presets that take conditioning frames by per-token timesteps, as Wan 2.2 TI2V does (its
@@ -114,6 +131,7 @@ _THOUSAND = {
     "SD3Transformer2DModel",
     "SanaTransformer2DModel",
     "SanaVideoTransformer3DModel",
+    COSMOS3_CLASS,
 }
 """Classes whose timestep is 1000 sigma."""
 
@@ -213,6 +231,9 @@ class DiffusersFlowModel(nn.Module):
                 "takes no conditioning frames (Cosmos-Predict2.5's latent-space transformer and "
                 "Wan 2.2 TI2V's do)"
             )
+        if self.kind == COSMOS3_CLASS:  # (prompt token ids, one packed sequence a sample)
+            assert isinstance(self.text_encoder, Cosmos3Prompts)
+            return cosmos3_velocity(self.transformer, self.text_encoder, x, sigma, text).to(x.dtype)
         dtype = next(self.transformer.parameters()).dtype
         text = (text * text_mask.unsqueeze(-1).to(text.dtype)).to(dtype)
         t = (sigma * 1000 if self.kind in _THOUSAND else sigma).to(dtype)
@@ -299,6 +320,8 @@ class DiffusersFolder:
 def _check_channels(name: str, class_name: str, config: dict[str, Any], latent: int) -> None:
     """Refuse a transformer whose channels are not `latent` (Cosmos: in, or one more)."""
     channels_in, channels_out = config.get("in_channels"), config.get("out_channels")
+    if class_name == COSMOS3_CLASS:  # (its latent channels, patchified inside)
+        channels_in = channels_out = config.get("latent_channel")
     allowed = {latent, latent + 1} if class_name == "CosmosTransformer3DModel" else {latent}
     if channels_out not in (None, latent) or channels_in not in allowed:
         raise ValueError(
@@ -390,7 +413,9 @@ def save_diffusers_flow_model(model: DiffusersFlowModel, folder: Path) -> None:
         index["vae"] = ["diffusers", model.vae.kind]
     if model.expand_timesteps:
         index["expand_timesteps"] = True
-    if model.text_encoder is not None:  # (a prompt dataset's: the export embeds as it was)
+    if isinstance(model.text_encoder, Cosmos3Prompts):  # (its tokenizer and scheduler)
+        index.update(model.text_encoder.save(folder))
+    elif model.text_encoder is not None:  # (a prompt dataset's: the export embeds as it was)
         source = json.loads((model.text_encoder.folder / "model_index.json").read_text())
         for part, entry in source.items():  # (SD3: text_encoder, _2, _3 and their tokenizers)
             if part.startswith(("text_encoder", "tokenizer")) and isinstance(entry, list):
@@ -462,15 +487,32 @@ def tiny_diffusers_flow_model(
         raise ValueError(f"{KEY} = {preset!r} makes images: set policy.diffusers.is_video = false")
     vae = None
     channels = 3
+    pixel_frames, pixel_size = frames, size
     if preset in PRESET_VAES:
         torch.manual_seed(TINY_VAE_SEED)
         vae_class = PRESET_VAES[preset]
-        vae = FlowVAE(
-            getattr(diffusers, vae_class)(**tiny_vae_config(vae_class)),
-            compile_encode=compile_encode,
-        )
+        if preset in TRAINED_VAE_PRESETS:
+            from nebula_rl.flow.tiny_vae import load_tiny_vae
+
+            module = load_tiny_vae()
+        else:
+            module = getattr(diffusers, vae_class)(**tiny_vae_config(vae_class))
+        vae = FlowVAE(module, compile_encode=compile_encode)
         channels, frames, size, _ = vae.latent_shape((3, frames, size, size))
     torch.manual_seed(seed)
+    if class_name == COSMOS3_CLASS:  # (its prompt tokens: the vision-language presets' tokenizer)
+        from nebula_rl.models import build_char_tokenizer
+
+        assert vae is not None
+        tokenizer = build_char_tokenizer()
+        cosmos3 = DiffusersFlowModel(
+            tiny_cosmos3_transformer(channels, (len(tokenizer) + 63) // 64 * 64), vae=vae
+        )
+        cosmos3.text_encoder = Cosmos3Prompts(
+            cosmos3.transformer, tokenizer, vae.module, frames=pixel_frames, height=pixel_size,
+            width=pixel_size,
+        )  # fmt: skip
+        return cosmos3
     channels_in = (
         channels + 1 if vae is not None and class_name == "CosmosTransformer3DModel" else channels
     )

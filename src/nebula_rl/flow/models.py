@@ -28,6 +28,7 @@ from torch import nn
 
 from nebula_rl.config import Config, GrpoConfig, SftConfig
 from nebula_rl.flow.context_parallel import CP_CLASSES
+from nebula_rl.flow.cosmos3 import COSMOS3_CLASS, Cosmos3Prompts
 from nebula_rl.flow.diffusers_models import (
     DIFFUSERS_PRESETS,
     IMAGE_CLASSES,
@@ -236,6 +237,9 @@ def _check_prompt_dataset(cfg: Config, folder: Path | None) -> None:
                 "local layout, or cosmos-rl's diffusers layout as dataset.local_dir)"
             )
     name = cfg.policy.model_name_or_path
+    kind = DIFFUSERS_PRESETS.get(name) or (folder and (diffusers_class_of(folder) or ("",))[0])
+    if kind == COSMOS3_CLASS:  # (it reads the captions' tokens: its pipeline's tokenizer)
+        return
     pipeline = None if folder is None else text_pipeline(folder)
     if pipeline not in TEXT_PIPELINES:
         raise ValueError(
@@ -335,7 +339,15 @@ def _base_model(cfg: Config, *, seed: int) -> TinyDiT | DiffusersFlowModel:
         found = check_diffusers_folder(name, folder)
         _check_latent(cfg, found.vae_class, found.vae_config() if found.vae else None)
         diffusers_model = load_diffusers_flow_model(name, folder, compile_encode=compile_encode)
-        if needs_text_encoder(cfg):  # (captions without embeddings: the pipeline embeds them)
+        if diffusers_model.kind == COSMOS3_CLASS:  # (it reads its captions' tokens)
+            assert diffusers_model.vae is not None
+            d = cfg.policy.diffusers
+            diffusers_model.text_encoder = Cosmos3Prompts.from_folder(
+                name, found.transformer.parent, diffusers_model.transformer,
+                diffusers_model.vae.module, frames=d.inference_frames if d.is_video else 1,
+                height=d.inference_size[0], width=d.inference_size[1],
+            )  # fmt: skip
+        elif needs_text_encoder(cfg):  # (captions without embeddings: the pipeline embeds them)
             diffusers_model.text_encoder = PipelineTextEncoder(
                 folder,
                 max_length=cfg.policy.diffusers.max_prompt_length,
@@ -364,7 +376,8 @@ def pipeline_file(path: str, *, text: bool = False) -> bool:
     if not rest:
         return path in ("model_index.json", "config.json") or path.endswith(".safetensors")
     texts = ("text_encoder", "tokenizer")  # (SD3's also text_encoder_2, _3, tokenizer_2, _3)
-    return (top in ("transformer", "vae") or (text and top.startswith(texts))) and "/" not in rest
+    always = ("transformer", "vae", "text_tokenizer", "scheduler")  # (Cosmos 3: its tokenizer)
+    return (top in always or (text and top.startswith(texts))) and "/" not in rest
 
 
 def _unembedded(cfg: Config) -> list[tuple[str, bool]]:
@@ -397,6 +410,8 @@ def _snapshot(repo_id: str, *, revision: str | None, text: bool = False) -> Path
 
     try:
         files = HfApi().list_repo_files(repo_id, revision=revision)
+        if "model_index.json" in files:  # (a pipeline: not the root's weights, e.g. Cosmos 3's
+            files = [f for f in files if "/" in f or f == "model_index.json"]  # reasoner's)
         return Path(
             snapshot_download(
                 repo_id,

@@ -110,7 +110,7 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def _block_lists(model: nn.Module) -> list[nn.ModuleList]:
     """The model's lists of transformer blocks (the built-in DiT's `blocks`, a diffusers
-    transformer's `transformer_blocks` or `blocks`)."""
+    transformer's `transformer_blocks` or `blocks`, Cosmos 3's `layers`)."""
     return [
         m
         for name, m in model.named_modules()
@@ -118,7 +118,7 @@ def _block_lists(model: nn.Module) -> list[nn.ModuleList]:
     ]
 
 
-BLOCK_LISTS = ("blocks", "transformer_blocks")
+BLOCK_LISTS = ("blocks", "transformer_blocks", "layers")
 
 
 def checkpoint_blocks(model: nn.Module) -> int:

@@ -1,0 +1,106 @@
+"""The trained miniature Wan VAE of `tiny:cosmos3_omni_generator`: the architecture of the latent
+presets' VAE (`tiny_vae_config("AutoencoderKLWan")`: 4 latent channels, frames halved in size and
+in time), trained to reconstruct 5-frame 16 x 16 clips, shipped as package data
+(:data:`TINY_VAE_FILE`, 0.5 MB).
+
+A random-init VAE decodes most latents to much the same dull clip, so a reward of the decoded
+pixels barely moves whatever the transformer learns (the other `_latent` presets); a trained one
+decodes what the transformer makes, as a real pipeline's VAE does, so a latent-space run can be
+seen to learn on a CPU. `python -m nebula_rl.flow.tiny_vae` trains it again (about 3 minutes on
+2 CPU cores, seeded): on the toy dataset's clips (`flow.clips`) and as many smooth random colour
+fields (so it also decodes clips unlike the toy ones: brighter, other colours), with the
+reconstruction error plus a small KL term (the latents stay near a unit Gaussian, where the
+transformer's samples start); its `latents_mean` / `latents_std` are then measured on the toy
+clips, as a pipeline's are on its data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["TINY_VAE_FILE", "load_tiny_vae", "train_tiny_vae"]
+
+TINY_VAE_FILE = Path(__file__).with_name("tiny_wan_vae.safetensors")
+"""The trained weights, with their config (and its latent statistics) in the file's metadata."""
+
+
+def load_tiny_vae() -> nn.Module:
+    """The trained miniature `AutoencoderKLWan` (float32, frozen by its caller)."""
+    import diffusers
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(TINY_VAE_FILE), "pt") as f:
+        config = json.loads(f.metadata()["config"])
+    module: Any = diffusers.AutoencoderKLWan(**config)
+    module.load_state_dict(load_file(str(TINY_VAE_FILE)))
+    return cast(nn.Module, module)
+
+
+def _fields(n: int, frames: int, size: int, generator: torch.Generator) -> Tensor:
+    """`n` smooth random colour clips [n, 3, T, H, W] in [-1, 1] (coarse noise, upsampled, with
+    a random brightness offset), drifting slowly over the frames."""
+    coarse = torch.rand(n, 3, 2, 4, 4, generator=generator) * 2 - 1
+    offset = torch.rand(n, 3, 1, 1, 1, generator=generator) * 2 - 1
+    field = F.interpolate(coarse, size=(frames, size, size), mode="trilinear")
+    return (0.6 * field + offset).clamp(-1, 1)
+
+
+def train_tiny_vae(
+    out: Path = TINY_VAE_FILE, *, steps: int = 1500, batch: int = 16, seed: int = 0
+) -> dict[str, Any]:
+    """Train the miniature VAE (module docstring) and write it to `out`; its config."""
+    import diffusers
+    from safetensors.torch import save_file
+
+    from nebula_rl.flow.data import clip_pixels, read_local_dataset
+    from nebula_rl.flow.diffusers_models import TINY_VAE_SEED, tiny_vae_config
+
+    torch.manual_seed(TINY_VAE_SEED)
+    config = tiny_vae_config("AutoencoderKLWan")
+    vae: Any = diffusers.AutoencoderKLWan(**config)
+    with tempfile.TemporaryDirectory() as tmp:
+        from nebula_rl.flow.clips import make_toy_dataset
+
+        root = make_toy_dataset(Path(tmp), clips_per_prompt=32, frames=5, size=16, seed=seed)
+        toy = clip_pixels(read_local_dataset(root, num_frames=5))
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    for step in range(steps):
+        chosen = torch.randint(len(toy), (batch // 2,), generator=generator)
+        x = torch.cat([toy[chosen], _fields(batch - batch // 2, 5, 16, generator)])
+        posterior = vae.encode(x).latent_dist
+        recon = vae.decode(posterior.sample(generator)).sample
+        loss = F.mse_loss(recon, x) + 1e-4 * posterior.kl().mean() / x[0].numel()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"step {step}: loss {loss.item():.4f}", flush=True)
+    vae.eval()
+    with torch.no_grad():
+        mu = vae.encode(toy).latent_dist.mode()
+    config["latents_mean"] = [round(v, 4) for v in mu.mean(dim=(0, 2, 3, 4)).tolist()]
+    config["latents_std"] = [round(v, 4) for v in mu.std(dim=(0, 2, 3, 4)).tolist()]
+    state = {k: v.detach().contiguous() for k, v in vae.state_dict().items()}
+    save_file(state, str(out), metadata={"config": json.dumps(config)})
+    return config
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Train the miniature Wan VAE again.")
+    parser.add_argument("--out", type=Path, default=TINY_VAE_FILE)
+    parser.add_argument("--steps", type=int, default=1500)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    print(train_tiny_vae(args.out, steps=args.steps))
