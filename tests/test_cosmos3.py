@@ -1,9 +1,10 @@
 """Cosmos 3's reasoner (`Cosmos3OmniForConditionalGeneration`, model type `cosmos3_omni`): the
 tiny preset is Qwen3-VL's architecture under Cosmos 3's name, GRPO runs on it through the
 vision-language path and exports a model its own class loads, and the shipped configs (the real
-model's and their CPU twins) pass `nebula-rl check`. (The shared vision-language tests run it too:
-tests/test_vision.py builds, reloads, batches and SFT-trains it; tests/test_vision_rl.py checks
-the engine's log-probs against the policy's on its image, video and text prompts.)"""
+model's and their CPU twins, the generator's among them) pass `nebula-rl check`. (The shared
+vision-language tests run it too: tests/test_vision.py builds, reloads, batches and SFT-trains
+it; tests/test_vision_rl.py checks the engine's log-probs against the policy's on its image,
+video and text prompts. The generator: tests/test_cosmos3_generator.py.)"""
 
 import json
 from pathlib import Path

@@ -1,7 +1,9 @@
 """diffusers transformers as flow models: `CosmosTransformer3DModel` (Cosmos-Predict2.5),
 `WanTransformer3DModel` (Wan 2.x), `SD3Transformer2DModel` (Stable Diffusion 3),
 `SanaTransformer2DModel` (Sana 1.x) and `SanaVideoTransformer3DModel` (SANA-Video), each behind
-the call every flow model of nebula-rl answers, `model(x, sigma, text, text_mask) -> velocity`.
+the call every flow model of nebula-rl answers, `model(x, sigma, text, text_mask) -> velocity`;
+also Cosmos 3's `Cosmos3OmniTransformer`, whose text is its prompt's token ids
+(:mod:`nebula_rl.flow.cosmos3` packs and calls it).
 
 The five predict the rectified-flow velocity `noise - x0`, as the built-in DiT does; they differ
 in how they take the noise level and the text:

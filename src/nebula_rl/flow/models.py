@@ -7,7 +7,8 @@
   Hugging Face cache (`policy.model_revision`: e.g. `diffusers/base/post-trained`), or a
   random-init miniature (`tiny:cosmos_transformer3d`, `tiny:wan_transformer3d`,
   `tiny:sd3_transformer2d`, `tiny:sana_transformer2d`, `tiny:sana_video_transformer3d`; in
-  latent space with a miniature VAE, the same names ending in `_latent`). A latent-space
+  latent space with a miniature VAE, the same names ending in `_latent`, and Cosmos 3's
+  generator `tiny:cosmos3_omni_generator` on a trained one). A latent-space
   transformer comes with the VAE of its pipeline folder (`vae/`, frozen: `nebula_rl.flow.vae`).
 
 A preset's frames and frame size come from the config (`policy.diffusers.inference_frames` when
