@@ -218,3 +218,17 @@ def test_forking_is_refused_where_it_is_not_safe(monkeypatch) -> None:
     finally:
         stop.set()
         thread.join()
+
+
+def test_a_run_folder_of_an_earlier_job_is_refused_unless_resumed(tmp_path) -> None:
+    """Launching into a run folder an earlier job of that name left (its Redis state) would
+    reopen that job's state, and a finished job's replicas would stop at once while the
+    controller waited: it is refused by name before anything starts; `train.resume` goes on."""
+    from nebula_rl.launch import launch
+
+    run_dir = tmp_path / "same"
+    (run_dir / "redis").mkdir(parents=True)
+    cfg = config_from_dict({"train": {"output_dir": str(tmp_path), "timestamp": "same"}})
+    with pytest.raises(ValueError, match=r"train\.timestamp = 'same': .* holds an earlier job"):
+        launch(cfg, run_dir=run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["redis"]  # (nothing written)

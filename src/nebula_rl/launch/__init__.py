@@ -468,6 +468,13 @@ def _prepare(
 ) -> list[Placement]:
     """Before anything starts: the checks, the warm-start model, the replicas' placement and
     thread settings, the run folder with its `logs/` and `config.json`."""
+    if cfg.train.resume is False and not cfg.redis and (run_dir / "redis").is_dir():
+        # (its Redis would reopen with that job's state: a finished job's replicas stop at once)
+        raise ValueError(
+            f"train.timestamp = {run_dir.name!r}: {run_dir} holds an earlier job of that name "
+            "(its controller state in redis/): set train.resume = true to continue it from its "
+            "last checkpoint, or give this run another train.timestamp"
+        )
     check_installed(cfg.logging.logger)
     ensure_model(cfg)
     placement = plan_placement(
