@@ -91,6 +91,33 @@ def test_conditioning_frames_and_context_parallelism_are_refused_by_name():
         check_flow_model(cfg)
 
 
+@pytest.mark.parametrize(
+    ("trainer", "extra"),
+    [("sft", {}), ("ddrl", {"data_beta": 0.1}), ("diffusion_nft", {})],
+)
+def test_each_trainer_steps_the_generator(tmp_path, trainer, extra):
+    """Flow-matching SFT on the toy clips, DDRL (its data term on them too) and DiffusionNFT
+    each take their steps on the generator in one process and move its weights."""
+    from flow_configs import tiny_flow_config, tiny_flow_policy
+    from nebula_rl.flow import job
+
+    policy = tiny_flow_policy(PRESET, frames=5, size=8, train_flow_shift=1.0)
+    data = tiny_flow_config(tmp_path, policy, trainer=trainer, max_num_steps=2, **extra)
+    if trainer == "sft":
+        data["train"]["train_policy"] = {
+            "type": "sft", "trainer_type": "diffusers_sft", "mini_batch": 4,
+            "dataset": {"name": "builtin:toy_video", "kwargs": {"clips_per_prompt": 2}},
+        }  # fmt: skip
+    cfg = config_from_dict(data)
+    before = load_flow_model(cfg).state_dict()
+    run = job.run(cfg)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    cfg.policy.model_name_or_path = str(run / "safetensors" / "final")
+    after = load_flow_model(cfg).state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
 @pytest.mark.slow
 def test_the_cpu_twin_learns_asynchronously_through_the_reward_service(tmp_path):
     """`make cosmos3-demo`'s generator half, shortened: the reward service in its own process,
