@@ -50,6 +50,7 @@ from nebula_rl.flow.cosmos3 import (
     tiny_cosmos3_transformer,
 )
 from nebula_rl.flow.dit import autocast
+from nebula_rl.flow.tiny_vae import TINY_VAE_SEED, load_tiny_vae, tiny_vae_config
 from nebula_rl.flow.vae import FlowVAE, vae_factors
 
 __all__ = [
@@ -439,38 +440,6 @@ def _link_tree(source: Path, target: Path) -> None:
     shutil.copytree(source, target, copy_function=link, dirs_exist_ok=True)
 
 
-def tiny_vae_config(class_name: str) -> dict[str, Any]:
-    """The miniature VAE of the latent presets: 4 latent channels, frames halved in size (Wan's
-    also in time), normalised to about unit scale on the toy dataset."""
-    if class_name == "AutoencoderKLWan":
-        return {
-            "base_dim": 8, "z_dim": 4, "dim_mult": [1, 2], "num_res_blocks": 1,
-            "temperal_downsample": [True], "scale_factor_temporal": 2, "scale_factor_spatial": 2,
-            "latents_mean": [-0.17, 0.07, -0.31, -0.36], "latents_std": [0.09, 0.11, 0.14, 0.23],
-        }  # fmt: skip
-    if class_name == "AutoencoderDC":
-        return {
-            "latent_channels": 4, "attention_head_dim": 8,
-            "encoder_block_types": ["ResBlock"] * 2, "decoder_block_types": ["ResBlock"] * 2,
-            "encoder_block_out_channels": [8, 16], "decoder_block_out_channels": [8, 16],
-            "encoder_layers_per_block": [1, 1], "decoder_layers_per_block": [1, 1],
-            "encoder_qkv_multiscales": [[], []], "decoder_qkv_multiscales": [[], []],
-            "upsample_block_type": "interpolate", "downsample_block_type": "Conv",
-            "decoder_norm_types": "rms_norm", "decoder_act_fns": "silu", "scaling_factor": 1.2,
-        }  # fmt: skip
-    assert class_name == "AutoencoderKL"
-    return {
-        "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2,
-        "block_out_channels": [8, 16], "layers_per_block": 1, "latent_channels": 4,
-        "norm_num_groups": 4, "use_quant_conv": False, "use_post_quant_conv": False,
-        "shift_factor": -0.03, "scaling_factor": 2.8,
-    }  # fmt: skip
-
-
-TINY_VAE_SEED = 0
-"""The latent presets' VAE is the same whatever the run's seed (a pretrained VAE stands in)."""
-
-
 def tiny_diffusers_flow_model(
     preset: str,
     *,
@@ -494,8 +463,6 @@ def tiny_diffusers_flow_model(
         torch.manual_seed(TINY_VAE_SEED)
         vae_class = PRESET_VAES[preset]
         if preset in TRAINED_VAE_PRESETS:
-            from nebula_rl.flow.tiny_vae import load_tiny_vae
-
             module = load_tiny_vae()
         else:
             module = getattr(diffusers, vae_class)(**tiny_vae_config(vae_class))

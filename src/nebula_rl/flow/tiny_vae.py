@@ -1,13 +1,14 @@
-"""The trained miniature Wan VAE of `tiny:cosmos3_omni_generator`: the architecture of the latent
-presets' VAE (`tiny_vae_config("AutoencoderKLWan")`: 4 latent channels, frames halved in size and
-in time), trained to reconstruct 5-frame 16 x 16 clips, shipped as package data
-(:data:`TINY_VAE_FILE`, 0.5 MB).
+"""The latent presets' miniature VAEs: their configs (:func:`tiny_vae_config`, at a fixed random
+init for the `_latent` presets) and the trained miniature Wan VAE of `tiny:cosmos3_omni_generator`
+(the same architecture as the Wan one: 4 latent channels, frames halved in size and in time),
+trained to reconstruct 5-frame 16 x 16 clips, shipped as package data (:data:`TINY_VAE_FILE`,
+0.5 MB).
 
 A random-init VAE decodes most latents to much the same dull clip, so a reward of the decoded
 pixels barely moves whatever the transformer learns (the other `_latent` presets); a trained one
 decodes what the transformer makes, as a real pipeline's VAE does, so a latent-space run can be
-seen to learn on a CPU. `python -m nebula_rl.flow.tiny_vae` trains it again (about 3 minutes on
-2 CPU cores, seeded): on the toy dataset's clips (`flow.clips`) and as many smooth random colour
+seen to learn on a CPU. `python -m nebula_rl.flow.tiny_vae` trains it again (1,500 steps, minutes
+on 2 CPU cores, seeded): on the toy dataset's clips (`flow.clips`) and as many smooth random colour
 fields (so it also decodes clips unlike the toy ones: brighter, other colours), with the
 reconstruction error plus a small KL term (the latents stay near a unit Gaussian, where the
 transformer's samples start); its `latents_mean` / `latents_std` are then measured on the toy
@@ -26,10 +27,42 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["TINY_VAE_FILE", "load_tiny_vae", "train_tiny_vae"]
+__all__ = ["TINY_VAE_FILE", "TINY_VAE_SEED", "load_tiny_vae", "tiny_vae_config", "train_tiny_vae"]
 
 TINY_VAE_FILE = Path(__file__).with_name("tiny_wan_vae.safetensors")
 """The trained weights, with their config (and its latent statistics) in the file's metadata."""
+
+
+def tiny_vae_config(class_name: str) -> dict[str, Any]:
+    """The miniature VAE of the latent presets: 4 latent channels, frames halved in size (Wan's
+    also in time), normalised to about unit scale on the toy dataset."""
+    if class_name == "AutoencoderKLWan":
+        return {
+            "base_dim": 8, "z_dim": 4, "dim_mult": [1, 2], "num_res_blocks": 1,
+            "temperal_downsample": [True], "scale_factor_temporal": 2, "scale_factor_spatial": 2,
+            "latents_mean": [-0.17, 0.07, -0.31, -0.36], "latents_std": [0.09, 0.11, 0.14, 0.23],
+        }  # fmt: skip
+    if class_name == "AutoencoderDC":
+        return {
+            "latent_channels": 4, "attention_head_dim": 8,
+            "encoder_block_types": ["ResBlock"] * 2, "decoder_block_types": ["ResBlock"] * 2,
+            "encoder_block_out_channels": [8, 16], "decoder_block_out_channels": [8, 16],
+            "encoder_layers_per_block": [1, 1], "decoder_layers_per_block": [1, 1],
+            "encoder_qkv_multiscales": [[], []], "decoder_qkv_multiscales": [[], []],
+            "upsample_block_type": "interpolate", "downsample_block_type": "Conv",
+            "decoder_norm_types": "rms_norm", "decoder_act_fns": "silu", "scaling_factor": 1.2,
+        }  # fmt: skip
+    assert class_name == "AutoencoderKL"
+    return {
+        "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2,
+        "block_out_channels": [8, 16], "layers_per_block": 1, "latent_channels": 4,
+        "norm_num_groups": 4, "use_quant_conv": False, "use_post_quant_conv": False,
+        "shift_factor": -0.03, "scaling_factor": 2.8,
+    }  # fmt: skip
+
+
+TINY_VAE_SEED = 0
+"""The latent presets' VAE is the same whatever the run's seed (a pretrained VAE stands in)."""
 
 
 def load_tiny_vae() -> nn.Module:
@@ -62,7 +95,6 @@ def train_tiny_vae(
     from safetensors.torch import save_file
 
     from nebula_rl.flow.data import clip_pixels, read_local_dataset
-    from nebula_rl.flow.diffusers_models import TINY_VAE_SEED, tiny_vae_config
 
     torch.manual_seed(TINY_VAE_SEED)
     config = tiny_vae_config("AutoencoderKLWan")
