@@ -80,11 +80,33 @@ def test_the_export_is_a_pipeline_its_class_loads_and_runs(tmp_path):
     assert again.text_encoder.ids("a red square") == model.text_encoder.ids("a red square")
 
 
-def test_conditioning_frames_and_context_parallelism_are_refused_by_name():
+def test_image_conditioned_velocity_is_the_pipelines_too():
+    """The pipeline's image-to-world mode (a given first latent frame, clean and out of the
+    noisy tokens): the flow model told that frame is given answers the transformer's call."""
+    from PIL import Image
+
+    model = load_flow_model(_cfg(max_num_conditional_frames=1), seed=5)
+    prompts = model.text_encoder
+    calls = []
+    hook = model.transformer.register_forward_hook(
+        lambda m, a, kw, out: calls.append((kw, out[0][0].detach().clone())), with_kwargs=True
+    )
+    prompts.pipeline("a red square", image=Image.new("RGB", (16, 16), (200, 30, 30)),
+                     num_frames=5, height=16, width=16, num_inference_steps=2,
+                     guidance_scale=1.0, output_type="latent", enable_safety_check=False)  # fmt: skip
+    hook.remove()
+    kwargs, want = calls[1]
+    assert kwargs["vision_noisy_frame_indexes"][0].tolist() == [1, 2]
+    x, sigma = kwargs["vision_tokens"][0], kwargs["vision_timesteps"][:1] / 1000
+    text = prompts(["a red square"])
+    got = model(x, sigma, text, (text[..., 0] > 0).float(), torch.tensor([[1.0, 0.0, 0.0]]))
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.equal(got[:, :, 0], torch.zeros_like(got[:, :, 0]))  # (a given frame stays)
+
+
+def test_context_parallelism_is_refused_by_name():
     from nebula_rl.flow.models import check_flow_model
 
-    with pytest.raises(ValueError, match="max_num_conditional_frames = 1: a Cosmos3OmniTransf"):
-        check_flow_model(_cfg(max_num_conditional_frames=1))
     cfg = _cfg()
     cfg.policy.parallelism.cp_size = 2
     with pytest.raises(ValueError, match="not of a Cosmos3OmniTransformer"):
@@ -93,15 +115,18 @@ def test_conditioning_frames_and_context_parallelism_are_refused_by_name():
 
 @pytest.mark.parametrize(
     ("trainer", "extra"),
-    [("sft", {}), ("ddrl", {"data_beta": 0.1}), ("diffusion_nft", {})],
+    [("sft", {}), ("ddrl", {"data_beta": 0.1}), ("diffusion_nft", {}), ("flow_grpo", {})],
+    ids=["sft", "ddrl", "nft", "flow_grpo-given-frames"],
 )
 def test_each_trainer_steps_the_generator(tmp_path, trainer, extra):
-    """Flow-matching SFT on the toy clips, DDRL (its data term on them too) and DiffusionNFT
-    each take their steps on the generator in one process and move its weights."""
+    """Flow-matching SFT on the toy clips, DDRL (its data term on them too), DiffusionNFT, and
+    FlowGRPO with a given first frame each take their steps on the generator in one process and
+    move its weights."""
     from flow_configs import tiny_flow_config, tiny_flow_policy
     from nebula_rl.flow import job
 
-    policy = tiny_flow_policy(PRESET, frames=5, size=8, train_flow_shift=1.0)
+    given = {"max_num_conditional_frames": 1} if trainer == "flow_grpo" else {}
+    policy = tiny_flow_policy(PRESET, frames=5, size=8, train_flow_shift=1.0, **given)
     data = tiny_flow_config(tmp_path, policy, trainer=trainer, max_num_steps=2, **extra)
     if trainer == "sft":
         data["train"]["train_policy"] = {

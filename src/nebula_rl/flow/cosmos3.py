@@ -18,13 +18,14 @@ So here:
   empty caption stands for guidance's unconditional branch: the pipeline's negative prompt (empty,
   with its inverse templates). Stored text embeddings of a dataset are not used: the captions are.
 - :func:`cosmos3_velocity` builds each sample's packed sequence with the pipeline's own
-  `_prepare_text_segment` / `_prepare_vision_segment` (text-to-world: every latent frame noisy)
-  and calls the transformer once per sample (its packed attention has no batch), with the
+  `_prepare_text_segment` / `_prepare_vision_segment` and calls the transformer once per
+  sample (its packed attention has no batch), with the
   pipeline's timestep `1000 sigma`; the velocity is the rectified flow's `noise - x0`, as the
-  pipeline's flow-prediction scheduler reads it.
+  pipeline's flow-prediction scheduler reads it. Conditioning frames (the pipeline's image- and
+  video-to-world modes) are latent frames left clean and out of the noisy tokens.
 
-Sound and action generation, conditioning frames and context parallelism are not built for it
-(refused by name where a config asks).
+Sound and action generation and context parallelism are not built for it (refused by name where
+a config asks).
 """
 
 from __future__ import annotations
@@ -156,17 +157,25 @@ class Cosmos3Prompts:
             out[i, : len(row), 0] = torch.tensor(row, dtype=torch.float32) + 1
         return out
 
-    def segments(self, ids: list[int], shape: tuple[int, ...], device: torch.device) -> dict:
+    def segments(
+        self,
+        ids: list[int],
+        shape: tuple[int, ...],
+        device: torch.device,
+        given: tuple[int, ...] = (),
+    ) -> dict[str, Any]:
         """The transformer's arguments but the step's latents and timesteps for a sample of
-        prompt `ids` and latents of `shape` [1, C, T, H, W], from the pipeline's own packing."""
-        key = (tuple(ids), shape, str(device))
+        prompt `ids`, latents of `shape` [1, C, T, H, W] and the `given` (clean) latent frames,
+        from the pipeline's own packing."""
+        key = (tuple(ids), shape, str(device), given)
         if key not in self._segments:
             pipe = self.pipeline
             text = pipe._prepare_text_segment(ids, device=device)
             vision = pipe._prepare_vision_segment(
-                input_vision_tokens=torch.empty(shape, device="meta"), has_image_condition=False,
-                mrope_offset=text["vision_start_temporal_offset"], vision_fps=COSMOS3_FPS,
-                curr=text["und_len"], device=device, condition_frame_indexes=[],
+                input_vision_tokens=torch.empty(shape, device="meta"),
+                has_image_condition=bool(given), mrope_offset=text["vision_start_temporal_offset"],
+                vision_fps=COSMOS3_FPS, curr=text["und_len"], device=device,
+                condition_frame_indexes=list(given),
             )  # fmt: skip
             self._segments[key] = {
                 "input_ids": text["input_ids"],
@@ -201,17 +210,25 @@ class Cosmos3Prompts:
 
 
 def cosmos3_velocity(
-    transformer: nn.Module, prompts: Cosmos3Prompts, x: Tensor, sigma: Tensor, text: Tensor
+    transformer: nn.Module,
+    prompts: Cosmos3Prompts,
+    x: Tensor,
+    sigma: Tensor,
+    text: Tensor,
+    condition: Tensor | None = None,
 ) -> Tensor:
     """The velocity [B, C, T, H, W] of latents `x` at noise levels `sigma` [B] for prompt rows
-    `text` [B, L, 1] (:class:`Cosmos3Prompts`), one packed sequence per sample."""
+    `text` [B, L, 1] (:class:`Cosmos3Prompts`), one packed sequence per sample; `condition`
+    [B, T] (1: a given latent frame) leaves those frames clean and out of the noisy tokens, as
+    the pipeline's image- and video-conditioned modes do (their velocity is 0)."""
     dtype = next(transformer.parameters()).dtype
     out = []
     for b in range(x.shape[0]):
         row = text[b, :, 0].float().round().long()
         ids = (row[row > 0] - 1).tolist() or prompts.ids("")  # (no tokens: unconditional)
         sample = x[b : b + 1].to(dtype)
-        parts = dict(prompts.segments(ids, tuple(sample.shape), x.device))
+        given = () if condition is None else tuple(condition[b].nonzero().flatten().tolist())
+        parts = dict(prompts.segments(ids, tuple(sample.shape), x.device, given))
         noisy = parts.pop("noisy_tokens")
         timesteps = torch.full((noisy,), float(sigma[b]) * 1000, device=x.device)
         velocity = transformer(

@@ -179,7 +179,7 @@ class DiffusersFlowModel(nn.Module):
     def takes_conditioning(self) -> bool:
         """Whether the transformer can be told which frames are given (a condition-mask channel
         or per-token timesteps)."""
-        return self.condition_channel or self.expand_timesteps
+        return self.condition_channel or self.expand_timesteps or self.kind == COSMOS3_CLASS
 
     @property
     def config(self) -> Any:
@@ -236,7 +236,10 @@ class DiffusersFlowModel(nn.Module):
             )
         if self.kind == COSMOS3_CLASS:  # (prompt token ids, one packed sequence a sample)
             assert isinstance(self.text_encoder, Cosmos3Prompts)
-            return cosmos3_velocity(self.transformer, self.text_encoder, x, sigma, text).to(x.dtype)
+            velocity = cosmos3_velocity(
+                self.transformer, self.text_encoder, x, sigma, text, condition
+            )
+            return velocity.to(x.dtype)
         dtype = next(self.transformer.parameters()).dtype
         text = (text * text_mask.unsqueeze(-1).to(text.dtype)).to(dtype)
         t = (sigma * 1000 if self.kind in _THOUSAND else sigma).to(dtype)

@@ -264,12 +264,14 @@ def _check_diffusers_conditioning(
         and channels_out is not None
         and channels_in == channels_out + 1
     )
-    if most and not (mask or (class_name == "WanTransformer3DModel" and expand_timesteps)):
+    ti2v = class_name == "WanTransformer3DModel" and expand_timesteps
+    if most and not (mask or ti2v or class_name == COSMOS3_CLASS):  # (Cosmos 3: clean tokens)
         raise ValueError(
             f"policy.diffusers.max_num_conditional_frames = {most}: a {class_name} with "
             f"{channels_in} input channels has no condition-mask channel to mark given frames, "
             "nor per-token timesteps (Cosmos-Predict2.5's latent-space transformer, Wan 2.2 "
-            "TI2V's with its pipeline's expand_timesteps, and the built-in DiT take them)"
+            "TI2V's with its pipeline's expand_timesteps, Cosmos 3's and the built-in DiT take "
+            "them)"
         )
 
 
