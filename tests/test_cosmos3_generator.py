@@ -59,6 +59,25 @@ def test_the_velocity_is_the_transformers_on_its_pipelines_own_sequence():
     assert torch.equal(calls[0][0]["input_ids"], torch.tensor(prompts.ids("a red square")))
 
 
+def test_runs_feed_it_their_captions_tokens_not_stored_embeddings(tmp_path):
+    """The toy clips carry stored text embeddings (for the other models); the batches every
+    trainer, rollout and validation build for this model hold their captions' prompt ids, and
+    guidance's unconditional rows the pipeline's negative prompt's."""
+    from nebula_rl.flow.data import Clip, clip_text, make_toy_dataset, read_local_dataset
+    from nebula_rl.flow.text_encoder import flow_text_encoder
+
+    model = load_flow_model(_cfg())
+    root = make_toy_dataset(tmp_path, clips_per_prompt=1, frames=5, size=16)
+    clips = read_local_dataset(root, num_frames=5)[:2]
+    assert all(c.text is not None for c in clips)
+    encoder = flow_text_encoder(model)
+    text, mask = clip_text(clips, encoder)
+    assert torch.equal(text, model.text_encoder([c.caption for c in clips]))
+    assert mask.sum(dim=1).tolist() == [len(model.text_encoder.ids(c.caption)) for c in clips]
+    null, _ = clip_text([Clip("null", encoder.negative_prompt, None, None)], encoder)
+    assert (null[0, :, 0][null[0, :, 0] > 0] - 1).long().tolist() == model.text_encoder.ids("")
+
+
 def test_the_export_is_a_pipeline_its_class_loads_and_runs(tmp_path):
     """`Cosmos3OmniPipeline.from_pretrained` loads an export (transformer, trained VAE,
     tokenizer, scheduler) and samples with it; nebula-rl loads it back as the same model."""

@@ -240,8 +240,10 @@ def clip_pixels(clips: list[Clip]) -> Tensor:
 def clip_text(clips: list[Clip], encode: TextEncoder | None = None) -> tuple[Tensor, Tensor]:
     """(text [B, L, D] zero-padded, in the embeddings' dtype; mask [B, L]: 1 on a caption's
     nonzero token rows) of `clips`: their stored embeddings, or those `encode` gives their
-    captions."""
+    captions (all of them for an encoder that `replaces_embeddings`)."""
     texts: list[Tensor | None] = [c.text for c in clips]
+    if getattr(encode, "replaces_embeddings", False):  # (Cosmos 3 reads its captions' tokens)
+        texts = [None] * len(clips)
     missing = [i for i, t in enumerate(texts) if t is None]
     if missing:
         if encode is None:

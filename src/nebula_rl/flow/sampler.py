@@ -174,6 +174,12 @@ def sde_step(
     return FlowStep(sample, mean, std, scale, step_log_prob(sample, mean, scale, free=free))
 
 
+def _pad_tokens(t: Tensor, n: int) -> Tensor:
+    """`t` [B, L, ...] zero-padded to `n` tokens (zero rows: no token, masked out)."""
+    pad = [0, 0] * (t.dim() - 2) + [0, n - t.shape[1]]
+    return torch.nn.functional.pad(t, pad)
+
+
 def guided_velocity(
     model: Callable[..., Tensor],
     x: Tensor,
@@ -199,6 +205,11 @@ def guided_velocity(
         null_text = torch.zeros_like(text)
         null_mask = torch.zeros_like(text_mask)
     assert null_mask is not None
+    if text.shape[1] != null_text.shape[1]:  # (Cosmos 3's prompt ids: rows of any length)
+        n = max(text.shape[1], null_text.shape[1])
+        text, text_mask, null_text, null_mask = (
+            _pad_tokens(t, n) for t in (text, text_mask, null_text, null_mask)
+        )
     both = model(
         torch.cat([x, x]),
         torch.cat([sigma, sigma]),

@@ -48,6 +48,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nebula_rl.flow.cosmos3 import Cosmos3Prompts
+
 __all__ = [
     "TEXT_PIPELINES",
     "PipelineTextEncoder",
@@ -235,7 +237,8 @@ def text_encoders(pipeline: Any) -> list[nn.Module]:
     return [part for k in names if (part := getattr(pipeline, k, None)) is not None]
 
 
-def flow_text_encoder(model: Any) -> PipelineTextEncoder | None:
-    """The text encoder a flow model was given for a prompt dataset; None where it has none."""
+def flow_text_encoder(model: Any) -> PipelineTextEncoder | Cosmos3Prompts | None:
+    """The text encoder a flow model was given for a prompt dataset, or the prompt tokenizer of
+    Cosmos 3's generator (which reads every caption's tokens); None where it has none."""
     encoder = getattr(model, "text_encoder", None)
-    return encoder if isinstance(encoder, PipelineTextEncoder) else None
+    return encoder if isinstance(encoder, PipelineTextEncoder | Cosmos3Prompts) else None
