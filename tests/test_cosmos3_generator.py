@@ -186,3 +186,19 @@ def test_the_cpu_twin_learns_asynchronously_through_the_reward_service(tmp_path)
     assert all(r["rewards_lost"] == 0 and r["staleness_max"] <= 1 for r in records)
     rewards = [r["reward_mean"] for r in records]
     assert sum(rewards[-8:]) / 8 > sum(rewards[:8]) / 8 + 0.01, rewards
+
+
+def test_a_prompt_file_validates_a_run_on_clips(tmp_path):
+    """Other models refuse captions beside stored embeddings (text from two encoders); this one
+    reads every caption's tokens, so a prompt file may validate a run on clips."""
+    from nebula_rl.flow.models import check_flow_model
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square\na blue bar\n")
+    cfg = _cfg()
+    cfg.validation.enable = True
+    cfg.validation.dataset.name = str(prompts)
+    check_flow_model(cfg)
+    cfg.policy.model_name_or_path = "tiny:wan_transformer3d_latent"
+    with pytest.raises(ValueError, match="text from two encoders"):
+        check_flow_model(cfg)

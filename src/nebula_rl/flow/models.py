@@ -212,7 +212,10 @@ def _check_prompt_dataset(cfg: Config, folder: Path | None) -> None:
     datasets = _unembedded(cfg)
     if not datasets:
         return
-    if cfg.validation.enable and len(datasets) == 1:  # (one of the two carries embeddings)
+    name = cfg.policy.model_name_or_path
+    kind = DIFFUSERS_PRESETS.get(name) or (folder and (diffusers_class_of(folder) or ("",))[0])
+    cosmos3 = kind == COSMOS3_CLASS  # (it reads every caption's tokens: no stored embeddings)
+    if cfg.validation.enable and len(datasets) == 1 and not cosmos3:  # (one carries embeddings)
         other = "validation.dataset" if datasets[0][0].startswith("train") else "train dataset"
         raise ValueError(
             f"{datasets[0][0]} has captions the pipeline's text encoder embeds, and the "
@@ -237,9 +240,7 @@ def _check_prompt_dataset(cfg: Config, folder: Path | None) -> None:
                 f"{key}: a prompt dataset has captions only, and {why}: name a clip folder (the "
                 "local layout, or cosmos-rl's diffusers layout as dataset.local_dir)"
             )
-    name = cfg.policy.model_name_or_path
-    kind = DIFFUSERS_PRESETS.get(name) or (folder and (diffusers_class_of(folder) or ("",))[0])
-    if kind == COSMOS3_CLASS:  # (it reads the captions' tokens: its pipeline's tokenizer)
+    if cosmos3:  # (its pipeline's tokenizer is its text encoder)
         return
     pipeline = None if folder is None else text_pipeline(folder)
     if pipeline not in TEXT_PIPELINES:
