@@ -54,8 +54,9 @@ COSMOS3_FPS = 24.0
 
 KEY = "policy.model_name_or_path"
 
-_SETTINGS = ("enable_safety_checker", "default_use_system_prompt", "use_native_flow_schedule")
-"""The pipeline's own settings an export keeps from its source folder."""
+_SETTINGS = ("default_use_system_prompt", "use_native_flow_schedule")
+"""The pipeline's own settings the prompts' pipeline takes from its source folder, and an export
+keeps (with its `enable_safety_checker`)."""
 
 
 def _pipeline_class() -> Any:
@@ -107,7 +108,7 @@ class Cosmos3Prompts:
         self.folder = folder
         """The pipeline folder the tokenizer and scheduler came from (None: a preset)."""
         self.frames, self.height, self.width = frames, height, width
-        settings = {k: v for k, v in self.source_index().items() if k in _SETTINGS[1:]}
+        settings = {k: v for k, v in self.source_index().items() if k in _SETTINGS}
         self.pipeline = _pipeline_class()(
             transformer=transformer, text_tokenizer=tokenizer, vae=vae,
             scheduler=_scheduler(folder), enable_safety_checker=False, **settings,
@@ -198,7 +199,8 @@ class Cosmos3Prompts:
         `scheduler/`); their `model_index.json` entries."""
         self.tokenizer.save_pretrained(str(folder / "text_tokenizer"))
         self.pipeline.scheduler.save_pretrained(str(folder / "scheduler"))
-        source = {k: v for k, v in self.source_index().items() if k in _SETTINGS}
+        kept = (*_SETTINGS, "enable_safety_checker")
+        source = {k: v for k, v in self.source_index().items() if k in kept}
         return {
             "text_tokenizer": ["transformers", type(self.tokenizer).__name__],
             "scheduler": ["diffusers", type(self.pipeline.scheduler).__name__],

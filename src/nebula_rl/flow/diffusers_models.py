@@ -134,9 +134,8 @@ _THOUSAND = {
     "SD3Transformer2DModel",
     "SanaTransformer2DModel",
     "SanaVideoTransformer3DModel",
-    COSMOS3_CLASS,
 }
-"""Classes whose timestep is 1000 sigma."""
+"""Classes whose timestep is 1000 sigma (Cosmos 3's too, given in `flow.cosmos3`)."""
 
 KEY = "policy.model_name_or_path"
 
