@@ -32,6 +32,7 @@ from nebula_rl.flow.runtime import FlowTrainer, flow_settings
 from nebula_rl.flow.trajectories import TrajectoryStore
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.weights import free_port
+from test_flow_diffusers import COSMOS_ATTENTION
 
 TOL = 1e-5
 GROUPS = 4
@@ -395,24 +396,34 @@ def _train_cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(
-    ("trainer", "cp", "model"),
+    ("trainer", "cp", "model", "uncentralized"),
     [
-        ("flow_grpo", 1, "tiny:dit"),
+        ("flow_grpo", 1, "tiny:dit", False),
+        ("flow_grpo", 1, "tiny:dit", True),
         # (DiffusionNFT in the slow suite: test_flow_prompts runs it colocated on two ranks fast)
-        pytest.param("diffusion_nft", 1, "tiny:dit", marks=pytest.mark.slow),
-        ("diffusers_sft", 1, "tiny:dit"),
+        pytest.param("diffusion_nft", 1, "tiny:dit", True, marks=pytest.mark.slow),
+        ("diffusers_sft", 1, "tiny:dit", False),
         # (context parallel in the slow suite: a CP policy replica steps like one process fast)
-        pytest.param("flow_grpo", 2, "tiny:dit", marks=pytest.mark.slow),
-        pytest.param("flow_grpo", 2, "tiny:cosmos_transformer3d", marks=pytest.mark.slow),
+        pytest.param("flow_grpo", 2, "tiny:dit", True, marks=pytest.mark.slow),
+        pytest.param("flow_grpo", 2, "tiny:cosmos_transformer3d", True, marks=pytest.mark.slow),
+        # (a LoRA policy's replica: the sampler's copy takes the adapter's weights too)
+        pytest.param("flow_grpo", 1, "tiny:cosmos_transformer3d", False, marks=pytest.mark.slow),
     ],
-    ids=["flow_grpo", "diffusion_nft", "diffusers_sft", "flow_grpo-cp2", "flow_grpo-cp2-cosmos"],
-)
-def test_colocated_runs_sample_and_train_on_the_policy_ranks(tmp_path, trainer, cp, model):
-    """`mode = "colocated"` with `dp_shard_size = 2`: `nebula-rl train` starts two ranks that
-    sample (RL), score and train the FSDP2-sharded model in turns; the run records every step
-    once, draws its sample grid on both ranks, and exports the whole model (SFT splits its
-    batches over the same ranks; FlowGRPO there picks its trained steps with `train_on`, starts
-    each group from one noise and resets its sharded KL reference). With `cp_size = 2` instead, the two ranks sample the same
+    ids=[
+        "flow_grpo", "flow_grpo-uncentralized", "diffusion_nft-uncentralized", "diffusers_sft",
+        "flow_grpo-cp2-uncentralized", "flow_grpo-cp2-cosmos-uncentralized", "flow_grpo-lora-cosmos",
+    ],
+)  # fmt: skip
+def test_colocated_runs_sample_and_train_on_the_policy_ranks(
+    tmp_path, trainer, cp, model, uncentralized
+):
+    """`mode = "colocated"` with `dp_shard_size = 2`: one policy replica of two ranks that
+    sample (RL), score and train the FSDP2-sharded model in turns, its groups through the
+    controller (no rollout replica); with `uncentralized_training`, `nebula-rl train`'s own two
+    ranks, without a controller. Either way the run records every step once, draws its sample
+    grid on both ranks, and exports the whole model (SFT splits its batches over the same ranks;
+    FlowGRPO there picks its trained steps with `train_on`, starts each group from one noise and
+    resets its sharded KL reference). With `cp_size = 2` instead, the two ranks sample the same
     groups, each running one of a clip's two frames (the built-in DiT and a diffusers
     Cosmos-Predict2.5 transformer)."""
     import json
@@ -420,9 +431,12 @@ def test_colocated_runs_sample_and_train_on_the_policy_ranks(tmp_path, trainer, 
     changes: dict[str, object] = {
         "train.train_policy.trainer_type": trainer,
         "policy.model_name_or_path": model,
+        "train.train_policy.uncentralized_training": uncentralized,
     }
     if cp > 1:
         changes["policy.parallelism"] = {"dp_shard_size": 1, "cp_size": cp}
+    if model == "tiny:cosmos_transformer3d" and cp == 1:
+        changes["policy.lora"] = {"r": 4, "lora_alpha": 8, "target_modules": COSMOS_ATTENTION}
     if trainer == "diffusers_sft":
         changes |= COLOCATED_SFT
     if trainer == "flow_grpo" and cp == 1:  # (cosmos-rl's --wfm-mode options, on shards)
@@ -441,13 +455,20 @@ def test_colocated_runs_sample_and_train_on_the_policy_ranks(tmp_path, trainer, 
     key = "loss" if trainer == "diffusers_sft" else "reward_mean"
     assert all(torch.isfinite(torch.tensor(r[key])) for r in records)
     assert (run_dir / "samples" / "step_3.png").is_file()
-    assert (run_dir / "samples.png").is_file()
+    in_job = uncentralized or trainer == "diffusers_sft"
+    assert (run_dir / "samples.png").is_file() == in_job  # (the one-job loop's last grid)
+    logs = sorted(p.name for p in (run_dir / "logs").iterdir())
     said = result.stdout + result.stderr
-    assert "[rank 1]" in said  # (two ranks ran)
+    if in_job:
+        assert "[rank 1]" in said and "controller.log" not in logs
+    else:  # (a colocated policy replica of two ranks under a controller, no rollout replica)
+        assert logs == ["controller.log", "policy-0.log", "train.log"]
+        assert "[rank 1]" in (run_dir / "logs" / "policy-0.log").read_text()
     raw = _raw(tmp_path, ranks=1)
     raw["policy"]["model_name_or_path"] = str(run_dir / "safetensors" / "final")
     trained = load_flow_model(config_from_dict(raw))
-    start = load_flow_model(_cfg(tmp_path, ranks=1))  # type: ignore[arg-type]
+    raw["policy"]["model_name_or_path"] = model
+    start = load_flow_model(config_from_dict(raw))  # (the same seed's starting weights)
     assert any(
         not torch.equal(a, b)
         for a, b in zip(start.state_dict().values(), trained.state_dict().values(), strict=True)
@@ -458,9 +479,8 @@ def test_what_colocated_mode_needs_is_refused_by_name(tmp_path):
     result = _train_cli(_job(tmp_path, mode="disaggregated"), "--local")
     assert result.returncode == 2
     said = " ".join((result.stdout + result.stderr).split())
-    assert (
-        'dp_shard_size = 2: `--local` world-model RL is one process; set mode = "colocated"' in said
-    )
+    assert "dp_shard_size = 2: `--local` world-model RL is one process; run without" in said
+    assert "uncentralized_training = true: in this job's ranks" in said
     assert "[rank 1]" not in said  # (refused before any rank started)
     with pytest.raises(ConfigError, match=r'mode = "colocated_separated": world models run'):
         config_from_dict({**_raw(tmp_path, ranks=2), "mode": "colocated_separated"})  # type: ignore[attr-defined]

@@ -129,25 +129,33 @@ def test_a_local_run_validates_the_weights_of_the_due_steps(tmp_path):
     assert other["val/reward_mean"] != pytest.approx(again["val/reward_mean"], rel=1e-3)
 
 
-@pytest.mark.parametrize("trainer", ["flow_grpo", "diffusers_sft"])
+@pytest.mark.parametrize("trainer", ["flow_grpo", "flow_grpo-uncentralized", "diffusers_sft"])
 def test_sharded_runs_validate_like_one_process(tmp_path, trainer):
-    """Colocated RL and SFT on 2 FSDP2 ranks split the 3 validation clips 2 + 1 (the short
-    share padded, its repeat dropped); the last step's numbers equal one process's validation
-    of the exported model."""
+    """Colocated RL and SFT on 2 FSDP2 ranks validate the exported weights: the last step's
+    numbers equal one process's validation of the exported model. A colocated replica's ranks
+    sample the validation clips with their copies of the weights; uncentralized RL and SFT, in
+    the job's own ranks, split the 3 clips 2 + 1 over the sharded model (the short share
+    padded, its repeat dropped)."""
     # (one clip per forward: without the padding, rank 1 would run one forward less and hang)
     changes: dict[str, object] = {"validation": {**VALIDATION, "batch_size": 1}}
+    if trainer == "flow_grpo-uncentralized":
+        trainer = "flow_grpo"
+        changes["train.train_policy.uncentralized_training"] = True
     if trainer == "diffusers_sft":
         changes |= COLOCATED_SFT
     config = _job(tmp_path, **changes)
     result = _train_cli(config)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = tmp_path / "runs" / "colocated"
-    records = _records(run_dir)
-    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    records: dict[int, dict] = {}  # (a colocated replica's job records validation apart)
+    for record in _records(run_dir):
+        records.setdefault(record["step"], {}).update(record)
+    assert list(records) == [0, 1, 2, 3]
     data = json.loads(config.read_text())
     data["policy"]["parallelism"] = {"dp_shard_size": 1}
     data["rollout"].pop("parallelism", None)
     data.pop("mode")
+    data["train"]["train_policy"].pop("uncentralized_training", None)
     cfg = config_from_dict(data)
     val_clips = flow_clips(cfg, run_dir, create=False, validation=True)
     model = _exported(data, run_dir)

@@ -31,7 +31,25 @@ def test_the_modality_follows_the_config(tmp_path):
     text = for_config(config_from_dict({}))
     world = for_config(config_from_dict(tiny_flow_config(tmp_path, tiny_flow_policy())))
     assert (text.name, world.name) == ("text", "world")
-    # A colocated world model runs in `nebula-rl train`'s ranks; a language model's policy
-    # replicas generate under a controller.
-    assert world.colocated_in_one_job and not text.colocated_in_one_job
     assert "pickscore" in world.fetched_datasets() and not text.fetched_datasets()
+
+
+def test_check_names_the_world_models_colocated_layouts(tmp_path):
+    """`nebula-rl check`'s layout note for world-model RL: rollout replicas, a colocated replica
+    under the controller, or the uncentralized run in one job."""
+    from types import SimpleNamespace
+
+    def note(**changes: object) -> str:
+        raw = tiny_flow_config(tmp_path, tiny_flow_policy(), **changes.pop("policy_keys", {}))  # type: ignore[arg-type]
+        raw |= changes
+        raw["policy"]["parallelism"] = {"dp_shard_size": 2}
+        cfg = config_from_dict(raw)
+        report = SimpleNamespace(errors=[], notes=[])
+        for_config(cfg).check_layout(cfg, report, num_policy=1, num_rollout=2)
+        assert report.errors == []
+        return " ".join(n for n in report.notes if n.startswith("layout:"))
+
+    assert "1 policy replica(s) of 2 process(es) (FSDP2-sharded) and 2 rollout" in note()
+    assert "1 colocated policy replica(s) of 2 process(es)" in note(mode="colocated")
+    unc = note(mode="colocated", policy_keys={"uncentralized_training": True})
+    assert "trains on 2 rank(s), FSDP2-sharded, sampling its own rollouts in this job" in unc

@@ -171,10 +171,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from nebula_rl.utils.runs import resolve_run_dir
 
     modality = for_config(cfg)
-    # (a colocated world model samples and trains on the policy's ranks, in this job)
-    colocated = cfg.mode == "colocated" and modality.colocated_in_one_job
-    distributed = isinstance(cfg.train.train_policy, GrpoConfig) and not args.local
-    distributed = distributed and not colocated
+    p = cfg.train.train_policy
+    # (uncentralized colocated RL samples and trains on the policy's ranks, in this job)
+    distributed = isinstance(p, GrpoConfig) and not args.local and not p.uncentralized_training
     if not distributed:
         try:
             modality.check_single(cfg)  # (before any rank starts)
@@ -221,7 +220,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             ensure_model(cfg)
         elif cfg.policy.warmstart_config is not None:
             _wait_for_model(cfg.policy.model_name_or_path)
-        if not distributed:  # SFT, RL with --local, a colocated world model
+        if not distributed:  # SFT, RL with --local, uncentralized colocated RL
             run_dir = modality.run_single(cfg)
             log.info("run finished: %s", run_dir)
             return 0

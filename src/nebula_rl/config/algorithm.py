@@ -192,7 +192,8 @@ class GrpoConfig(Section):
             "replica on its own rollouts without the controller is not built"
         ),
     )
-    """Colocated mode: rollouts go to the local policy without the controller."""
+    """Colocated mode: rollouts go to the local policy without the controller (world models:
+    `nebula-rl train`'s own ranks sample and train; refused for language models)."""
     outdated_rollout_fetch_batch_size: int = Field(
         default=0,
         json_schema_extra=refused(

@@ -1,119 +1,145 @@
-"""Colocated world-model RL (`mode = "colocated"`, cosmos-rl's way): the policy's ranks sample
-their own rollouts, score them and train on them, taking turns, with the flow model
-FSDP2-sharded over the ranks (`policy.parallelism.dp_shard_size` processes, or HSDP with
-`dp_replicate_size` copies of such shards, started by
-`nebula-rl train`). No controller, no rollout replicas, no weight push: the weights that train
-are the weights that sample.
-
-Each iteration every rank takes its share of the iteration's prompts (`prompts[rank::ranks]`),
-samples `group_size` trajectories of each with its own noise, and scores them (a latent-space
-model's decoded by its VAE, which each rank holds whole); the advantages are
-group-relative (with `global_std`, over the rewards of every rank); then `flow.local.
-train_on_batch` trains its share, FSDP2 averaging the gradients. DiffusionNFT's training noise is
-seeded per sample, and the records sum over the ranks, so the numbers are those of the whole
-iteration.
-"""
+"""A colocated policy replica's world-model generation (`mode = "colocated"`): each rank samples
+its share of a round's prompts with the SDE sampler on its own copy of the flow model, decodes
+and scores them; rank 0 claims the prompts, stores the groups' trajectories and pushes the
+groups as a world-model rollout replica does (`policy.colocated` runs the rounds)."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
-from nebula_rl.flow.data import Clip
-from nebula_rl.flow.local import (
-    FlowBatch,
-    FlowRLSettings,
-    RewardFn,
-    data_distance,
-    flow_advantages,
-    pooled_std,
-    roll_out,
-    train_on_batch,
+import torch
+
+from nebula_rl.config import GrpoConfig
+from nebula_rl.controller.client import ReplicaSession
+from nebula_rl.flow.job import flow_clips, flow_scorer, flow_settings, flow_validation_scorer
+from nebula_rl.flow.local import roll_out
+from nebula_rl.flow.models import load_flow_model
+from nebula_rl.flow.runtime import (
+    SampledGroup,
+    push_group,
+    push_validated,
+    scored_groups,
 )
-from nebula_rl.flow.parallel import sample_seed, sum_over
-from nebula_rl.flow.vae import samples_to_pixels
+from nebula_rl.flow.trajectories import TrajectoryStore
+from nebula_rl.flow.transfer import TrajectoryServer
+from nebula_rl.flow.validation import scored_clips
+from nebula_rl.protocol import Prompt
 from nebula_rl.utils.ranks import cpu_threads
 
-__all__ = ["colocated_iteration"]
+__all__ = ["WorldRounds"]
+
+log = logging.getLogger(__name__)
+
+_Work = tuple[str, Prompt]
+"""A claimed prompt: its stream id and the prompt (every rank reads the clips itself)."""
 
 
-def colocated_iteration(
-    model: nn.Module,
-    everyone: list[Clip],
-    clips: list[Clip],
-    s: FlowRLSettings,
-    iteration: int,
-    *,
-    dp: DeviceMesh,
-    score: RewardFn,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    generator: torch.Generator,
-    old: nn.Module | None,
-    reference: nn.Module | None,
-) -> dict[str, float]:
-    """One iteration of `model` (sharded over the data-parallel mesh `dp`) with
-    `s.algorithm` on this rank's share of the prompts `everyone` (all ranks', the same list on
-    every rank), this rank's noise from `generator`; the iteration's record, the same on every
-    rank. `old` is DiffusionNFT's old weights and `reference` the KL's
-    (`flow.parallel.frozen_copy`: sharded like `model`), each None where not used."""
-    rank, ranks = dp.get_local_rank(), dp.size()
-    device = next(model.parameters()).device
-    mine = everyone[rank::ranks]
-    if not mine:
-        raise ValueError(
-            f"iteration {iteration}: {len(everyone)} prompts for {ranks} ranks; "
-            "policy.parallelism.dp_shard_size must not exceed the prompts of a step"
-        )
-    real = [c for c in mine for _ in range(s.group_size)]
-    prompts = [c.caption for c in real]
-    with cpu_threads(s.rollout_threads):
-        x0, text, mask, trajectory = roll_out(model, real, s, generator)
-    pixels = samples_to_pixels(model, trajectory.final).float().cpu()
-    scored = score(pixels, prompts)
-    rewards = torch.tensor(scored if scored is not None else [0.0] * len(prompts))
-    stats = torch.tensor(
-        [float(rewards.sum()), float(rewards.square().sum()), float(len(rewards))],
-        dtype=torch.float64,
-    )
-    sum_over(stats, dp)
-    total, squares, n = stats.tolist()
-    batch_std = pooled_std(total, squares, n, population=s.population_std)
-    advantages = flow_advantages(rewards, s.group_size, s, batch_std=batch_std).to(device)
-    seeds = [
-        sample_seed(s.seed, iteration, f"{(rank + ranks * i)}:{c.stem}", k)
-        for i, c in enumerate(mine)
-        for k in range(s.group_size)
-    ]
-    batch = FlowBatch(prompts, x0, text, mask, trajectory, advantages, noise_seeds=seeds)
-    with cpu_threads(s.train_threads):
-        losses, clipped = train_on_batch(
-            model, optimizer, batch, s, generator, iteration=iteration, reference=reference,
-            old=old, scheduler=scheduler,
-        )  # fmt: skip
-    count = float(len(rewards))
-    near = data_distance(pixels, prompts, clips)  # (None for a prompt dataset: on every rank)
-    sums = torch.tensor(
-        [
-            sum(losses) / len(losses) * count,
-            clipped * count,
-            (near or 0.0) * count,
-            float(scored is None),
-        ],
-        dtype=torch.float64,
-    )
-    sum_over(sums, dp)
-    loss, clip, distance, lost = sums.tolist()
-    mean = total / n
-    record = {
-        "iteration": float(iteration),
-        "reward_mean": mean,
-        "reward_std": batch_std,
-        "rewards_lost": lost / ranks,
-        "loss": loss / n,
-        "clip_fraction": clip / n,
-    }
-    if near is not None:  # (a prompt dataset's samples have no data to be near)
-        record["data_distance"] = distance / n
-    return record
+class WorldRounds:
+    """One rank's generation in a colocated world-model replica (the `policy.colocated.Rounds`
+    of world models). Its copy of the model is unsharded and frozen, so a rank samples alone,
+    without lock step with the FSDP2-sharded training module; its noise is its own (seeded by
+    replica and rank)."""
+
+    def __init__(
+        self, session: ReplicaSession, device: torch.device, *, rank: int, **_: Any
+    ) -> None:
+        self.session = session
+        cfg = self.cfg = session.cfg
+        p = cfg.train.train_policy
+        assert isinstance(p, GrpoConfig)
+        run_dir = Path(session.meta["run_dir"])
+        self.clips = flow_clips(cfg, run_dir, create=False)
+        # The starting weights are copied in from the policy before the first round.
+        self.model = load_flow_model(cfg, seed=cfg.train.seed or 0).to(device).eval()
+        self.model.requires_grad_(False)
+        self.params = dict(self.model.named_parameters())
+        self.settings = flow_settings(cfg, num_iterations=1, prompts=cfg.groups_per_replica)
+        self.score = flow_scorer(p)
+        self.val_clips = None
+        if cfg.validation.enable:
+            self.val_clips = flow_clips(cfg, run_dir, create=False, validation=True)
+            val_score = flow_validation_scorer(cfg, self.score)
+            assert val_score is not None  # (the training rewards at least)
+            self.val_score = val_score
+        base = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed or 0
+        replica = session.registration["replica_id"] - 1  # (ids count from 1)
+        self.generator = torch.Generator(device=device).manual_seed(base + 1000 * replica + rank)
+        self.lead = rank == 0
+        if self.lead:  # (rank 0 stores every group's trajectory and serves other hosts)
+            self.store = TrajectoryStore.for_job(run_dir)
+            self.server = TrajectoryServer(
+                session.state, session.name, self.store, timeout=cfg.controller.collective_timeout
+            )
+            self.server.start()
+
+    def load(
+        self, weights: Iterable[tuple[str, torch.Tensor]], version: int, *, first: bool
+    ) -> None:
+        seen = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                target = self.params.get(name)
+                if target is None:
+                    raise KeyError(f"the policy sent {name}, which the sampler's model lacks")
+                target.copy_(tensor)
+                seen.add(name)
+        missing = self.params.keys() - seen
+        if first and missing:
+            raise KeyError(f"the policy sent no {sorted(missing)[:5]}")
+
+    def claim(self, version: int) -> list[_Work]:
+        """Rank 0: up to `rollout.batch_size` prompts, validation prompts first."""
+        state, name = self.session.state, self.session.name
+        size = max(1, self.cfg.rollout.batch_size)
+        claimed: list[_Work] = []
+        if self.val_clips is not None:
+            claimed += state.claim_validation(name, size)
+        if len(claimed) < size:
+            block_ms = 0 if claimed else 100
+            claimed += state.claim_prompts(name, size - len(claimed), block_ms=block_ms)
+        for _, prompt in claimed:
+            assert prompt.min_version <= version, (
+                f"prompt {prompt.prompt_id} needs weights of version {prompt.min_version}; this "
+                f"replica holds {version}"
+            )
+        return claimed
+
+    def generate(self, work: list[_Work]) -> list[Any]:
+        """Sample and score this rank's share: a :class:`SampledGroup` per training prompt, and
+        per validation prompt its rewards and distances (`flow.validation.scored_clips`)."""
+        validating = [i for i, (_, p) in enumerate(work) if p.validation_step is not None]
+        training = [i for i, (_, p) in enumerate(work) if p.validation_step is None]
+        results: list[Any] = [None] * len(work)
+        with cpu_threads(self.cfg.rollout.cpu_threads):
+            if validating:
+                assert self.val_clips is not None
+                indices = [work[i][1].index for i in validating]
+                scored = scored_clips(
+                    self.model, self.val_clips, indices, self.settings, self.cfg, self.val_score
+                )
+                for i, result in zip(validating, scored, strict=True):
+                    results[i] = result
+            if training:
+                n = self.cfg.rollout.n_generation
+                real = [self.clips[work[i][1].index] for i in training for _ in range(n)]
+                *_, trajectory = roll_out(self.model, real, self.settings, self.generator)
+                groups = scored_groups(self.model, trajectory, real, n, self.clips, self.score)
+                for i, group in zip(training, groups, strict=True):
+                    results[i] = group
+        return results
+
+    def push(self, work: list[_Work], results: list[Any], version: int) -> None:
+        """Rank 0: store and push each group, then acknowledge its prompt."""
+        for (msg_id, prompt), result in zip(work, results, strict=True):
+            if isinstance(result, SampledGroup):
+                push_group(self.session, self.store, self.server, msg_id, prompt, result, version)
+            else:
+                rewards, distances = result
+                push_validated(self.session, msg_id, prompt, rewards, distances, version)
+
+    def close(self) -> None:
+        if self.lead:
+            self.server.stop(job_ended=self.session.finished() is not None)

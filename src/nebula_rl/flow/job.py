@@ -1,9 +1,9 @@
 """A world-model run from its config (`policy.is_diffusers = true`) in this job:
 `nebula-rl train --config X` for SFT (`trainer_type = "diffusers_sft"`), with `--local` or
-`mode = "colocated"` for RL (`"flow_grpo"`, `"ddrl"`, `"diffusion_nft"`). One process, or
+`uncentralized_training` for RL (`"flow_grpo"`, `"ddrl"`, `"diffusion_nft"`). One process, or
 `policy.parallelism.dp_shard_size` ranks over which the model is FSDP2-sharded (or
-`dp_replicate_size` x `dp_shard_size` ranks, HSDP) (SFT, and colocated RL:
-`nebula_rl.flow.colocated`).
+`dp_replicate_size` x `dp_shard_size` ranks, HSDP) (SFT, and uncentralized colocated RL:
+`nebula_rl.flow.uncentralized`).
 
 How the config's keys map onto the loop of `nebula_rl.flow.local`:
 
@@ -58,7 +58,6 @@ from nebula_rl.config import FLOW_RL_TRAINERS, Config, GrpoConfig
 from nebula_rl.config.base import reward_weights
 from nebula_rl.data import epoch_order, num_train_steps
 from nebula_rl.flow.clips import dataset_entries
-from nebula_rl.flow.colocated import colocated_iteration
 from nebula_rl.flow.data import (
     Clip,
     clip_text,
@@ -81,6 +80,7 @@ from nebula_rl.flow.parallel import (
 )
 from nebula_rl.flow.sampler import guided_velocity, sample
 from nebula_rl.flow.text_encoder import flow_text_encoder
+from nebula_rl.flow.uncentralized import colocated_iteration
 from nebula_rl.flow.vae import sample_shape, samples_to_pixels
 from nebula_rl.flow.validation import validate_generation, validate_loss, validate_samples
 from nebula_rl.policy.checkpoint import Checkpointer, resume_checkpoint
@@ -324,7 +324,7 @@ def step_samples(run_dir: Path, step: int) -> Path:
 
 def check_ranks(cfg: Config) -> None:
     """Refuse a split of the model this kind of run does not make: world-model RL in this job
-    (`--local`) is one process unless `mode = "colocated"`."""
+    (`--local`) is one process unless uncentralized (`flow.uncentralized`)."""
     par = cfg.policy.parallelism
     split = [
         f"{k} = {v}"
@@ -335,11 +335,14 @@ def check_ranks(cfg: Config) -> None:
         )
         if v != 1
     ]
-    if split and isinstance(cfg.train.train_policy, GrpoConfig) and cfg.mode != "colocated":
+    p = cfg.train.train_policy
+    if split and isinstance(p, GrpoConfig) and not p.uncentralized_training:
         raise ValueError(
             f"policy.parallelism.{', '.join(split)}: `--local` world-model RL is one "
-            'process; set mode = "colocated" to sample and train on the policy\'s ranks, or '
-            "run without --local (policy and rollout replicas)"
+            "process; run without --local: policy replicas of that split with rollout "
+            'replicas, or with mode = "colocated" policy replicas that sample too (and '
+            "train.train_policy.uncentralized_training = true: in this job's ranks, without "
+            "the controller)"
         )
 
 
@@ -548,7 +551,7 @@ class _FlowRun:
                 scheduler=self.scheduler, generator=self.generator, old=plan.old,
                 reference=plan.reference,
             )  # fmt: skip
-        else:
+        else:  # (uncentralized colocated RL on several ranks)
             record = colocated_iteration(
                 self.model, clips, self.clips, settings, step, dp=self.dp, score=self.score,
                 optimizer=self.optimizer, scheduler=self.scheduler, generator=self.generator,

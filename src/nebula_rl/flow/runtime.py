@@ -44,6 +44,7 @@ for world models); scale rollouts with replicas (`--rollout N`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -76,6 +77,7 @@ from nebula_rl.flow.job import (
 from nebula_rl.flow.local import (
     FlowBatch,
     FlowRLSettings,
+    RewardFn,
     data_distance,
     flow_advantages,
     pooled_std,
@@ -143,7 +145,7 @@ def check_flow_job(cfg: Config) -> None:
         raise ValueError(
             "validation.enable with train.ema_enable: in the runtime the rollout replicas "
             "validate the weights they hold, the trained ones, not their averages (which "
-            'cosmos-rl validates); validate with --local or mode = "colocated", or without '
+            "cosmos-rl validates); validate with --local or uncentralized_training, or without "
             "ema_enable"
         )
     # (checks mini_batch: samples per rank)
@@ -276,21 +278,10 @@ class FlowRolloutWorker(RolloutLoop):
             *_, trajectory = roll_out(self.model, real, self.settings, self.generator)
         for entry in ready:
             self.waiting.remove(entry)
-        captions = [c.caption for c in real]
-        pixels = samples_to_pixels(self.model, trajectory.final).float().cpu()
-        scored = self.score(pixels, captions)
-        for k, (msg_id, prompt) in enumerate(ready):
-            rows = slice(k * n, (k + 1) * n)
-            part = Trajectory(
-                latents=trajectory.latents[rows],
-                log_probs=trajectory.log_probs[rows],
-                sigmas=trajectory.sigmas,
-                noise_level=trajectory.noise_level,
-                given=None if trajectory.given is None else trajectory.given[rows],
-            )
-            rewards = [0.0] * n if scored is None else scored[rows]
-            distance = data_distance(pixels[rows], captions[rows], self.clips)
-            self._push(msg_id, prompt, part, rewards, distance, version, lost=scored is None)
+        groups = scored_groups(self.model, trajectory, real, n, self.clips, self.score)
+        for (msg_id, prompt), group in zip(ready, groups, strict=True):
+            push_group(self.session, self.store, self.server, msg_id, prompt, group, version)
+            self.num_groups += 1
 
     def _validate(self, ready: list[tuple[str, Prompt]], version: int) -> None:
         """Sample and score validation prompts (`flow.validation.scored_clips`) and push each
@@ -301,51 +292,10 @@ class FlowRolloutWorker(RolloutLoop):
         results = scored_clips(
             self.model, self.val_clips, indices, self.settings, self.cfg, self.val_score
         )
-        n = self.cfg.validation.n_generation
-        state = self.session.state
-        for entry, (rewards, distances) in zip(ready, results, strict=True):
-            msg_id, prompt = entry
-            completions = [
-                Completion([], [], "", "stop", [(0, version)], reward=float(r))
-                for r in (rewards if rewards is not None else [0.0] * n)
-            ]
-            extra: dict[str, Any] = {}
-            if distances:  # (none for a prompt dataset)
-                extra["data_distance"] = sum(distances) / len(distances)
-            if rewards is None:
-                extra["error"] = "the validation rewards were lost"
-            state.push_group(RolloutGroup(prompt, [], completions, self.session.name, extra))
-            state.ack_validation([msg_id])
+        for (msg_id, prompt), (rewards, distances) in zip(ready, results, strict=True):
+            push_validated(self.session, msg_id, prompt, rewards, distances, version)
+        for entry in ready:
             self.waiting.remove(entry)
-
-    def _push(
-        self,
-        msg_id: str,
-        prompt: Prompt,
-        trajectory: Trajectory,
-        rewards: list[float],
-        distance: float | None,
-        version: int,
-        *,
-        lost: bool,
-    ) -> None:
-        """Store the group's trajectory, push the group (with its mean distance to the data),
-        then acknowledge its prompt (a crash in between duplicates the group, which the
-        controller keeps once; it loses nothing)."""
-        name = self.store.write(prompt.prompt_id, trajectory)
-        self.server.wrote(name, prompt)
-        completions = [
-            Completion([], [], "", "stop", [(0, version)], reward=float(r)) for r in rewards
-        ]
-        extra: dict[str, Any] = {"trajectory": name}
-        if distance is not None:  # (none for a prompt dataset)
-            extra["data_distance"] = distance
-        if lost:
-            extra["rewards_lost"] = True
-        state = self.session.state
-        state.push_group(RolloutGroup(prompt, [], completions, self.session.name, extra))
-        state.ack_prompts([msg_id])
-        self.num_groups += 1
 
     def close(self) -> None:
         super().close()
@@ -357,6 +307,98 @@ def run_flow_rollout(session: ReplicaSession, *, device: torch.device) -> None:
     worker = FlowRolloutWorker(session, device=device)
     worker.server.start()
     serve(worker)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampledGroup:
+    """One prompt's group as a world-model generator made it: its trajectory (on the CPU), its
+    samples' rewards, their mean distance to the data (None for a prompt dataset), and whether
+    the rewards were lost (then zeros)."""
+
+    trajectory: Trajectory
+    rewards: list[float]
+    distance: float | None
+    lost: bool
+
+
+def scored_groups(
+    model: nn.Module,
+    trajectory: Trajectory,
+    real: list[Clip],
+    n: int,
+    clips: list[Clip],
+    score: RewardFn,
+) -> list[SampledGroup]:
+    """The groups of `n` consecutive samples of `trajectory` (sampled for `real`, each prompt's
+    clip `n` times), decoded (a latent-space model's by its VAE) and scored."""
+    captions = [c.caption for c in real]
+    pixels = samples_to_pixels(model, trajectory.final).float().cpu()
+    scored = score(pixels, captions)
+    groups = []
+    for k in range(len(real) // n):
+        rows = slice(k * n, (k + 1) * n)
+        part = Trajectory(
+            latents=trajectory.latents[rows].cpu(),
+            log_probs=trajectory.log_probs[rows].cpu(),
+            sigmas=trajectory.sigmas.cpu(),
+            noise_level=trajectory.noise_level,
+            given=None if trajectory.given is None else trajectory.given[rows].cpu(),
+        )
+        rewards = [0.0] * n if scored is None else scored[rows]
+        distance = data_distance(pixels[rows], captions[rows], clips)
+        groups.append(SampledGroup(part, rewards, distance, scored is None))
+    return groups
+
+
+def push_group(
+    session: ReplicaSession,
+    store: TrajectoryStore,
+    server: TrajectoryServer,
+    msg_id: str,
+    prompt: Prompt,
+    group: SampledGroup,
+    version: int,
+) -> None:
+    """Store the group's trajectory, push the group (with its mean distance to the data), then
+    acknowledge its prompt (a crash in between duplicates the group, which the controller keeps
+    once; it loses nothing)."""
+    name = store.write(prompt.prompt_id, group.trajectory)
+    server.wrote(name, prompt)
+    completions = [
+        Completion([], [], "", "stop", [(0, version)], reward=float(r)) for r in group.rewards
+    ]
+    extra: dict[str, Any] = {"trajectory": name}
+    if group.distance is not None:  # (none for a prompt dataset)
+        extra["data_distance"] = group.distance
+    if group.lost:
+        extra["rewards_lost"] = True
+    state = session.state
+    state.push_group(RolloutGroup(prompt, [], completions, session.name, extra))
+    state.ack_prompts([msg_id])
+
+
+def push_validated(
+    session: ReplicaSession,
+    msg_id: str,
+    prompt: Prompt,
+    rewards: list[float] | None,
+    distances: list[float],
+    version: int,
+) -> None:
+    """Push a validation clip's group (`flow.validation.scored_clips`: its rewards, none when
+    they were lost, and its samples' mean distance to the data), then acknowledge it."""
+    n = session.cfg.validation.n_generation
+    completions = [
+        Completion([], [], "", "stop", [(0, version)], reward=float(r))
+        for r in (rewards if rewards is not None else [0.0] * n)
+    ]
+    extra: dict[str, Any] = {}
+    if distances:  # (none for a prompt dataset)
+        extra["data_distance"] = sum(distances) / len(distances)
+    if rewards is None:
+        extra["error"] = "the validation rewards were lost"
+    session.state.push_group(RolloutGroup(prompt, [], completions, session.name, extra))
+    session.state.ack_validation([msg_id])
 
 
 # -- policy --------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ def preflight(
     num_policy = num_policy or cfg.policy.parallelism.n_init_replicas
     num_rollout = num_rollout or cfg.rollout.parallelism.n_init_replicas
     modality = for_config(cfg)
-    if cfg.mode == "colocated" and not modality.colocated_in_one_job:
+    if cfg.mode == "colocated":
         num_rollout = 0  # (the policy replicas generate)
     policy = cfg.policy
     if policy.warmstart_config is not None:

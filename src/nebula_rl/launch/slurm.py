@@ -34,7 +34,6 @@ from nebula_rl import __version__
 from nebula_rl.config import Config, GrpoConfig
 from nebula_rl.controller.client import TOKEN_ENV
 from nebula_rl.launch import Placement, plan_placement
-from nebula_rl.modality import for_config
 
 __all__ = ["SlurmJob", "place_on_nodes", "prepare", "render_sbatch", "submit"]
 
@@ -86,10 +85,10 @@ def _check_job(cfg: Config, job: SlurmJob) -> None:
             f'train.train_policy.type = "{cfg.train.train_policy.type}": nebula-rl slurm runs RL '
             'jobs (type = "grpo": a controller and replicas); run SFT with `nebula-rl train`'
         )
-    if cfg.mode == "colocated" and for_config(cfg).colocated_in_one_job:
+    if cfg.train.train_policy.uncentralized_training:
         raise ValueError(
-            'mode = "colocated" runs a world model on the policy\'s ranks in one job, without '
-            "replicas: run it with `nebula-rl train`"
+            "train.train_policy.uncentralized_training = true runs a world model on the "
+            "policy's ranks in one job, without replicas: run it with `nebula-rl train`"
         )
     if cfg.distillation.enable:
         raise ValueError(

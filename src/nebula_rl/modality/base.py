@@ -29,9 +29,6 @@ class Modality(abc.ABC):
 
     name: str
     """`text` or `world`."""
-    colocated_in_one_job: bool
-    """Whether `mode = "colocated"` runs the whole job in `nebula-rl train`'s own ranks (no
-    controller, no replicas), rather than as policy replicas that also generate."""
 
     def fetched_datasets(self) -> frozenset[str]:
         """Dataset names the modality fetches itself at launch (neither paths nor Hub ids)."""
@@ -43,8 +40,8 @@ class Modality(abc.ABC):
 
     @abc.abstractmethod
     def run_single(self, cfg: Config) -> Path:
-        """Train in this job's own processes (SFT, `--local`, a colocated world model); the run
-        folder."""
+        """Train in this job's own processes (SFT, `--local`, uncentralized colocated RL); the
+        run folder."""
 
     @abc.abstractmethod
     def check_job(self, cfg: Config) -> None:

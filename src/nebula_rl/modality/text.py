@@ -22,7 +22,6 @@ __all__ = ["Text"]
 
 class Text(Modality):
     name = "text"
-    colocated_in_one_job = False  # (the policy replicas generate, under a controller)
 
     def check_single(self, cfg: Config) -> None:
         pass  # (SFT and `--local` RL take the model's split from policy.parallelism as it is)
@@ -59,8 +58,9 @@ class Text(Modality):
     def run_policy(self, session: ReplicaSession, *, device: torch.device) -> None:
         if session.cfg.mode == "colocated":
             from nebula_rl.policy.colocated import run_colocated
+            from nebula_rl.rollout.colocated import TextRounds
 
-            run_colocated(session, device=device)
+            run_colocated(session, device=device, rounds=TextRounds)
             return
         from nebula_rl.policy.worker import run_policy
 

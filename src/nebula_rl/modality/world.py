@@ -21,7 +21,6 @@ __all__ = ["World"]
 
 class World(Modality):
     name = "world"
-    colocated_in_one_job = True  # (the policy's ranks sample and train, in `nebula-rl train`)
 
     def fetched_datasets(self) -> frozenset[str]:
         from nebula_rl.flow.prompts import PROMPT_SETS
@@ -45,6 +44,13 @@ class World(Modality):
 
     def run_policy(self, session: ReplicaSession, *, device: torch.device) -> None:
         from nebula_rl.flow.runtime import flow_policy
+
+        if session.cfg.mode == "colocated":
+            from nebula_rl.flow.colocated import WorldRounds
+            from nebula_rl.policy.colocated import run_colocated
+
+            run_colocated(session, device=device, rounds=WorldRounds, build=flow_policy)
+            return
         from nebula_rl.policy.worker import run_policy
 
         run_policy(session, device=device, build=flow_policy)
@@ -80,12 +86,19 @@ class World(Modality):
             if par.dp_replicate_size > 1
             else "FSDP2-sharded"
         )
-        rl = isinstance(cfg.train.train_policy, GrpoConfig)
-        if cfg.mode == "colocated" or not rl:
+        p = cfg.train.train_policy
+        rl = isinstance(p, GrpoConfig)
+        if not isinstance(p, GrpoConfig) or (cfg.mode == "colocated" and p.uncentralized_training):
             report.notes.append(
                 f"layout: the world model trains on {shards} rank(s), {split}"
-                + (", sampling its own rollouts (colocated)" if rl else "")
+                + (", sampling its own rollouts in this job (uncentralized)" if rl else "")
                 + " (docs/world-models.md)"
+            )
+        elif cfg.mode == "colocated":
+            report.notes.append(
+                f"layout: world-model RL runs {num_policy} colocated policy replica(s) of "
+                f"{shards} process(es) ({split}), each rank also sampling, no rollout replicas "
+                "(docs/colocated.md)"
             )
         else:
             report.notes.append(

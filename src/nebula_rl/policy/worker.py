@@ -81,6 +81,7 @@ from nebula_rl.policy.setup import (
     parallelize_policy,
     parallelize_reference,
     pushed_weights,
+    rollout_weights,
     use_deterministic,
 )
 from nebula_rl.policy.trainer import PolicyTrainer
@@ -137,6 +138,9 @@ class PolicyModel:
     """Weight averages a checkpoint holds beside `saved` (None: none, or inside it)."""
     pushed_weights: Callable[[], NamedTensors] | None = None
     """This rank's tensors as the weight pushes send them (default: the model's parameters)."""
+    generated_weights: Callable[[], NamedTensors] | None = None
+    """This rank's tensors as a colocated replica's own generator loads them (default: the
+    model's parameters; a LoRA language policy's merged, under the plain names)."""
     trainable_only: bool = False
     """Whether checkpoints hold the trainable tensors only (a LoRA policy's adapter)."""
     resumed: Callable[[], None] | None = None
@@ -185,6 +189,7 @@ class PolicyWorker:
         """This rank's modules (under PP its stages'); parameters keep their names and are
         DTensor shards where the layout shards them."""
         self.pushed_weights = built.pushed_weights or self.model.named_parameters
+        self.generated_weights = built.generated_weights or self.model.named_parameters
         self.siblings = dist.new_group(backend="gloo") if self.num_ranks > 1 else None
         """This replica's ranks, to agree on the outcome of each collective across replicas."""
         self.checkpointer = Checkpointer(
@@ -590,6 +595,7 @@ def language_policy(session: ReplicaSession, device: torch.device) -> PolicyMode
         saved=trainer.model,
         ema=trainer.ema,
         pushed_weights=functools.partial(pushed_weights, hf_model) if lora else None,
+        generated_weights=functools.partial(rollout_weights, hf_model) if lora else None,
         trainable_only=lora,
         tokenizer=tokenizer,
         vision=vision,
