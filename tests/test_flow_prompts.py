@@ -472,7 +472,7 @@ def test_cosmos_rls_sd3_sft_config_validates_by_sampling_shrunk(tmp_path, monkey
     again = tmp_path / "again"
     metrics, grid = validate_samples(
         load_flow_model(cfg), clips, cfg, step=2, run_dir=again,
-        score=flow_validation_scorer(cfg, None),
+        score=flow_validation_scorer(cfg.validation, None),
     )  # fmt: skip
     assert grid == again / "visual_output" / "2" / "grid.png"
     gap = np.abs(np.asarray(Image.open(grid), dtype=int) - np.concatenate(images).astype(int))

@@ -118,7 +118,7 @@ def test_a_local_run_validates_the_weights_of_the_due_steps(tmp_path):
     train_clips = flow_clips(cfg, run_dir, create=False)
     assert not torch.equal(val_clips[0].video, train_clips[0].video)  # (another seed)
     model = _exported(data, run_dir)
-    score = job.flow_validation_scorer(cfg, flow_scorer(cfg.train.train_policy))  # type: ignore[arg-type]
+    score = job.flow_validation_scorer(cfg.validation, flow_scorer(cfg.train.train_policy))  # type: ignore[arg-type]
     s = flow_settings(cfg, num_iterations=1, prompts=2)
     again = validate_generation(model, val_clips, s, cfg, score, step=3)
     assert again == pytest.approx({k: records[3][k] for k in FLOW_VALIDATION_KEYS}, rel=1e-5)

@@ -125,7 +125,7 @@ def test_fp8_training_is_refused_without_an_fp8_gpu() -> None:
     cfg = config_from_dict({"train": {"fp8": {"enable_fp8": True, "quant_recipe": "tensorwise"}}})
     model = load_model("tiny:qwen2")
     with pytest.raises(ValueError, match=r"train\.fp8\.enable_fp8 = true needs CUDA GPUs .*on cpu"):
-        apply_fp8(model, cfg)
+        apply_fp8(model, cfg.train)
     with pytest.raises(ConfigError, match=r"train\.fp8\.fp8_recipe.*delayed scaling was removed"):
         config_from_dict({"train": {"fp8": {"fp8_recipe": "delayed_scaling"}}})
     with pytest.raises(ConfigError, match=r"train\.fp8\.quant_recipe"):

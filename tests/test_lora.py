@@ -224,7 +224,7 @@ def test_local_engine_takes_the_merged_weights_and_samples_as_the_adapted_policy
     tok = build_char_tokenizer()
     cfg = _cfg()
     model = _adapted(cfg)
-    engine = TorchEngine(rollout_copy(model, cfg), max_num_seqs=4, max_model_len=32)
+    engine = TorchEngine(rollout_copy(model, cfg.train), max_num_seqs=4, max_model_len=32)
     assert not any("lora" in n for n, _ in engine.model.named_parameters())
     trainer = PolicyTrainer(model, cfg, total_steps=10, pad_id=tok.pad_token_id)
     for version in (1, 2):

@@ -88,7 +88,7 @@ def test_policy_loads_in_master_dtype_and_rollout_copy_in_param_dtype():
     cfg = _cfg(master_dtype="float32", param_dtype="bfloat16")
     model = load_policy_model(cfg, device="cpu", seed=0)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert {p.dtype for p in rollout_copy(model, cfg).parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in rollout_copy(model, cfg.train).parameters()} == {torch.bfloat16}
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # a copy, not a cast
 
 

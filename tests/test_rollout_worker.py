@@ -275,7 +275,7 @@ def test_stop_token_text_is_kept_only_when_asked():
 
 def test_sampling_settings_follow_the_config(grpo_job_config):
     cfg = grpo_job_config({"rollout": {"sampling_config": {"repetition_penalty": 1.3}}})
-    assert sampling_params(cfg, 2).repetition_penalty == 1.3
+    assert sampling_params(cfg.rollout, 2).repetition_penalty == 1.3
 
 
 def test_multi_turn_conversations_are_pushed_with_their_mask_and_turn_rewards(rollout_worker):

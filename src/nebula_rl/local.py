@@ -114,7 +114,7 @@ def run(cfg: Config) -> Path:
     model = load_policy_model(cfg, device=device, seed=seed)
     model_config: Any = model.config
     # A vision-language model's processor: its conversations' images and videos, and its export.
-    vision = vision_processor(cfg, model_config)
+    vision = vision_processor(cfg.policy, model_config)
     policy = cfg.train.train_policy
     if isinstance(policy, GrpoConfig):
         trainer = _run_grpo(cfg, policy, model, tokenizer, run_dir, vision=vision)
@@ -213,7 +213,7 @@ def _generate(
         if turns is not None:
             turns.executor.shutdown()
     for prompt, prompt_ids, output, chats in zip(prompts, ids, outputs, conversations, strict=True):
-        texts = completion_texts(cfg, tokenizer, output, chats)
+        texts = completion_texts(cfg.rollout, tokenizer, output, chats)
         lengths = [len(c.token_ids) for c in output.completions]
         assert prompt.reference is not None
         # (with remote rewards every group is sent at once, its scores collected below)
@@ -247,7 +247,7 @@ def _rollout(
     score: Scorer | RemoteScorer,
     vision: VisionProcessor | None,
 ) -> list[RolloutGroup]:
-    sampling = [sampling_params(cfg, tokenizer.eos_token_id)] * len(prompts)
+    sampling = [sampling_params(cfg.rollout, tokenizer.eos_token_id)] * len(prompts)
     generated = _generate(
         engine, tokenizer, prompts, cfg, score, sampling, cfg.rollout.n_generation, vision
     )
@@ -414,7 +414,7 @@ class _GrpoSteps:
     ) -> None:
         self.cfg, self.p, self.model, self.tokenizer, self.vision = cfg, p, model, tokenizer, vision
         rows = rl_rows(cfg)
-        self.total = num_train_steps(cfg, len(rows), items_per_step=cfg.groups_per_replica)
+        self.total = num_train_steps(cfg.train, len(rows), items_per_step=cfg.groups_per_replica)
         self.steps_per_epoch = len(rows) // cfg.groups_per_replica
         self.score = scorer(cfg)
         self.val_rows = rl_validation_rows(cfg) if cfg.validation.enable else []
@@ -426,7 +426,7 @@ class _GrpoSteps:
         # weights in place.
         self.engine = build_engine(
             cfg,
-            model=rollout_copy(model, cfg),
+            model=rollout_copy(model, cfg.train),
             tokenizer=tokenizer,
             seed=cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed or 0,
         )
@@ -446,7 +446,7 @@ class _GrpoSteps:
         self.prompts = _PromptStream(rows, cfg)
         self.trained: list[str] = []
         self.start = 0
-        restored = resume_checkpoint(cfg, run_dir, self.checkpointer)
+        restored = resume_checkpoint(cfg.train, run_dir, self.checkpointer)
         if restored is not None:
             self.start, self.trained = restored.step, restored.data["trained_prompts"]
             self.prompts.epoch = restored.data["epoch"]
@@ -663,7 +663,7 @@ class _SftSteps:
         self.steps_per_epoch = (
             self.num_rows // size if p.dataloader_drop_last else -(-self.num_rows // size)
         )
-        self.total = num_train_steps(cfg, self.steps_per_epoch * size, items_per_step=size)
+        self.total = num_train_steps(cfg.train, self.steps_per_epoch * size, items_per_step=size)
         self.val_examples = val_examples[self.dp_rank :: self.dp_size]
         self.trainer = PolicyTrainer(
             policy.model,
@@ -674,7 +674,7 @@ class _SftSteps:
         )
         self.checkpointer = _checkpointer(cfg, run_dir, model, vision or tokenizer, self.trainer)
         self.start, first_epoch, first_position = 0, 0, 0
-        restored = resume_checkpoint(cfg, run_dir, self.checkpointer)
+        restored = resume_checkpoint(cfg.train, run_dir, self.checkpointer)
         if restored is not None:
             self.start = restored.step
             first_epoch, first_position = restored.data["epoch"], restored.data["position"]

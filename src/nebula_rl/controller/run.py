@@ -74,7 +74,7 @@ def run_controller(
     job_rows = job_rows or text_rows(cfg, run_dir)
     rows, store = job_rows.rows, job_rows.side_files
     total_steps = num_train_steps(
-        cfg, len(rows), items_per_step=cfg.groups_per_replica * num_policy
+        cfg.train, len(rows), items_per_step=cfg.groups_per_replica * num_policy
     )
     job = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:64] or "job"
     state = JobState(connect(redis_url), job)

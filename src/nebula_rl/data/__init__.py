@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nebula_rl.config import Config, DatasetConfig
+from nebula_rl.config import Config, DatasetConfig, TrainingConfig
 from nebula_rl.data.formats import UNUSABLE, conversation_rows, prompt_rows
 from nebula_rl.data.shards import ROWS, is_shards, unpacked
 from nebula_rl.protocol import Prompt
@@ -511,16 +511,16 @@ def epoch_order(num_rows: int, *, epoch: int, shuffle: bool, seed: int) -> list[
     return order
 
 
-def num_train_steps(cfg: Config, num_items: int, *, items_per_step: int) -> int:
+def num_train_steps(train: TrainingConfig, num_items: int, *, items_per_step: int) -> int:
     """Optimiser steps of a run: full batches of `items_per_step` dataset rows (a step's prompts
     over all policy replicas for RL, its conversations over all data-parallel ranks for SFT)
     over all epochs, capped by `train.max_num_steps`."""
-    steps = cfg.train.epoch * (num_items // items_per_step)
-    if cfg.train.max_num_steps is not None:
-        steps = min(steps, cfg.train.max_num_steps)
+    steps = train.epoch * (num_items // items_per_step)
+    if train.max_num_steps is not None:
+        steps = min(steps, train.max_num_steps)
     if steps < 1:
         raise ValueError(
-            f"train.train_batch_per_replica ({cfg.train.train_batch_per_replica}): a step takes "
+            f"train.train_batch_per_replica ({train.train_batch_per_replica}): a step takes "
             f"{items_per_step} of the {num_items} usable dataset rows: no full step"
         )
     return steps

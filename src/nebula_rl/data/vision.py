@@ -46,7 +46,7 @@ import torch
 from PIL import Image
 from transformers import PretrainedConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessorPil
 
-from nebula_rl.config import VISION_OPTIONS, Config
+from nebula_rl.config import VISION_OPTIONS, PolicyConfig
 
 __all__ = [
     "VISION_OPTIONS",
@@ -517,13 +517,13 @@ class VisionProcessor:
         return text
 
 
-def vision_processor(cfg: Config, config: PretrainedConfig) -> VisionProcessor | None:
+def vision_processor(policy: PolicyConfig, config: PretrainedConfig) -> VisionProcessor | None:
     """The processor of the job's model (`policy.model_name_or_path`) when `config`, its config,
     is a vision-language model's; None for a language model."""
     if getattr(config, "vision_config", None) is None:
         return None
     return VisionProcessor.from_pretrained(
-        cfg.policy.model_name_or_path, revision=cfg.policy.model_revision
+        policy.model_name_or_path, revision=policy.model_revision
     )
 
 

@@ -61,7 +61,7 @@ class WorldRounds:
         self.val_clips = None
         if cfg.validation.enable:
             self.val_clips = flow_clips(cfg, run_dir, create=False, validation=True)
-            val_score = flow_validation_scorer(cfg, self.score)
+            val_score = flow_validation_scorer(cfg.validation, self.score)
             assert val_score is not None  # (the training rewards at least)
             self.val_score = val_score
         base = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed or 0

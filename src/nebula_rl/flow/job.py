@@ -54,7 +54,7 @@ import torch.distributed as dist
 from PIL import Image
 from torch import Tensor
 
-from nebula_rl.config import FLOW_RL_TRAINERS, Config, GrpoConfig
+from nebula_rl.config import FLOW_RL_TRAINERS, Config, GrpoConfig, TrainingConfig, ValidationConfig
 from nebula_rl.config.base import reward_weights
 from nebula_rl.data import epoch_order, num_train_steps
 from nebula_rl.flow.clips import dataset_entries
@@ -198,11 +198,11 @@ def _remote_rewards(p: GrpoConfig) -> RewardFn:
 
 
 def weight_ema(
-    cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    train: TrainingConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> WeightEMA | None:
     """With `train.ema_enable`, the averages of `model`'s weights, moved after each step of
     `optimizer`."""
-    t = cfg.train
+    t = train
     if not t.ema_enable:
         return None
     ema = WeightEMA(model, decay=t.ema_decay, interval=t.ema_update_step_interval)
@@ -217,10 +217,12 @@ def flow_scorer(p: GrpoConfig) -> RewardFn:
     return _local_rewards(reward_weights(p.reward_function), "train.train_policy.reward_function")
 
 
-def flow_validation_scorer(cfg: Config, training: RewardFn | None) -> RewardFn | None:
+def flow_validation_scorer(
+    validation: ValidationConfig, training: RewardFn | None
+) -> RewardFn | None:
     """The rewards of validation: `validation.reward_function`'s, computed here, else the
     training ones (`training`; SFT's: None)."""
-    weights = reward_weights(cfg.validation.reward_function)
+    weights = reward_weights(validation.reward_function)
     return _local_rewards(weights, "validation.reward_function") if weights else training
 
 
@@ -273,11 +275,11 @@ def flow_settings(cfg: Config, *, num_iterations: int, prompts: int) -> FlowRLSe
     )
 
 
-def flow_optimizer(cfg: Config, model: torch.nn.Module, total_steps: int) -> tuple[Any, Any]:
-    optimizer = build_optimizer(model, cfg.train)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(cfg.train, total_steps)
-    )
+def flow_optimizer(
+    train: TrainingConfig, model: torch.nn.Module, total_steps: int
+) -> tuple[Any, Any]:
+    optimizer = build_optimizer(model, train)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train, total_steps))
 
 
 def sample_grid(
@@ -406,11 +408,13 @@ class _FlowRun:
         self.plan = self._plan()
         self.total = self.plan.steps
         self.steps_per_epoch = len(self.clips) // self.plan.per_step
-        self.optimizer, self.scheduler = flow_optimizer(cfg, model, self.plan.updates)
-        self.ema = weight_ema(cfg, model, self.optimizer)
+        self.optimizer, self.scheduler = flow_optimizer(cfg.train, model, self.plan.updates)
+        self.ema = weight_ema(cfg.train, model, self.optimizer)
         p = cfg.train.train_policy
         self.score = flow_scorer(p) if isinstance(p, GrpoConfig) else None
-        self.val_score = flow_validation_scorer(cfg, self.score) if cfg.validation.enable else None
+        self.val_score = (
+            flow_validation_scorer(cfg.validation, self.score) if cfg.validation.enable else None
+        )
         self.val_prompts = bool(self.val_clips) and all(c.video is None for c in self.val_clips)
         self.checkpointer = Checkpointer(
             cfg.train.ckpt,
@@ -423,7 +427,7 @@ class _FlowRun:
             export=self.export,
         )
         self.start = 0
-        restored = resume_checkpoint(cfg, run_dir, self.checkpointer)
+        restored = resume_checkpoint(cfg.train, run_dir, self.checkpointer)
         if restored is not None:
             self.start = restored.step
             self.generator.set_state(restored.data["generators"][self.rank])
@@ -466,7 +470,7 @@ class _FlowRun:
                     f"policy.parallelism's data-parallel ranks ({world}: dp_shard_size * "
                     f"dp_replicate_size) must divide train.train_batch_per_replica ({batch})"
                 )
-            steps = num_train_steps(cfg, len(self.clips), items_per_step=batch)
+            steps = num_train_steps(cfg.train, len(self.clips), items_per_step=batch)
             return _Plan(steps, batch, steps)
         n = cfg.rollout.n_generation
         if batch % n or batch % p.mini_batch:
@@ -482,7 +486,7 @@ class _FlowRun:
                 f"dp_replicate_size) must divide the prompts of a step "
                 f"(train_batch_per_replica / n_generation = {prompts})"
             )
-        steps = num_train_steps(cfg, len(self.clips), items_per_step=prompts)
+        steps = num_train_steps(cfg.train, len(self.clips), items_per_step=prompts)
         settings = flow_settings(cfg, num_iterations=steps, prompts=prompts // world)
         model, mesh = self.model, self.mesh
         old = frozen_copy(model, cfg, mesh=mesh) if settings.algorithm == "nft" else None

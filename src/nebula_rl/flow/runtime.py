@@ -187,7 +187,7 @@ class FlowRolloutWorker(RolloutLoop):
         prompts (`flow.validation`)."""
         if cfg.validation.enable:
             self.val_clips = flow_clips(cfg, run_dir, create=False, validation=True)
-            val_score = flow_validation_scorer(cfg, self.score)
+            val_score = flow_validation_scorer(cfg.validation, self.score)
             assert val_score is not None  # (the training rewards at least)
             self.val_score = val_score
         self.store = TrajectoryStore.for_job(run_dir)
@@ -434,8 +434,10 @@ class FlowTrainer:
         s = self.settings = flow_settings(
             cfg, num_iterations=total_steps, prompts=max(1, cfg.groups_per_replica // self.dp_size)
         )
-        self.optimizer, self.scheduler = flow_optimizer(cfg, model, total_steps * s.num_minibatches)
-        self.ema = weight_ema(cfg, model, self.optimizer)
+        self.optimizer, self.scheduler = flow_optimizer(
+            cfg.train, model, total_steps * s.num_minibatches
+        )
+        self.ema = weight_ema(cfg.train, model, self.optimizer)
         """`train.ema_enable`: the averages exports hold."""
         self.generator = torch.Generator().manual_seed(s.seed)
         self.replicas: ReplicaGroup | None = None

@@ -37,7 +37,7 @@ class Text(Modality):
         from nebula_rl.policy.setup import check_pipeline_micro_batches
         from nebula_rl.rollout.build import check_backend
 
-        check_backend(cfg)
+        check_backend(cfg.rollout)
         # (raises naming the key and the path)
         load_tokenizer(cfg.policy.model_name_or_path, revision=cfg.policy.model_revision)
         if cfg.distillation.enable:

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from nebula_rl.config import CheckpointConfig, Config
+from nebula_rl.config import CheckpointConfig, TrainingConfig
 from nebula_rl.policy.ema import WeightEMA, ema_folder
 from nebula_rl.utils.object_store import Uploader
 from nebula_rl.utils.runs import (
@@ -390,9 +390,11 @@ class Checkpointer:
         return "ema_steps" in metadata.state_dict_metadata
 
 
-def resume_checkpoint(cfg: Config, run_dir: Path, checkpointer: Checkpointer) -> Restored | None:
+def resume_checkpoint(
+    train: TrainingConfig, run_dir: Path, checkpointer: Checkpointer
+) -> Restored | None:
     """Load the checkpoint `train.resume` names, if any."""
-    resume = cfg.train.resume
+    resume = train.resume
     if resume is False:
         return None
     if resume is True:

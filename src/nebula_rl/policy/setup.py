@@ -95,11 +95,11 @@ def load_policy_model(cfg: Config, *, device: torch.device | str, seed: int) -> 
     return model
 
 
-def rollout_copy(model: nn.Module, cfg: Config) -> nn.Module:
+def rollout_copy(model: nn.Module, train: TrainingConfig) -> nn.Module:
     """A copy of `model` in `train.param_dtype`, for a rollout engine in this process (rollout
     engines generate in the compute dtype); of a LoRA policy, the merged model, without peft."""
     plain = plain_copy(model) if has_lora(model) else copy.deepcopy(model)
-    return plain.to(resolve_dtype(cfg.train.param_dtype))
+    return plain.to(resolve_dtype(train.param_dtype))
 
 
 def rollout_weights(model: nn.Module) -> NamedTensors:
@@ -179,13 +179,13 @@ def _fp8_eligible(model: nn.Module) -> Callable[[nn.Module, str], bool]:
     return eligible
 
 
-def apply_fp8(model: nn.Module, cfg: Config) -> None:
+def apply_fp8(model: nn.Module, train: TrainingConfig) -> None:
     """With `train.fp8.enable_fp8`, swap the decoder's linear layers for torchao's Float8Linear
     in place (`quant_recipe`: row-wise or tensor-wise dynamic scales): forward and backward
     matmuls run in float8 on GPUs with FP8 units; the parameters stay as they are (same names,
     the master dtype), so checkpoints, exports and weight pushes do not change. Refused, naming
     the key, without such a GPU or without torchao."""
-    fp8 = cfg.train.fp8
+    fp8 = train.fp8
     if not fp8.enable_fp8:
         return
     key = "train.fp8.enable_fp8 = true"
@@ -227,7 +227,7 @@ def prepare_single_process(model: nn.Module, cfg: Config) -> None:
             "train.fsdp_offload needs FSDP2 (policy.parallelism.dp_shard_size > 1 on several "
             "GPUs); this model is trained whole in one process"
         )
-    apply_fp8(model, cfg)
+    apply_fp8(model, cfg.train)
     if cfg.policy.model_gradient_checkpointing:
         apply_ac(model)
     if cfg.train.compile:
@@ -304,7 +304,7 @@ def parallelize_policy(model: nn.Module, cfg: Config) -> PolicyParallel:
     par, t = cfg.policy.parallelism, cfg.train
     dims = ParallelDims.from_config(par, world_size=dist.get_world_size())
     check_pipeline_micro_batches(cfg, dims)
-    apply_fp8(model, cfg)  # (before FSDP2 and compile wrap the linear layers)
+    apply_fp8(model, cfg.train)  # (before FSDP2 and compile wrap the linear layers)
     mesh = dims.build_mesh("cuda" if torch.cuda.is_available() else "cpu")
     parallel = parallelize_model(
         model,

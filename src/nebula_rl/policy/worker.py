@@ -571,7 +571,7 @@ def language_policy(session: ReplicaSession, device: torch.device) -> PolicyMode
     # checkpointed, compiled or split.
     hf_model = load_policy_model(cfg, device=device, seed=cfg.train.seed or 0)
     config: Any = hf_model.config
-    vision = vision_processor(cfg, config)
+    vision = vision_processor(cfg.policy, config)
     ref = copy.deepcopy(hf_model) if cfg.grpo.kl_beta > 0 else None
     split = parallelize_policy(hf_model, cfg)
     trainer = PolicyTrainer(

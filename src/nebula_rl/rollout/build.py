@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from nebula_rl.config import Config
+from nebula_rl.config import Config, PolicyConfig, RolloutConfig
 from nebula_rl.rollout.engine import Engine
 from nebula_rl.rollout.multimodal import is_multimodal
 from nebula_rl.rollout.tensor_parallel import TensorParallel
@@ -31,9 +31,9 @@ from nebula_rl.rollout.tensor_parallel import TensorParallel
 __all__ = ["build_engine", "check_backend", "max_model_len"]
 
 
-def check_backend(cfg: Config) -> None:
+def check_backend(rollout: RolloutConfig) -> None:
     """Raise ValueError naming `rollout.backend` when its engine cannot run on this machine."""
-    if cfg.rollout.backend != "vllm":
+    if rollout.backend != "vllm":
         return
     if importlib.util.find_spec("vllm") is None:
         raise ValueError(
@@ -45,10 +45,10 @@ def check_backend(cfg: Config) -> None:
         )
 
 
-def max_model_len(cfg: Config, model_config: Any) -> int:
+def max_model_len(policy: PolicyConfig, model_config: Any) -> int:
     """Longest prompt + completion: `policy.model_max_length`, capped by the model's positions."""
     limit = getattr(model_config, "max_position_embeddings", None)
-    return min(cfg.policy.model_max_length, limit) if limit else cfg.policy.model_max_length
+    return min(policy.model_max_length, limit) if limit else policy.model_max_length
 
 
 def build_engine(
@@ -71,7 +71,7 @@ def build_engine(
             'be tested on the CPU machines we build on; set rollout.backend = "torch", whose '
             "engine generates from images and videos"
         )
-    check_backend(cfg)
+    check_backend(cfg.rollout)
     # (cosmos-rl's example_hf backend runs the policy's own module in colocated mode: here the
     # torch engine over the policy's weights)
     if r.backend == "torch" or (r.backend == "example_hf" and cfg.mode == "colocated"):
@@ -80,7 +80,7 @@ def build_engine(
 
         kwargs: dict[str, Any] = dict(
             max_num_seqs=r.max_num_seqs,
-            max_model_len=max_model_len(cfg, model.config),  # type: ignore[union-attr]
+            max_model_len=max_model_len(cfg.policy, model.config),  # type: ignore[union-attr]
             max_num_batched_tokens=r.max_num_batched_tokens,
             chunked_prefill=r.enable_chunked_prefill,
             tokenizer=tokenizer,
@@ -129,7 +129,7 @@ def build_engine(
         staging=model,
         dtype=cfg.train.param_dtype,
         device=device,
-        max_model_len=max_model_len(cfg, model.config),  # type: ignore[union-attr]
+        max_model_len=max_model_len(cfg.policy, model.config),  # type: ignore[union-attr]
         seed=seed,
         revision=cfg.policy.model_revision,
         **kwargs,

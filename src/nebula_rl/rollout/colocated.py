@@ -18,7 +18,7 @@ from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.data import rl_rows, rl_validation_rows
 from nebula_rl.data.vision import VisionProcessor
 from nebula_rl.models import load_model, resolve_dtype
-from nebula_rl.protocol import Completion, Prompt
+from nebula_rl.protocol import Prompt
 from nebula_rl.rewards import Scored, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import GenerationRequest, RequestOutput
@@ -109,7 +109,7 @@ class TextRounds:
         environments of the samples it generates."""
         self.lead = rank == 0
         if self.lead:
-            self.sampling = sampling_params(cfg, tokenizer.eos_token_id)
+            self.sampling = sampling_params(cfg.rollout, tokenizer.eos_token_id)
             groups = max(1, cfg.rollout.batch_size)  # (a round's groups score at once)
             self.scorer = scorer(cfg, max_groups=groups)
             self.val_scorer = (
@@ -170,7 +170,10 @@ class TextRounds:
                 self.engine.validate(request)
             except ValueError as err:
                 log.error("prompt %s cannot be generated: %s", prompt.prompt_id, err)
-                self._send(msg_id, prompt, [], [], version, filtered=True, error=str(err))
+                hand_in(
+                    self.session, msg_id, prompt, [], [],
+                    version=version, filtered=True, error=str(err),
+                )  # fmt: skip
                 continue
             work.append(_Work(msg_id, prompt, text, reference, request))
         return work
@@ -204,7 +207,7 @@ class TextRounds:
         return [
             _Generated(
                 output,
-                completion_texts(self.cfg, self.tokenizer, output, conversations),
+                completion_texts(self.cfg.rollout, self.tokenizer, output, conversations),
                 None if conversations is None else [c.rewards for c in conversations],
             )
             for output, conversations in zip(outputs, chats, strict=True)
@@ -236,23 +239,10 @@ class TextRounds:
                 and len(set(filter_values(completions, p.filter_reward_metric))) == 1
             )
             ids = list(output.prompt_token_ids)
-            self._send(w.msg_id, w.prompt, ids, completions, version, filtered=filtered)
-
-    def _send(
-        self,
-        msg_id: str,
-        prompt: Prompt,
-        ids: list[int],
-        completions: list[Completion],
-        version: int,
-        *,
-        filtered: bool,
-        error: str | None = None,
-    ) -> None:
-        hand_in(
-            self.session, msg_id, prompt, ids, completions,
-            version=version, filtered=filtered, error=error,
-        )  # fmt: skip
+            hand_in(
+                self.session, w.msg_id, w.prompt, ids, completions,
+                version=version, filtered=filtered,
+            )  # fmt: skip
 
     def close(self) -> None:
         if self.multi_turn is not None:

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from nebula_rl.config import Config
+from nebula_rl.config import Config, RolloutConfig
 from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.data import prompt_token_ids, rl_rows, rl_validation_rows
 from nebula_rl.data.vision import VisionInputs, VisionProcessor, vision_processor
@@ -128,15 +128,15 @@ def prompt_inputs(
     return inputs.input_ids, inputs if inputs.has_media else None
 
 
-def sampling_params(cfg: Config, eos_token_id: int | None) -> SamplingParams:
+def sampling_params(rollout: RolloutConfig, eos_token_id: int | None) -> SamplingParams:
     """The engine's sampling parameters for `[rollout]` (the sampling config, max tokens, EOS)."""
-    s = cfg.rollout.sampling_config
+    s = rollout.sampling_config
     return SamplingParams(
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=max(s.top_k, 0),
         repetition_penalty=s.repetition_penalty,
-        max_tokens=cfg.rollout.max_response_length,
+        max_tokens=rollout.max_response_length,
         stop_token_ids=() if eos_token_id is None else (eos_token_id,),
     )
 
@@ -221,8 +221,8 @@ class RolloutWorker(RolloutLoop):
         cfg = self.cfg
         self.tokenizer, self.engine = _engine(session, device, tensor_parallel)
         config: Any = self._model.config
-        self.vision = vision_processor(cfg, config)
-        self.sampling = sampling_params(cfg, self.tokenizer.eos_token_id)
+        self.vision = vision_processor(cfg.policy, config)
+        self.sampling = sampling_params(cfg.rollout, self.tokenizer.eos_token_id)
         self.multi_turn = multi_turn(cfg, self.tokenizer, self.vision)
         self.conversations: dict[str, list[Conversation]] = {}
         """Multi-turn: each request's conversations, until its group is pushed."""
@@ -452,7 +452,7 @@ class RolloutWorker(RolloutLoop):
     def _generated(self, claimed: _Claimed, output: RequestOutput) -> None:
         """Decode each completion once and send the group to be scored."""
         texts = completion_texts(
-            self.cfg, self.tokenizer, output, self.conversations.get(output.request_id)
+            self.cfg.rollout, self.tokenizer, output, self.conversations.get(output.request_id)
         )
         lengths = [len(c.token_ids) for c in output.completions]
         validating = claimed.prompt.validation_step is not None
@@ -532,7 +532,7 @@ def multi_turn(cfg: Config, tokenizer: Any, vision: VisionProcessor | None) -> M
 
 
 def completion_texts(
-    cfg: Config,
+    rollout: RolloutConfig,
     tokenizer: Any,
     output: RequestOutput,
     conversations: Sequence[Conversation] | None,
@@ -544,7 +544,7 @@ def completion_texts(
             conversation.final_text(c)
             for conversation, c in zip(conversations, output.completions, strict=True)
         ]
-    include_stop = cfg.rollout.include_stop_str_in_output
+    include_stop = rollout.include_stop_str_in_output
     return [
         completion_text(tokenizer, c.token_ids, c.finish_reason, include_stop=include_stop)
         for c in output.completions
