@@ -7,24 +7,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from nebula_rl.config import GrpoConfig
 from nebula_rl.controller.client import ReplicaSession
-from nebula_rl.flow.job import flow_clips, flow_scorer, flow_settings, flow_validation_scorer
 from nebula_rl.flow.local import roll_out
-from nebula_rl.flow.models import load_flow_model
 from nebula_rl.flow.runtime import (
     SampledGroup,
+    flow_sampling,
     push_group,
     push_validated,
     scored_groups,
+    trajectory_server,
 )
-from nebula_rl.flow.trajectories import TrajectoryStore
-from nebula_rl.flow.transfer import TrajectoryServer
 from nebula_rl.flow.validation import scored_clips
 from nebula_rl.protocol import Prompt
 from nebula_rl.utils.ranks import cpu_threads
@@ -48,31 +44,15 @@ class WorldRounds:
     ) -> None:
         self.session = session
         cfg = self.cfg = session.cfg
-        p = cfg.train.train_policy
-        assert isinstance(p, GrpoConfig)
-        run_dir = Path(session.meta["run_dir"])
-        self.clips = flow_clips(cfg, run_dir, create=False)
         # The starting weights are copied in from the policy before the first round.
-        self.model = load_flow_model(cfg, seed=cfg.train.seed or 0).to(device).eval()
-        self.model.requires_grad_(False)
-        self.params = dict(self.model.named_parameters())
-        self.settings = flow_settings(cfg, num_iterations=1, prompts=cfg.groups_per_replica)
-        self.score = flow_scorer(p)
-        self.val_clips = None
-        if cfg.validation.enable:
-            self.val_clips = flow_clips(cfg, run_dir, create=False, validation=True)
-            val_score = flow_validation_scorer(cfg.validation, self.score)
-            assert val_score is not None  # (the training rewards at least)
-            self.val_score = val_score
+        self.sampling = flow_sampling(session, device)
+        self.params = dict(self.sampling.model.named_parameters())
         base = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed or 0
         replica = session.registration["replica_id"] - 1  # (ids count from 1)
         self.generator = torch.Generator(device=device).manual_seed(base + 1000 * replica + rank)
         self.lead = rank == 0
         if self.lead:  # (rank 0 stores every group's trajectory and serves other hosts)
-            self.store = TrajectoryStore.for_job(run_dir)
-            self.server = TrajectoryServer(
-                session.state, session.name, self.store, timeout=cfg.controller.collective_timeout
-            )
+            self.server = trajectory_server(session)
             self.server.start()
 
     def load(
@@ -86,8 +66,7 @@ class WorldRounds:
                     raise KeyError(f"the policy sent {name}, which the sampler's model lacks")
                 target.copy_(tensor)
                 seen.add(name)
-        missing = self.params.keys() - seen
-        if first and missing:
+        if first and (missing := self.params.keys() - seen):
             raise KeyError(f"the policy sent no {sorted(missing)[:5]}")
 
     def claim(self, version: int) -> list[_Work]:
@@ -95,7 +74,7 @@ class WorldRounds:
         state, name = self.session.state, self.session.name
         size = max(1, self.cfg.rollout.batch_size)
         claimed: list[_Work] = []
-        if self.val_clips is not None:
+        if self.sampling.val_clips is not None:
             claimed += state.claim_validation(name, size)
         if len(claimed) < size:
             block_ms = 0 if claimed else 100
@@ -113,20 +92,21 @@ class WorldRounds:
         validating = [i for i, (_, p) in enumerate(work) if p.validation_step is not None]
         training = [i for i, (_, p) in enumerate(work) if p.validation_step is None]
         results: list[Any] = [None] * len(work)
+        s = self.sampling
         with cpu_threads(self.cfg.rollout.cpu_threads):
             if validating:
-                assert self.val_clips is not None
+                assert s.val_clips is not None
                 indices = [work[i][1].index for i in validating]
                 scored = scored_clips(
-                    self.model, self.val_clips, indices, self.settings, self.cfg, self.val_score
+                    s.model, s.val_clips, indices, s.settings, self.cfg, s.val_score
                 )
                 for i, result in zip(validating, scored, strict=True):
                     results[i] = result
             if training:
                 n = self.cfg.rollout.n_generation
-                real = [self.clips[work[i][1].index] for i in training for _ in range(n)]
-                *_, trajectory = roll_out(self.model, real, self.settings, self.generator)
-                groups = scored_groups(self.model, trajectory, real, n, self.clips, self.score)
+                real = [s.clips[work[i][1].index] for i in training for _ in range(n)]
+                *_, trajectory = roll_out(s.model, real, s.settings, self.generator)
+                groups = scored_groups(s.model, trajectory, real, n, s.clips, s.score)
                 for i, group in zip(training, groups, strict=True):
                     results[i] = group
         return results
@@ -135,7 +115,7 @@ class WorldRounds:
         """Rank 0: store and push each group, then acknowledge its prompt."""
         for (msg_id, prompt), result in zip(work, results, strict=True):
             if isinstance(result, SampledGroup):
-                push_group(self.session, self.store, self.server, msg_id, prompt, result, version)
+                push_group(self.session, self.server, msg_id, prompt, result, version)
             else:
                 rewards, distances = result
                 push_validated(self.session, msg_id, prompt, rewards, distances, version)

@@ -165,35 +165,61 @@ def _check_clips(cfg: Config, clips: list[Clip], meta: dict[str, Any]) -> None:
 # -- rollout -------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlowSampling:
+    """What a world-model generator (a rollout replica, a colocated replica's rank) samples with."""
+
+    clips: list[Clip]
+    """The job's clips, read from this replica's own copy (prompts come as indices)."""
+    model: nn.Module
+    """A frozen copy of the flow model; the policy's weights are written into it."""
+    settings: FlowRLSettings
+    score: RewardFn
+    val_clips: list[Clip] | None
+    """The validation clips (`validation.enable`), sampled for the controller's validation
+    prompts (`flow.validation`)."""
+    val_score: RewardFn
+    """Validation's rewards (its own, else the training ones)."""
+
+
+def flow_sampling(session: ReplicaSession, device: torch.device) -> FlowSampling:
+    """The clips (checked against the controller's count), the frozen model, the sampler's
+    settings and the rewards of a world-model generator of the job."""
+    cfg = session.cfg
+    run_dir = Path(session.meta["run_dir"])
+    clips = flow_clips(cfg, run_dir, create=False)
+    _check_clips(cfg, clips, session.meta)
+    model = load_flow_model(cfg, seed=cfg.train.seed or 0).to(device).eval()
+    model.requires_grad_(False)
+    p = cfg.train.train_policy
+    assert isinstance(p, GrpoConfig)
+    score = flow_scorer(p)
+    val_clips, val_score = None, score  # (without validation.enable: never called)
+    if cfg.validation.enable:
+        val_clips = flow_clips(cfg, run_dir, create=False, validation=True)
+        validation_score = flow_validation_scorer(cfg.validation, score)
+        assert validation_score is not None  # (the training rewards at least)
+        val_score = validation_score
+    settings = flow_settings(cfg, num_iterations=1, prompts=cfg.groups_per_replica)
+    return FlowSampling(clips, model, settings, score, val_clips, val_score)
+
+
+def trajectory_server(session: ReplicaSession) -> TrajectoryServer:
+    """The job's trajectory folder on this host, served by this replica to policy ranks on
+    other hosts (`TrajectoryServer.start` starts it)."""
+    store = TrajectoryStore.for_job(Path(session.meta["run_dir"]))
+    timeout = session.cfg.controller.collective_timeout
+    return TrajectoryServer(session.state, session.name, store, timeout=timeout)
+
+
 class FlowRolloutWorker(RolloutLoop):
     """One world-model rollout replica: claim prompts, sample, score, store, push."""
 
     def __init__(self, session: ReplicaSession, *, device: torch.device) -> None:
         super().__init__(session)
         cfg = self.cfg
-        run_dir = Path(session.meta["run_dir"])
-        self.clips = flow_clips(cfg, run_dir, create=False)
-        _check_clips(cfg, self.clips, session.meta)
-        self.model = load_flow_model(cfg, seed=cfg.train.seed or 0).to(device).eval()
-        self.model.requires_grad_(False)
-        p = cfg.train.train_policy
-        assert isinstance(p, GrpoConfig)
-        self.settings: FlowRLSettings = flow_settings(
-            cfg, num_iterations=1, prompts=cfg.groups_per_replica
-        )
-        self.score = flow_scorer(p)
-        self.val_clips: list[Clip] | None = None
-        """The validation clips (`validation.enable`), sampled for the controller's validation
-        prompts (`flow.validation`)."""
-        if cfg.validation.enable:
-            self.val_clips = flow_clips(cfg, run_dir, create=False, validation=True)
-            val_score = flow_validation_scorer(cfg.validation, self.score)
-            assert val_score is not None  # (the training rewards at least)
-            self.val_score = val_score
-        self.store = TrajectoryStore.for_job(run_dir)
-        self.server = TrajectoryServer(
-            session.state, session.name, self.store, timeout=cfg.controller.collective_timeout
-        )
+        self.sampling = flow_sampling(session, device)
+        self.server = trajectory_server(session)
         """Hands this replica's trajectory files to policy ranks on other hosts."""
         base = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.train.seed
         self.generator = torch.Generator(device=device).manual_seed(
@@ -215,7 +241,7 @@ class FlowRolloutWorker(RolloutLoop):
     def start_weight_thread(self) -> None:
         """Follow the weight group and take every push between two batches."""
         cfg = self.cfg
-        params = dict(self.model.named_parameters())
+        params = dict(self.sampling.model.named_parameters())
         boxes = {name: (tuple(t.shape), full_box(t.shape)) for name, t in params.items()}
         transfer = cfg.train.transfer_dtype
 
@@ -243,7 +269,7 @@ class FlowRolloutWorker(RolloutLoop):
             self.session.name,
             make_receiver=make_receiver,
             apply=apply,
-            backend=weight_backend(cfg.mode, next(self.model.parameters()).device),
+            backend=weight_backend(cfg.mode, next(self.sampling.model.parameters()).device),
             timeout=timedelta(seconds=cfg.controller.collective_timeout),
         )
         self.follow(receiver)
@@ -253,7 +279,7 @@ class FlowRolloutWorker(RolloutLoop):
         those the weights allow (validation prompts on their own, before the others)."""
         state, name = self.session.state, self.session.name
         room = self.batch_size - len(self.waiting)
-        if room > 0 and self.val_clips is not None:
+        if room > 0 and self.sampling.val_clips is not None:
             self.waiting.extend(state.claim_validation(name, room))
             room = self.batch_size - len(self.waiting)
         if room > 0:
@@ -274,24 +300,24 @@ class FlowRolloutWorker(RolloutLoop):
                 self._validate(validating, version)
                 return
             n = self.cfg.rollout.n_generation
-            real = [self.clips[prompt.index] for _, prompt in ready for _ in range(n)]
-            *_, trajectory = roll_out(self.model, real, self.settings, self.generator)
+            s = self.sampling
+            real = [s.clips[prompt.index] for _, prompt in ready for _ in range(n)]
+            *_, trajectory = roll_out(s.model, real, s.settings, self.generator)
         for entry in ready:
             self.waiting.remove(entry)
-        groups = scored_groups(self.model, trajectory, real, n, self.clips, self.score)
+        groups = scored_groups(s.model, trajectory, real, n, s.clips, s.score)
         for (msg_id, prompt), group in zip(ready, groups, strict=True):
-            push_group(self.session, self.store, self.server, msg_id, prompt, group, version)
+            push_group(self.session, self.server, msg_id, prompt, group, version)
             self.num_groups += 1
 
     def _validate(self, ready: list[tuple[str, Prompt]], version: int) -> None:
         """Sample and score validation prompts (`flow.validation.scored_clips`) and push each
         clip's group: its rewards (none, as a failed answer, when they were lost) and its
         samples' mean distance to the data."""
-        assert self.val_clips is not None
+        s = self.sampling
+        assert s.val_clips is not None
         indices = [prompt.index for _, prompt in ready]
-        results = scored_clips(
-            self.model, self.val_clips, indices, self.settings, self.cfg, self.val_score
-        )
+        results = scored_clips(s.model, s.val_clips, indices, s.settings, self.cfg, s.val_score)
         for (msg_id, prompt), (rewards, distances) in zip(ready, results, strict=True):
             push_validated(self.session, msg_id, prompt, rewards, distances, version)
         for entry in ready:
@@ -352,17 +378,16 @@ def scored_groups(
 
 def push_group(
     session: ReplicaSession,
-    store: TrajectoryStore,
     server: TrajectoryServer,
     msg_id: str,
     prompt: Prompt,
     group: SampledGroup,
     version: int,
 ) -> None:
-    """Store the group's trajectory, push the group (with its mean distance to the data), then
+    """Store the group's trajectory (in `server`'s folder), push the group (with its mean distance to the data), then
     acknowledge its prompt (a crash in between duplicates the group, which the controller keeps
     once; it loses nothing)."""
-    name = store.write(prompt.prompt_id, group.trajectory)
+    name = server.store.write(prompt.prompt_id, group.trajectory)
     server.wrote(name, prompt)
     completions = [
         Completion([], [], "", "stop", [(0, version)], reward=float(r)) for r in group.rewards

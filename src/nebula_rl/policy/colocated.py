@@ -32,7 +32,6 @@ from typing import Any, Protocol
 import torch
 
 from nebula_rl.controller.client import ReplicaSession
-from nebula_rl.data.vision import VisionProcessor
 from nebula_rl.policy.worker import PolicyBuilder, PolicyWorker
 
 __all__ = ["ColocatedWorker", "Rounds", "RoundsBuilder", "run_colocated"]
@@ -83,9 +82,8 @@ class ColocatedWorker(PolicyWorker):
         build: PolicyBuilder | None = None,
     ) -> None:
         super().__init__(session, device=device, build=build)
-        vision: VisionProcessor | None = self.vision
         self.rounds = rounds(
-            session, device, rank=self.local_rank, tokenizer=self.tokenizer, vision=vision
+            session, device, rank=self.local_rank, tokenizer=self.tokenizer, vision=self.vision
         )
         self._stale = True
         """Whether the generator's weights lag the policy's."""
