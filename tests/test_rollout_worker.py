@@ -1,9 +1,9 @@
 """The rollout replica's loop against a real controller API and Redis, without a policy: what it
 claims, what it generates and how it scores, as the config says.
 
-Each test joins one rollout replica (the real `RolloutWorker` on the tiny Qwen2 preset, its
-engine running) to a job whose prompts the test puts on the streams, and reads the groups it
-pushes back. No weights travel: the engine keeps version 0.
+Each test joins one rollout replica (the real `RolloutWorker` and `TextGenerator` on the tiny
+Qwen2 preset, its engine running) to a job whose prompts the test puts on the streams, and reads
+the groups it pushes back. No weights travel: the engine keeps version 0.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from nebula_rl.controller.client import TOKEN_ENV, ReplicaSession
 from nebula_rl.data import prompt_token_ids, rl_prompt, rl_rows, rl_validation_rows
 from nebula_rl.models import load_tokenizer
 from nebula_rl.protocol import Prompt, RolloutGroup
+from nebula_rl.rollout.text import TextGenerator, completion_text, sampling_params
 from nebula_rl.rollout.torch_engine import TorchEngine
-from nebula_rl.rollout.worker import RolloutWorker, completion_text, sampling_params
+from nebula_rl.rollout.worker import RolloutWorker
 
 TOKEN = "rollout-worker-test-token-0123"
 TEST_REWARDS = __name__
@@ -73,9 +74,10 @@ def rollout_worker(tmp_path, grpo_job_config, monkeypatch) -> Iterator[Worker]:
             server = stack.enter_context(serve(app))
             session = ReplicaSession.join(server.url, name="rollout-0", role="rollout")
             stack.callback(session.leave)
-            worker = RolloutWorker(session, device=torch.device("cpu"))
+            generator = TextGenerator(session, device=torch.device("cpu"))
+            worker = RolloutWorker(session, generator)
             stack.callback(worker.close)
-            worker.engine.start()
+            generator.start()
             return worker
 
         yield make
@@ -122,7 +124,7 @@ def test_claims_what_the_engine_has_room_for_plus_the_prefetch(rollout_worker, p
             }
         }
     )
-    worker.engine.shutdown()  # (nothing is generated: the claims are counted alone)
+    worker.generator.engine.shutdown()  # (nothing is generated: the claims are counted alone)
     _enqueue(worker.cfg, worker.session.state, 20)
     claims = []
     while claimed := worker.claim():
@@ -132,7 +134,7 @@ def test_claims_what_the_engine_has_room_for_plus_the_prefetch(rollout_worker, p
     assert max(claims) == 2  # `batch_size` at a time
     # The engine takes what it has room for; what it took makes room for no more claims.
     worker.submit_ready()
-    assert len(worker.generating) == expected and worker.claim() == 0
+    assert len(worker.generator.generating) == expected and worker.claim() == 0
 
 
 def test_loader_threads_prepare_claimed_prompts_ahead(rollout_worker):
@@ -147,13 +149,13 @@ def test_loader_threads_prepare_claimed_prompts_ahead(rollout_worker):
             },
         }
     )
-    assert worker.loader is not None and worker.claim_limit == 3 + 2 * 3
+    assert worker.generator.loader is not None and worker.generator.claim_limit == 3 + 2 * 3
     prompts = _enqueue(worker.cfg, worker.session.state, 6)
     groups = _groups(worker, 6)
     rows, column = rl_rows(worker.cfg), worker.cfg.grpo.prompt_column_name
     for prompt, group in zip(prompts, groups, strict=True):
         text = prompt.prompt if prompt.prompt is not None else rows[prompt.index][column]
-        want = prompt_token_ids(worker.tokenizer, text, system_prompt="")
+        want = prompt_token_ids(worker.generator.tokenizer, text, system_prompt="")
         assert group.prompt == prompt and group.prompt_token_ids == want
 
 
@@ -207,7 +209,7 @@ def test_scores_texts_logprobs_and_filters_as_configured(rollout_worker):
         for c in group.completions:
             assert c.logprobs == [] and c.token_ids
             assert c.text == completion_text(
-                worker.tokenizer, c.token_ids, c.finish_reason, include_stop=False
+                worker.generator.tokenizer, c.token_ids, c.finish_reason, include_stop=False
             )
             terms = {"custom_reward": 3.0, "length_reward": float(len(c.text))}
             terms["constant_reward"] = 0.5  # a filter metric only: not in the total
@@ -296,17 +298,19 @@ def test_multi_turn_conversations_are_pushed_with_their_mask_and_turn_rewards(ro
             },
         }
     )
-    assert isinstance(worker.engine, TorchEngine)
-    worker.engine.eos_token_ids = tuple(range(worker.engine.vocab_size))
+    assert isinstance(worker.generator.engine, TorchEngine)
+    worker.generator.engine.eos_token_ids = tuple(range(worker.generator.engine.vocab_size))
     (prompt,) = _enqueue(worker.cfg, worker.session.state, 1)
     (group,) = _groups(worker, 1)
     question = rl_rows(worker.cfg)[prompt.index]["prompt"]
-    opening = worker.tokenizer.decode(group.prompt_token_ids)
+    opening = worker.generator.tokenizer.decode(group.prompt_token_ids)
     assert opening.endswith("=<|im_end|>\n<|im_start|>assistant\n")  # (the warm-up question)
     for c in group.completions:
-        observation = worker.tokenizer.decode(c.token_ids[1:-1])
+        observation = worker.generator.tokenizer.decode(c.token_ids[1:-1])
         # (the turn's stop token was not the template's: its "<|im_end|>" is written too)
-        turn_end = "\n" if c.token_ids[0] == worker.tokenizer.eos_token_id else "<|im_end|>\n"
+        turn_end = (
+            "\n" if c.token_ids[0] == worker.generator.tokenizer.eos_token_id else "<|im_end|>\n"
+        )
         expected = f"{turn_end}<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
         assert observation == expected, (c.token_ids, c.loss_mask, c.finish_reason, c.reward_terms)
         assert c.loss_mask == [1] + [0] * (len(c.token_ids) - 2) + [1]
@@ -339,12 +343,16 @@ def test_generation_goes_on_while_remote_scores_are_pending(rollout_worker, tmp_
         )
         state = worker.session.state
         _enqueue(worker.cfg, state, 1)
-        _step_until(worker, lambda: len(worker.scoring) == 1 and not worker.generating)
+        _step_until(
+            worker, lambda: len(worker.generator.scoring) == 1 and not worker.generator.generating
+        )
         _enqueue(worker.cfg, state, 1, first=1)  # the next prompt, after the first generated
-        _step_until(worker, lambda: len(worker.scoring) == 2 and not worker.generating)
+        _step_until(
+            worker, lambda: len(worker.generator.scoring) == 2 and not worker.generator.generating
+        )
         # The second group was generated while the first one's scores were pending.
         assert worker.num_groups == 0 and state.poll_groups(10) == []
-        assert all(not future.done() for future in worker.scoring)
+        assert all(not future.done() for future in worker.generator.scoring)
         gate.touch()
         groups = _groups(worker, 2)
     assert [g.prompt.index for g in groups] == [0, 1]

@@ -290,7 +290,7 @@ def run_shard(
     from nebula_rl.rollout.build import build_engine
     from nebula_rl.rollout.engine import GenerationRequest
     from nebula_rl.rollout.tensor_parallel import TensorParallel
-    from nebula_rl.rollout.worker import completion_text, prompt_inputs
+    from nebula_rl.rollout.text import completion_text, prompt_inputs
 
     cfg = training_config(ec, model=model)
     tp = shard_ranks(ec)

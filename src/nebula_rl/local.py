@@ -71,8 +71,7 @@ from nebula_rl.rewards import RemoteScorer, Scorer, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import Engine, GenerationRequest, RequestOutput, SamplingParams
 from nebula_rl.rollout.multiturn import Conversation, with_turn_rewards
-from nebula_rl.rollout.torch_engine import TorchEngine
-from nebula_rl.rollout.worker import (
+from nebula_rl.rollout.text import (
     completion_texts,
     make_completions,
     multi_turn,
@@ -80,6 +79,7 @@ from nebula_rl.rollout.worker import (
     sampling_params,
     validation_sampling_params,
 )
+from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.utils.metrics_log import MetricsWriter
 from nebula_rl.utils.profiling import StepProfiler
 from nebula_rl.utils.ranks import cpu_threads, init_ranks

@@ -6,9 +6,9 @@ world-model RL is asynchronous and elastic: rollouts sample with weights at most
 
 - The controller hands out the dataset's clips as prompts by index (`flow.job.flow_rows`); every
   replica reads the clips itself (captions, text embeddings, and for DDRL the real clip).
-- A rollout replica (:class:`FlowRolloutWorker`) samples `rollout.n_generation` trajectories
-  per prompt with the SDE sampler (`flow.local.roll_out`), the prompts it holds in one batch,
-  scores them (in process or through the reward service; a latent-space model's samples decoded
+- A rollout replica (`rollout.worker.RolloutWorker` with :class:`WorldGenerator`) samples
+  `rollout.n_generation` trajectories per prompt with the SDE sampler (`flow.local.roll_out`),
+  the prompts it holds in one batch, scores them (in process or through the reward service; a latent-space model's samples decoded
   by its VAE first), writes each group's trajectory to its host's trajectory folder
   (`flow.trajectories`: shared memory, not JSON; a latent-space model's are latents) and pushes
   the group, with its rewards, its distance to the data and the file's name, before
@@ -48,8 +48,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -104,14 +103,14 @@ from nebula_rl.models import resolve_dtype
 from nebula_rl.policy.replicas import GroupsLost, ReplicaGroup
 from nebula_rl.policy.worker import PolicyModel
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
-from nebula_rl.rollout.loop import RolloutLoop, serve
+from nebula_rl.rollout.worker import Claimed, RolloutWorker, serve
 from nebula_rl.weights.elastic import ElasticReceiver
 from nebula_rl.weights.group import WeightGroup, weight_backend
 from nebula_rl.weights.reshard import ShardedReceiver, full_box
 
 __all__ = [
-    "FlowRolloutWorker",
     "FlowTrainer",
+    "WorldGenerator",
     "check_flow_job",
     "flow_policy",
     "run_flow_rollout",
@@ -212,12 +211,14 @@ def trajectory_server(session: ReplicaSession) -> TrajectoryServer:
     return TrajectoryServer(session.state, session.name, store, timeout=timeout)
 
 
-class FlowRolloutWorker(RolloutLoop):
-    """One world-model rollout replica: claim prompts, sample, score, store, push."""
+class WorldGenerator:
+    """A world model's rollout generation: sample, score, store, push (the rollout worker's
+    :class:`~nebula_rl.rollout.worker.Generator`). Prompts taken wait for the next batch;
+    :meth:`collect` samples them, validation prompts on their own, before the others."""
 
     def __init__(self, session: ReplicaSession, *, device: torch.device) -> None:
-        super().__init__(session)
-        cfg = self.cfg
+        self.session = session
+        self.cfg = cfg = session.cfg
         self.sampling = flow_sampling(session, device)
         self.server = trajectory_server(session)
         """Hands this replica's trajectory files to policy ranks on other hosts."""
@@ -225,21 +226,23 @@ class FlowRolloutWorker(RolloutLoop):
         self.generator = torch.Generator(device=device).manual_seed(
             (base or 0) + 1000 * session.registration["replica_id"]
         )
-        self.batch_size = max(1, cfg.rollout.batch_size)
+        self.claim_limit = max(1, cfg.rollout.batch_size)
         """Prompts sampled together (and held at most)."""
-        self.waiting: deque[tuple[str, Prompt]] = deque()
+        self.taken: list[Claimed] = []
         self.lock = threading.Lock()
         """Held while sampling and while new weights are written."""
         self.version = 0
         self.damaged = False
-        self.publish()
 
     @property
     def policy_version(self) -> int:
         return self.version
 
-    def start_weight_thread(self) -> None:
-        """Follow the weight group and take every push between two batches."""
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def receiver(self, session: ReplicaSession) -> ElasticReceiver:
+        """Every push is taken between two batches: a trajectory is sampled with one version."""
         cfg = self.cfg
         params = dict(self.sampling.model.named_parameters())
         boxes = {name: (tuple(t.shape), full_box(t.shape)) for name, t in params.items()}
@@ -264,75 +267,74 @@ class FlowRolloutWorker(RolloutLoop):
                 self.version = version
                 log.info("weights of version %d in place", version)
 
-        receiver = ElasticReceiver(
-            self.session.state,
-            self.session.name,
+        return ElasticReceiver(
+            session.state,
+            session.name,
             make_receiver=make_receiver,
             apply=apply,
             backend=weight_backend(cfg.mode, next(self.sampling.model.parameters()).device),
             timeout=timedelta(seconds=cfg.controller.collective_timeout),
         )
-        self.follow(receiver)
 
-    def step(self) -> None:
-        """Claim prompts up to `rollout.batch_size` held, validation prompts first; sample
-        those the weights allow (validation prompts on their own, before the others)."""
-        state, name = self.session.state, self.session.name
-        room = self.batch_size - len(self.waiting)
-        if room > 0 and self.sampling.val_clips is not None:
-            self.waiting.extend(state.claim_validation(name, room))
-            room = self.batch_size - len(self.waiting)
-        if room > 0:
-            block = 200 if not self.waiting else 0
-            self.waiting.extend(state.claim_prompts(name, room, block_ms=block))
+    def start(self) -> None:
+        self.server.start()
+
+    def prepare(self, msg_id: str, prompt: Prompt) -> Claimed:
+        return Claimed(msg_id, prompt)  # (the replica reads the clips itself)
+
+    def submit(self, claimed: Sequence[Claimed]) -> int:
+        self.taken.extend(claimed)
+        return 0
+
+    def in_flight(self) -> int:
+        return len(self.taken)
+
+    def busy(self) -> bool:
+        return bool(self.taken)
+
+    def collect(self, timeout_s: float) -> int:
+        """Sample the prompts taken as one batch (the validation prompts among them first, on
+        their own) with the weights in place, unless a push failed part-way; push the groups."""
+        validating = [c for c in self.taken if c.prompt.validation_step is not None]
+        training = [c for c in self.taken if c.prompt.validation_step is None]
+        s, n = self.sampling, self.cfg.rollout.n_generation
+        if self.damaged:
+            time.sleep(min(timeout_s, 0.01))
+            return 0
         with self.lock:
+            if self.damaged:  # (a push failed since)
+                return 0
             version = self.version
-            ready = [
-                (msg_id, prompt)
-                for msg_id, prompt in self.waiting
-                if prompt.min_version <= version and not self.damaged
-            ]
-            if not ready:
-                time.sleep(0.01 if self.waiting else 0)
-                return
-            validating = [entry for entry in ready if entry[1].validation_step is not None]
             if validating:
                 self._validate(validating, version)
-                return
-            n = self.cfg.rollout.n_generation
-            s = self.sampling
-            real = [s.clips[prompt.index] for _, prompt in ready for _ in range(n)]
+                self.taken = training
+                return len(validating)
+            real = [s.clips[c.prompt.index] for c in training for _ in range(n)]
             *_, trajectory = roll_out(s.model, real, s.settings, self.generator)
-        for entry in ready:
-            self.waiting.remove(entry)
+        self.taken = []
         groups = scored_groups(s.model, trajectory, real, n, s.clips, s.score)
-        for (msg_id, prompt), group in zip(ready, groups, strict=True):
-            push_group(self.session, self.server, msg_id, prompt, group, version)
-            self.num_groups += 1
+        for c, group in zip(training, groups, strict=True):
+            push_group(self.session, self.server, c.msg_id, c.prompt, group, version)
+        return len(training)
 
-    def _validate(self, ready: list[tuple[str, Prompt]], version: int) -> None:
+    def _validate(self, ready: list[Claimed], version: int) -> None:
         """Sample and score validation prompts (`flow.validation.scored_clips`) and push each
         clip's group: its rewards (none, as a failed answer, when they were lost) and its
         samples' mean distance to the data."""
         s = self.sampling
         assert s.val_clips is not None
-        indices = [prompt.index for _, prompt in ready]
+        indices = [c.prompt.index for c in ready]
         results = scored_clips(s.model, s.val_clips, indices, s.settings, self.cfg, s.val_score)
-        for (msg_id, prompt), (rewards, distances) in zip(ready, results, strict=True):
-            push_validated(self.session, msg_id, prompt, rewards, distances, version)
-        for entry in ready:
-            self.waiting.remove(entry)
+        for c, (rewards, distances) in zip(ready, results, strict=True):
+            push_validated(self.session, c.msg_id, c.prompt, rewards, distances, version)
 
-    def close(self) -> None:
-        super().close()
-        self.server.stop(job_ended=self.session.finished() is not None)
+    def close(self, *, job_ended: bool) -> None:
+        self.server.stop(job_ended=job_ended)
 
 
 def run_flow_rollout(session: ReplicaSession, *, device: torch.device) -> None:
     """Body of a world-model rollout replica's process."""
-    worker = FlowRolloutWorker(session, device=device)
-    worker.server.start()
-    serve(worker)
+    serve(RolloutWorker(session, WorldGenerator(session, device=device)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -67,7 +67,7 @@ class Text(Modality):
         run_policy(session, device=device)
 
     def run_rollout(self, session: ReplicaSession, *, device: torch.device) -> None:
-        from nebula_rl.rollout.worker import run_rollout
+        from nebula_rl.rollout.text import run_rollout
 
         run_rollout(session, device=device)
 

@@ -23,7 +23,7 @@ from nebula_rl.rewards import Scored, filter_values, scorer
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import GenerationRequest, RequestOutput
 from nebula_rl.rollout.multiturn import with_turn_rewards
-from nebula_rl.rollout.worker import (
+from nebula_rl.rollout.text import (
     InlineExecutor,
     close_scorers,
     completion_texts,
