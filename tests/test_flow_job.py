@@ -58,7 +58,7 @@ def test_the_shipped_world_model_configs_load(path, tmp_path):
         velocity = load_flow_model(cfg, seed=0)(x, torch.full((2,), 0.5), text, mask)
         assert velocity.shape == x.shape == (2, 3, 2, 32, 32)
     elif cfg.policy.warmstart_config is None:
-        assert flow_model_config(cfg).size == 16
+        assert flow_model_config(cfg.policy).size == 16
     else:
         warm = load_config(ROOT / cfg.policy.warmstart_config)
         out = Path(warm.train.output_dir) / warm.train.timestamp / "safetensors" / "final"

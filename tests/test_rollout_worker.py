@@ -88,7 +88,7 @@ def _enqueue(
 ) -> list[Prompt]:
     rows = rl_rows(cfg)
     prompts = [
-        rl_prompt(cfg, rows, epoch=0, index=i, with_text=not cfg.train.local_dataset)
+        rl_prompt(cfg.grpo, rows, epoch=0, index=i, with_text=not cfg.train.local_dataset)
         for i in range(first, first + num)
     ]
     prompts = [Prompt(**{**_fields(p), **prompt}) for p in prompts]
@@ -246,7 +246,7 @@ def test_validation_prompts_go_first_with_validation_sampling_and_rewards(rollou
     val_rows = rl_validation_rows(cfg)
     _enqueue(cfg, state, 2)
     prompts = [
-        rl_prompt(cfg, val_rows, epoch=0, index=i, validation_step=0, with_text=False)
+        rl_prompt(cfg.grpo, val_rows, epoch=0, index=i, validation_step=0, with_text=False)
         for i in range(4)
     ]
     assert state.enqueue_validation(0, prompts)

@@ -22,8 +22,8 @@ from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.rollout.build import build_engine
 from nebula_rl.rollout.engine import GenerationRequest, SamplingParams
 from nebula_rl.rollout.tensor_parallel import TensorParallel
-from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.rollout.text import prompt_inputs
+from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.weights import free_port
 
 PRESETS = ["tiny:qwen3_vl", "tiny:qwen2_5_vl", "tiny:cosmos3_omni"]  # (Cosmos 3's reasoner)

@@ -167,7 +167,7 @@ class _PromptStream:
         order = self._order()
         while len(out) < n and self.epoch < self.cfg.train.epoch:
             chunk = order[self.position : self.position + n - len(out)]
-            out += [rl_prompt(self.cfg, self.rows, epoch=self.epoch, index=i) for i in chunk]
+            out += [rl_prompt(self.cfg.grpo, self.rows, epoch=self.epoch, index=i) for i in chunk]
             self.position += len(chunk)
             if self.position == len(order):
                 self.epoch, self.position = self.epoch + 1, 0
@@ -272,7 +272,7 @@ def _validate(
     """The `val/*` metrics of the engine's current weights on the validation `rows`."""
     v = cfg.validation
     prompts = [
-        rl_prompt(cfg, rows, epoch=0, index=i, min_version=step, validation_step=step)
+        rl_prompt(cfg.grpo, rows, epoch=0, index=i, min_version=step, validation_step=step)
         for i in range(len(rows))
     ]
     rewards: list[float] = []

@@ -381,7 +381,7 @@ class Scheduler:
             )
         index = self._orders[epoch][position]
         return rl_prompt(
-            self.cfg,
+            self.cfg.grpo,
             self.rows,
             epoch=epoch,
             index=index,
@@ -418,7 +418,7 @@ class Scheduler:
     def _start_validation(self, step: int) -> None:
         prompts = [
             rl_prompt(
-                self.cfg,
+                self.cfg.grpo,
                 self.val_rows,
                 epoch=0,
                 index=i,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nebula_rl.config import Config, DatasetConfig, TrainingConfig
+from nebula_rl.config import Config, DatasetConfig, GrpoConfig, TrainingConfig
 from nebula_rl.data.formats import UNUSABLE, conversation_rows, prompt_rows
 from nebula_rl.data.shards import ROWS, is_shards, unpacked
 from nebula_rl.protocol import Prompt
@@ -527,7 +527,7 @@ def num_train_steps(train: TrainingConfig, num_items: int, *, items_per_step: in
 
 
 def rl_prompt(
-    cfg: Config,
+    grpo: GrpoConfig,
     rows: list[dict[str, Any]],
     *,
     epoch: int,
@@ -540,7 +540,7 @@ def rl_prompt(
     or, with `validation_step`, of validation row `index` (`"val<step>:<index>"`, `rows` the
     validation rows). Without `with_text` it carries no prompt and reference: the replica reads
     them from its own copy of the rows (`train.local_dataset`)."""
-    p = cfg.grpo
+    p = grpo
     row = rows[index]
     prompt_id = f"{epoch}:{index}" if validation_step is None else f"val{validation_step}:{index}"
     return Prompt(

@@ -231,6 +231,7 @@ def dataset_entries(
     d = cfg.policy.diffusers
     ds = cfg.validation.dataset if validation else cfg.train.train_policy.dataset
     key = "validation.dataset.name" if validation else "train.train_policy.dataset.name"
+    limit = cfg.validation.max_num_prompts if validation else None
     if ds.local_dir and not validation:  # (cosmos-rl's diffusers folder: captions, no embeddings)
         key = "train.train_policy.dataset.local_dir"
         return Entries("captions", caption_layout(ds.local_dir, key=key), key)
@@ -238,7 +239,7 @@ def dataset_entries(
     if is_prompt_dataset(name):  # (captions only: the model's text encoder embeds them)
         key = key if ds.name else "validation.dataset.local_dir"
         prompts = [e for split in ds.split for e in prompt_entries(name, split, key=key)]
-        return Entries("prompts", _first(prompts, cfg, validation), key)
+        return Entries("prompts", _first(prompts, limit), key)
     if ds.split != ["train"]:
         raise ValueError(
             f"{key.replace('.name', '.split')} = {ds.split}: a clip folder ({ds.name}) has no "
@@ -247,8 +248,8 @@ def dataset_entries(
     if is_shards(ds.name):  # (WebDataset shards, unpacked into a folder of either layout)
         root = unpacked(ds.name, key=key)
         if not (root / "metas").is_dir():
-            return Entries("captions", _first(caption_layout(root, key=key), cfg, validation), key)
-        return Entries("local", _first(local_layout(root, key=key), cfg, validation), key)
+            return Entries("captions", _first(caption_layout(root, key=key), limit), key)
+        return Entries("local", _first(local_layout(root, key=key), limit), key)
     if ds.name == TOY_DATASET:
         seed = (cfg.train.seed or 0) + (1 if validation else 0)
         frames = d.inference_frames if d.is_video else 1
@@ -264,11 +265,12 @@ def dataset_entries(
             f"(metas/, videos/, t5_xxl/), {TOY_DATASET}, a prompt file (.txt, .jsonl, .json) or "
             f"one of cosmos-rl's prompt sets ({', '.join(PROMPT_SETS)})"
         )
-    return Entries("local", _first(local_layout(root, key=key), cfg, validation), key)
+    return Entries("local", _first(local_layout(root, key=key), limit), key)
 
 
-def _first(entries: list[Entry], cfg: Config, validation: bool) -> list[Entry]:
-    return entries[: cfg.validation.max_num_prompts] if validation else entries
+def _first(entries: list[Entry], limit: int | None) -> list[Entry]:
+    """The first `limit` entries (`validation.max_num_prompts` of a validation dataset)."""
+    return entries[:limit]
 
 
 def world_rows(cfg: Config, run_dir: Path, *, validation: bool = False) -> list[dict[str, str]]:

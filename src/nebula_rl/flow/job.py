@@ -131,10 +131,10 @@ def flow_clips(
     return [dataclasses.replace(c, text=None if c.text is None else c.text[:keep]) for c in clips]
 
 
-def _ordered(cfg: Config, clips: list[Clip], per_step: int) -> Any:
+def _ordered(train: TrainingConfig, clips: list[Clip], per_step: int) -> Any:
     """`batch(step)`: the clips of step `step` (1-based), epochs in seeded shuffled orders."""
     per_epoch = len(clips) // per_step
-    seed = cfg.train.seed or 0
+    seed = train.seed or 0
 
     def batch(step: int) -> list[Clip]:
         epoch, index = divmod(step - 1, per_epoch)
@@ -600,7 +600,7 @@ class _FlowRun:
 
     def run(self) -> Path:
         """Train to the end, export; the run folder."""
-        self.ordered = _ordered(self.cfg, self.clips, self.plan.per_step)
+        self.ordered = _ordered(self.cfg.train, self.clips, self.plan.per_step)
         self._announce()
         train_steps(
             self, self.cfg, start=self.start, checkpointer=self.checkpointer, writer=self.writer

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from nebula_rl.config import Config, GrpoConfig, SftConfig
+from nebula_rl.config import Config, GrpoConfig, PolicyConfig, SftConfig
 from nebula_rl.flow.context_parallel import CP_CLASSES
 from nebula_rl.flow.cosmos3 import COSMOS3_CLASS, Cosmos3Prompts
 from nebula_rl.flow.diffusers_models import (
@@ -71,9 +71,9 @@ TOY_TEXT_DIM = 32
 """Text-embedding width of the presets (that of the toy dataset's embeddings)."""
 
 
-def _shape(cfg: Config) -> tuple[int, int]:
+def _shape(policy: PolicyConfig) -> tuple[int, int]:
     """(frames, size) the config asks for."""
-    d = cfg.policy.diffusers
+    d = policy.diffusers
     height, width = d.inference_size
     if height != width:
         raise ValueError(
@@ -89,11 +89,11 @@ def _shape(cfg: Config) -> tuple[int, int]:
     return frames, height
 
 
-def flow_model_config(cfg: Config) -> TinyDiTConfig:
+def flow_model_config(policy: PolicyConfig) -> TinyDiTConfig:
     """The architecture `policy.model_name_or_path` names, checked against the config's shape."""
-    name = cfg.policy.model_name_or_path
-    frames, size = _shape(cfg)
-    conditioning = _conditional_frames(cfg, frames) > 0
+    name = policy.model_name_or_path
+    frames, size = _shape(policy)
+    conditioning = _conditional_frames(policy, frames) > 0
     if name in FLOW_PRESETS:
         return TinyDiTConfig(
             frames=frames, size=size, conditioning=conditioning, **FLOW_PRESETS[name]
@@ -118,10 +118,10 @@ def flow_model_config(cfg: Config) -> TinyDiTConfig:
     return config
 
 
-def _conditional_frames(cfg: Config, frames: int) -> int:
-    """The most conditioning frames `cfg` asks for, checked against the `frames` of a sample
+def _conditional_frames(policy: PolicyConfig, frames: int) -> int:
+    """The most conditioning frames `policy` asks for, checked against the `frames` of a sample
     (at least one must be generated)."""
-    most = cfg.policy.diffusers.max_num_conditional_frames
+    most = policy.diffusers.max_num_conditional_frames
     if most >= frames:
         raise ValueError(
             f"policy.diffusers.max_num_conditional_frames ({most}) must be below the frames of "
@@ -139,14 +139,16 @@ def _folder(cfg: Config) -> Path:
     return folder
 
 
-def _check_latent(cfg: Config, vae_class: str | None, vae_config: dict[str, Any] | None) -> None:
+def _check_latent(
+    policy: PolicyConfig, vae_class: str | None, vae_config: dict[str, Any] | None
+) -> None:
     """Refuse a frame shape the model's VAE cannot encode, and `compile_encode` without a
     VAE."""
-    d = cfg.policy.diffusers
+    d = policy.diffusers
     if vae_class is None or vae_config is None:
         if d.tokenizer.compile_encode:
             raise ValueError(
-                f"policy.diffusers.tokenizer.compile_encode = true: {cfg.policy.model_name_or_path}"
+                f"policy.diffusers.tokenizer.compile_encode = true: {policy.model_name_or_path}"
                 " runs in pixel space: it has no VAE to compile"
             )
         return
@@ -163,41 +165,45 @@ def check_flow_model(cfg: Config) -> None:
     folder = None if name.startswith("tiny:") else _folder(cfg)  # (a Hub model: fetched once)
     _check_prompt_dataset(cfg, folder)
     if name in DIFFUSERS_PRESETS:
-        _shape(cfg)
+        _shape(cfg.policy)
         vae = PRESET_VAES.get(name)
         vae_config = tiny_vae_config(vae) if vae is not None else None
-        _check_latent(cfg, vae, vae_config)
-        _check_diffusers_cp(cfg, DIFFUSERS_PRESETS[name], vae, vae_config, patch=1)
+        _check_latent(cfg.policy, vae, vae_config)
+        _check_diffusers_cp(cfg.policy, DIFFUSERS_PRESETS[name], vae, vae_config, patch=1)
         channels = 3 if vae is None or vae_config is None else vae_factors(vae, vae_config)[0]
         cosmos_mask = DIFFUSERS_PRESETS[name] == "CosmosTransformer3DModel" and vae is not None
         _check_diffusers_conditioning(
-            cfg, DIFFUSERS_PRESETS[name], channels + cosmos_mask, channels, name in TI2V_PRESETS
+            cfg.policy,
+            DIFFUSERS_PRESETS[name],
+            channels + cosmos_mask,
+            channels,
+            name in TI2V_PRESETS,
         )
         return
     folder = folder or Path(name)
     if name not in FLOW_PRESETS and (kind := diffusers_class_of(folder)) is not None:
         found = check_diffusers_folder(name, folder)
         found_vae_config = found.vae_config() if found.vae else None
-        _check_latent(cfg, found.vae_class, found_vae_config)
+        _check_latent(cfg.policy, found.vae_class, found_vae_config)
         config = json.loads((kind[1] / "config.json").read_text())
         patch = config.get("patch_size") or 1
         _check_diffusers_cp(
-            cfg,
+            cfg.policy,
             kind[0],
             found.vae_class,
             found_vae_config,
             patch=patch[0] if isinstance(patch, list) else 1,
         )
         _check_diffusers_conditioning(
-            cfg,
+            cfg.policy,
             kind[0],
             config.get("in_channels"),
             config.get("out_channels"),
             found.expand_timesteps,
         )
         return
-    _check_latent(cfg, None, None)
-    config = flow_model_config(cfg)
+    _check_latent(cfg.policy, None, None)
+    config = flow_model_config(cfg.policy)
     if config.frames % cp:
         raise ValueError(
             f"policy.parallelism.cp_size ({cp}) must divide the frames of a sample "
@@ -253,13 +259,17 @@ def _check_prompt_dataset(cfg: Config, folder: Path | None) -> None:
 
 
 def _check_diffusers_conditioning(
-    cfg: Config, class_name: str, channels_in: Any, channels_out: Any, expand_timesteps: bool
+    policy: PolicyConfig,
+    class_name: str,
+    channels_in: Any,
+    channels_out: Any,
+    expand_timesteps: bool,
 ) -> None:
     """Refuse conditioning frames for a diffusers transformer that cannot be told which frames
     are given: Cosmos-Predict2.5's latent-space transformer has a condition-mask input
     channel, a Wan transformer whose pipeline sets `expand_timesteps` (Wan 2.2 TI2V) takes
     per-token timesteps; others have neither."""
-    most = cfg.policy.diffusers.max_num_conditional_frames
+    most = policy.diffusers.max_num_conditional_frames
     mask = (
         class_name == "CosmosTransformer3DModel"
         and channels_out is not None
@@ -277,7 +287,7 @@ def _check_diffusers_conditioning(
 
 
 def _check_diffusers_cp(
-    cfg: Config,
+    policy: PolicyConfig,
     class_name: str,
     vae: str | None,
     vae_config: dict[str, Any] | None,
@@ -287,7 +297,7 @@ def _check_diffusers_cp(
     """Refuse a `cp_size` that cannot split the clips of a diffusers transformer by whole
     frames: an image model, or frames (after the VAE and the patch embedding) it does not
     divide."""
-    cp = cfg.policy.parallelism.cp_size
+    cp = policy.parallelism.cp_size
     if cp == 1:
         return
     if class_name not in CP_CLASSES:
@@ -296,7 +306,7 @@ def _check_diffusers_cp(
             f"policy.parallelism.cp_size = {cp}: context parallelism splits clips by frames, of "
             f"{', '.join(CP_CLASSES)} and the built-in DiT; not of a {class_name}{why}"
         )
-    d = cfg.policy.diffusers
+    d = policy.diffusers
     frames = d.inference_frames if d.is_video else 1
     if vae is not None and vae_config is not None:
         frames = 1 + (frames - 1) // vae_factors(vae, vae_config)[2]
@@ -331,9 +341,9 @@ def _base_model(cfg: Config, *, seed: int) -> TinyDiT | DiffusersFlowModel:
     name = cfg.policy.model_name_or_path
     compile_encode = cfg.policy.diffusers.tokenizer.compile_encode
     if name in DIFFUSERS_PRESETS:
-        frames, size = _shape(cfg)
+        frames, size = _shape(cfg.policy)
         vae = PRESET_VAES.get(name)
-        _check_latent(cfg, vae, tiny_vae_config(vae) if vae is not None else None)
+        _check_latent(cfg.policy, vae, tiny_vae_config(vae) if vae is not None else None)
         return tiny_diffusers_flow_model(
             name, frames=frames, size=size, text_dim=TOY_TEXT_DIM, seed=seed,
             compile_encode=compile_encode,
@@ -341,7 +351,7 @@ def _base_model(cfg: Config, *, seed: int) -> TinyDiT | DiffusersFlowModel:
     folder = Path(name) if name in FLOW_PRESETS else _folder(cfg)
     if name not in FLOW_PRESETS and diffusers_class_of(folder) is not None:
         found = check_diffusers_folder(name, folder)
-        _check_latent(cfg, found.vae_class, found.vae_config() if found.vae else None)
+        _check_latent(cfg.policy, found.vae_class, found.vae_config() if found.vae else None)
         diffusers_model = load_diffusers_flow_model(name, folder, compile_encode=compile_encode)
         if diffusers_model.kind == COSMOS3_CLASS:  # (it reads its captions' tokens)
             assert diffusers_model.vae is not None
@@ -359,8 +369,8 @@ def _base_model(cfg: Config, *, seed: int) -> TinyDiT | DiffusersFlowModel:
                 offload=cfg.policy.diffusers.offload,
             )
         return diffusers_model
-    _check_latent(cfg, None, None)
-    config = flow_model_config(cfg)
+    _check_latent(cfg.policy, None, None)
+    config = flow_model_config(cfg.policy)
     torch.manual_seed(seed)
     model = TinyDiT(config)
     if name not in FLOW_PRESETS:

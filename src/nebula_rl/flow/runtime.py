@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from nebula_rl.config import Config, GrpoConfig
+from nebula_rl.config import Config, GrpoConfig, TrainingConfig
 from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.controller.state import JobState
 from nebula_rl.flow.data import Clip, clip_pixels, clip_text, save_samples
@@ -152,11 +152,11 @@ def check_flow_job(cfg: Config) -> None:
     check_flow_model(cfg)
 
 
-def _check_clips(cfg: Config, clips: list[Clip], meta: dict[str, Any]) -> None:
+def _check_clips(train: TrainingConfig, clips: list[Clip], meta: dict[str, Any]) -> None:
     expected = meta.get("num_rows")
     if expected is not None and expected != len(clips):
         raise RuntimeError(
-            f"this replica reads {len(clips)} clips of {cfg.train.train_policy.dataset.name!r}, "
+            f"this replica reads {len(clips)} clips of {train.train_policy.dataset.name!r}, "
             f"the controller {expected}: the replicas must see the same dataset"
         )
 
@@ -187,7 +187,7 @@ def flow_sampling(session: ReplicaSession, device: torch.device) -> FlowSampling
     cfg = session.cfg
     run_dir = Path(session.meta["run_dir"])
     clips = flow_clips(cfg, run_dir, create=False)
-    _check_clips(cfg, clips, session.meta)
+    _check_clips(cfg.train, clips, session.meta)
     model = load_flow_model(cfg, seed=cfg.train.seed or 0).to(device).eval()
     model.requires_grad_(False)
     p = cfg.train.train_policy
@@ -664,7 +664,7 @@ def flow_policy(session: ReplicaSession, device: torch.device) -> PolicyModel:
     cfg, meta, state = session.cfg, session.meta, session.state
     run_dir = Path(meta["run_dir"])
     clips = flow_clips(cfg, run_dir, create=False)
-    _check_clips(cfg, clips, meta)
+    _check_clips(cfg.train, clips, meta)
     seed = cfg.train.seed or 0
     model = load_flow_model(cfg, seed=seed).to(device)
     if cfg.policy.model_gradient_checkpointing:

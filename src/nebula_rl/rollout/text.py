@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from nebula_rl.config import Config, RolloutConfig
+from nebula_rl.config import Config, PolicyConfig, RolloutConfig
 from nebula_rl.controller.client import ReplicaSession
 from nebula_rl.data import prompt_token_ids, rl_rows, rl_validation_rows
 from nebula_rl.data.vision import VisionInputs, VisionProcessor, vision_processor
@@ -282,7 +282,7 @@ class TextGenerator:
 
         size = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         device = next(engine.model.parameters()).device
-        lora = _lora_merge(self.cfg, engine)
+        lora = _lora_merge(self.cfg.policy, engine)
 
         def apply(receive: Callable[[], int | None]) -> None:
             took: list[float] = []
@@ -543,11 +543,11 @@ def _engine(
     return tokenizer, engine
 
 
-def _lora_merge(cfg: Config, engine: TorchEngine | VLLMEngine) -> LoraMerge | None:
+def _lora_merge(policy: PolicyConfig, engine: TorchEngine | VLLMEngine) -> LoraMerge | None:
     """The adapter buffers and merge of a LoRA policy's pushes (None without `policy.lora`)."""
-    if cfg.policy.lora is None:
+    if policy.lora is None:
         return None
-    return LoraMerge(engine.model, engine.tp_boxes(), cfg.policy.lora)
+    return LoraMerge(engine.model, engine.tp_boxes(), policy.lora)
 
 
 def _receiver(
@@ -671,7 +671,7 @@ def _follow(
     """Ranks > 0 of a TP replica: replay rank 0's engine, taking the same weight pushes."""
     _, engine = _engine(session, device, tensor_parallel)
     assert isinstance(engine, LockstepEngine)
-    lora = _lora_merge(session.cfg, engine)
+    lora = _lora_merge(session.cfg.policy, engine)
     receiver = _receiver(session, engine, lora, local_rank=ranks.local_rank)
     done = threading.Event()
     errors: list[BaseException] = []
