@@ -44,24 +44,33 @@ def test_the_reasoner_preset_is_qwen3_vl_under_cosmos3s_name():
         torch.testing.assert_close(cosmos(**batch).logits, qwen(**batch).logits, rtol=0, atol=0)
 
 
-def test_grpo_trains_the_reasoner_on_images_and_its_class_loads_the_export(tmp_path):
+@pytest.mark.parametrize(
+    ("preset", "class_name"),
+    [
+        ("tiny:cosmos3_omni", "Cosmos3OmniForConditionalGeneration"),
+        ("tiny:cosmos3_edge", "Cosmos3EdgeForConditionalGeneration"),
+    ],
+)
+def test_grpo_trains_the_reasoner_on_images_and_its_class_loads_the_export(
+    tmp_path, preset, class_name
+):
     """GRPO in one process on the counting task's images (the built-in engine generates, the
-    Cosmos-Reason recipe's rewards score): two steps, and the export loads with
-    `Cosmos3OmniForConditionalGeneration.from_pretrained`, every weight found."""
-    from transformers import Cosmos3OmniForConditionalGeneration
+    Cosmos-Reason recipe's rewards score): two steps, and the export loads with the model's own
+    class's `from_pretrained` (Nano and Super's; Edge's), every weight found."""
+    import transformers
 
     from nebula_rl import local
     from test_vision import squares_grpo
 
-    run = local.run(squares_grpo(tmp_path, "tiny:cosmos3_omni", optm_lr=1e-3))
+    run = local.run(squares_grpo(tmp_path, preset, optm_lr=1e-3))
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["num_sequences"] == 8 and r["response_length_mean"] > 0 for r in records)
     export = run / "safetensors" / "final"
-    model, info = Cosmos3OmniForConditionalGeneration.from_pretrained(
+    model, info = getattr(transformers, class_name).from_pretrained(
         export, output_loading_info=True
     )
-    assert model.config.model_type == "cosmos3_omni"
+    assert model.config.model_type == preset.removeprefix("tiny:")
     assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 

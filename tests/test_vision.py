@@ -22,7 +22,7 @@ from nebula_rl.models import (
     load_model,
 )
 
-PRESETS = ["tiny:qwen3_vl", "tiny:qwen2_5_vl", "tiny:cosmos3_omni"]  # (Cosmos 3's reasoner)
+PRESETS = ["tiny:qwen3_vl", "tiny:qwen2_5_vl", "tiny:cosmos3_omni", "tiny:cosmos3_edge"]
 
 
 def _image(seed: int, size: tuple[int, int] = (64, 64)) -> Image.Image:
@@ -101,13 +101,14 @@ def _image_only_processor(family: str):
     """transformers' own processor class of `family` (what `AutoProcessor` builds for it),
     taking the image processor and tokenizer only: its video processor needs torchvision, and
     no CPU torchvision build for torch 2.13 installs here (the PyPI wheel links CUDA libraries)."""
+    from transformers.models.cosmos3_edge.processing_cosmos3_edge import Cosmos3EdgeProcessor
     from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
     # (Cosmos 3's reasoner ships Qwen3-VL's processor: transformers maps its image processor
-    # to Qwen2-VL's and its video processor to Qwen3-VL's)
+    # to Qwen2-VL's and its video processor to Qwen3-VL's; Cosmos 3 Edge has its own)
     base = {"qwen3_vl": Qwen3VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor,
-            "cosmos3_omni": Qwen3VLProcessor}[family]  # fmt: skip
+            "cosmos3_omni": Qwen3VLProcessor, "cosmos3_edge": Cosmos3EdgeProcessor}[family]  # fmt: skip
 
     class ImageOnly(base):  # type: ignore[misc, valid-type]
         @classmethod
@@ -134,7 +135,10 @@ def test_image_prompts_match_the_transformers_processor(vlm, tok):
     assert torch.equal(ours.pixel_values, want["pixel_values"])
     assert torch.equal(ours.image_grid_thw, want["image_grid_thw"])
     batch = _batch(processor, [ours], tok)
-    assert torch.equal(batch["mm_token_type_ids"], want["mm_token_type_ids"])
+    # (Cosmos 3 Edge's processor returns no types without its video processor: image tokens 1)
+    image_id = processor.layout.image_token_id
+    types = want.get("mm_token_type_ids", (want["input_ids"] == image_id).long())
+    assert torch.equal(batch["mm_token_type_ids"], types)
 
 
 def test_media_expand_to_their_tokens_and_a_mixed_batch_trains(vlm, tok):
@@ -142,7 +146,7 @@ def test_media_expand_to_their_tokens_and_a_mixed_batch_trains(vlm, tok):
     long as its grid says, `mm_token_type_ids` marks them, and the forward (which checks that
     the vision features fill the pads exactly) trains both the vision tower and the LM."""
     _, model, processor = vlm
-    merge = processor.layout.merge_size
+    merge, tp = processor.layout.merge_size, processor.layout.temporal_patch_size
     with_image = processor(
         _ask(
             {"type": "image", "image": _image(0)}, {"type": "image", "image": _image(1, (96, 64))}
@@ -156,12 +160,12 @@ def test_media_expand_to_their_tokens_and_a_mixed_batch_trains(vlm, tok):
     image_id, video_id = processor.layout.image_token_id, processor.layout.video_token_id
     assert with_image.image_grid_thw.tolist() == [[1, 4, 4], [1, 4, 6]]
     assert with_image.input_ids.count(image_id) == (16 + 24) // merge**2
-    assert with_video.video_grid_thw.tolist() == [[2, 4, 4]]
-    assert with_video.input_ids.count(video_id) == 2 * 16 // merge**2
+    assert with_video.video_grid_thw.tolist() == [[4 // tp, 4, 4]]
+    assert with_video.input_ids.count(video_id) == 4 // tp * 16 // merge**2
     assert with_image.pixel_values.shape[0] == 16 + 24  # one row per patch
     batch = _batch(processor, [with_image, text_only, with_video], tok)
     types = batch["mm_token_type_ids"]
-    assert int((types == 1).sum()) == 10 and int((types == 2).sum()) == 8
+    assert int((types == 1).sum()) == 10 and int((types == 2).sum()) == 4 // tp * 4
     assert batch["pixel_values"].shape[0] == 40 and batch["image_grid_thw"].shape == (2, 3)
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     model.zero_grad()
@@ -181,19 +185,21 @@ def test_media_expand_to_their_tokens_and_a_mixed_batch_trains(vlm, tok):
 
 
 def test_video_patches_follow_the_image_processors_layout(vlm):
-    """A still video (two identical frames) is one temporal patch of the image: the same
-    patches as the image processor cuts from that image (which repeats it in time)."""
+    """A still video (a temporal patch of identical frames: two, Cosmos 3 Edge's one) is one
+    temporal patch of the image: the same patches as the image processor cuts from that image
+    (which repeats it in time)."""
     _, _, processor = vlm
+    tp = processor.layout.temporal_patch_size
     image = _image(3)
     as_image = processor(_ask({"type": "image", "image": image}))
-    as_video = processor(_ask({"type": "video", "video": [image, image]}))
+    as_video = processor(_ask({"type": "video", "video": [image] * tp}))
     assert as_video.video_grid_thw.tolist() == as_image.image_grid_thw.tolist()
     torch.testing.assert_close(
         as_video.pixel_values_videos, as_image.pixel_values, atol=1e-6, rtol=0
     )
-    # An odd number of frames is padded with the last one.
-    three = processor(_ask({"type": "video", "video": [image, image, image]}))
-    assert three.video_grid_thw.tolist() == [[2, 4, 4]]
+    # Frames that do not fill the last temporal patch are padded with the last one.
+    more = processor(_ask({"type": "video", "video": [image] * (tp + 1)}))
+    assert more.video_grid_thw.tolist() == [[2, 4, 4]]
 
 
 def test_qwen3_vl_writes_a_timestamp_before_each_temporal_patch(tok):

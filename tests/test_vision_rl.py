@@ -26,7 +26,8 @@ from nebula_rl.rollout.text import prompt_inputs
 from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.weights import free_port
 
-PRESETS = ["tiny:qwen3_vl", "tiny:qwen2_5_vl", "tiny:cosmos3_omni"]  # (Cosmos 3's reasoner)
+EDGE = "tiny:cosmos3_edge"
+PRESETS = ["tiny:qwen3_vl", "tiny:qwen2_5_vl", "tiny:cosmos3_omni", EDGE]
 
 
 def _frames(num: int) -> list[Image.Image]:
@@ -71,8 +72,11 @@ def _policy_logprobs(model, request: GenerationRequest, tokens: list[int]) -> to
                                 compute_dtype=None, inputs=media)  # fmt: skip
 
 
-@pytest.mark.parametrize("forward", ["fused", "hf"])
-@pytest.mark.parametrize("preset", PRESETS)
+# (Cosmos 3 Edge's language model, squared-ReLU MLPs, runs through its HF modules only: below)
+FORWARDS = [(p, f) for p in PRESETS for f in ("fused", "hf") if (p, f) != (EDGE, "fused")]
+
+
+@pytest.mark.parametrize(("preset", "forward"), FORWARDS)
 def test_engine_logprobs_match_the_policy_on_multimodal_prompts(preset, forward):
     """Images, a text prompt and a video (frames) in one batch: every sampled token's log-prob
     equals the policy's forward (pixels, grids, M-RoPE) within 1e-5 in float32."""
@@ -94,6 +98,13 @@ def test_engine_logprobs_match_the_policy_on_multimodal_prompts(preset, forward)
             want = _policy_logprobs(policy, request, completion.token_ids)
             worst = max(worst, float((want - torch.tensor(completion.logprobs)).abs().max()))
     assert worst < 1e-5
+
+
+def test_cosmos3_edge_runs_through_its_hf_modules_and_refuses_the_compact_forward():
+    model = load_model(EDGE, dtype=torch.float32, seed=0)
+    assert TorchEngine(model, max_num_seqs=2, max_model_len=64).forward_impl == "hf"
+    with pytest.raises(ValueError, match="'cosmos3_edge_text' is not one of"):
+        TorchEngine(model, max_num_seqs=2, max_model_len=64, forward="fused")
 
 
 def test_engine_never_samples_media_tokens_and_refuses_media_it_cannot_place():
@@ -252,13 +263,13 @@ def _grpo(trainer: PolicyTrainer, tokenizer, vision) -> list[dict]:
     return [trainer.grpo_step(groups, media) for _ in range(2)]
 
 
-def _two_rank_body(member, port, parallelism):
+def _two_rank_body(member, port, parallelism, preset):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=member,
                             world_size=2)  # fmt: skip
     try:
         cfg = _cfg(parallelism)
-        tokenizer = load_tokenizer("tiny:qwen3_vl")
-        model = load_model("tiny:qwen3_vl", seed=0)
+        tokenizer = load_tokenizer(preset)
+        model = load_model(preset, seed=0)
         vision = VisionProcessor(tokenizer, model.config)
         split = parallelize_policy(model, cfg)
         trainer = PolicyTrainer(split.model, cfg, total_steps=4, pad_id=0,
@@ -270,20 +281,31 @@ def _two_rank_body(member, port, parallelism):
         dist.destroy_process_group()
 
 
+# A vision block's weight of each preset (the images' gradients must reach the tower).
+_VISION_WEIGHT = {
+    "tiny:qwen3_vl": "model.visual.blocks.0.attn.qkv.weight",
+    EDGE: "model.visual.encoder.layers.0.self_attn.q_proj.weight",  # (SigLIP2's tower)
+}
+
+
+@pytest.mark.parametrize("preset", list(_VISION_WEIGHT))
 @pytest.mark.parametrize("parallelism", [{"dp_shard_size": 2}, {"tp_size": 2}], ids=str)
-def test_two_rank_grpo_on_images_steps_like_one_process(members, parallelism):
+def test_two_rank_grpo_on_images_steps_like_one_process(members, parallelism, preset):
     """One pass per row (mini_batch 1) over 9 rows. FSDP2: the ranks' passes hold images, text
     only, or nothing (a dummy row), and still pair their vision-block collectives up. TP: the
-    language model split over the two ranks, the vision tower sharded over them. Two steps
-    equal one process's."""
+    language model split over the two ranks (Cosmos 3 Edge's squared-ReLU MLPs by their fc1
+    and fc2), the vision tower (and a projector outside it) sharded over them. Two steps equal
+    one process's."""
     cfg = _cfg({})
-    tokenizer = load_tokenizer("tiny:qwen3_vl")
-    model = load_model("tiny:qwen3_vl", seed=0)
+    tokenizer = load_tokenizer(preset)
+    model = load_model(preset, seed=0)
     vision = VisionProcessor(tokenizer, model.config)
     trainer = PolicyTrainer(model, cfg, total_steps=4, pad_id=0)
     want = _grpo(trainer, tokenizer, vision)
-    reports = members.run_on(range(2), _two_rank_body, free_port(), parallelism, timeout_s=240)
-    start = dict(load_model("tiny:qwen3_vl", seed=0).named_parameters())
+    reports = members.run_on(
+        range(2), _two_rank_body, free_port(), parallelism, preset, timeout_s=240
+    )
+    start = dict(load_model(preset, seed=0).named_parameters())
     for history, params in reports.values():
         for got, expected in zip(history, want, strict=True):
             for key, value in expected.items():
@@ -291,7 +313,7 @@ def test_two_rank_grpo_on_images_steps_like_one_process(members, parallelism):
         for name, value in params.items():
             torch.testing.assert_close(torch.from_numpy(value), model.get_parameter(name).detach(),
                                        rtol=0, atol=1e-5)  # fmt: skip
-    name = "model.visual.blocks.0.attn.qkv.weight"
+    name = _VISION_WEIGHT[preset]
     moved = float((model.get_parameter(name) - start[name]).detach().abs().max())
     assert moved > 1e-4  # the images' gradients reached the vision tower
 

@@ -18,13 +18,14 @@ image or of each video frame, which is resized to multiples of `patch_size x mer
 its aspect ratio), `resized_height` / `resized_width` (an exact size, rounded the same way),
 `fps` (frames per second of a frame list; the rate to sample a video file at), `nframes` /
 `min_frames` / `max_frames` (how many frames to keep), `total_pixels` (a budget for all frames of
-a video). Frames are kept in multiples of the temporal patch (2), repeating the last one.
+a video). Frames are kept in multiples of the temporal patch (2; Cosmos 3 Edge's: 1), repeating
+the last one.
 
 :class:`VisionProcessor` renders the conversation with the tokenizer's chat template (one
 `<|vision_start|><|image_pad|><|vision_end|>` per image), expands each pad to the media's number
 of language tokens (`prod(grid_thw) / merge_size**2`; Qwen3-VL writes a video per temporal patch,
 after a `<t seconds>` timestamp), and cuts the pixels into patches: images through transformers'
-`Qwen2VLImageProcessorPil`, video frames with the same patch layout here (transformers' video
+`Qwen2VLImageProcessorPil` (Cosmos 3 Edge's `Cosmos3EdgeImageProcessorPil`), video frames with the same patch layout here (transformers' video
 processors need torchvision). :func:`collate` pads a batch, which may mix samples with and without
 media, and adds `mm_token_type_ids` (0 text, 1 image, 2 video), which transformers 5's Qwen-VL
 forward requires alongside pixels.
@@ -44,7 +45,12 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from transformers import PretrainedConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessorPil
+from transformers import (
+    Cosmos3EdgeImageProcessorPil,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    Qwen2VLImageProcessorPil,
+)
 
 from nebula_rl.config import VISION_OPTIONS, PolicyConfig
 
@@ -61,9 +67,13 @@ __all__ = [
 ]
 
 
-_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "cosmos3_omni")
+_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "cosmos3_omni", "cosmos3_edge")
 """The families built here; Cosmos 3's reasoner (`cosmos3_omni`) is Qwen3-VL's architecture and
-preprocessing under its own name."""
+preprocessing under its own name; Cosmos 3 Edge (`cosmos3_edge`) takes Qwen3-VL's prompt layout
+(a timestamp before each frame) with one frame per temporal patch and its patch values in
+(row, column, channel) order."""
+_EDGE = "cosmos3_edge"
+ImageProcessor = Qwen2VLImageProcessorPil | Cosmos3EdgeImageProcessorPil
 # Preprocessing of the presets (a real model's folder has its own preprocessor_config.json):
 # pixel bounds in language tokens of patch x merge pixels squared, and each family's
 # normalisation (Qwen2.5-VL keeps CLIP's mean and std, Qwen3-VL uses 0.5).
@@ -224,25 +234,33 @@ class _Layout:
     video_token_id: int
 
     @property
+    def channels_last(self) -> bool:
+        """Whether a patch's values run (row, column, channel, frame), Cosmos 3 Edge's order;
+        else (channel, frame, row, column), Qwen-VL's."""
+        return self.model_type == _EDGE
+
+    @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
 
 class VisionProcessor:
-    """Conversations -> model inputs for a Qwen2.5-VL, Qwen3-VL or Cosmos 3 reasoner model.
+    """Conversations -> model inputs for a Qwen2.5-VL, Qwen3-VL or Cosmos 3 reasoner (Nano,
+    Super, Edge) model.
 
     Args:
         tokenizer: the model's tokenizer, with its chat template and the vision tokens.
         config: the model's config (patch sizes and vision token ids are read from it).
-        image_processor: transformers' `Qwen2VLImageProcessorPil` with the model's
-            normalisation and default pixel bounds (default: the preset's).
+        image_processor: transformers' `Qwen2VLImageProcessorPil` (Cosmos 3 Edge:
+            `Cosmos3EdgeImageProcessorPil`) with the model's normalisation and default pixel
+            bounds (default: the preset's).
     """
 
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
         config: PretrainedConfig,
-        image_processor: Qwen2VLImageProcessorPil | None = None,
+        image_processor: ImageProcessor | None = None,
     ) -> None:
         model_type = str(config.model_type)
         if model_type not in _MODEL_TYPES:
@@ -254,7 +272,7 @@ class VisionProcessor:
             model_type,
             int(vision.patch_size),
             int(vision.spatial_merge_size),
-            int(vision.temporal_patch_size),
+            int(getattr(vision, "temporal_patch_size", 1)),  # (Edge: one frame per patch)
             int(config.image_token_id),
             int(config.video_token_id),
         )
@@ -291,9 +309,12 @@ class VisionProcessor:
         if not name_or_path.startswith(PRESET_PREFIX):
             path = resolve_model(name_or_path, revision=revision)
             if (path / "preprocessor_config.json").is_file():
-                image_processor = Qwen2VLImageProcessorPil.from_pretrained(
-                    path, local_files_only=True
+                kind = (
+                    Cosmos3EdgeImageProcessorPil
+                    if str(config.model_type) == _EDGE
+                    else Qwen2VLImageProcessorPil
                 )
+                image_processor = kind.from_pretrained(path, local_files_only=True)
         return cls(tokenizer, config, image_processor)
 
     def save_pretrained(self, path: str | Path) -> None:
@@ -303,20 +324,28 @@ class VisionProcessor:
         self.image_processor.save_pretrained(path)
 
     @staticmethod
-    def preset_image_processor(config: PretrainedConfig) -> Qwen2VLImageProcessorPil:
+    def preset_image_processor(config: PretrainedConfig) -> ImageProcessor:
         """The image processor of a preset: `config`'s patch sizes, the family's normalisation,
         pixel bounds of 4 to 256 language tokens."""
         vision = config.vision_config
         factor = int(vision.patch_size) * int(vision.spatial_merge_size)
+        size = {
+            "shortest_edge": _PRESET_TOKENS[0] * factor**2,
+            "longest_edge": _PRESET_TOKENS[1] * factor**2,
+        }
+        if str(config.model_type) == _EDGE:  # (its mean and std are 0.5, as Qwen3-VL's)
+            settings: dict[str, Any] = dict(  # (keyword arguments its stub does not list)
+                patch_size=int(vision.patch_size),
+                merge_size=int(vision.spatial_merge_size),
+                size=size,
+            )
+            return Cosmos3EdgeImageProcessorPil(**settings)
         qwen3 = str(config.model_type) != "qwen2_5_vl"  # (Qwen3-VL's, Cosmos 3's)
         return Qwen2VLImageProcessorPil(
             patch_size=int(vision.patch_size),
             merge_size=int(vision.spatial_merge_size),
             temporal_patch_size=int(vision.temporal_patch_size),
-            size={
-                "shortest_edge": _PRESET_TOKENS[0] * factor**2,
-                "longest_edge": _PRESET_TOKENS[1] * factor**2,
-            },
+            size=size,
             image_mean=(0.5, 0.5, 0.5) if qwen3 else _CLIP_MEAN,
             image_std=(0.5, 0.5, 0.5) if qwen3 else _CLIP_STD,
         )
@@ -501,14 +530,17 @@ class VisionProcessor:
         t, c, h, w = frames.shape
         grid = (t // tp, h // p, w // p)
         x = frames.reshape(grid[0], tp, c, grid[1] // m, m, p, grid[2] // m, m, p)
-        x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        if self.layout.channels_last:  # (Edge: row, column, channel, frame)
+            x = x.permute(0, 3, 6, 4, 7, 5, 8, 2, 1)
+        else:  # (Qwen-VL: channel, frame, row, column)
+            x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
         return x.reshape(grid[0] * grid[1] * grid[2], c * tp * p * p), torch.tensor(grid)
 
     def _video_text(self, grid: torch.Tensor, fps: float) -> str:
         pads = self._pad["video"] * (int(grid[1] * grid[2]) // self.layout.merge_size**2)
         if self.layout.model_type == "qwen2_5_vl":
             return self._wrap(pads * int(grid[0]))
-        # Qwen3-VL: each temporal patch after the mean time of its frames.
+        # Qwen3-VL, Cosmos 3: each temporal patch after the mean time of its frames.
         tp = self.layout.temporal_patch_size
         text = ""
         for t in range(int(grid[0])):

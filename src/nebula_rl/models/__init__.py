@@ -3,9 +3,10 @@ or the Hub, or a tiny preset.
 
 A name is a local folder, a Hub repo id fetched into the Hugging Face cache (see
 :mod:`nebula_rl.models.hub`), or a preset. A preset (`tiny:qwen2`, `tiny:llama`, and the
-vision-language `tiny:qwen3_vl`, `tiny:qwen2_5_vl`, and Cosmos 3's reasoner `tiny:cosmos3_omni`) is a
-few-million-parameter model of that architecture with random initialisation and a byte-level
-tokenizer without merges built locally with the `tokenizers` library. `tiny:qwen2_gsm8k` is a
+vision-language `tiny:qwen3_vl`, `tiny:qwen2_5_vl`, and Cosmos 3's reasoners `tiny:cosmos3_omni`
+and `tiny:cosmos3_edge`) is a few-million-parameter model of that architecture with random
+initialisation and a byte-level tokenizer without merges built locally with the `tokenizers`
+library. `tiny:qwen2_gsm8k` is a
 larger one (~14M parameters, the GSM8K-shaped benchmark's) with a byte-level BPE tokenizer of 4096
 tokens trained on GSM8K's training text, shipped in this package (`gsm8k_tokenizer.json`,
 rebuilt by `python -m nebula_rl.models.bpe`); `tiny:qwen2_5_0_5b` is Qwen2.5-0.5B's shape with that
@@ -206,6 +207,33 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
 # Cosmos 3's reasoner (Cosmos3-Nano, -Super: `Cosmos3OmniForConditionalGeneration`) is Qwen3-VL's
 # architecture under its own model type: its preset is the Qwen3-VL one's.
 TINY_PRESETS["cosmos3_omni"] = {**TINY_PRESETS["qwen3_vl"], "model_type": "cosmos3_omni"}
+# Cosmos 3 Edge (`Cosmos3EdgeForConditionalGeneration`): a SigLIP2-style vision tower (patches of
+# 16 px, one frame per temporal patch, a learned grid of position embeddings) merged 2x2 by a
+# projector into a language model with squared-ReLU MLPs and M-RoPE.
+TINY_PRESETS["cosmos3_edge"] = dict(
+    model_type="cosmos3_edge",
+    text_config=dict(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[8, 4, 4]),
+    ),
+    vision_config=dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        patch_size=16,
+        spatial_merge_size=2,
+        num_patches=64,
+    ),
+    projector_hidden_size=256,
+    tie_word_embeddings=False,  # (Edge's head is its own, as in the released model)
+)
 
 
 def _byte_symbols() -> dict[int, str]:

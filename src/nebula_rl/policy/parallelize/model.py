@@ -27,7 +27,7 @@ from nebula_rl.policy.parallelize.structure import (
     model_config,
     tied_embeddings,
     vision_blocks,
-    vision_tower,
+    vision_modules,
 )
 from nebula_rl.policy.parallelize.tensor_parallel import apply_tp
 from nebula_rl.policy.parallelize.wrap import (
@@ -144,7 +144,8 @@ def _with_blank_media(
     hf_config: Any = model_config(module)
     config = hf_config.vision_config
     merge = int(config.spatial_merge_size)
-    width = int(config.in_channels * config.temporal_patch_size * config.patch_size**2)
+    channels = getattr(config, "in_channels", None) or config.num_channels  # (SigLIP2's name)
+    width = int(channels * getattr(config, "temporal_patch_size", 1) * config.patch_size**2)
     given = dict(inputs or {})
     missing = [
         (kind, token, pixels, grid)
@@ -639,7 +640,8 @@ def parallelize_model(
                 root, mesh["dp_replicate"], param_dtype=param_dtype, reduce_dtype=reduce_dtype
             )
     if tp_mesh is not None and vision_blocks(model):
-        sum_gradients(vision_tower(model), divide=float(dims.tp))
+        for module in vision_modules(model):
+            sum_gradients(module, divide=float(dims.tp))
     data_parallel = dims.fsdp_enabled or dims.dp_replicate > 1
     # A tied embedding's copies live on the first and last stage; their gradients are summed
     # by ParallelModel.reduce_tied_grads.

@@ -29,16 +29,22 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def vision_blocks(model: nn.Module) -> list[nn.Module]:
-    """A vision-language model's vision tower blocks (`model.model.visual.blocks`); none for a
-    language model."""
+    """A vision-language model's vision tower blocks (`model.model.visual.blocks`; a SigLIP2
+    tower's, Cosmos 3 Edge's, `model.model.visual.encoder.layers`); none for a language model."""
     visual = getattr(getattr(model, "model", None), "visual", None)
     blocks = getattr(visual, "blocks", None)
+    if blocks is None:
+        blocks = getattr(getattr(visual, "encoder", None), "layers", None)
     return list(blocks.children()) if blocks is not None else []
 
 
-def vision_tower(model: nn.Module) -> nn.Module:
-    """A vision-language model's vision tower (`model.model.visual`)."""
-    return model.get_submodule("model.visual")
+def vision_modules(model: nn.Module) -> list[nn.Module]:
+    """A vision-language model's vision tower (`model.model.visual`), and the projector into
+    the language model where it sits outside the tower (Cosmos 3 Edge's `model.model.projector`;
+    Qwen-VL's merger is the tower's)."""
+    inner = model.get_submodule("model")
+    projector = getattr(inner, "projector", None)
+    return [inner.get_submodule("visual"), *([projector] if projector is not None else [])]
 
 
 def model_config(model: nn.Module) -> Any:

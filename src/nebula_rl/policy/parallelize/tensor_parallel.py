@@ -1,5 +1,6 @@
 """Tensor (and sequence) parallelism of the decoder: the TP plans of the Llama, Qwen2 and
-Qwen3 families and of the language models of Qwen2.5-VL and Qwen3-VL, and `apply_tp`."""
+Qwen3 families and of the language models of Qwen2.5-VL, Qwen3-VL and Cosmos 3 Edge, and
+`apply_tp`."""
 
 from __future__ import annotations
 
@@ -76,12 +77,24 @@ def _qwen3_tp_plan() -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]
     return root, layer
 
 
+def _squared_relu_tp_plan() -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
+    """A decoder whose MLP is `fc2(act(fc1(x)))` (Cosmos 3 Edge's language model): fc1 split by
+    columns, fc2 by rows, as gate/up and down are."""
+    root, layer = _decoder_tp_plan()
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        del layer[f"mlp.{name}"]
+    layer["mlp.fc1"] = ColwiseParallel()
+    layer["mlp.fc2"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return root, layer
+
+
 TP_PLANS: dict[str, Callable[[], tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]]] = {
     "llama": _decoder_tp_plan,
     "qwen2": _decoder_tp_plan,
     "qwen3": _qwen3_tp_plan,
     "qwen2_5_vl_text": _decoder_tp_plan,  # Qwen2.5-VL's language model
     "qwen3_vl_text": _qwen3_tp_plan,  # Qwen3-VL's
+    "cosmos3_edge_text": _squared_relu_tp_plan,  # Cosmos 3 Edge's
 }
 """HF `model_type` (a vision-language model's: its text config's) -> its TP plan (module names
 as in Hugging Face's implementation)."""

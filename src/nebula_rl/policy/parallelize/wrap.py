@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from nebula_rl.policy.parallelize.dims import ParallelDims
-from nebula_rl.policy.parallelize.structure import decoder_layers, vision_blocks, vision_tower
+from nebula_rl.policy.parallelize.structure import decoder_layers, vision_blocks, vision_modules
 
 # Activation checkpointing, compile, data parallel
 
@@ -119,11 +119,11 @@ def shard_vision_over_tp(
     over = (
         mesh["dp_replicate", "dp_shard_cp_tp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp_tp"]
     )
-    visual = vision_tower(model)
     kwargs: dict[str, Any] = dict(mesh=over, mp_policy=_fsdp_precision(param_dtype, reduce_dtype))
     for block in vision_blocks(model):
         fully_shard(block, **kwargs)
-    fully_shard(visual, **kwargs)
+    for module in vision_modules(model):  # (the tower's root, and a projector outside it)
+        fully_shard(module, **kwargs)
 
 
 def apply_ddp(
