@@ -49,7 +49,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -99,14 +98,12 @@ from nebula_rl.flow.trajectories import TrajectoryStore
 from nebula_rl.flow.transfer import TrajectoryServer, fetch_trajectories
 from nebula_rl.flow.vae import pixels_to_samples, samples_to_pixels
 from nebula_rl.flow.validation import scored_clips
-from nebula_rl.models import resolve_dtype
 from nebula_rl.policy.replicas import GroupsLost, ReplicaGroup
 from nebula_rl.policy.worker import PolicyModel
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
-from nebula_rl.rollout.worker import Claimed, RolloutWorker, serve
+from nebula_rl.rollout.worker import Claimed, RolloutWorker, serve, weight_receiver
 from nebula_rl.weights.elastic import ElasticReceiver
-from nebula_rl.weights.group import WeightGroup, weight_backend
-from nebula_rl.weights.reshard import ShardedReceiver, full_box
+from nebula_rl.weights.reshard import full_box
 
 __all__ = [
     "FlowTrainer",
@@ -243,19 +240,8 @@ class WorldGenerator:
 
     def receiver(self, session: ReplicaSession) -> ElasticReceiver:
         """Every push is taken between two batches: a trajectory is sampled with one version."""
-        cfg = self.cfg
         params = dict(self.sampling.model.named_parameters())
         boxes = {name: (tuple(t.shape), full_box(t.shape)) for name, t in params.items()}
-        transfer = cfg.train.transfer_dtype
-
-        def make_receiver(group: WeightGroup, num_senders: int) -> ShardedReceiver:
-            return ShardedReceiver(
-                group,
-                params,
-                boxes,
-                num_senders=num_senders,
-                transfer_dtype=resolve_dtype(transfer) if transfer else None,
-            )
 
         def apply(receive: Callable[[], int | None]) -> None:
             with self.lock, torch.no_grad():
@@ -267,14 +253,8 @@ class WorldGenerator:
                 self.version = version
                 log.info("weights of version %d in place", version)
 
-        return ElasticReceiver(
-            session.state,
-            session.name,
-            make_receiver=make_receiver,
-            apply=apply,
-            backend=weight_backend(cfg.mode, next(self.sampling.model.parameters()).device),
-            timeout=timedelta(seconds=cfg.controller.collective_timeout),
-        )
+        device = next(self.sampling.model.parameters()).device
+        return weight_receiver(session, params, boxes, device=device, apply=apply)
 
     def start(self) -> None:
         self.server.start()

@@ -56,7 +56,6 @@ from concurrent.futures import (
     wait,
 )
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -76,12 +75,10 @@ from nebula_rl.rollout.multiturn import Conversation, MultiTurn, loss_mask, with
 from nebula_rl.rollout.tensor_parallel import TensorParallel
 from nebula_rl.rollout.torch_engine import TorchEngine
 from nebula_rl.rollout.vllm_engine import VLLMEngine
-from nebula_rl.rollout.worker import Claimed, RolloutWorker, serve
+from nebula_rl.rollout.worker import Claimed, RolloutWorker, serve, weight_receiver
 from nebula_rl.utils.ranks import Ranks, broadcast_object, rank_env
 from nebula_rl.utils.validation import validation_seed
 from nebula_rl.weights.elastic import ElasticReceiver
-from nebula_rl.weights.group import WeightGroup, weight_backend
-from nebula_rl.weights.reshard import ShardedReceiver
 
 __all__ = [
     "InlineExecutor",
@@ -565,31 +562,11 @@ def _receiver(
     adapter buffers and the parameters it does not adapt (the caller merges after each
     receive). Without `apply` (ranks > 0 of a TP replica) it only joins and leaves
     generations; the pushes are taken with `receive_for`."""
-    cfg = session.cfg
     params = dict(engine.model.named_parameters()) if lora is None else lora.tensors
     boxes = engine.tp_boxes() if lora is None else lora.boxes
-    transfer = cfg.train.transfer_dtype
-    transfer_dtype = resolve_dtype(transfer) if transfer else None
-
-    def make_receiver(group: WeightGroup, num_senders: int) -> ShardedReceiver:
-        return ShardedReceiver(
-            group,
-            params,
-            boxes,
-            num_senders=num_senders,
-            transfer_dtype=transfer_dtype,
-            zero_copy=True,
-        )
-
-    return ElasticReceiver(
-        session.state,
-        session.name,
-        make_receiver=make_receiver,
-        apply=apply or (lambda receive: None),
-        local_rank=local_rank,
-        membership_only=apply is None,
-        backend=weight_backend(cfg.mode, next(engine.model.parameters()).device),
-        timeout=timedelta(seconds=cfg.controller.collective_timeout),
+    device = next(engine.model.parameters()).device
+    return weight_receiver(
+        session, params, boxes, device=device, apply=apply, zero_copy=True, local_rank=local_rank
     )
 
 

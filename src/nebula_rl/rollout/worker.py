@@ -12,15 +12,21 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Protocol
 
+import torch
+
 from nebula_rl.controller.client import ReplicaSession
+from nebula_rl.models import resolve_dtype
 from nebula_rl.protocol import Prompt
 from nebula_rl.weights.elastic import ElasticReceiver
+from nebula_rl.weights.group import WeightGroup, weight_backend
+from nebula_rl.weights.reshard import Box, ShardedReceiver
 
-__all__ = ["Claimed", "Generator", "RolloutWorker", "serve"]
+__all__ = ["Claimed", "Generator", "RolloutWorker", "serve", "weight_receiver"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +188,47 @@ class RolloutWorker:
         """Stop following the weight group and release the generator."""
         self._closing = True
         self.generator.close(job_ended=self.session.finished() is not None)
+
+
+def weight_receiver(
+    session: ReplicaSession,
+    params: Mapping[str, torch.Tensor],
+    boxes: Mapping[str, tuple[tuple[int, ...], Box]],
+    *,
+    device: torch.device,
+    apply: Callable[[Callable[[], int | None]], None] | None,
+    zero_copy: bool = False,
+    local_rank: int = 0,
+) -> ElasticReceiver:
+    """A rollout rank's member of the weight group: each push lands in `params` (by name;
+    `boxes`: each tensor's whole shape and the box of it this rank takes), `apply` takes it in
+    (given the receive to run); without `apply` the member only joins and leaves generations
+    (ranks > 0 of a tensor-parallel replica, which take pushes with `receive_for`).
+    `zero_copy`: CPU tensors may become views of the policy's shared-memory set."""
+    cfg = session.cfg
+    transfer = cfg.train.transfer_dtype
+    transfer_dtype = resolve_dtype(transfer) if transfer else None
+
+    def make_receiver(group: WeightGroup, num_senders: int) -> ShardedReceiver:
+        return ShardedReceiver(
+            group,
+            params,
+            boxes,
+            num_senders=num_senders,
+            transfer_dtype=transfer_dtype,
+            zero_copy=zero_copy,
+        )
+
+    return ElasticReceiver(
+        session.state,
+        session.name,
+        make_receiver=make_receiver,
+        apply=apply or (lambda receive: None),
+        local_rank=local_rank,
+        membership_only=apply is None,
+        backend=weight_backend(cfg.mode, device),
+        timeout=timedelta(seconds=cfg.controller.collective_timeout),
+    )
 
 
 def serve(worker: RolloutWorker, *, loaded: Callable[[], None] | None = None) -> None:
