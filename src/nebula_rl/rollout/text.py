@@ -324,11 +324,6 @@ class TextGenerator:
         assert isinstance(self.engine, TorchEngine | VLLMEngine)
         return self.engine.model
 
-    @property
-    def engine_device(self) -> torch.device:
-        """Where the engine's weights live."""
-        return next(self._model.parameters()).device
-
     # -- prompts --------------------------------------------------------------------------------
 
     def start(self) -> None:
