@@ -271,16 +271,26 @@ def _metrics(job: Job) -> list[dict]:
 def test_rollout_killed_mid_generation(start_job):
     """kill -9 one of two rollout replicas while it holds prompts: its prompts go back to the
     queue, the weight group is rebuilt without it, and the job finishes on the other one."""
-    num_rows = 48
+    num_rows = 72
     job = start_job(num_rows=num_rows, rollout=2)
     pending = job.state.key("prompts")
     job.wait_for("step 1", lambda: job.steps() >= 1)
     replica = job.pid("replica", "--name rollout-1")
 
+    def rollout_1_worked() -> bool:  # (on a loaded machine it may start after the first steps)
+        info = job.state.replicas().get("rollout-1")
+        return info is not None and info["stats"].get("groups", 0) >= 1
+
+    job.wait_for("a group from rollout-1", rollout_1_worked)
+
     def frozen_holding_prompts() -> bool:
         # (frozen before the look: a running replica could hand its prompts in between the look
         # and the kill, and then none would go back to the queue)
-        os.kill(replica, signal.SIGSTOP)
+        try:
+            os.kill(replica, signal.SIGSTOP)
+        except ProcessLookupError:
+            pytest.fail(f"rollout-1 exited before the test killed it:\n{job.stdout[-3000:]}\n"
+                        f"{job.logs()}")  # fmt: skip
         if job.state.redis.xpending_range(pending, "rollout", "-", "+", 100, "rollout-1"):
             return True
         os.kill(replica, signal.SIGCONT)
