@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from nebula_rl import local
-from nebula_rl.config import config_from_dict
+from nebula_rl.config import Config, config_from_dict
 from nebula_rl.utils.object_store import COMMITTED, ObjectStore, StorageError, Uploader
-from nebula_rl.utils.runs import fetch_s3_checkpoint
+from nebula_rl.utils.runs import fetch_missing_checkpoint, fetch_s3_checkpoint
 from nebula_rl.weights import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -226,10 +226,73 @@ def test_a_run_uploads_its_checkpoints_and_a_fresh_folder_resumes_from_them(s3_e
     assert fetched == tmp_path / "second" / run / "checkpoints" / "step_2"
     resumed = local.run(cfg)
     assert resumed == tmp_path / "second" / run
-    assert _records(resumed) == full[2:]  # steps 3 and 4 replayed exactly
+    assert _records(resumed) == full  # steps 1-2 fetched with it, 3 and 4 replayed exactly
     assert _files(resumed / "safetensors" / "final") == _files(run_dir / "safetensors" / "final")
     # ... and uploaded under the same run again.
     assert f"{run}/checkpoints/step_4" in store.committed(run)
+
+
+def _checkpoint(root: Path, *, manifest: bool = True) -> Path:
+    root.mkdir(parents=True)
+    (root / "__0_0.distcp").write_bytes(os.urandom(100))
+    if manifest:
+        (root / "manifest.json").write_text("{}")
+    return root
+
+
+def test_a_job_of_replicas_resumes_only_a_step_whose_controller_snapshot_is_stored(
+    s3_env, tmp_path
+):
+    """A multi-process job resumes its controller from the snapshot of the checkpoint's step:
+    the newest step with both committed is fetched, the snapshot and its side files beside the
+    checkpoint, with the run's metrics; a named run (`train.timestamp`) only from its own."""
+    store = _store(s3_env.endpoint, "pairs")
+    src = tmp_path / "src"
+    for step in (2, 4):  # (step 4's snapshot never reached the store)
+        folder = _checkpoint(src / f"step_{step}")
+        store.upload_folder(folder, f"run-a/checkpoints/step_{step}")
+    (src / "step_2.json").write_text('{"step": 2, "keys": {}}')
+    (src / "step_2.files").mkdir()
+    (src / "step_2.files" / "traj.pt").write_bytes(b"t")
+    snapshot = {"step_2.json": src / "step_2.json", "step_2.files": src / "step_2.files"}
+    store.upload_folder(snapshot, "run-a/checkpoints/controller/step_2")
+    store.upload_folder(_checkpoint(src / "b6"), "run-0/checkpoints/step_6")  # (an older run)
+    (src / "metrics.jsonl").write_text('{"step": 1}\n')
+    store.sync_files(src, "run-a", skip=("step_2", "step_4", "b6", "step_2.files"))
+
+    def cfg(out: str, timestamp: str = ""):
+        c = _grpo(tmp_path / out, upload_s3="all", s3_bucket=BUCKET, s3_prefix="pairs")
+        c.train.resume, c.train.timestamp = True, timestamp
+        return c
+
+    single = cfg("single")  # (a --local job needs no snapshot: the newest checkpoint)
+    assert fetch_s3_checkpoint(single.train) == tmp_path / "single/run-a/checkpoints/step_4"
+    job = cfg("job")
+    fetched = fetch_s3_checkpoint(job.train, controller=True)
+    run_dir = tmp_path / "job" / "run-a"
+    assert fetched == run_dir / "checkpoints" / "step_2" and job.train.timestamp == "run-a"
+    controller = run_dir / "checkpoints" / "controller"
+    assert sorted(p.name for p in controller.iterdir()) == ["step_2.files", "step_2.json"]
+    assert (controller / "step_2.files" / "traj.pt").read_bytes() == b"t"
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert fetch_s3_checkpoint(job.train, controller=True) is None  # (it is local now)
+    named = cfg("named", timestamp="run-0")  # (its only checkpoint has no snapshot)
+    assert fetch_s3_checkpoint(named.train, controller=True) is None
+    assert fetch_s3_checkpoint(named.train) == tmp_path / "named/run-0/checkpoints/step_6"
+
+
+def test_a_policy_replica_fetches_the_checkpoint_its_node_lacks(s3_env, tmp_path):
+    """A policy replica told to resume from a checkpoint folder that its node does not hold
+    (the run folder is on the controller's node) downloads it from the store."""
+    store = _store(s3_env.endpoint, "nodes")
+    source = _checkpoint(tmp_path / "src" / "step_2")
+    store.upload_folder(source, "run/checkpoints/step_2")
+    ckpt = _grpo(tmp_path, upload_s3="all", s3_bucket=BUCKET, s3_prefix="nodes").train.ckpt
+    folder = tmp_path / "node1" / "run" / "checkpoints" / "step_2"
+    _checkpoint(folder, manifest=False)  # (half written by an earlier attempt here)
+    assert fetch_missing_checkpoint(ckpt, folder)
+    assert _files(folder) == _files(source)
+    assert not fetch_missing_checkpoint(ckpt, folder)  # (complete: nothing to do)
 
 
 def test_an_upload_queued_while_the_server_is_down_completes_when_it_is_back(weed, tmp_path):
@@ -464,3 +527,51 @@ def test_a_run_whose_server_goes_down_mid_run_uploads_everything_once_it_is_back
     for folder in folders:
         got = store.download_folder(f"{run}/{folder}", tmp_path / "back" / folder)
         assert _files(got) == _files(run_dir / folder), folder
+
+
+def _train(config: Config, folder: Path) -> None:
+    """`nebula-rl train` (controller, policy and rollout processes) on `config`."""
+    path = folder / "job.json"
+    path.write_text(config.model_dump_json())
+    done = subprocess.run(
+        [sys.executable, "-m", "nebula_rl.cli", "train", "--config", str(path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_job_of_replicas_resumes_from_the_store_on_a_fresh_machine(
+    s3_env, tmp_path, grpo_job_config
+):
+    """A multi-process job uploads its policy checkpoints and its controller's snapshots (and
+    its metrics); a fresh output folder resumes both from the newest step that has them: the
+    policy loads the checkpoint, the controller its prompt ledger, so the epoch trains every
+    prompt once across the two runs and the steps before the checkpoint are not trained again."""
+    upload = {"upload_s3": "all", "s3_bucket": BUCKET, "s3_prefix": "replicas", "max_keep": -1}
+    ckpt = {"enable_checkpoint": True, "save_freq": 2, **upload}
+    cfg = grpo_job_config({"train": {"ckpt": ckpt}}, allowed=0)  # (24 rows, 6 steps)
+    _train(cfg, tmp_path)
+    first = Path(cfg.train.output_dir) / cfg.train.timestamp
+    run = first.name
+    store = _store(s3_env.endpoint, "replicas")
+    kinds = ("checkpoints", "checkpoints/controller", "safetensors")
+    assert store.committed(run) == sorted(f"{run}/{k}/step_{s}" for k in kinds for s in (2, 4, 6))
+    records = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+
+    # A fresh machine after the job died past step 4 (step 6's checkpoint never uploaded).
+    store.delete_folder(f"{run}/checkpoints/step_6")
+    cfg.train.output_dir, cfg.train.timestamp = str(tmp_path / "fresh"), ""
+    cfg.train.resume = True
+    _train(cfg, tmp_path)
+    resumed = tmp_path / "fresh" / run
+    policy_log = (resumed / "logs" / "policy-0.log").read_text()
+    assert "resumed from" in policy_log and "step_4" in policy_log
+    assert "resumed the job at step 4" in (resumed / "logs" / "controller.log").read_text()
+    again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert again[:4] == records[:4]  # (fetched, not trained again)
+    assert [r["step"] for r in again] == [1, 2, 3, 4, 5, 6]
+    ledger = json.loads((resumed / "ledger.json").read_text())["0"]
+    assert ledger["trained"] == {str(i): 1 for i in range(24)}  # (each prompt once in all)
+    assert f"{run}/checkpoints/step_6" in store.committed(run)  # (uploaded again)

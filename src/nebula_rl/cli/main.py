@@ -186,7 +186,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from nebula_rl.utils.runs import fetch_s3_checkpoint
 
         try:  # (train.ckpt.upload_s3: the bucket answers; resume from it on a fresh machine)
-            fetched = fetch_s3_checkpoint(cfg.train)
+            fetched = fetch_s3_checkpoint(cfg.train, controller=distributed)
         except StorageError as err:
             logging.getLogger("nebula_rl").error("%s", err)
             return 2
@@ -260,11 +260,24 @@ def _cmd_controller(args: argparse.Namespace) -> int:
     )
     from nebula_rl.controller.run import run_controller
     from nebula_rl.utils.net import free_port
-    from nebula_rl.utils.runs import resolve_run_dir, write_private
+    from nebula_rl.utils.object_store import StorageError
+    from nebula_rl.utils.runs import fetch_s3_checkpoint, resolve_run_dir, write_private
 
     cfg = _load(args.config)
     log = logging.getLogger("nebula_rl")
-    run_dir = Path(args.run_dir) if args.run_dir else resolve_run_dir(cfg.train)
+    if args.run_dir:  # (the run folder of this job: where it resumes from, too)
+        cfg.train.output_dir, cfg.train.timestamp = (
+            str(Path(args.run_dir).parent),
+            Path(args.run_dir).name,
+        )
+    try:  # (train.ckpt.upload_s3: the bucket answers; resume from it on a fresh machine)
+        fetched = fetch_s3_checkpoint(cfg.train, controller=True)
+    except StorageError as err:
+        log.error("%s", err)
+        return 2
+    if fetched is not None:
+        log.info("resuming from the uploaded %s", fetched)
+    run_dir = resolve_run_dir(cfg.train)
     run_dir.mkdir(parents=True, exist_ok=True)
     token = os.environ.get(TOKEN_ENV, "")
     if not token:  # started by hand: make a token and leave it where only this user can read it

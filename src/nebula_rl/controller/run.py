@@ -10,11 +10,15 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nebula_rl.config import Config
 from nebula_rl.controller.scheduler import Scheduler, SideFiles
 from nebula_rl.controller.state import JobState
+from nebula_rl.utils.runs import UPLOADED_FOLDERS, s3_store
+
+if TYPE_CHECKING:
+    from nebula_rl.utils.object_store import Uploader
 
 __all__ = ["JobRows", "run_controller", "text_rows"]
 
@@ -78,6 +82,7 @@ def run_controller(
     )
     job = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:64] or "job"
     state = JobState(connect(redis_url), job)
+    uploader = _uploader(cfg, run_dir)
     scheduler = Scheduler(
         cfg,
         state,
@@ -90,6 +95,7 @@ def run_controller(
         side_files=store,
         with_text=job_rows.with_text,
         sample_lengths=job_rows.sample_lengths,
+        uploader=uploader,
     )
     restarted = os.environ.get(RESTART_ENV) == "1"
     # A restart continues from Redis, which is newer than any checkpoint.
@@ -117,15 +123,39 @@ def run_controller(
         heartbeat_timeout=cfg.controller.heartbeat_timeout,
         log_level=logging.getLogger().getEffectiveLevel(),
     )
-    with ApiProcess(api, processes=cfg.controller.api_processes) as server:
-        log.info("controller of job %s at %s: %d steps", job, server.url, total_steps)
-        scheduler.resume_in_flight()
-        # (after the API process and its watcher started: they keep the normal priority)
-        lower_thread_priority(cfg.controller.scheduler_niceness)
-        scheduler.run()
-        _wait_for_replicas(state, timeout_s=30.0)
+    try:
+        with ApiProcess(api, processes=cfg.controller.api_processes) as server:
+            log.info("controller of job %s at %s: %d steps", job, server.url, total_steps)
+            scheduler.resume_in_flight()
+            # (after the API process and its watcher started: they keep the normal priority)
+            lower_thread_priority(cfg.controller.scheduler_niceness)
+            scheduler.run()
+            _wait_for_replicas(state, timeout_s=30.0)
+    finally:
+        if uploader is not None:  # (the last snapshot, with `"final"`; the logs as they end)
+            if cfg.train.ckpt.upload_s3 == "final":
+                scheduler.upload_snapshot()
+            uploader.sync(run_dir, run_dir.name, skip=UPLOADED_FOLDERS)
+            uploader.close()
     if store is not None:
         store.remove()
+
+
+def _uploader(cfg: Config, run_dir: Path) -> Uploader | None:
+    """`train.ckpt.upload_s3`: the controller uploads its snapshots (what resumes its state on a
+    fresh machine) and copies the run folder's metrics and logs, which it writes, at start, on
+    `s3_log_interval_s`'s clock and at the end; the policy uploads its checkpoints."""
+    from nebula_rl.utils.object_store import Uploader
+
+    store = s3_store(cfg.train.ckpt) if cfg.train.ckpt.enable_checkpoint else None
+    if store is None:
+        return None
+    store.check()  # (a wrong key fails now, naming the bucket)
+    uploader = Uploader(store)
+    if cfg.train.ckpt.s3_log_interval_s > 0:
+        interval = cfg.train.ckpt.s3_log_interval_s
+        uploader.sync_every(interval, run_dir, run_dir.name, skip=UPLOADED_FOLDERS)
+    return uploader
 
 
 def _wait_for_replicas(state: JobState, *, timeout_s: float) -> None:

@@ -94,14 +94,18 @@ import secrets
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nebula_rl.config import Config
 from nebula_rl.controller.state import JobState
 from nebula_rl.data import epoch_order, rl_prompt, rl_validation_rows
 from nebula_rl.protocol import Prompt
 from nebula_rl.utils.metrics_log import FILE_LOGGERS, log_image_file, open_loggers
+from nebula_rl.utils.runs import snapshot_path
 from nebula_rl.utils.validation import validation_due, validation_metrics
+
+if TYPE_CHECKING:
+    from nebula_rl.utils.object_store import Uploader
 
 __all__ = ["Scheduler"]
 
@@ -142,9 +146,12 @@ class Scheduler:
         side_files: SideFiles | None = None,
         with_text: bool = True,
         sample_lengths: bool = True,
+        uploader: Uploader | None = None,
     ) -> None:
         p = cfg.grpo
         self.cfg, self.state, self.rows = cfg, state, rows
+        self.uploader = uploader
+        """`train.ckpt.upload_s3`: where the snapshots go (each, or with `"final"` the last)."""
         self.side_files = side_files
         """Files the groups refer to (a world model's trajectories): deleted once their step is
         recorded, kept with each snapshot and put back by :meth:`restore`."""
@@ -695,18 +702,42 @@ class Scheduler:
         from nebula_rl.utils.runs import complete_checkpoints
 
         self.snapshots.mkdir(parents=True, exist_ok=True)
-        path = self.snapshots / f"step_{step}.json"
+        path = snapshot_path(self.run_dir, step)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"step": step, "keys": self.state.snapshot()}))
         if self.side_files is not None:  # (after the state: its groups' files exist now)
             self.side_files.keep(path.with_suffix(".files"))
         tmp.replace(path)
+        each = self.cfg.train.ckpt.upload_s3 in (True, "all")
+        if self.uploader is not None and each:
+            self.upload_snapshot(step)
         kept = [s for s, _ in complete_checkpoints(self.run_dir)]
         for old in self.snapshots.glob("step_*.json"):
             old_step = int(old.stem.removeprefix("step_"))
             if kept and old_step < min(kept):
                 old.unlink()
                 shutil.rmtree(old.with_suffix(".files"), ignore_errors=True)
+                if self.uploader is not None and each:
+                    self.uploader.delete(self._snapshot_name(old_step))
+
+    def _snapshot_name(self, step: int) -> str:
+        return f"{self.run_dir.name}/checkpoints/controller/step_{step}"
+
+    def upload_snapshot(self, step: int | None = None) -> None:
+        """Queue the snapshot of `step` (default: the newest) for the object storage, as a
+        committed folder beside the policy's checkpoint of that step (what a fresh machine
+        resumes the controller from: `fetch_s3_checkpoint`)."""
+        assert self.uploader is not None
+        if step is None:
+            steps = [int(p.stem.removeprefix("step_")) for p in self.snapshots.glob("step_*.json")]
+            if not steps:
+                return
+            step = max(steps)
+        path = snapshot_path(self.run_dir, step)
+        files = {path.name: path}
+        if path.with_suffix(".files").exists():
+            files[path.with_suffix(".files").name] = path.with_suffix(".files")
+        self.uploader.upload(files, self._snapshot_name(step))
 
     def restore(self) -> Path | None:
         """Put the job back at the checkpoint `train.resume` names; returns the policy's
@@ -720,7 +751,7 @@ class Scheduler:
             found = [
                 (step, path)
                 for step, path in complete_checkpoints(self.run_dir)
-                if (self.snapshots / f"step_{step}.json").exists()
+                if snapshot_path(self.run_dir, step).exists()
             ]
             if not found:
                 log.info(
@@ -728,7 +759,7 @@ class Scheduler:
                 )
                 return None
             step, path = found[-1]
-            snapshot = self.snapshots / f"step_{step}.json"
+            snapshot = snapshot_path(self.run_dir, step)
         else:
             path = Path(resume)
             snapshot = path.parent / "controller" / f"{path.name}.json"

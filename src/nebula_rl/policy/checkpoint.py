@@ -53,6 +53,7 @@ from nebula_rl.policy.ema import WeightEMA, ema_folder
 from nebula_rl.utils.object_store import Uploader
 from nebula_rl.utils.runs import (
     MANIFEST,
+    UPLOADED_FOLDERS,
     checkpoint_path,
     complete_checkpoints,
     is_checkpoint,
@@ -128,10 +129,6 @@ def _set_rng_states(states: dict[str, Any], engine: SamplingRng | None) -> None:
         engine.set_rng_state(states["engine"])
 
 
-_OWN = ("checkpoints", "safetensors")
-"""The run folder's folders uploaded as committed folders, not copied with the logs."""
-
-
 class Checkpointer:
     """Saves a run's training state under `<run_dir>/checkpoints/` and restores it.
 
@@ -151,6 +148,8 @@ class Checkpointer:
             `cfg.export_safetensors`, on the ranks it is given to.
         trainable_only: save and load only the parameters that train (and their optimiser
             state): a LoRA policy's adapter; the frozen rest is loaded from the model again.
+        sync_logs: with `upload_s3`, copy the rest of the run folder (metrics, logs) to the
+            storage too; off in a policy replica, whose controller writes and copies them.
     """
 
     def __init__(
@@ -165,8 +164,10 @@ class Checkpointer:
         ema: WeightEMA | None = None,
         export: Callable[[Path], None] | None = None,
         trainable_only: bool = False,
+        sync_logs: bool = True,
     ) -> None:
         self.cfg, self.run_dir = cfg, run_dir
+        self.sync_logs = sync_logs
         # (loading fills the template get_state_dict made: without the frozen names, which a
         # strict load would call missing)
         self._options = StateDictOptions(
@@ -190,8 +191,10 @@ class Checkpointer:
             store.check()  # (a wrong key fails now, naming the bucket)
         self._uploader = None if store is None else Uploader(store)
         self._upload_each = cfg.upload_s3 in (True, "all")
-        if self._uploader is not None and cfg.s3_log_interval_s > 0:
-            self._uploader.sync_every(cfg.s3_log_interval_s, run_dir, run_dir.name, skip=_OWN)
+        if self._uploader is not None and sync_logs and cfg.s3_log_interval_s > 0:
+            self._uploader.sync_every(
+                cfg.s3_log_interval_s, run_dir, run_dir.name, skip=UPLOADED_FOLDERS
+            )
 
     def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's and the optimiser's state dicts as DCP saves and loads them."""
@@ -313,7 +316,8 @@ class Checkpointer:
         """Queue a copy of the rest of the run folder (config, metrics.jsonl, logs, TensorBoard
         events, samples) as it is now, as plain objects beside the uploads."""
         assert self._uploader is not None
-        self._uploader.sync(self.run_dir, self.run_dir.name, skip=_OWN)
+        if self.sync_logs:
+            self._uploader.sync(self.run_dir, self.run_dir.name, skip=UPLOADED_FOLDERS)
 
     def wait(self) -> None:
         """Block until the pending async save is written, its manifest included."""

@@ -88,6 +88,7 @@ from nebula_rl.policy.trainer import PolicyTrainer
 from nebula_rl.protocol import RolloutGroup
 from nebula_rl.utils.profiling import StepProfiler
 from nebula_rl.utils.ranks import broadcast_object, control_group, rank_env
+from nebula_rl.utils.runs import fetch_missing_checkpoint
 from nebula_rl.weights import build_group, weight_backend
 from nebula_rl.weights.elastic import KIND, ElasticSender, current_generation
 from nebula_rl.weights.group import Generation, GroupCancelled, WeightGroup, leave_group
@@ -201,13 +202,19 @@ class PolicyWorker:
             ema=built.ema,
             export=self._export,
             trainable_only=built.trainable_only,
+            sync_logs=False,  # (the controller copies the run's metrics and logs)
         )
         profile_name = session.name if self.num_ranks == 1 else f"{session.name}-r{ranks.rank}"
         self.profiler = StepProfiler(cfg.profiler, Path(meta["run_dir"]), name=profile_name)
         self.version = 0
         """The last step the training state includes (its policy version)."""
         if meta["resume_from"] is not None:  # every replica loads it: they stay identical
-            self.version = self.checkpointer.load(Path(meta["resume_from"])).step
+            resume_from = Path(meta["resume_from"])
+            if self.local_rank == 0:  # (a node without the run folder: from the storage)
+                fetch_missing_checkpoint(cfg.train.ckpt, resume_from)
+            if self.siblings is not None:
+                dist.barrier(group=self.siblings)
+            self.version = self.checkpointer.load(resume_from).step
             if built.resumed is not None:
                 built.resumed()
         self.clean = True

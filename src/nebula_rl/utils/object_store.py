@@ -153,10 +153,10 @@ class ObjectStore:
         except BotoCoreError as err:
             raise StorageError(self._message(f"unreachable: {err}")) from err
 
-    def upload_folder(self, local: Path, name: str) -> None:
-        """Upload every file under `local` to `<name>/...`, then commit it."""
-        for path in sorted(p for p in local.rglob("*") if p.is_file()):
-            relative = path.relative_to(local).as_posix()
+    def upload_folder(self, local: Path | Mapping[str, Path], name: str) -> None:
+        """Upload every file under `local` to `<name>/...`, then commit it. `local` may also
+        map names within the folder to files (a folder made of files that live apart)."""
+        for relative, path in sorted(folder_files(local).items()):
             self._client.upload_file(str(path), self.bucket, self._object(f"{name}/{relative}"))
         self._client.put_object(Bucket=self.bucket, Key=self._object(f"{name}/{COMMITTED}"))
 
@@ -202,6 +202,22 @@ class ObjectStore:
         os.replace(partial, local)
         return local
 
+    def download_file(self, name: str, local: Path) -> bool:
+        """Download the plain object `name` (a synced file, `sync_files`) to `local`, written
+        beside it and renamed when whole; False when there is no such object."""
+        from botocore.exceptions import ClientError
+
+        partial = local.with_name(local.name + ".partial")
+        local.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._client.download_file(self.bucket, self._object(name), str(partial))
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+                return False
+            raise
+        os.replace(partial, local)
+        return True
+
     def sync_files(
         self,
         local: Path,
@@ -238,6 +254,24 @@ class ObjectStore:
             self._client.delete_object(Bucket=self.bucket, Key=key)
 
 
+def folder_files(local: Path | Mapping[str, Path]) -> dict[str, Path]:
+    """The files of an upload: those under the folder `local` by their relative names, or
+    `local` itself when it maps names to files (a folder under a name beside each: every file
+    below it)."""
+    if isinstance(local, Path):
+        local = {".": local}
+    files = {}
+    for name, path in local.items():
+        if path.is_dir():
+            for file in path.rglob("*"):
+                if file.is_file():
+                    relative = file.relative_to(path).as_posix()
+                    files[relative if name == "." else f"{name}/{relative}"] = file
+        else:
+            files[name] = path
+    return files
+
+
 class Uploader:
     """Uploads folders to `store` in a background thread, in order, each retried after
     `retry_s` seconds (doubling up to `max_retry_s`) until it is committed."""
@@ -257,8 +291,9 @@ class Uploader:
         self._thread = threading.Thread(target=self._run, name="s3-uploader", daemon=True)
         self._thread.start()
 
-    def upload(self, local: Path, name: str) -> None:
-        """Queue the folder `local` for `<name>/`; it must not change until it is committed."""
+    def upload(self, local: Path | Mapping[str, Path], name: str) -> None:
+        """Queue the folder `local` (or the files it maps, `ObjectStore.upload_folder`) for
+        `<name>/`; it must not change until it is committed."""
         self._jobs.put(("upload", (local, name)))
 
     def delete(self, name: str) -> None:
@@ -296,14 +331,14 @@ class Uploader:
             kind, arg = job
             wait = self.retry_s
             while True:
-                if kind == "upload" and not arg[0].exists():  # (rotated away before its turn)
-                    log.info("not uploading %s: it was removed", arg[0])
+                if kind == "upload" and not _exists(arg[0]):  # (rotated away before its turn)
+                    log.info("not uploading %s: it was removed", arg[1])
                     break
                 try:
                     if kind == "upload":
                         self.store.upload_folder(*arg)
                         self.uploaded.append(arg[1])
-                        log.info("uploaded %s to %s", arg[0], self.store)
+                        log.info("uploaded %s to %s", arg[1], self.store)
                     elif kind == "sync":
                         local, name, skip = arg
                         self.synced += self.store.sync_files(
@@ -325,3 +360,7 @@ class Uploader:
         self._every = None
         self._jobs.put(None)
         self._thread.join()
+
+
+def _exists(local: Path | Mapping[str, Path]) -> bool:
+    return local.exists() if isinstance(local, Path) else all(p.exists() for p in local.values())

@@ -9,12 +9,16 @@ helpers, so the controller process needs neither torch nor transformers for them
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nebula_rl.config import CheckpointConfig, TrainingConfig
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from nebula_rl.utils.object_store import ObjectStore
@@ -22,17 +26,23 @@ if TYPE_CHECKING:
 __all__ = [
     "MANIFEST",
     "TIMESTAMP_FORMAT",
+    "UPLOADED_FOLDERS",
     "checkpoint_path",
     "complete_checkpoints",
     "drop_steps_after",
+    "fetch_missing_checkpoint",
     "fetch_s3_checkpoint",
     "is_checkpoint",
     "latest_checkpoint",
     "resolve_run_dir",
     "s3_store",
+    "snapshot_path",
     "write_private",
 ]
 
+UPLOADED_FOLDERS = ("checkpoints", "safetensors")
+"""The run folder's folders uploaded as committed folders (`train.ckpt.upload_s3`), not copied
+with the logs."""
 MANIFEST = "manifest.json"
 """Written last into a checkpoint folder: a folder without it is a half-written checkpoint."""
 TIMESTAMP_FORMAT = "%Y%m%d%H%M%S"
@@ -42,6 +52,13 @@ TIMESTAMP_FORMAT = "%Y%m%d%H%M%S"
 def checkpoint_path(run_dir: Path, step: int) -> Path:
     """`<run_dir>/checkpoints/step_<step>`."""
     return run_dir / "checkpoints" / f"step_{step}"
+
+
+def snapshot_path(run_dir: Path, step: int) -> Path:
+    """`<run_dir>/checkpoints/controller/step_<step>.json`: a multi-process job's controller
+    state at the checkpoint of `step` (its side files, a world model's trajectories, in
+    `step_<step>.files/` beside it)."""
+    return run_dir / "checkpoints" / "controller" / f"step_{step}.json"
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -117,28 +134,72 @@ def s3_store(ckpt: CheckpointConfig) -> ObjectStore | None:
     return ObjectStore(ckpt.s3_bucket, ckpt.s3_prefix, key="train.ckpt.s3_bucket")
 
 
-def fetch_s3_checkpoint(t: TrainingConfig) -> Path | None:
+def fetch_s3_checkpoint(t: TrainingConfig, *, controller: bool = False) -> Path | None:
     """With `upload_s3`: check that the bucket answers these credentials (a StorageError names
     it otherwise); with `resume = true` too and no run under `output_dir` to resume, download
-    the newest committed checkpoint of the storage into `output_dir/<its run>/` and fix
-    `train.timestamp` to that run, so that the job resumes from it as from a local one (and
-    goes on uploading under the same name); that checkpoint's folder, or None."""
+    the newest committed checkpoint of the storage into `output_dir/<its run>/`, with the run's
+    `metrics.jsonl` (its steps up to the checkpoint are kept), and fix `train.timestamp` to that
+    run, so that the job resumes from it as from a local one (and goes on uploading under the
+    same name); that checkpoint's folder, or None. With `train.timestamp` set: that run's
+    newest, when this machine holds no complete checkpoint of it. `controller`: a multi-process job, whose
+    controller resumes from its snapshot of the same step: only steps whose snapshot is
+    committed too are taken, and it is downloaded beside the checkpoint."""
     store = s3_store(t.ckpt)
     if store is None:
         return None
     store.check()
     output = Path(t.output_dir)
-    if t.resume is not True or t.timestamp or _resumable_runs(output):
+    if t.resume is not True:
         return None
-    found = []
-    for name in store.committed():
-        run, _, number = name.rpartition("/checkpoints/step_")
-        if run and "/" not in run and number.isdigit():
-            found.append((run, int(number)))
-    if not found:
+    if t.timestamp:  # (that run only, when this machine holds none of its checkpoints)
+        if complete_checkpoints(output / t.timestamp):
+            return None
+    elif _resumable_runs(output):
         return None
-    run, step = max(found)
+    checkpoints: set[tuple[str, int]] = set()
+    snapshots: set[tuple[str, int]] = set()
+    for name in store.committed(t.timestamp or ""):
+        for kind, found in (("checkpoints", checkpoints), ("checkpoints/controller", snapshots)):
+            run, _, number = name.rpartition(f"/{kind}/step_")
+            if run and "/" not in run and number.isdigit():
+                found.add((run, int(number)))
+    usable = checkpoints & snapshots if controller else checkpoints
+    if not usable:
+        if checkpoints:
+            log.warning(
+                "train.resume: %s holds checkpoints but none with its controller's snapshot (a "
+                "--local run's, or a job's whose snapshot upload did not complete): starting at "
+                "step 1",
+                store,
+            )
+        return None
+    run, step = max(usable)
     folder = checkpoint_path(output / run, step)
     store.download_folder(f"{run}/checkpoints/step_{step}", folder)
+    if controller:
+        snapshot = snapshot_path(output / run, step)
+        fetched = store.download_folder(
+            f"{run}/checkpoints/controller/step_{step}", snapshot.with_suffix(".download")
+        )
+        side = fetched / snapshot.with_suffix(".files").name
+        if side.exists():
+            side.rename(snapshot.with_suffix(".files"))
+        (fetched / snapshot.name).rename(snapshot)  # (last: the controller looks for it)
+        fetched.rmdir()
+    store.download_file(f"{run}/metrics.jsonl", output / run / "metrics.jsonl")
     t.timestamp = run
     return folder
+
+
+def fetch_missing_checkpoint(ckpt: CheckpointConfig, folder: Path) -> bool:
+    """The checkpoint `folder` (`<output_dir>/<run>/checkpoints/step_<N>`), which the job
+    resumes from but this node lacks (its run folder is on another node, not on shared
+    storage), downloaded from `train.ckpt`'s object storage; whether it was."""
+    store = s3_store(ckpt)
+    if store is None or is_checkpoint(folder):
+        return False
+    name = f"{folder.parent.parent.name}/checkpoints/{folder.name}"
+    shutil.rmtree(folder, ignore_errors=True)  # (a half-written one of an earlier attempt)
+    store.download_folder(name, folder)
+    log.info("downloaded the checkpoint %s from %s", name, store)
+    return True
