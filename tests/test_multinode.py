@@ -27,6 +27,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -116,12 +117,18 @@ class Cluster:
         """Take `node` off the network: its link to the bridge goes down."""
         _ip("-n", self.hub, "link", "set", f"v-{node}", "down")
 
-    def start(self, node: str, name: str, argv: list[str], env: dict[str, str]) -> None:
+    def start(
+        self, node: str, name: str, argv: list[str], env: dict[str, str], disk: Path | None = None
+    ) -> None:
         """Run `argv` on `node` (in its own session, logging to `<logs>/<name>.log`), with a
-        private `/dev/shm`."""
+        private `/dev/shm` and, for `disk` (a folder), an empty one of its own there (as a node
+        that does not share that file system)."""
         log = (self.logs / f"{name}.log").open("ab")
         wrapped = ["ip", "netns", "exec", self.ns(node), "sh", "-c"]
-        wrapped += ['mount -t tmpfs -o size=1g,mode=1777 tmpfs /dev/shm && exec "$@"', "sh"]
+        mounts = "mount -t tmpfs -o size=1g,mode=1777 tmpfs /dev/shm && "
+        if disk is not None:
+            mounts += f"mount -t tmpfs -o size=2g tmpfs {shlex.quote(str(disk))} && "
+        wrapped += [mounts + 'exec "$@"', "sh"]
         self.processes[name] = subprocess.Popen(
             wrapped + argv,
             env=env,
@@ -252,28 +259,44 @@ def _start_job(
         "        time.sleep(0.1)\n",
         head_env,
     )
-    config = tmp_path / "job.json"
-    config.write_text(cfg.model_dump_json())
-    run_dir = Path(cfg.train.output_dir) / cfg.train.timestamp
-    cli = [sys.executable, "-m", "nebula_rl.cli"]
-    controller = [*cli, "controller", "--config", str(config), "--run-dir", str(run_dir)]
-    controller += ["--host", head, "--port", str(CONTROLLER_PORT)]
-    num_policy, num_rollout = counts or (len(policy), len(rollout))
-    controller += ["--policy", str(num_policy), "--rollout", str(num_rollout)]
-    cluster.start("node0", "controller", controller, head_env)
-    cluster.on("node0", _HEALTHY.replace("{head}", head), env, timeout_s=90)
+    _start_controller(cluster, tmp_path, cfg, head_env, counts or (len(policy), len(rollout)))
     for role, nodes in (("policy", policy), ("rollout", rollout)):
         for i, node in enumerate(nodes):
             _start_replica(cluster, node, role, f"{role}-{i}", env)
     return head_env
 
 
-def _start_replica(cluster: Cluster, node: str, role: str, name: str, env: dict[str, str]) -> None:
-    """`nebula-rl replica` on `node`, reaching the controller on node0."""
+def _start_controller(
+    cluster: Cluster, tmp_path: Path, cfg: Config, env: dict[str, str], counts: tuple[int, int]
+) -> None:
+    """`nebula-rl controller` on node0 (`counts` policy and rollout replicas), once it answers."""
+    head = cluster.nodes["node0"]
+    config = tmp_path / "job.json"
+    config.write_text(cfg.model_dump_json())
+    run_dir = Path(cfg.train.output_dir) / cfg.train.timestamp
+    cli = [sys.executable, "-m", "nebula_rl.cli"]
+    controller = [*cli, "controller", "--config", str(config), "--run-dir", str(run_dir)]
+    controller += ["--host", head, "--port", str(CONTROLLER_PORT)]
+    controller += ["--policy", str(counts[0]), "--rollout", str(counts[1])]
+    cluster.start("node0", "controller", controller, env)
+    cluster.on("node0", _HEALTHY.replace("{head}", head), env, timeout_s=90)
+
+
+def _start_replica(
+    cluster: Cluster,
+    node: str,
+    role: str,
+    name: str,
+    env: dict[str, str],
+    disk: Path | None = None,
+) -> None:
+    """`nebula-rl replica` on `node`, reaching the controller on node0 (`disk`: a folder that
+    node does not share, `Cluster.start`)."""
     address = f"{cluster.nodes['node0']}:{CONTROLLER_PORT}"
     argv = [sys.executable, "-m", "nebula_rl.cli", "replica", "--role", role]
     argv += ["--controller", address, "--name", name, "--nproc", "1"]
-    cluster.start(node, name, argv, {k: v for k, v in env.items() if k != REDIS_URL_ENV})
+    env = {k: v for k, v in env.items() if k != REDIS_URL_ENV}
+    cluster.start(node, name, argv, env, disk=disk)
 
 
 def _cfg(
@@ -535,3 +558,100 @@ def test_world_model_job_across_nodes(cluster, tmp_path):
     assert "from rollout-0" not in policy_log.replace("not fetched", "")
     controller_log = (cluster.logs / "controller.log").read_text()
     assert "handed back untrained" in controller_log
+
+
+_STORE = """
+import json, sys
+from nebula_rl.utils.object_store import ObjectStore
+store = ObjectStore("{bucket}", "nodes")
+for _ in range(180):  # (until the gateway answers)
+    try:
+        store._client.create_bucket(Bucket="{bucket}")
+        break
+    except Exception as err:
+        if "BucketAlready" in str(err):
+            break
+        import time; time.sleep(0.5)
+{action}
+"""
+
+
+def test_a_job_whose_nodes_share_no_disk_uploads_and_resumes_through_the_store(
+    cluster, tmp_path, grpo_job_config
+):
+    """S3 (SeaweedFS) on node0; the policy on node1 writes its checkpoints on a disk of its own
+    (an empty file system over the output folder), the controller on node0 its snapshots and
+    metrics: each uploads its part. Then the job is started again into a fresh output folder,
+    after its step-6 checkpoint was lost: the controller fetches the step-4 checkpoint and its
+    snapshot, node1 (an empty disk again) downloads the checkpoint it is told to resume from,
+    and the job ends with every prompt trained once across the two runs."""
+    from test_storage import BUCKET, _env, _Weed
+
+    head = cluster.add_node("node0")
+    for node in ("node1", "node2"):
+        cluster.add_node(node)
+    weed = _Weed(tmp_path / "weed", ip=head)
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    cluster.start("node0", "weed", weed.argv(), base)
+    s3 = {**base, **_env(weed.endpoint)}
+
+    def store(action: str) -> str:
+        code = _STORE.replace("{bucket}", BUCKET).replace("{action}", action)
+        return cluster.on("node0", code, s3, timeout_s=120)
+
+    store("")
+    upload = {"upload_s3": "all", "s3_bucket": BUCKET, "s3_prefix": "nodes", "max_keep": -1}
+    ckpt = {"enable_checkpoint": True, "save_freq": 2, **upload}
+    cfg = grpo_job_config(
+        {"controller": {"host": head, "port": CONTROLLER_PORT}, "train": {"ckpt": ckpt}},
+        timestamp=JOB,
+        num_rows=24,
+        groups=BATCH,
+        allowed=0,
+    )
+    output = Path(cfg.train.output_dir)
+    output.mkdir(parents=True)
+    run_dir = output / JOB
+    # (Redis by hand, as _start_job starts it, on node0)
+    password = secrets.token_urlsafe(24)
+    redis_dir = tmp_path / "redis"
+    redis_dir.mkdir(mode=0o700)
+    conf = redis_dir / "redis.conf"
+    conf.write_text(
+        f"bind {head}\nport {REDIS_PORT}\nrequirepass {password}\nprotected-mode yes\n"
+        f'dir "{redis_dir}"\nsave ""\nappendonly no\n'
+    )
+    cluster.start("node0", "redis", [redis_executable(), str(conf)], base)
+    env = {**s3, TOKEN_ENV: secrets.token_urlsafe(32)}
+    head_env = {**env, REDIS_URL_ENV: f"redis://:{password}@{head}:{REDIS_PORT}/0"}
+    _start_controller(cluster, tmp_path, cfg, head_env, (1, 1))
+    _start_replica(cluster, "node1", "policy", "policy-0", env, disk=output)
+    _start_replica(cluster, "node2", "rollout", "rollout-0", env)
+    _finish(cluster, ["controller", "policy-0", "rollout-0"])
+    first = _steps(run_dir)
+    assert [m["step"] for m in first] == [1, 2, 3, 4, 5, 6]
+    assert not (run_dir / "checkpoints" / "step_2").exists()  # (on node1's disk, gone with it)
+    listed = json.loads(store(f"print(json.dumps(store.committed({JOB!r})))"))
+    kinds = ("checkpoints", "checkpoints/controller", "safetensors")
+    assert listed == sorted(f"{JOB}/{k}/step_{s}" for k in kinds for s in (2, 4, 6))
+
+    # Started again into a fresh output folder, after step 6's checkpoint was lost.
+    store(f"store.delete_folder('{JOB}/checkpoints/step_6')")
+    for name in ("controller", "policy-0", "rollout-0"):
+        (cluster.logs / f"{name}.log").rename(cluster.logs / f"{name}.first")
+    cfg.train.output_dir, cfg.train.resume = str(tmp_path / "fresh"), True
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    _start_controller(cluster, tmp_path, cfg, head_env, (1, 1))
+    _start_replica(cluster, "node1", "policy", "policy-0", env, disk=fresh)
+    _start_replica(cluster, "node2", "rollout", "rollout-0", env)
+    _finish(cluster, ["controller", "policy-0", "rollout-0"])
+    policy_log = (cluster.logs / "policy-0.log").read_text()
+    assert f"downloaded the checkpoint {JOB}/checkpoints/step_4" in policy_log
+    assert "resumed the job at step 4" in (cluster.logs / "controller.log").read_text()
+    again = _steps(fresh / JOB)
+    assert [m["step"] for m in again] == [1, 2, 3, 4, 5, 6]
+    assert again[:4] == first[:4]  # (fetched with the checkpoint, not trained again)
+    _check_ledger(fresh / JOB, 24)
+    listed = json.loads(store(f"print(json.dumps(store.committed({JOB!r})))"))
+    assert f"{JOB}/checkpoints/step_6" in listed  # (uploaded again, from node1)

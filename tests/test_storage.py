@@ -27,8 +27,8 @@ KEY, SECRET, BUCKET = "nebula-test", "nebula-secret", "checkpoints"
 class _Weed:
     """A SeaweedFS server (master, volume, filer, S3) in `folder`, on free loopback ports."""
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
+    def __init__(self, folder: Path, ip: str = "127.0.0.1") -> None:
+        self.folder, self.ip = folder, ip
         self.ports = {name: free_port("127.0.0.1") for name in ("master", "volume", "filer", "s3")}
         self.grpc = {name: free_port("127.0.0.1") for name in self.ports}
         (folder / "data").mkdir(parents=True, exist_ok=True)
@@ -39,19 +39,22 @@ class _Weed:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.ports['s3']}"
+        return f"http://{self.ip}:{self.ports['s3']}"
 
-    def start(self) -> None:
+    def argv(self) -> list[str]:
         weed = Path(sys.executable).parent / "weed"
-        argv = [str(weed), "server", f"-dir={self.folder / 'data'}", "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1", "-s3", f"-s3.config={self.folder / 's3.json'}",
+        argv = [str(weed), "server", f"-dir={self.folder / 'data'}", f"-ip={self.ip}",
+                f"-ip.bind={self.ip}", "-s3", f"-s3.config={self.folder / 's3.json'}",
                 "-volume.max=8", "-master.volumeSizeLimitMB=64",
                 # (the S3 gateway's catalogs listen on fixed ports unless turned off)
                 "-s3.port.iceberg=0", "-s3.port.lance=0"]  # fmt: skip
         for name, port in self.ports.items():
             argv += [f"-{name}.port={port}", f"-{name}.port.grpc={self.grpc[name]}"]
+        return argv
+
+    def start(self) -> None:
         log = (self.folder / "weed.log").open("a")
-        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT)
         store = _store(self.endpoint)
         deadline = time.monotonic() + 90
         while True:  # (the S3 gateway answers once the filer and a volume are up)
