@@ -231,11 +231,25 @@ def _start_job(
     default as many as started), then a policy replica on each node of `policy` and a rollout
     replica on each of `rollout` (named `policy-<i>` / `rollout-<i>`), started by hand; the
     environment a process of the job gets (the token, and on node0 the Redis URL)."""
-    head = cluster.add_node("node0")
+    cluster.add_node("node0")
     for node in [*policy, *rollout]:
         cluster.add_node(node)
     base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    # The job's Redis, as a user starts one: on the head node's address, with a password.
+    env, head_env = _start_redis(cluster, tmp_path, base)
+    _start_controller(cluster, tmp_path, cfg, head_env, counts or (len(policy), len(rollout)))
+    for role, nodes in (("policy", policy), ("rollout", rollout)):
+        for i, node in enumerate(nodes):
+            _start_replica(cluster, node, role, f"{role}-{i}", env)
+    return head_env
+
+
+def _start_redis(
+    cluster: Cluster, tmp_path: Path, base: dict[str, str]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The job's Redis, as a user starts one: on node0's address, with a password, once it
+    answers; the environment of the job's processes (`base` and the job's token) and that of
+    node0's (with the Redis URL too)."""
+    head = cluster.nodes["node0"]
     password = secrets.token_urlsafe(24)
     redis_dir = tmp_path / "redis"
     redis_dir.mkdir(mode=0o700)
@@ -259,11 +273,7 @@ def _start_job(
         "        time.sleep(0.1)\n",
         head_env,
     )
-    _start_controller(cluster, tmp_path, cfg, head_env, counts or (len(policy), len(rollout)))
-    for role, nodes in (("policy", policy), ("rollout", rollout)):
-        for i, node in enumerate(nodes):
-            _start_replica(cluster, node, role, f"{role}-{i}", env)
-    return head_env
+    return env, head_env
 
 
 def _start_controller(
@@ -612,18 +622,7 @@ def test_a_job_whose_nodes_share_no_disk_uploads_and_resumes_through_the_store(
     output = Path(cfg.train.output_dir)
     output.mkdir(parents=True)
     run_dir = output / JOB
-    # (Redis by hand, as _start_job starts it, on node0)
-    password = secrets.token_urlsafe(24)
-    redis_dir = tmp_path / "redis"
-    redis_dir.mkdir(mode=0o700)
-    conf = redis_dir / "redis.conf"
-    conf.write_text(
-        f"bind {head}\nport {REDIS_PORT}\nrequirepass {password}\nprotected-mode yes\n"
-        f'dir "{redis_dir}"\nsave ""\nappendonly no\n'
-    )
-    cluster.start("node0", "redis", [redis_executable(), str(conf)], base)
-    env = {**s3, TOKEN_ENV: secrets.token_urlsafe(32)}
-    head_env = {**env, REDIS_URL_ENV: f"redis://:{password}@{head}:{REDIS_PORT}/0"}
+    env, head_env = _start_redis(cluster, tmp_path, s3)
     _start_controller(cluster, tmp_path, cfg, head_env, (1, 1))
     _start_replica(cluster, "node1", "policy", "policy-0", env, disk=output)
     _start_replica(cluster, "node2", "rollout", "rollout-0", env)
