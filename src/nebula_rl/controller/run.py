@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nebula_rl.config import Config
-from nebula_rl.controller.scheduler import Scheduler, SideFiles
+from nebula_rl.controller.scheduler import Scheduler
+from nebula_rl.controller.snapshots import SideFiles
 from nebula_rl.controller.state import JobState
 from nebula_rl.utils.runs import UPLOADED_FOLDERS, s3_store
 
@@ -99,7 +100,7 @@ def run_controller(
     )
     restarted = os.environ.get(RESTART_ENV) == "1"
     # A restart continues from Redis, which is newer than any checkpoint.
-    resume_from = None if restarted else scheduler.restore()
+    resume_from = None if restarted else scheduler.snapshots.restore()
     if restarted:
         log.info("controller restarted: continuing job %s from Redis at step %d", job, state.step())
     # Replicas could not reach a dead controller: they get a full heartbeat timeout from now.
@@ -134,7 +135,7 @@ def run_controller(
     finally:
         if uploader is not None:  # (the last snapshot, with `"final"`; the logs as they end)
             if cfg.train.ckpt.upload_s3 == "final":
-                scheduler.upload_snapshot()
+                scheduler.snapshots.upload_last()
             uploader.sync(run_dir, run_dir.name, skip=UPLOADED_FOLDERS)
             uploader.close()
     if store is not None:

@@ -70,8 +70,8 @@ validation runs; the job ends once the last step's validation is recorded.
 Checkpoints. With `train.ckpt.enable_checkpoint`, the `train` command of every `save_freq`-th
 step (with `save_freq_in_epoch`, of each epoch's last step of every that many epochs; and of the
 last step) asks policy rank 0 to checkpoint after the step, and when the controller
-records that step it saves a snapshot of the job's Redis state next to it
-(`checkpoints/controller/step_<N>.json`). `train.resume` restores both: the policy loads its
+records that step it saves a snapshot of the job's Redis state next to it (`snapshots.py`,
+`checkpoints/controller/step_<N>.json`). `train.resume` restores both: the policy loads its
 checkpoint, the controller its snapshot, so the ledger, the buffer and the policy version are
 those of step N; prompts trained after step N by the interrupted run are trained again, once.
 
@@ -91,17 +91,16 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from nebula_rl.config import Config
+from nebula_rl.controller.snapshots import SideFiles, Snapshots
 from nebula_rl.controller.state import JobState
 from nebula_rl.data import epoch_order, rl_prompt, rl_validation_rows
 from nebula_rl.protocol import Prompt
 from nebula_rl.utils.metrics_log import FILE_LOGGERS, log_image_file, open_loggers
-from nebula_rl.utils.runs import snapshot_path
 from nebula_rl.utils.validation import validation_due, validation_metrics
 
 if TYPE_CHECKING:
@@ -113,20 +112,6 @@ log = logging.getLogger(__name__)
 
 GROUPS_PER_POLL = 1024
 """Most groups judged in one transaction (32 MiB of groups of 8 x 128 tokens)."""
-
-
-class SideFiles(Protocol):
-    """Files outside Redis that the job's groups refer to (a world model's trajectory files):
-    those of a recorded step's groups are deleted, a snapshot keeps a copy, a restore puts it
-    back."""
-
-    def discard(self, prompt_ids: list[str]) -> int: ...
-
-    def keep(self, folder: Path) -> None: ...
-
-    def put_back(self, folder: Path) -> None: ...
-
-    def remove(self) -> None: ...
 
 
 class Scheduler:
@@ -150,11 +135,9 @@ class Scheduler:
     ) -> None:
         p = cfg.grpo
         self.cfg, self.state, self.rows = cfg, state, rows
-        self.uploader = uploader
-        """`train.ckpt.upload_s3`: where the snapshots go (each, or with `"final"` the last)."""
         self.side_files = side_files
         """Files the groups refer to (a world model's trajectories): deleted once their step is
-        recorded, kept with each snapshot and put back by :meth:`restore`."""
+        recorded, kept with each snapshot and put back by `Snapshots.restore`."""
         self.total_steps, self.num_rollout, self.run_dir = total_steps, num_rollout, run_dir
         self.num_policy = num_policy
         self.batch_per_replica = cfg.groups_per_replica
@@ -188,7 +171,10 @@ class Scheduler:
         self._start = time.monotonic()
         self._last_reap = 0.0
         self.metrics_path = run_dir / "metrics.jsonl"
-        self.snapshots = run_dir / "checkpoints" / "controller"
+        self.snapshots = Snapshots(
+            cfg.train, state, run_dir, side_files=side_files, uploader=uploader
+        )
+        """The job's state at each policy checkpoint (`train.resume` puts it back)."""
         # The file sinks of `[logging] logger`; the launcher, which owns the terminal, the console.
         self.loggers = open_loggers(cfg, run_dir, total_steps=total_steps, only=FILE_LOGGERS)
 
@@ -660,7 +646,7 @@ class Scheduler:
         if validation_due(self.cfg.validation, step, total_steps=self.total_steps):
             self._start_validation(step)  # (before the snapshot: a resume validates it again)
         if plan["checkpoint"]:
-            self._save_snapshot(step)
+            self.snapshots.save(step)
         self._flush_metrics()
         self.loggers.log(record)
         every = self.cfg.logging.multi_modal_log_interval
@@ -695,86 +681,6 @@ class Scheduler:
             with self.metrics_path.open("a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in records)
             self._lines_written += len(records)
-
-    def _save_snapshot(self, step: int) -> None:
-        """The job's Redis state after `step`, next to the policy's checkpoint of that step;
-        snapshots older than every complete policy checkpoint are deleted."""
-        from nebula_rl.utils.runs import complete_checkpoints
-
-        self.snapshots.mkdir(parents=True, exist_ok=True)
-        path = snapshot_path(self.run_dir, step)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"step": step, "keys": self.state.snapshot()}))
-        if self.side_files is not None:  # (after the state: its groups' files exist now)
-            self.side_files.keep(path.with_suffix(".files"))
-        tmp.replace(path)
-        each = self.cfg.train.ckpt.upload_s3 in (True, "all")
-        if self.uploader is not None and each:
-            self.upload_snapshot(step)
-        kept = [s for s, _ in complete_checkpoints(self.run_dir)]
-        for old in self.snapshots.glob("step_*.json"):
-            old_step = int(old.stem.removeprefix("step_"))
-            if kept and old_step < min(kept):
-                old.unlink()
-                shutil.rmtree(old.with_suffix(".files"), ignore_errors=True)
-                if self.uploader is not None and each:
-                    self.uploader.delete(self._snapshot_name(old_step))
-
-    def _snapshot_name(self, step: int) -> str:
-        return f"{self.run_dir.name}/checkpoints/controller/step_{step}"
-
-    def upload_snapshot(self, step: int | None = None) -> None:
-        """Queue the snapshot of `step` (default: the newest) for the object storage, as a
-        committed folder beside the policy's checkpoint of that step (what a fresh machine
-        resumes the controller from: `fetch_s3_checkpoint`)."""
-        assert self.uploader is not None
-        if step is None:
-            steps = [int(p.stem.removeprefix("step_")) for p in self.snapshots.glob("step_*.json")]
-            if not steps:
-                return
-            step = max(steps)
-        path = snapshot_path(self.run_dir, step)
-        files = {path.name: path}
-        if path.with_suffix(".files").exists():
-            files[path.with_suffix(".files").name] = path.with_suffix(".files")
-        self.uploader.upload(files, self._snapshot_name(step))
-
-    def restore(self) -> Path | None:
-        """Put the job back at the checkpoint `train.resume` names; returns the policy's
-        checkpoint folder (None: nothing to resume, the job starts at step 1)."""
-        from nebula_rl.utils.runs import complete_checkpoints, drop_steps_after, is_checkpoint
-
-        resume = self.cfg.train.resume
-        if resume is False:
-            return None
-        if resume is True:
-            found = [
-                (step, path)
-                for step, path in complete_checkpoints(self.run_dir)
-                if snapshot_path(self.run_dir, step).exists()
-            ]
-            if not found:
-                log.info(
-                    "train.resume: no checkpoint under %s yet: starting at step 1", self.run_dir
-                )
-                return None
-            step, path = found[-1]
-            snapshot = snapshot_path(self.run_dir, step)
-        else:
-            path = Path(resume)
-            snapshot = path.parent / "controller" / f"{path.name}.json"
-            if not is_checkpoint(path) or not snapshot.exists():
-                raise ValueError(
-                    f"train.resume: {path} is not a complete checkpoint of a multi-process job "
-                    f"(needs its manifest.json and {snapshot})"
-                )
-        data = json.loads(snapshot.read_text())
-        self.state.restore(data["keys"])
-        if self.side_files is not None:
-            self.side_files.put_back(snapshot.with_suffix(".files"))
-        drop_steps_after(self.metrics_path, data["step"])  # later steps are trained again
-        log.info("resumed the job at step %d from %s", data["step"], path)
-        return path
 
     def _exhausted(self) -> bool:
         """No step can be formed any more: every prompt is handed out and resolved, the buffer

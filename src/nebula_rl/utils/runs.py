@@ -37,6 +37,7 @@ __all__ = [
     "resolve_run_dir",
     "s3_store",
     "snapshot_path",
+    "snapshot_upload",
     "write_private",
 ]
 
@@ -59,6 +60,17 @@ def snapshot_path(run_dir: Path, step: int) -> Path:
     state at the checkpoint of `step` (its side files, a world model's trajectories, in
     `step_<step>.files/` beside it)."""
     return run_dir / "checkpoints" / "controller" / f"step_{step}.json"
+
+
+def snapshot_upload(run_dir: Path, step: int) -> tuple[dict[str, Path], str]:
+    """The files of the controller's snapshot of `step` (with its side files) and the name of
+    their committed folder in the object storage, beside the policy's checkpoint of that step
+    (what `fetch_s3_checkpoint` resumes a controller from)."""
+    path = snapshot_path(run_dir, step)
+    files = {path.name: path}
+    if path.with_suffix(".files").exists():
+        files[path.with_suffix(".files").name] = path.with_suffix(".files")
+    return files, f"{run_dir.name}/checkpoints/controller/step_{step}"
 
 
 def is_checkpoint(path: Path) -> bool:
