@@ -182,16 +182,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             return 2
     first = RANKS_ENV not in os.environ and "WORLD_SIZE" not in os.environ  # (of the job)
     if first:
-        from nebula_rl.utils.object_store import StorageError
-        from nebula_rl.utils.runs import fetch_s3_checkpoint
-
-        try:  # (train.ckpt.upload_s3: the bucket answers; resume from it on a fresh machine)
-            fetched = fetch_s3_checkpoint(cfg.train, controller=distributed)
-        except StorageError as err:
-            logging.getLogger("nebula_rl").error("%s", err)
+        if not _fetch_uploaded(cfg, controller=distributed):
             return 2
-        if fetched is not None:
-            logging.getLogger("nebula_rl").info("resuming from the uploaded %s", fetched)
         from nebula_rl.data.shards import unpack_datasets
 
         try:  # (WebDataset shards: streamed once into the cache, where every process reads)
@@ -249,6 +241,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return code
 
 
+def _fetch_uploaded(cfg: Config, *, controller: bool) -> bool:
+    """`train.ckpt.upload_s3`: check that the bucket answers, and with `resume = true` on a
+    machine that holds no checkpoint of the run, fetch the newest from it
+    (`fetch_s3_checkpoint`; `controller`: a job of replicas); False (logged) if the storage
+    refused."""
+    from nebula_rl.utils.object_store import StorageError
+    from nebula_rl.utils.runs import fetch_s3_checkpoint
+
+    log = logging.getLogger("nebula_rl")
+    try:
+        fetched = fetch_s3_checkpoint(cfg.train, controller=controller)
+    except StorageError as err:
+        log.error("%s", err)
+        return False
+    if fetched is not None:
+        log.info("resuming from the uploaded %s", fetched)
+    return True
+
+
 def _cmd_controller(args: argparse.Namespace) -> int:
     import secrets
 
@@ -260,8 +271,7 @@ def _cmd_controller(args: argparse.Namespace) -> int:
     )
     from nebula_rl.controller.run import run_controller
     from nebula_rl.utils.net import free_port
-    from nebula_rl.utils.object_store import StorageError
-    from nebula_rl.utils.runs import fetch_s3_checkpoint, resolve_run_dir, write_private
+    from nebula_rl.utils.runs import resolve_run_dir, write_private
 
     cfg = _load(args.config)
     log = logging.getLogger("nebula_rl")
@@ -270,13 +280,8 @@ def _cmd_controller(args: argparse.Namespace) -> int:
             str(Path(args.run_dir).parent),
             Path(args.run_dir).name,
         )
-    try:  # (train.ckpt.upload_s3: the bucket answers; resume from it on a fresh machine)
-        fetched = fetch_s3_checkpoint(cfg.train, controller=True)
-    except StorageError as err:
-        log.error("%s", err)
+    if not _fetch_uploaded(cfg, controller=True):
         return 2
-    if fetched is not None:
-        log.info("resuming from the uploaded %s", fetched)
     run_dir = resolve_run_dir(cfg.train)
     run_dir.mkdir(parents=True, exist_ok=True)
     token = os.environ.get(TOKEN_ENV, "")

@@ -10,16 +10,13 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nebula_rl.config import Config
 from nebula_rl.controller.scheduler import Scheduler
 from nebula_rl.controller.snapshots import SideFiles
 from nebula_rl.controller.state import JobState
-from nebula_rl.utils.runs import UPLOADED_FOLDERS, s3_store
-
-if TYPE_CHECKING:
-    from nebula_rl.utils.object_store import Uploader
+from nebula_rl.utils.runs import UPLOADED_FOLDERS, s3_uploader
 
 __all__ = ["JobRows", "run_controller", "text_rows"]
 
@@ -83,7 +80,8 @@ def run_controller(
     )
     job = re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.name)[:64] or "job"
     state = JobState(connect(redis_url), job)
-    uploader = _uploader(cfg, run_dir)
+    # (`upload_s3`: its snapshots; the run's metrics and logs, which it writes)
+    uploader = s3_uploader(cfg.train.ckpt, run_dir, logs=True)
     scheduler = Scheduler(
         cfg,
         state,
@@ -140,23 +138,6 @@ def run_controller(
             uploader.close()
     if store is not None:
         store.remove()
-
-
-def _uploader(cfg: Config, run_dir: Path) -> Uploader | None:
-    """`train.ckpt.upload_s3`: the controller uploads its snapshots (what resumes its state on a
-    fresh machine) and copies the run folder's metrics and logs, which it writes, at start, on
-    `s3_log_interval_s`'s clock and at the end; the policy uploads its checkpoints."""
-    from nebula_rl.utils.object_store import Uploader
-
-    store = s3_store(cfg.train.ckpt) if cfg.train.ckpt.enable_checkpoint else None
-    if store is None:
-        return None
-    store.check()  # (a wrong key fails now, naming the bucket)
-    uploader = Uploader(store)
-    if cfg.train.ckpt.s3_log_interval_s > 0:
-        interval = cfg.train.ckpt.s3_log_interval_s
-        uploader.sync_every(interval, run_dir, run_dir.name, skip=UPLOADED_FOLDERS)
-    return uploader
 
 
 def _wait_for_replicas(state: JobState, *, timeout_s: float) -> None:

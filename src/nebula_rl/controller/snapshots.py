@@ -90,8 +90,9 @@ class Snapshots:
 
     def upload_last(self) -> None:
         """Queue the newest snapshot for the storage (`upload_s3 = "final"`, at the end)."""
-        if self.uploader is not None and self.steps():
-            self.uploader.upload(*snapshot_upload(self.run_dir, self.steps()[-1]))
+        steps = self.steps()
+        if self.uploader is not None and steps:
+            self.uploader.upload(*snapshot_upload(self.run_dir, steps[-1]))
 
     def restore(self) -> Path | None:
         """Put the job back at the checkpoint `train.resume` names; returns the policy's

@@ -50,7 +50,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 from nebula_rl.config import CheckpointConfig, TrainingConfig
 from nebula_rl.policy.ema import WeightEMA, ema_folder
-from nebula_rl.utils.object_store import Uploader
 from nebula_rl.utils.runs import (
     MANIFEST,
     UPLOADED_FOLDERS,
@@ -58,7 +57,7 @@ from nebula_rl.utils.runs import (
     complete_checkpoints,
     is_checkpoint,
     latest_checkpoint,
-    s3_store,
+    s3_uploader,
 )
 
 __all__ = [
@@ -186,15 +185,8 @@ class Checkpointer:
         self._error: BaseException | None = None
         # `upload_s3`: rank 0 uploads each checkpoint (`all`) or the last (`final`) with its
         # export, in the background, and removes what rotation removes here.
-        store = s3_store(cfg) if cfg.enable_checkpoint and self.rank == 0 else None
-        if store is not None:
-            store.check()  # (a wrong key fails now, naming the bucket)
-        self._uploader = None if store is None else Uploader(store)
+        self._uploader = s3_uploader(cfg, run_dir, logs=sync_logs) if self.rank == 0 else None
         self._upload_each = cfg.upload_s3 in (True, "all")
-        if self._uploader is not None and sync_logs and cfg.s3_log_interval_s > 0:
-            self._uploader.sync_every(
-                cfg.s3_log_interval_s, run_dir, run_dir.name, skip=UPLOADED_FOLDERS
-            )
 
     def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's and the optimiser's state dicts as DCP saves and loads them."""

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 from nebula_rl.config import CheckpointConfig, TrainingConfig
 
-log = logging.getLogger(__name__)
-
 if TYPE_CHECKING:
-    from nebula_rl.utils.object_store import ObjectStore
+    from nebula_rl.utils.object_store import ObjectStore, Uploader
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "MANIFEST",
@@ -36,6 +36,7 @@ __all__ = [
     "latest_checkpoint",
     "resolve_run_dir",
     "s3_store",
+    "s3_uploader",
     "snapshot_path",
     "snapshot_upload",
     "write_private",
@@ -146,6 +147,23 @@ def s3_store(ckpt: CheckpointConfig) -> ObjectStore | None:
     return ObjectStore(ckpt.s3_bucket, ckpt.s3_prefix, key="train.ckpt.s3_bucket")
 
 
+def s3_uploader(ckpt: CheckpointConfig, run_dir: Path, *, logs: bool) -> Uploader | None:
+    """`train.ckpt.upload_s3`'s background uploader, None without it (or without
+    checkpointing), the bucket asked first (a wrong key fails now, naming it); with `logs`, it
+    copies the run folder's other files (metrics, logs) now and on `s3_log_interval_s`'s
+    clock."""
+    store = s3_store(ckpt) if ckpt.enable_checkpoint else None
+    if store is None:
+        return None
+    from nebula_rl.utils.object_store import Uploader
+
+    store.check()
+    uploader = Uploader(store)
+    if logs and ckpt.s3_log_interval_s > 0:
+        uploader.sync_every(ckpt.s3_log_interval_s, run_dir, run_dir.name, skip=UPLOADED_FOLDERS)
+    return uploader
+
+
 def fetch_s3_checkpoint(t: TrainingConfig, *, controller: bool = False) -> Path | None:
     """With `upload_s3`: check that the bucket answers these credentials (a StorageError names
     it otherwise); with `resume = true` too and no run under `output_dir` to resume, download
@@ -153,9 +171,9 @@ def fetch_s3_checkpoint(t: TrainingConfig, *, controller: bool = False) -> Path 
     `metrics.jsonl` (its steps up to the checkpoint are kept), and fix `train.timestamp` to that
     run, so that the job resumes from it as from a local one (and goes on uploading under the
     same name); that checkpoint's folder, or None. With `train.timestamp` set: that run's
-    newest, when this machine holds no complete checkpoint of it. `controller`: a multi-process job, whose
-    controller resumes from its snapshot of the same step: only steps whose snapshot is
-    committed too are taken, and it is downloaded beside the checkpoint."""
+    newest, when this machine holds no complete checkpoint of it. `controller`: a multi-process
+    job, whose controller resumes from its snapshot of the same step: only steps whose snapshot
+    is committed too are taken, and it is downloaded beside the checkpoint."""
     store = s3_store(t.ckpt)
     if store is None:
         return None
@@ -190,9 +208,8 @@ def fetch_s3_checkpoint(t: TrainingConfig, *, controller: bool = False) -> Path 
     store.download_folder(f"{run}/checkpoints/step_{step}", folder)
     if controller:
         snapshot = snapshot_path(output / run, step)
-        fetched = store.download_folder(
-            f"{run}/checkpoints/controller/step_{step}", snapshot.with_suffix(".download")
-        )
+        name = snapshot_upload(output / run, step)[1]
+        fetched = store.download_folder(name, snapshot.with_suffix(".download"))
         side = fetched / snapshot.with_suffix(".files").name
         if side.exists():
             side.rename(snapshot.with_suffix(".files"))
