@@ -123,12 +123,17 @@ def test_image_conditioned_velocity_is_the_pipelines_too():
     assert torch.equal(got[:, :, 0], torch.zeros_like(got[:, :, 0]))  # (a given frame stays)
 
 
-def test_context_parallelism_is_refused_by_name():
+def test_context_parallelism_takes_equal_shares_of_the_latent_patches():
+    """`cp_size` splits the generator's latent patches (tests/test_flow_parallel.py runs it):
+    5 frames of 16 x 16 pixels are 3 latent frames of 4 x 4 patches, 48 in all, which 2 ranks
+    share and 5 cannot."""
     from nebula_rl.flow.models import check_flow_model
 
     cfg = _cfg()
     cfg.policy.parallelism.cp_size = 2
-    with pytest.raises(ValueError, match="not of a Cosmos3OmniTransformer"):
+    check_flow_model(cfg)
+    cfg.policy.parallelism.cp_size = 5
+    with pytest.raises(ValueError, match=r"cp_size \(5\) must divide the 48 latent patches"):
         check_flow_model(cfg)
 
 

@@ -30,6 +30,7 @@ from nebula_rl.flow.models import load_flow_model
 from nebula_rl.flow.parallel import shard_flow_model
 from nebula_rl.flow.runtime import FlowTrainer, flow_settings
 from nebula_rl.flow.trajectories import TrajectoryStore
+from nebula_rl.flow.vae import samples_to_pixels
 from nebula_rl.protocol import Completion, Prompt, RolloutGroup
 from nebula_rl.weights import free_port
 from test_flow_diffusers import COSMOS_ATTENTION
@@ -84,8 +85,11 @@ def _batches(root: Path, policy: dict) -> list[list[RolloutGroup]]:
     """STEPS batches of GROUPS scored groups, their trajectories sampled by a model whose output
     layer is randomised (a fresh DiT predicts zero everywhere) and written to the store."""
     cfg = _cfg(root, ranks=1, **policy)
+    d = cfg.policy.diffusers  # type: ignore[attr-defined]
+    frames, size = d.inference_frames, d.inference_size[0]
     clips = read_local_dataset(
-        make_toy_dataset(root / "dataset", clips_per_prompt=1, size=8), num_frames=2
+        make_toy_dataset(root / "dataset", clips_per_prompt=1, frames=frames, size=size),
+        num_frames=frames,
     )
     model = _model(cfg)
     store = TrajectoryStore(root / "trajectories")
@@ -101,7 +105,8 @@ def _batches(root: Path, policy: dict) -> list[list[RolloutGroup]]:
             prompt = Prompt(f"0:{index}", 0, index, None, None)
             completions = [Completion([], [], "", "stop", [(0, 0)], reward=r) for r in rewards]
             name = store.write(prompt.prompt_id, t)
-            distance = data_distance(t.final, [clips[index].caption] * N, clips)
+            pixels = samples_to_pixels(model, t.final)  # (a latent model's, decoded)
+            distance = data_distance(pixels, [clips[index].caption] * N, clips)
             extra = {"trajectory": name, "data_distance": distance}
             groups.append(RolloutGroup(prompt, [], completions, "rollout-0", extra))
         batches.append(groups)
@@ -233,8 +238,16 @@ def test_an_hsdp_policy_replica_steps_like_one_process(members, tmp_path, policy
         (4, 2, {"trainer_type": "diffusion_nft"}),
         (2, 1, {"model": "tiny:cosmos_transformer3d"}),
         (4, 1, {"model": "tiny:wan_transformer3d", "trainer_type": "ddrl", "data_beta": 0.5}),
+        (2, 1, {"model": "tiny:cosmos3_omni_generator", "diffusers": {"frames": 5, "size": 16}}),
     ],
-    ids=["cp2-flow_grpo", "fsdp2-cp2-ddrl", "hsdp-cp2-nft", "cp2-cosmos", "fsdp2-cp2-wan-ddrl"],
+    ids=[
+        "cp2-flow_grpo",
+        "fsdp2-cp2-ddrl",
+        "hsdp-cp2-nft",
+        "cp2-cosmos",
+        "fsdp2-cp2-wan-ddrl",
+        "cp2-cosmos3",
+    ],
 )
 def test_a_context_parallel_policy_replica_steps_like_one_process(
     cp_members, tmp_path, world, replicate, policy
@@ -253,6 +266,7 @@ CP_PRESETS = [
     ("tiny:wan_transformer3d", True),
     ("tiny:cosmos_transformer3d_latent", False),  # (conditioning frames: the mask channel)
     ("tiny:wan_transformer3d_latent", False),  # (conditioning frames: per-token timesteps)
+    ("tiny:cosmos3_omni_generator", True),  # (the prompt whole on each rank; a given frame)
 ]
 
 
@@ -286,7 +300,7 @@ def _velocity_and_grads(
     from nebula_rl.flow.diffusers_models import tiny_diffusers_flow_model
     from nebula_rl.flow.parallel import checkpoint_blocks
 
-    latent = preset.endswith("_latent")
+    latent = preset.endswith(("_latent", "_generator"))
     model = tiny_diffusers_flow_model(
         preset, frames=5 if latent else 4, size=16 if latent else 8, text_dim=32, seed=3
     )
@@ -299,6 +313,9 @@ def _velocity_and_grads(
     sigma = torch.rand(2, generator=generator)
     text = torch.randn(2, 5, 32, generator=generator)
     text_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    if model.kind == "Cosmos3OmniTransformer":  # (prompt token ids, of two lengths)
+        text = model.text_encoder(["a red square", "a blue bar on the left"])
+        text_mask = (text[..., 0] > 0).float()
     condition = torch.tensor([[1.0, 0.0], [0.0, 0.0]]) if model.takes_conditioning else None
     velocity = model(x, sigma, text, text_mask, condition)
     (velocity.square() * torch.linspace(0, 1, velocity.numel()).view_as(velocity)).sum().backward()

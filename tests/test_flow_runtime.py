@@ -183,8 +183,18 @@ def test_what_the_runtime_cannot_run_is_refused_before_it_starts(tmp_path):
         pytest.param("tiny:dit", None, 1, 1, 2, marks=pytest.mark.slow),
         pytest.param("tiny:wan_transformer3d", None, 1, 1, 2, marks=pytest.mark.slow),
         pytest.param("tiny:cosmos3_omni_generator", None, 2, 1, 1, marks=pytest.mark.slow),
+        pytest.param("tiny:cosmos3_omni_generator", None, 1, 1, 2, marks=pytest.mark.slow),
     ],
-    ids=["dit", "wan-lora", "dit-fsdp2", "dit-hsdp", "dit-cp2", "wan-cp2", "cosmos3-fsdp2"],
+    ids=[
+        "dit",
+        "wan-lora",
+        "dit-fsdp2",
+        "dit-hsdp",
+        "dit-cp2",
+        "wan-cp2",
+        "cosmos3-fsdp2",
+        "cosmos3-cp2",
+    ],
 )
 def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora, shards, replicate, cp):
     """One policy and one rollout replica, one epoch, with the built-in DiT, with a diffusers
@@ -192,7 +202,7 @@ def test_a_world_model_job_runs_with_rollout_replicas(tmp_path, model, lora, sha
     with a policy replica of two FSDP2 ranks (each pushing its shards; weight averages
     exported), of four HSDP ranks (two copies of two shards) and of two context-parallel ranks
     (the frames split, the weights sharded over both; the built-in DiT and a Wan transformer),
-    and Cosmos 3's generator on two FSDP2 ranks: every
+    and Cosmos 3's generator on two FSDP2 ranks and on two context-parallel ranks: every
     clip trained once, the policy's weights pushed to the rollout each step, the trajectory files gone at the end, a sample
     grid every 4 steps in TensorBoard and `<run>/samples/`, and the export loadable as a flow
     model."""

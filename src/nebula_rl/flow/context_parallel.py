@@ -22,16 +22,26 @@ its one `scaled_dot_product_attention` call every share's keys and values. The r
 stay whole per position, so a split model computes what the whole one does. (diffusers' own
 `enable_parallelism` is not used: Cosmos-Predict2.5's attention processors do not take its
 parallel config, and its native backend runs Ulysses only, which needs the heads to divide.)
+
+Cosmos 3's generator (`Cosmos3OmniTransformer`: one packed sequence a sample, the prompt's
+tokens through the causal understanding pathway, the clip's latent patches through the
+generation pathway) offers seams for this, `_cp_shard_fn` and `_cp_gather_fn`, around its layer
+stack: the split keeps every rank's prompt whole (a few hundred tokens beside thousands of
+patches) and an equal share of the patches with their rotary rows (not whole frames: its
+positions are per token), and gathers the patches' outputs back. In each layer the prompt's
+causal attention runs whole on every rank; the patches' attention (to the prompt's keys and
+every patch's) gathers only the patches' keys and values (`GatheredAttention`'s `prefix`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from nebula_rl.flow.cosmos3 import COSMOS3_CLASS
 from nebula_rl.utils.sequence_split import GatheredAttention, gather_shares, token_share
 
 __all__ = ["CP_CLASSES", "split_diffusers_transformer"]
@@ -76,15 +86,19 @@ _PLANS = {
     ),
 }
 
-CP_CLASSES = tuple(_PLANS)
+CP_CLASSES = (*_PLANS, COSMOS3_CLASS)
 """The diffusers transformer classes context parallelism splits (SD3 makes images: one frame)."""
 
 
 def split_diffusers_transformer(transformer: nn.Module, group: dist.ProcessGroup) -> None:
     """Split `transformer` (one of :data:`CP_CLASSES`) over `group`'s ranks along the frame
     axis with forward hooks (see the module docstring); its frames after patching must be a
-    multiple of the group's size."""
+    multiple of the group's size (Cosmos 3's generator: its latent patches, split through its
+    own seams)."""
     kind = type(transformer).__name__
+    if kind == COSMOS3_CLASS:
+        _split_cosmos3(transformer, group)
+        return
     plan = _PLANS.get(kind)
     if plan is None:
         raise ValueError(
@@ -143,19 +157,51 @@ def _keep_timestep_tokens(index: int, group: dist.ProcessGroup) -> Any:
     return hook
 
 
+def _split_cosmos3(transformer: nn.Module, group: dist.ProcessGroup) -> None:
+    """Split a `Cosmos3OmniTransformer`'s generated tokens over `group` through its own seams
+    (see the module docstring)."""
+    size = dist.get_world_size(group)
+
+    def shard(und: Tensor, gen: Tensor, rotary: tuple[Tensor, ...]) -> Any:
+        if gen.shape[0] % size:
+            raise ValueError(
+                f"{KEY} ({size}) must divide the {gen.shape[0]} latent patches of a sample: "
+                "context parallelism gives each rank an equal share of them"
+            )
+        cos_und, sin_und, cos_gen, sin_gen = rotary
+        rows = (cos_und, sin_und, _narrow(cos_gen, 0, group), _narrow(sin_gen, 0, group))
+        return und, _narrow(gen, 0, group), rows
+
+    def gather(und: Tensor, gen: Tensor) -> tuple[Tensor, Tensor]:
+        return und, gather_shares(gen, group, dim=0)
+
+    model = cast(Any, transformer)
+    model._cp_shard_fn = shard  # (instance attributes over the class's None)
+    model._cp_gather_fn = gather
+    for layer in model.layers:
+        _gather_keys_values(layer.self_attn, group, prompt_first=True)
+
+
 def _narrow(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     share = token_share(x.shape[dim], group)
     return x.narrow(dim, share.start, share.stop - share.start)
 
 
-def _gather_keys_values(attention: nn.Module, group: dist.ProcessGroup) -> None:
+def _gather_keys_values(
+    attention: nn.Module, group: dist.ProcessGroup, *, prompt_first: bool = False
+) -> None:
     """Run `attention` (a self-attention module) under `GatheredAttention`, checking
-    that its one attention call went through it (an attention backend other than diffusers'
-    native one would skip `scaled_dot_product_attention` and attend to this share alone)."""
+    that its one attention call over split tokens went through it (an attention backend other
+    than diffusers' native one would skip `scaled_dot_product_attention` and attend to this
+    share alone). `prompt_first`: Cosmos 3's attention, whose first argument is the whole
+    prompt, whose keys lead the patches' call."""
     modes: list[GatheredAttention] = []
 
     def enter(module: nn.Module, args: Any) -> None:
-        mode = GatheredAttention(group)
+        if prompt_first:
+            mode = GatheredAttention(group, prefix=int(args[0].shape[0]), whole_causal=True)
+        else:
+            mode = GatheredAttention(group)
         mode.__enter__()
         modes.append(mode)
 

@@ -24,8 +24,8 @@ So here:
   pipeline's flow-prediction scheduler reads it. Conditioning frames (the pipeline's image- and
   video-to-world modes) are latent frames left clean and out of the noisy tokens.
 
-Sound and action generation and context parallelism are not built for it (refused by name where
-a config asks).
+Sound and action generation are not built for it (no key asks for them); context parallelism
+splits its latent patches through the transformer's own seams (`flow.context_parallel`).
 """
 
 from __future__ import annotations

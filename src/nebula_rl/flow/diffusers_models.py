@@ -206,7 +206,8 @@ class DiffusersFlowModel(nn.Module):
 
     def context_parallel(self, group: dist.ProcessGroup) -> None:
         """Split every sample's frames over `group`'s ranks (`flow.context_parallel`: Cosmos and
-        Wan transformers); each rank of the group must be given the same inputs."""
+        Wan transformers; Cosmos 3's generator by its latent patches); each rank of the group
+        must be given the same inputs."""
         split_diffusers_transformer(self.transformer, group)
         self.cp_group = group
 

@@ -169,7 +169,9 @@ def check_flow_model(cfg: Config) -> None:
         vae = PRESET_VAES.get(name)
         vae_config = tiny_vae_config(vae) if vae is not None else None
         _check_latent(cfg.policy, vae, vae_config)
-        _check_diffusers_cp(cfg.policy, DIFFUSERS_PRESETS[name], vae, vae_config, patch=1)
+        _check_diffusers_cp(
+            cfg.policy, DIFFUSERS_PRESETS[name], vae, vae_config, patch=1, latent_patch=2
+        )
         channels = 3 if vae is None or vae_config is None else vae_factors(vae, vae_config)[0]
         cosmos_mask = DIFFUSERS_PRESETS[name] == "CosmosTransformer3DModel" and vae is not None
         _check_diffusers_conditioning(
@@ -193,6 +195,7 @@ def check_flow_model(cfg: Config) -> None:
             found.vae_class,
             found_vae_config,
             patch=patch[0] if isinstance(patch, list) else 1,
+            latent_patch=int(config.get("latent_patch_size") or 1),
         )
         _check_diffusers_conditioning(
             cfg.policy,
@@ -293,12 +296,28 @@ def _check_diffusers_cp(
     vae_config: dict[str, Any] | None,
     *,
     patch: int,
+    latent_patch: int,
 ) -> None:
     """Refuse a `cp_size` that cannot split the clips of a diffusers transformer by whole
     frames: an image model, or frames (after the VAE and the patch embedding) it does not
-    divide."""
+    divide; Cosmos 3's generator, whose positions are per token, by equal shares of its latent
+    patches (`latent_patch` x `latent_patch` latent pixels each)."""
     cp = policy.parallelism.cp_size
     if cp == 1:
+        return
+    if class_name == COSMOS3_CLASS and vae is not None and vae_config is not None:
+        d = policy.diffusers
+        _, spatial, temporal = vae_factors(vae, vae_config)
+        height, width = d.inference_size
+        frames = 1 + (d.inference_frames - 1) // temporal
+        patches = frames * (height // spatial // latent_patch) * (width // spatial // latent_patch)
+        if patches % cp:
+            raise ValueError(
+                f"policy.parallelism.cp_size ({cp}) must divide the {patches} latent patches of "
+                f"a sample (policy.diffusers.inference_frames = {d.inference_frames}, "
+                f"inference_size = {list(d.inference_size)}): context parallelism gives each "
+                "rank an equal share of them"
+            )
         return
     if class_name not in CP_CLASSES:
         why = " (it makes images)" if class_name in IMAGE_CLASSES else ""

@@ -72,12 +72,26 @@ class GatheredAttention(TorchFunctionMode):
     With `mask` ([queries, all keys] bool, True where a query sees a key, keys in the gathered
     order) it replaces each call's own mask and causal flag: a causal language model whose rows
     are right-padded, where causality is the only mask. Without, a call with a mask or a causal
-    flag is refused (a flow model's self-attention sees every token)."""
+    flag is refused (a flow model's self-attention sees every token).
 
-    def __init__(self, group: dist.ProcessGroup, mask: Tensor | None = None) -> None:
+    Cosmos 3's generator splits only its generated tokens: every rank holds the whole prompt.
+    `prefix` is then the prompt's length, whose keys and values lead every call's and are alike
+    on every rank (kept, not gathered), and `whole_causal` lets a causal call without a mask
+    through untouched and uncounted (the prompt's own attention, whole on every rank)."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        mask: Tensor | None = None,
+        *,
+        prefix: int = 0,
+        whole_causal: bool = False,
+    ) -> None:
         super().__init__()
         self.group = group
         self.mask = mask
+        self.prefix = prefix
+        self.whole_causal = whole_causal
         self.calls = 0
 
     def __torch_function__(
@@ -94,6 +108,8 @@ class GatheredAttention(TorchFunctionMode):
         given = dict(zip(names, args, strict=False)) | kwargs
         if self.mask is not None:
             given["attn_mask"], given["is_causal"] = self.mask, False
+        elif self.whole_causal and given.get("is_causal") and given.get("attn_mask") is None:
+            return func(**given)
         elif given.get("attn_mask") is not None or given.get("is_causal"):
             raise ValueError(
                 f"{KEY}: a self-attention with a mask or causal order cannot be split by frames"
@@ -105,6 +121,10 @@ class GatheredAttention(TorchFunctionMode):
             if part.shape[-3] != heads:  # (grouped heads: alike on every rank, whatever the
                 # caller chose, e.g. transformers repeats them only where it passes a mask)
                 part = part.repeat_interleave(heads // part.shape[-3], dim=-3)
-            given[name] = gather_shares(part, self.group, dim=-2)
+            if self.prefix:
+                kept, part = part.split([self.prefix, part.shape[-2] - self.prefix], dim=-2)
+                given[name] = torch.cat([kept, gather_shares(part, self.group, dim=-2)], dim=-2)
+            else:
+                given[name] = gather_shares(part, self.group, dim=-2)
         given.pop("enable_gqa", None)
         return func(**given)
