@@ -24,7 +24,8 @@ class ParallelismConfig(Section):
     cp_size: int = Field(default=1, ge=1)
     """Context parallel: ranks that split each sample (a language model: torch's ring attention
     on CUDA, all-gathered keys and values elsewhere; a flow model, the built-in DiT or a
-    diffusers Cosmos / Wan transformer: by whole frames, any device)."""
+    diffusers Cosmos / Wan transformer: by whole frames; Cosmos 3's generator: by equal shares
+    of its latent patches; any device)."""
     ep_size: int = Field(
         default=1,
         json_schema_extra=refused("expert parallelism (MoE) is not supported yet"),
