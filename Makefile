@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup setup-vllm lock demo vlm-demo cosmos3-demo wfm-demo vllm-demo test test-all test-vllm lint format typecheck bench bench-vllm clean
+.PHONY: setup setup-vllm lock demo vlm-demo cosmos3-demo cosmos3-judge-demo wfm-demo vllm-demo test test-all test-vllm lint format typecheck bench bench-vllm clean
 
 # The versions the tests and CI install: every package of `.[dev]` pinned (torch apart: it is
 # TORCH_VERSION, or the build a GPU user installed). pyproject.toml keeps loose bounds for users;
@@ -75,6 +75,10 @@ vlm-demo: setup
 cosmos3-demo: setup
 	$(BIN)/nebula-rl train --config configs/cosmos3/reason_rl_cpu.toml
 	$(BIN)/python -m nebula_rl.flow.cosmos3_demo
+
+# The generator's FlowGRPO judged by a tiny Cosmos 3 reasoner (trained first if missing).
+cosmos3-judge-demo: setup
+	$(BIN)/python -m nebula_rl.flow.cosmos3_demo --judge
 
 wfm-demo: setup
 	$(BIN)/python -m nebula_rl.flow.demo --output-dir outputs/wfm-demo

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from nebula_rl.config import Config, DatasetConfig, GrpoConfig, TrainingConfig
 from nebula_rl.data.formats import UNUSABLE, conversation_rows, prompt_rows
+from nebula_rl.data.judge import brightness_judge_task
 from nebula_rl.data.shards import ROWS, is_shards, unpacked
 from nebula_rl.protocol import Prompt
 from nebula_rl.utils.hub import is_hub_id
@@ -159,6 +160,7 @@ def squares_task(
 BUILTIN_TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "arithmetic": arithmetic_task,
     "squares": squares_task,
+    "brightness_judge": brightness_judge_task,
 }
 
 

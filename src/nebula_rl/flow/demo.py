@@ -42,16 +42,20 @@ FRAMES, SIZE = 2, 16
 
 
 @contextmanager
-def served_rewards(workdir: Path, reward: str = "brightness") -> Iterator[tuple[str, str]]:
-    """Start `nebula-rl reward-service` scoring with `reward` on a free local port (its log in
-    `workdir`); yield (its `/api/reward` address, its token) once it answers; stop it after."""
+def served_rewards(
+    workdir: Path, reward: str = "brightness", model_path: str = ""
+) -> Iterator[tuple[str, str]]:
+    """Start `nebula-rl reward-service` scoring with `reward` (a model-based one: of the model
+    `model_path`) on a free local port (its log in `workdir`); yield (its `/api/reward`
+    address, its token) once it answers; stop it after."""
     from nebula_rl.rewards.remote import RemoteRewardClient
     from nebula_rl.weights import free_port
 
     port, token = free_port(), secrets.token_urlsafe(24)
     config = workdir / "rewards.toml"
+    model = f"model_path = {json.dumps(model_path)}\n" if model_path else ""
     config.write_text(
-        f'host = "127.0.0.1"\nport = {port}\n\n[[reward_args]]\nreward_type = "{reward}"\n'
+        f'host = "127.0.0.1"\nport = {port}\n\n[[reward_args]]\nreward_type = "{reward}"\n' + model
     )
     env = {**os.environ, "NEBULA_REWARD_TOKEN": token, "OMP_NUM_THREADS": "1"}
     logfile = (workdir / "reward_service.log").open("wb")

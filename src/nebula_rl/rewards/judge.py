@@ -4,28 +4,24 @@ model-based reward `reasoner_judge` (`[[reward_args]] reward_type = "reasoner_ju
 
 The judge is any vision-language model nebula-rl reads (Qwen2.5-VL, Qwen3-VL, Cosmos-Reason,
 Cosmos 3's reasoner), from a folder, the Hub or a preset. For each sample it is shown the frames
-(an image, or the clip as a video at :data:`JUDGE_FPS` frames a second) and asked
-:data:`QUESTION`; the score is the probability of "yes" against "no" at the answer's first
-token, `softmax(logit_yes, logit_no)[0]` in [0, 1]. One forward pass per sample, no sampling, so
-a sample's score does not depend on its batch.
+(an image, or the clip as a video at `JUDGE_FPS` frames a second) and asked `JUDGE_QUESTION`
+(both in `nebula_rl.data.judge`, whose `builtin:brightness_judge` task trains a small judge);
+the score is the probability of "yes" against "no" at the answer's first token,
+`softmax(logit_yes, logit_no)[0]` in [0, 1]. One forward pass per sample, no sampling, so a
+sample's score does not depend on its batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 
+from nebula_rl.data.judge import judge_messages
 from nebula_rl.rewards.visual import check_pixels
 
-__all__ = ["JUDGE_FPS", "MODEL_REWARDS", "QUESTION", "ReasonerJudge"]
-
-QUESTION = 'Does this {kind} show the following? "{prompt}" Answer yes or no.'
-"""What the judge is asked of each sample (`kind`: image or video)."""
-JUDGE_FPS = 2.0
-"""The frame rate a generated clip is shown to the judge at."""
+__all__ = ["MODEL_REWARDS", "ReasonerJudge"]
 
 
 class ReasonerJudge:
@@ -54,15 +50,7 @@ class ReasonerJudge:
         from nebula_rl.data.vision import collate
 
         frames = [Image.fromarray(f.permute(1, 2, 0).numpy()) for f in sample.unbind(1)]
-        kind = "image" if len(frames) == 1 else "video"
-        media: dict[str, Any] = (
-            {"type": "image", "image": frames[0]}
-            if kind == "image"
-            else {"type": "video", "video": frames, "fps": JUDGE_FPS}
-        )
-        text = {"type": "text", "text": QUESTION.format(kind=kind, prompt=prompt)}
-        inputs = self.processor([{"role": "user", "content": [media, text]}],
-                                add_generation_prompt=True)  # fmt: skip
+        inputs = self.processor(judge_messages(frames, prompt), add_generation_prompt=True)
         layout = self.processor.layout
         batch = collate(
             [inputs],
