@@ -260,3 +260,66 @@ def test_local_dir_is_read_instead_of_the_hub(hf_home):
     assert len(rows) == 1319 and "####" in rows[0]["answer"]
     with pytest.raises(ValueError, match=r"dataset\.local_dir: .*missing"):
         load_hub_rows("openai/gsm8k", subset="", revision="", splits=["test"], local_dir="missing")
+
+
+def test_a_unified_cosmos3_checkpoint_loads_its_reasoner(tmp_path):
+    """`nvidia/Cosmos3-Nano`'s layout: a diffusers pipeline whose root config, tokenizer and
+    safetensors index serve transformers, the index naming weight files in `transformer/`
+    (the language model with the generator's tensors beside it, keys flat and attention named
+    the diffusers way) and `vision_encoder/` (the vision tower). Fetched from a Hub (served
+    locally): the root files and the weights the index names come down, not the pipeline's other
+    weights (its VAE), and the reasoner loads with the weights it was cut from, the generator's
+    tensors dropped."""
+    from safetensors.torch import save_file
+
+    from fake_hub import FakeHub
+    from nebula_rl.data.vision import VisionProcessor
+
+    model = load_model("tiny:cosmos3_omni", seed=3)
+    folder = tmp_path / "unified"
+    folder.mkdir()
+    model.config.save_pretrained(folder)
+    VisionProcessor.from_pretrained("tiny:cosmos3_omni").save_pretrained(folder)
+    parts: dict[str, dict[str, torch.Tensor]] = {"transformer": {}, "vision_encoder": {}}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("model.visual."):
+            parts["vision_encoder"][name.removeprefix("model.visual.")] = tensor.clone()
+        else:
+            flat = name.removeprefix("model.language_model.").replace(".q_proj.", ".to_q.")
+            parts["transformer"][flat.replace(".o_proj.", ".to_out.")] = tensor.clone()
+    width = model.config.text_config.hidden_size
+    parts["transformer"]["layers.0.self_attn.add_q_proj.weight"] = torch.randn(width, width)
+    parts["transformer"]["proj_in.weight"] = torch.randn(width, 16)
+    weight_map = {}
+    for sub, tensors in parts.items():
+        (folder / sub).mkdir()
+        file = f"{sub}/diffusion_pytorch_model.safetensors"
+        save_file(tensors, folder / file)
+        weight_map |= dict.fromkeys(tensors, file)
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "Cosmos3OmniPipeline"}))
+    (folder / "vae").mkdir()
+    save_file(
+        {"decoder.weight": torch.zeros(4)}, folder / "vae" / "diffusion_pytorch_model.safetensors"
+    )
+
+    repo = "nebula-test/cosmos3-unified"
+    hub = FakeHub({repo: folder}, NEW)
+    home = tmp_path / "hf"
+    env = {**os.environ, **_env(home), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url}
+    code = f"from nebula_rl.models.hub import resolve_model; print(resolve_model({repo!r}))"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=120, check=False)  # fmt: skip
+    finally:
+        hub.close()
+    assert out.returncode == 0, out.stderr
+    assert "transformer/diffusion_pytorch_model.safetensors" in hub.served
+    assert "vision_encoder/diffusion_pytorch_model.safetensors" in hub.served
+    assert "vae/diffusion_pytorch_model.safetensors" not in hub.served
+    loaded = load_model(out.stdout.strip())
+    assert type(loaded).__name__ == "Cosmos3OmniForConditionalGeneration"
+    mine, theirs = model.state_dict(), loaded.state_dict()
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)

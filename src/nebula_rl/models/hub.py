@@ -5,13 +5,17 @@ A name that is an existing folder is used as is. A name shaped like a Hub repo i
 cache (`HF_HUB_CACHE`, default `$HF_HOME/hub`), as transformers would; with `HF_HUB_OFFLINE=1` the
 cache alone serves it. Only the files a causal LM and its tokenizer need are fetched: configs,
 tokenizer files, chat templates and the root folder's safetensors (PyTorch `.bin` weights only for
-repos without safetensors; TF, Flax, GGUF and ONNX copies never). Presets (`tiny:`) are the
+repos without safetensors; TF, Flax, GGUF and ONNX copies never), and the weight files in other
+folders that the root's safetensors index names: a unified Cosmos 3 checkpoint
+(`nvidia/Cosmos3-Nano`) is a diffusers pipeline whose reasoner weights transformers reads from its
+`transformer/` and `vision_encoder/` folders through the root index. Presets (`tiny:`) are the
 callers' business. Imports of `huggingface_hub` stay inside the functions, so importing this
 module costs nothing.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from nebula_rl.utils.hub import is_hub_id
@@ -25,9 +29,10 @@ sentencepiece `*.model`, merges.txt/vocab.txt, tiktoken vocabularies and the (sh
 safetensors with their index."""
 
 _PYTORCH_WEIGHTS = ["pytorch_model*.bin"]
-# transformers reads the weights of the root folder only; copies in subfolders (quantised variants,
-# `original/`) and Mistral's consolidated.safetensors (the same weights in mistral-inference's
-# layout) would double the download.
+# transformers reads the weights of the root folder (and those its root index names elsewhere,
+# fetched on their own); other copies in subfolders (quantised variants, `original/`) and
+# Mistral's consolidated.safetensors (the same weights in mistral-inference's layout) would
+# double the download.
 _SKIPPED_FILES = ["*/*.safetensors", "*/*.bin", "consolidated*"]
 
 
@@ -74,7 +79,10 @@ def _snapshot(repo_id: str, *, revision: str | None, key: str) -> Path:
                 ignore_patterns=_SKIPPED_FILES,
             )
         )
-        if not any(folder.glob("*.safetensors")):
+        nested = indexed_weight_files(folder)
+        if nested:  # (pinned to the commit just fetched)
+            folder = Path(snapshot_download(repo_id, revision=folder.name, allow_patterns=nested))
+        elif not any(folder.glob("*.safetensors")):
             # An older repo with PyTorch weights only; pinned to the commit just fetched.
             folder = Path(
                 snapshot_download(
@@ -87,6 +95,15 @@ def _snapshot(repo_id: str, *, revision: str | None, key: str) -> Path:
     except (HfHubHTTPError, LocalEntryNotFoundError) as err:
         raise _hub_error(err, repo_id=repo_id, revision=revision, key=key) from err
     return folder
+
+
+def indexed_weight_files(folder: Path) -> list[str]:
+    """The weight files in subfolders of `folder` that its root safetensors index names (their
+    paths within the repo), which the root-only fetch leaves out."""
+    names: set[str] = set()
+    for index in folder.glob("*.safetensors.index.json"):
+        names.update(json.loads(index.read_text()).get("weight_map", {}).values())
+    return sorted(name for name in names if "/" in name)
 
 
 def _hub_error(err: Exception, *, repo_id: str, revision: str | None, key: str) -> ValueError:
