@@ -1,9 +1,10 @@
 """What splitting a diffusers transformer for context parallelism costs besides its collectives.
 
-`flow.context_parallel` splits a Cosmos-Predict2.5 or Wan transformer with forward hooks and runs
-each block's self-attention under a torch-function mode. This times one process's forward and
-backward of each tiny preset (`--frames` frames of `--size` pixels, batch 2) three ways, in the
-same run, 1 thread:
+`flow.context_parallel` splits a Cosmos-Predict2.5 or Wan transformer with forward hooks and
+Cosmos 3's generator through its own seams, and runs each block's self-attention under a
+torch-function mode. This times one process's forward and backward of each tiny preset
+(`--frames` frames of `--size` pixels, batch 2; Cosmos 3's: latents of 2 frames of 8 x 8 and two
+captions' tokens) three ways, in the same run, 1 thread:
 
 - plain: the model as loaded (the peer);
 - split, gathers off: `context_parallel` over a 1-rank gloo group with the gathers replaced by
@@ -26,10 +27,11 @@ import torch
 import torch.distributed as dist
 
 import nebula_rl.flow.context_parallel as cp
+import nebula_rl.utils.sequence_split as sequence_split
 from nebula_rl.flow.diffusers_models import tiny_diffusers_flow_model
 from nebula_rl.weights import free_port
 
-PRESETS = ("tiny:cosmos_transformer3d", "tiny:wan_transformer3d")
+PRESETS = ("tiny:cosmos_transformer3d", "tiny:wan_transformer3d", "tiny:cosmos3_omni_generator")
 
 
 def _seconds(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], iters: int) -> float:
@@ -57,19 +59,23 @@ def main() -> None:
     gather = cp.gather_shares
     for preset in PRESETS:
         generator = torch.Generator().manual_seed(0)
+        plain = tiny_diffusers_flow_model(preset, frames=args.frames, size=args.size, text_dim=32)
+        split = tiny_diffusers_flow_model(preset, frames=args.frames, size=args.size, text_dim=32)
         inputs = (
             torch.randn(2, 3, args.frames, args.size, args.size, generator=generator),
             torch.rand(2, generator=generator),
             torch.randn(2, 8, 32, generator=generator),
             torch.ones(2, 8),
         )
-
-        plain = tiny_diffusers_flow_model(preset, frames=args.frames, size=args.size, text_dim=32)
-        split = tiny_diffusers_flow_model(preset, frames=args.frames, size=args.size, text_dim=32)
+        if plain.kind == "Cosmos3OmniTransformer":  # (latents; its captions' token ids)
+            text = plain.text_encoder(["a red square", "a blue bar on the left"])
+            latents = torch.randn(2, 4, 2, 8, 8, generator=generator)
+            inputs = (latents, inputs[1], text, (text[..., 0] > 0).float())
         split.context_parallel(dist.group.WORLD)
-        cp.gather_shares = lambda share, group, dim=1: share  # type: ignore[assignment]
+        for module in (cp, sequence_split):  # (the hooks' gathers and the mode's)
+            module.gather_shares = lambda share, group, dim=1: share  # type: ignore[assignment]
         hooks_only = _seconds(split, inputs, args.iters)
-        cp.gather_shares = gather
+        cp.gather_shares = sequence_split.gather_shares = gather
         peer = _seconds(plain, inputs, args.iters)
         with_gathers = _seconds(split, inputs, args.iters)
         peer = min(peer, _seconds(plain, inputs, args.iters))
