@@ -25,6 +25,7 @@ import pytest
 from nebula_rl.config import Config
 from nebula_rl.controller import JobState, RedisServer, connect
 from nebula_rl.controller.client import TOKEN_ENV
+from nebula_rl.protocol import GroupHeader, Prompt, from_json
 from nebula_rl.weights import free_port
 
 BATCH = 4
@@ -263,6 +264,12 @@ def _assert_exactly_once(ledger: dict, num_rows: int) -> None:
     assert summary["trained"] == num_rows and summary["trained_more_than_once"] == 0
 
 
+def _pushed_prompt_ids(job: Job) -> set[str]:
+    """The prompts of the groups pushed and not yet taken by the controller."""
+    entries = job.state.redis.xrange(job.state.key("groups"))
+    return {from_json(GroupHeader, fields["header"]).prompt.prompt_id for _, fields in entries}
+
+
 def _metrics(job: Job) -> list[dict]:
     return [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -480,11 +487,22 @@ def test_rank_of_a_two_rank_rollout_replica_killed(start_job):
     pending = job.state.key("prompts")
 
     def holds_prompts() -> bool:
-        held = job.state.redis.xpending_range(pending, "rollout", "-", "+", 100, "rollout-1")
-        return job.steps() >= 1 and len(held) > 0
+        """Whether rollout-1 holds a prompt whose group the controller has not got yet (a held
+        prompt can be one whose group was pushed, then accepted, before its acknowledgement:
+        nothing to requeue)."""
+        redis = job.state.redis
+        held = redis.xpending_range(pending, "rollout", "-", "+", 100, "rollout-1")
+        if job.steps() < 1 or not held:
+            return False
+        entries = [redis.xrange(pending, h["message_id"], h["message_id"]) for h in held]
+        prompts = [from_json(Prompt, e[0][1]["prompt"]) for e in entries if e]
+        unanswered = {p.prompt_id for p in prompts} - _pushed_prompt_ids(job)
+        states = job.state.prompt_states([p for p in prompts if p.prompt_id in unanswered])
+        return any(state in ("outstanding", "requeued") for state in states)
 
-    # Rank 0 (which claims and acknowledges the prompts) frozen while it holds some, so that the
-    # kill is sure to find prompts held, not raced by the replica finishing them.
+    # Rank 0 (which claims, pushes and acknowledges) frozen while it holds a prompt whose group
+    # is not pushed, so that the kill is sure to find one to requeue, not raced by the replica
+    # finishing it.
     while True:
         job.wait_for("rollout-1 holding prompts after step 1", holds_prompts)
         frozen = job.pid("replica", "--name rollout-1", rank=0)
