@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from nebula_rl.data.vision import load_image
 from nebula_rl.models import load_model
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs" / "cosmos3").glob("*.toml"))
@@ -93,11 +94,6 @@ def test_the_brightness_judge_task_answers_yes_at_twice_the_brightness():
     brightness is its pixels' mean; "yes" comes with probability min(1, 2 b): always above
     b = 0.5, and as often as that probability says over the rows; the same seed, the same
     rows."""
-    import base64
-    import io
-
-    from PIL import Image
-
     from nebula_rl.config import DatasetConfig
     from nebula_rl.data import load_rows
     from nebula_rl.data.judge import JUDGE_FPS, JUDGE_QUESTION, judge_messages
@@ -111,7 +107,7 @@ def test_the_brightness_judge_task_answers_yes_at_twice_the_brightness():
     video, text = user["content"]
     assert video["fps"] == JUDGE_FPS and len(video["video"]) == 5
     assert text["text"].startswith(JUDGE_QUESTION.split("{")[0])
-    frames = [Image.open(io.BytesIO(base64.b64decode(f.split(",")[1]))) for f in video["video"]]
+    frames = [load_image(uri) for uri in video["video"]]
     assert frames[0].size == (16, 16)
     pixels = np.stack([np.asarray(f) for f in frames])
     assert first["brightness"] == pytest.approx(pixels.mean() / 255)
@@ -162,19 +158,12 @@ def test_a_reasoner_trained_as_a_judge_scores_clips_by_their_brightness(tmp_path
 def _judge_clips(seed: int) -> tuple[torch.Tensor, np.ndarray]:
     """Unseen clips of `builtin:brightness_judge` as uint8 pixels [B, 3, T, H, W], and their
     brightness."""
-    import base64
-    import io
-
-    from PIL import Image
-
     from nebula_rl.data.judge import brightness_judge_task
 
     rows = brightness_judge_task(num_samples=40, seed=seed)
     clips = []
     for row in rows:
         uris = row["prompt"][0]["content"][0]["video"]
-        frames = [
-            np.asarray(Image.open(io.BytesIO(base64.b64decode(u.split(",")[1])))) for u in uris
-        ]
+        frames = [np.asarray(load_image(uri)) for uri in uris]
         clips.append(torch.from_numpy(np.stack(frames)).permute(3, 0, 1, 2))
     return torch.stack(clips), np.array([r["brightness"] for r in rows])

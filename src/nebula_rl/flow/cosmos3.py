@@ -42,6 +42,7 @@ __all__ = [
     "COSMOS3_CLASS",
     "COSMOS3_FPS",
     "COSMOS3_PIPELINE",
+    "TINY_LATENT_PATCH",
     "Cosmos3Prompts",
     "cosmos3_velocity",
     "tiny_cosmos3_transformer",
@@ -53,6 +54,8 @@ COSMOS3_FPS = 24.0
 """The frame rate the prompt templates and M-RoPE positions use (the pipeline's default)."""
 
 KEY = "policy.model_name_or_path"
+TINY_LATENT_PATCH = 2
+"""The latent patch (2 x 2 latent pixels) of :func:`tiny_cosmos3_transformer`."""
 
 _SETTINGS = ("default_use_system_prompt", "use_native_flow_schedule")
 """The pipeline's own settings the prompts' pipeline takes from its source folder, and an export
@@ -246,7 +249,7 @@ def tiny_cosmos3_transformer(latent_channels: int, vocab_size: int) -> nn.Module
     `vocab_size`."""
     import diffusers
 
-    patch = 2
+    patch = TINY_LATENT_PATCH
     module: Any = diffusers.Cosmos3OmniTransformer(
         head_dim=32, hidden_size=64, intermediate_size=128, num_attention_heads=2,
         num_hidden_layers=2, num_key_value_heads=1, latent_channel=latent_channels,

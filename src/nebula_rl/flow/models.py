@@ -29,7 +29,7 @@ from torch import nn
 
 from nebula_rl.config import Config, GrpoConfig, PolicyConfig, SftConfig
 from nebula_rl.flow.context_parallel import CP_CLASSES
-from nebula_rl.flow.cosmos3 import COSMOS3_CLASS, Cosmos3Prompts
+from nebula_rl.flow.cosmos3 import COSMOS3_CLASS, TINY_LATENT_PATCH, Cosmos3Prompts
 from nebula_rl.flow.diffusers_models import (
     DIFFUSERS_PRESETS,
     IMAGE_CLASSES,
@@ -170,7 +170,12 @@ def check_flow_model(cfg: Config) -> None:
         vae_config = tiny_vae_config(vae) if vae is not None else None
         _check_latent(cfg.policy, vae, vae_config)
         _check_diffusers_cp(
-            cfg.policy, DIFFUSERS_PRESETS[name], vae, vae_config, patch=1, latent_patch=2
+            cfg.policy,
+            DIFFUSERS_PRESETS[name],
+            vae,
+            vae_config,
+            patch=1,
+            latent_patch=TINY_LATENT_PATCH,
         )
         channels = 3 if vae is None or vae_config is None else vae_factors(vae, vae_config)[0]
         cosmos_mask = DIFFUSERS_PRESETS[name] == "CosmosTransformer3DModel" and vae is not None
